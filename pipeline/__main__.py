@@ -1,0 +1,5 @@
+"""`python -m pipeline` is the `gpufeed` command."""
+
+from .cli import main
+
+main()

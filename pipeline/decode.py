@@ -1,0 +1,207 @@
+"""Decode any image file into an upright RGB picture, or say why not.
+
+`decode_image` is the single entry for hostile input: it applies EXIF
+orientation, converts every PIL mode to RGB (alpha composited on a
+background), refuses decompression bombs before decoding, and turns every
+failure into a `DecodeError` whose reason ends up in rejected.jsonl.
+
+JPEGs are decoded already scaled down in the DCT domain when the target is
+smaller (libjpeg-turbo's M/8 scaling through simplejpeg when installed, else
+PIL's draft mode), which is most of gpufeed's prepare speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .errors import DecodeError
+
+try:  # optional fast path: libjpeg-turbo with M/8 DCT scaling
+    import simplejpeg
+except ImportError:  # pragma: no cover - depends on the install
+    simplejpeg = None
+
+_ORIENTATION_TAG = 0x0112
+_PIL_READY = False
+
+
+def _pil() -> Any:
+    """Import PIL once per process with gpufeed's safety settings."""
+    global _PIL_READY
+    from PIL import Image, ImageFile
+
+    if not _PIL_READY:
+        # gpufeed checks pixel counts itself (with a clear reason) before decoding.
+        Image.MAX_IMAGE_PIXELS = None
+        ImageFile.LOAD_TRUNCATED_IMAGES = False
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        _PIL_READY = True
+    return Image
+
+
+@dataclasses.dataclass
+class DecodedImage:
+    """An upright RGB image and what it was before decoding.
+
+    Attributes:
+        image: PIL RGB image, possibly already reduced by DCT scaling.
+        original_size: (width, height) upright, before any scaling.
+        format: the detected file format (JPEG, PNG, ...).
+    """
+
+    image: Any
+    original_size: tuple[int, int]
+    format: str
+
+
+def decode_image(
+    data: bytes,
+    *,
+    scale_for: Callable[[int, int], float] | None = None,
+    max_pixels: int = 89_478_485,
+    background: tuple[int, int, int] = (255, 255, 255),
+) -> DecodedImage:
+    """Decode bytes into an upright RGB image.
+
+    Args:
+        data: the whole file.
+        scale_for: given the stored (width, height), the smallest scale the
+            caller can use; JPEGs are DCT-scaled down to just above it. None
+            decodes at full size.
+        max_pixels: refuse images with more pixels than this (bombs).
+        background: colour that transparent pixels are composited onto.
+
+    Returns:
+        A DecodedImage.
+
+    Raises:
+        DecodeError: the file is empty, not an image, truncated, too large
+            or otherwise unusable; ``reason`` says which.
+    """
+    if not data:
+        raise DecodeError("empty file (0 bytes)")
+    Image = _pil()
+    try:
+        img = Image.open(io.BytesIO(data))
+    except Image.UnidentifiedImageError:
+        raise DecodeError(f"not an image: unknown format (file starts with {data[:12]!r})") from None
+    except Exception as exc:  # PIL raises many types for broken headers
+        raise DecodeError(f"unreadable image header: {_describe(exc)}") from None
+    width, height = img.size
+    if width < 1 or height < 1:
+        raise DecodeError(f"image has no pixels ({width}x{height})")
+    if width * height > max_pixels:
+        raise DecodeError(
+            f"decompression bomb refused: {width}x{height} = {width * height:,} pixels is over the {max_pixels:,} limit"
+        )
+    orientation = _orientation(img)
+    scale = min(1.0, scale_for(width, height)) if scale_for else 1.0
+    try:
+        if img.format == "JPEG" and simplejpeg is not None and img.mode in ("RGB", "L"):
+            array = _decode_jpeg_scaled(data, width, height, scale)
+            rgb = Image.fromarray(array)
+        else:
+            rgb = _decode_with_pil(img, scale, background)
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise DecodeError(f"corrupt or truncated {img.format or 'image'} data: {_describe(exc)}") from None
+    rgb = _apply_orientation(rgb, orientation)
+    upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+    return DecodedImage(rgb, upright, img.format or "unknown")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text[:200]
+
+
+def _decode_jpeg_scaled(data: bytes, width: int, height: int, scale: float) -> np.ndarray:
+    kwargs: dict[str, int] = {}
+    if scale < 1:
+        kwargs = {"min_width": math.ceil(width * scale), "min_height": math.ceil(height * scale)}
+    try:
+        array: np.ndarray = simplejpeg.decode_jpeg(data, colorspace="RGB", **kwargs)
+    except ValueError as exc:
+        raise DecodeError(f"corrupt or truncated JPEG data: {_describe(exc)}") from None
+    return array
+
+
+def _decode_with_pil(img: Any, scale: float, background: tuple[int, int, int]) -> Any:
+    Image = _pil()
+    width, height = img.size
+    if img.format == "JPEG" and scale < 1:
+        img.draft(img.mode, (math.ceil(width * scale), math.ceil(height * scale)))
+    if getattr(img, "n_frames", 1) > 1:
+        img.seek(0)  # animated: the first frame stands for the file
+    img.load()
+    return to_rgb(img, background, Image)
+
+
+def to_rgb(img: Any, background: tuple[int, int, int], Image: Any = None) -> Any:
+    """Convert any PIL mode to RGB; alpha is composited onto `background`."""
+    Image = Image or _pil()
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        return _high_depth_to_rgb(img, Image)
+    if mode == "P" or mode == "PA":
+        img = img.convert("RGBA")
+        mode = "RGBA"
+    if mode in ("LA", "La"):
+        img = img.convert("RGBA")
+        mode = "RGBA"
+    if mode in ("RGBA", "RGBa"):
+        if mode == "RGBa":
+            img = img.convert("RGBA")
+        canvas = Image.new("RGB", img.size, background)
+        canvas.paste(img, mask=img.getchannel("A"))
+        return canvas
+    return img.convert("RGB")  # L, 1, CMYK, YCbCr, LAB, HSV
+
+
+def _high_depth_to_rgb(img: Any, Image: Any) -> Any:
+    # PIL's convert("RGB") clips 16-bit values at 255 (almost all white);
+    # scale by the type's range instead.
+    array = np.asarray(img)
+    if img.mode == "F":
+        low, high = float(np.nanmin(array)), float(np.nanmax(array))
+        scaled = (array - low) / (high - low or 1.0) * 255.0
+    else:
+        full_scale = 65535.0 if array.max(initial=0) > 255 or img.mode.startswith("I;16") else 255.0
+        scaled = array.astype(np.float32) * (255.0 / full_scale)
+    gray = np.clip(scaled + 0.5, 0, 255).astype(np.uint8)
+    return Image.fromarray(gray).convert("RGB")
+
+
+def _orientation(img: Any) -> int:
+    try:
+        value = img.getexif().get(_ORIENTATION_TAG, 1)
+    except Exception:  # broken EXIF must not lose an otherwise good image
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def _apply_orientation(img: Any, orientation: int) -> Any:
+    if orientation == 1:
+        return img
+    Image = _pil()
+    method = {
+        2: Image.Transpose.FLIP_LEFT_RIGHT,
+        3: Image.Transpose.ROTATE_180,
+        4: Image.Transpose.FLIP_TOP_BOTTOM,
+        5: Image.Transpose.TRANSPOSE,
+        6: Image.Transpose.ROTATE_270,
+        7: Image.Transpose.TRANSVERSE,
+        8: Image.Transpose.ROTATE_90,
+    }[orientation]
+    return img.transpose(method)
+

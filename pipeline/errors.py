@@ -1,0 +1,48 @@
+"""The one exception tree of gpufeed.
+
+Every error a user can cause is a `GpufeedError`; the CLI prints its message
+and exits non-zero instead of showing a traceback. Errors from other libraries
+are converted at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class GpufeedError(Exception):
+    """Base class of every error gpufeed raises on purpose."""
+
+
+class ConfigError(GpufeedError, ValueError):
+    """A setting, flag or job spec is invalid; the message says which and why."""
+
+
+class SourceError(GpufeedError):
+    """The source dataset cannot be listed or read."""
+
+
+class SampleError(GpufeedError):
+    """One sample cannot be used; the job goes on without it."""
+
+
+class DecodeError(SampleError):
+    """An input file is not a usable image; ``reason`` is recorded in rejected.jsonl."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class StorageError(GpufeedError):
+    """Writing or reading the output failed (full disk, permissions, network).
+
+    Retryable: the job can be re-run once the cause is fixed; complete shards
+    are kept and reused.
+    """
+
+
+class ManifestError(GpufeedError):
+    """A dataset's manifest or shards do not match (missing, corrupted, wrong format)."""
+
+
+class JobConflictError(GpufeedError):
+    """OUT already holds a different job's output."""

@@ -1,0 +1,171 @@
+"""`manifest.json`: the contract between prepare, the loader and the service.
+
+A manifest lists every shard with its sample count, byte size and sha256, so
+a reader can check a dataset without trusting file names, and the service can
+refuse to publish a dataset with a missing or corrupt shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import tarfile
+from typing import Any
+
+from .errors import ManifestError
+from .shards import ShardInfo
+from .storage import Output
+
+MANIFEST_FORMAT = "gpufeed-manifest/1"
+MANIFEST_NAME = "manifest.json"
+REJECTED_NAME = "rejected.jsonl"
+
+
+@dataclasses.dataclass
+class Manifest:
+    """A prepared dataset."""
+
+    samples: int
+    classes: list[str]
+    shards: list[ShardInfo]
+    params: dict[str, Any]
+    source: str
+    rejected: int
+    created: str = ""
+    variants: int = 0
+    format: str = MANIFEST_FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "samples": self.samples,
+            "classes": self.classes,
+            "variants": self.variants,
+            "shards": [shard.to_dict() for shard in self.shards],
+            "params": self.params,
+            "source": self.source,
+            "rejected": self.rejected,
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "manifest") -> Manifest:
+        if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ManifestError(f"{where} is not a gpufeed manifest (format {found!r}, expected {MANIFEST_FORMAT!r})")
+        try:
+            shards = [
+                ShardInfo(s["path"], int(s["samples"]), int(s["bytes"]), s["sha256"], s.get("variant"))
+                for s in data["shards"]
+            ]
+            return cls(
+                samples=int(data["samples"]),
+                classes=list(data["classes"]),
+                shards=shards,
+                params=dict(data["params"]),
+                source=str(data["source"]),
+                rejected=int(data["rejected"]),
+                created=str(data.get("created", "")),
+                variants=int(data.get("variants", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"{where} is malformed: {exc!r}") from exc
+
+
+def write_manifest(output: Output, manifest: Manifest) -> None:
+    """Write OUT/manifest.json atomically (the last step of a job)."""
+    if not manifest.created:
+        manifest.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    text = json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False) + "\n"
+    output.write_bytes_atomic(MANIFEST_NAME, text.encode("utf-8"))
+
+
+def read_manifest(output: Output) -> Manifest:
+    """Read and validate OUT/manifest.json.
+
+    Raises:
+        ManifestError: missing, not JSON, or not a gpufeed manifest.
+    """
+    if not output.exists(MANIFEST_NAME):
+        raise ManifestError(f"no {MANIFEST_NAME} in {output.url}: not a prepared dataset (or its prepare did not finish)")
+    try:
+        data = json.loads(output.read_bytes(MANIFEST_NAME))
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"cannot read {output.url}/{MANIFEST_NAME}: {exc}") from exc
+    return Manifest.from_dict(data, f"{output.url}/{MANIFEST_NAME}")
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    """What `verify_dataset` found: `ok` is False when any problem was seen."""
+
+    shards_checked: int = 0
+    samples_checked: int = 0
+    bytes_checked: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_dataset(output: Output, manifest: Manifest) -> VerifyResult:
+    """Re-read every shard: size, sha256, and sample count must match the manifest."""
+    result = VerifyResult()
+    per_variant: dict[Any, int] = {}
+    for shard in manifest.shards:
+        result.shards_checked += 1
+        per_variant[shard.variant] = per_variant.get(shard.variant, 0) + shard.samples
+        if not output.exists(shard.path):
+            result.problems.append(f"{shard.path}: missing")
+            continue
+        digest, size, samples, error = _scan_shard(output, shard.path)
+        result.bytes_checked += size
+        result.samples_checked += samples
+        if size != shard.bytes:
+            result.problems.append(f"{shard.path}: {size} bytes, manifest says {shard.bytes}")
+        if digest != shard.sha256:
+            result.problems.append(f"{shard.path}: sha256 mismatch (file changed or corrupted)")
+        if error:
+            result.problems.append(f"{shard.path}: unreadable tar: {error}")
+        elif samples != shard.samples:
+            result.problems.append(f"{shard.path}: {samples} samples, manifest says {shard.samples}")
+    for variant, count in per_variant.items():
+        if count != manifest.samples:
+            label = "dataset" if variant is None else f"variant set v{variant}"
+            result.problems.append(f"{label}: shards hold {count} samples, manifest says {manifest.samples}")
+    return result
+
+
+class _DigestReader:
+    """Hashes a stream while tarfile reads it: one pass checks both."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data: bytes = self.raw.read(size)
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return data
+
+
+def _scan_shard(output: Output, rel: str) -> tuple[str, int, int, str]:
+    keys: set[str] = set()
+    error = ""
+    with output.open_read(rel) as raw:
+        reader = _DigestReader(raw)
+        try:
+            with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
+                for info in tar:
+                    if info.isfile():
+                        keys.add(info.name.rsplit("/", 1)[-1].split(".", 1)[0])
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            error = str(exc) or type(exc).__name__
+        while reader.read(1 << 20):  # hash whatever tarfile did not need to read
+            pass
+    return reader.sha256.hexdigest(), reader.bytes, len(keys), error

@@ -1,0 +1,685 @@
+"""`gpufeed prepare`: list -> plan -> per shard: decode -> transform -> encode -> write -> manifest.
+
+The listing is spilled to a file in OUT/.gpufeed (one JSON line per source plus
+an offset index) so memory stays flat however many files there are. A
+deterministic plan assigns listing indices to shards through a seeded
+permutation; each shard is written under a temporary name and renamed when
+complete, and a small record of it (counts, hashes, rejects) is saved next to
+the plan. A re-run of the same job lists again, checks that the source did not
+change, keeps every complete and valid shard and writes only the rest. The
+manifest is written last: its presence means the dataset is complete.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import re
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .decode import decode_image
+from .encode import encode_image
+from .errors import ConfigError, DecodeError, JobConflictError, ManifestError, SourceError, StorageError
+from .manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, write_manifest
+from .shards import ShardInfo, ShardPlan, TarShardWriter, file_sha256, plan_shards, shard_name
+from .sources import ListingInfo, SourceItem, list_images, read_source_bytes
+from .specs import PrepareSpec
+from .storage import Output, device_info, faster_local_disk, free_bytes
+from .transforms import augment_image, required_scale, resize_image, variant_rng
+
+WORK_DIR = ".gpufeed"
+CHUNK_ITEMS = 16
+TAR_OVERHEAD_PER_MEMBER = 512 + 256  # header block + average padding
+ESTIMATE_SAMPLES = 16
+SHARD_FILL = 0.92  # plan shards to 92 % of --shard-size: the estimate is an estimate
+
+ProgressCallback = Callable[["PrepareProgress"], None]
+
+
+@dataclasses.dataclass
+class PrepareProgress:
+    """Handed to the progress callback after every chunk of images."""
+
+    done: int
+    total: int
+    rejected: int
+    seconds: float
+    stage: str = "prepare"
+
+
+@dataclasses.dataclass
+class PrepareResult:
+    """Summary of a finished prepare."""
+
+    out: str
+    listed: int
+    samples: int
+    rejected: int
+    ignored: int
+    shards: int
+    bytes: int
+    classes: list[str]
+    variants: int
+    seconds: float
+    processed: int
+    resumed_shards: int
+    workers: int
+    already_complete: bool = False
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.processed / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["images_per_s"] = round(self.images_per_s, 2)
+        data["seconds"] = round(self.seconds, 3)
+        data["manifest"] = f"{self.out.rstrip('/')}/{MANIFEST_NAME}"
+        return data
+
+
+# ---------------------------------------------------------------------------
+# One sample: read -> decode -> transform -> encode
+
+
+_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def sample_key(rel: str) -> str:
+    """A WebDataset key for a source path: readable, unique, no dots or slashes.
+
+    The readable part is the path with every other character replaced; a
+    64-bit hash of the exact path keeps `a.b.jpg`, `a_b.jpg` and `été.jpg`
+    apart.
+    """
+    slug = _KEY_UNSAFE.sub("_", rel).strip("_")[:48] or "image"
+    digest = hashlib.blake2b(rel.encode("utf-8"), digest_size=8).hexdigest()
+    return f"{slug}-{digest}"
+
+
+@dataclasses.dataclass
+class SampleOutcome:
+    """What became of one source: members per variant set, or a reject reason."""
+
+    index: int
+    key: str
+    source: str
+    members: list[dict[str, bytes]] | None = None
+    reason: str = ""
+
+
+def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[str, int]) -> SampleOutcome:
+    """Turn one source file into the tar members of its sample(s).
+
+    Never raises for a bad image: the outcome carries the reason instead.
+    """
+    key = sample_key(item.rel)
+    outcome = SampleOutcome(index, key, item.url)
+    try:
+        data = read_source_bytes(item.url, spec.max_file_bytes)
+    except (OSError, ValueError) as exc:
+        outcome.reason = f"cannot read file: {getattr(exc, 'strerror', None) or exc}"
+        return outcome
+    try:
+        decoded = decode_image(
+            data,
+            scale_for=lambda w, h: required_scale(spec.resize, spec.augment, w, h),
+            max_pixels=spec.max_pixels,
+            background=spec.background,
+        )
+        outcome.members = _render_variants(decoded, key, item, spec, classes)
+    except DecodeError as exc:
+        outcome.reason = exc.reason
+    except (OSError, ValueError, MemoryError) as exc:
+        outcome.reason = f"cannot process image: {exc}"
+    return outcome
+
+
+def _render_variants(
+    decoded: Any, key: str, item: SourceItem, spec: PrepareSpec, classes: dict[str, int]
+) -> list[dict[str, bytes]]:
+    label = classes.get(item.label) if item.label is not None else None
+    members_per_set = []
+    variants = range(spec.augment.variants) if spec.augment.variants else [None]
+    for variant in variants:
+        if variant is None:
+            image, op = resize_image(decoded.image, decoded.original_size, spec.resize)
+            ops: list[dict[str, Any]] = [op]
+        else:
+            rng = variant_rng(spec.seed, key, variant)
+            image, ops = augment_image(decoded.image, decoded.original_size, spec.resize, spec.augment, rng)
+        meta = {
+            "key": key,
+            "source": item.url,
+            "label": item.label,
+            "original_size": list(decoded.original_size),
+            "size": list(image.size),
+            "variant": variant,
+            "seed": spec.seed,
+            "ops": ops,
+        }
+        members = {
+            spec.encode.extension: encode_image(image, spec.encode),
+            "json": json.dumps(meta, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8"),
+        }
+        if label is not None:
+            members["cls"] = str(label).encode("ascii")
+        members_per_set.append(members)
+    return members_per_set
+
+
+# ---------------------------------------------------------------------------
+# The listing spill: one line per source plus a uint64 offset index
+
+
+class Listing:
+    """The job's sources on disk: random access by index without holding them in memory."""
+
+    def __init__(self, directory: str) -> None:
+        self.lines_path = os.path.join(directory, "listing.jsonl")
+        self.index_path = os.path.join(directory, "listing.idx")
+        self._fd: int | None = None
+        self._offsets: np.ndarray | None = None
+
+    def write(self, items: Iterator[SourceItem]) -> tuple[int, str, set[str]]:
+        """Spill `items`; returns (count, sha256 of the listing, label names seen)."""
+        digest = hashlib.sha256()
+        labels: set[str] = set()
+        offsets = array.array("Q", [0])
+        count = 0
+        position = 0
+        with open(self.lines_path, "wb") as lines, open(self.index_path, "wb") as index:
+            for item in items:
+                line = item.to_json().encode("utf-8") + b"\n"
+                lines.write(line)
+                digest.update(line)
+                position += len(line)
+                offsets.append(position)
+                count += 1
+                if item.label is not None:
+                    labels.add(item.label)
+                if len(offsets) >= 65536:  # flush the index in blocks: memory stays flat
+                    offsets.tofile(index)
+                    offsets = array.array("Q")
+            offsets.tofile(index)
+        return count, digest.hexdigest(), labels
+
+    def __len__(self) -> int:
+        return max(0, os.path.getsize(self.index_path) // 8 - 1)
+
+    def get(self, index: int) -> SourceItem:
+        if self._fd is None:
+            self._fd = os.open(self.lines_path, os.O_RDONLY)
+            self._offsets = np.memmap(self.index_path, dtype=np.uint64, mode="r")
+        assert self._offsets is not None
+        start, stop = int(self._offsets[index]), int(self._offsets[index + 1])
+        return SourceItem.from_json(os.pread(self._fd, stop - start, start))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._offsets = None
+
+
+# ---------------------------------------------------------------------------
+# Worker processes
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(spec_dict: dict[str, Any], classes: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
+    _WORKER["spec"] = PrepareSpec.from_dict(spec_dict)
+    _WORKER["classes"] = {name: i for i, name in enumerate(classes)}
+
+
+def _process_chunk(chunk: list[tuple[int, SourceItem]]) -> list[SampleOutcome]:
+    spec, classes = _WORKER["spec"], _WORKER["classes"]
+    return [process_item(item, index, spec, classes) for index, item in chunk]
+
+
+class _InlinePool:
+    """`workers=0`: the same code path in this process (debugging, tiny jobs)."""
+
+    def apply_async(self, func: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        value = func(*args)
+
+        class _Done:
+            def get(self, timeout: float | None = None) -> Any:
+                return value
+
+        return _Done()
+
+    def terminate(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+
+def available_cores() -> int:
+    """Cores this process may run on (cgroup/affinity aware), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# ---------------------------------------------------------------------------
+# The job
+
+
+@dataclasses.dataclass
+class _Job:
+    spec: PrepareSpec
+    output: Output
+    work: str
+    listing: Listing
+    plan: ShardPlan
+    classes: list[str]
+    listed: int
+    ignored: int
+    warnings: list[str]
+
+
+def prepare(
+    spec: PrepareSpec,
+    *,
+    workers: int | None = None,
+    force: bool = False,
+    overwrite: bool = False,
+    progress: ProgressCallback | None = None,
+) -> PrepareResult:
+    """Prepare SRC into verified WebDataset shards at OUT.
+
+    Args:
+        spec: the job (source, out and every setting).
+        workers: processes; None uses every available core, 0 runs in-process.
+        force: write even when the free-space check says it will not fit.
+        overwrite: replace an OUT prepared with different settings.
+        progress: called with a PrepareProgress after every chunk.
+
+    Returns:
+        A PrepareResult summary.
+
+    Raises:
+        ConfigError: bad settings, or no images in SRC.
+        SourceError: SRC cannot be listed or has changed since an interrupted run.
+        JobConflictError: OUT holds a different job.
+        StorageError: OUT cannot be written (e.g. full disk); complete shards are kept.
+    """
+    started = time.perf_counter()
+    workers = available_cores() if workers is None else workers
+    if workers < 0:
+        raise ConfigError("--workers must be 0 or more")
+    output = Output(spec.out)
+    finished = _check_existing(output, spec, overwrite)
+    if finished is not None:
+        return _already_complete(finished, spec, workers, started)
+    output.makedirs()
+    job = _start_job(spec, output, workers, force, overwrite)
+    try:
+        processed, resumed = _write_pending_shards(job, workers, progress, started)
+        manifest = _finish(job)
+    finally:
+        job.listing.close()
+    seconds = time.perf_counter() - started
+    return PrepareResult(
+        out=spec.out,
+        listed=job.listed,
+        samples=manifest.samples,
+        rejected=manifest.rejected,
+        ignored=job.ignored,
+        shards=len(manifest.shards),
+        bytes=sum(s.bytes for s in manifest.shards),
+        classes=manifest.classes,
+        variants=manifest.variants,
+        seconds=seconds,
+        processed=processed,
+        resumed_shards=resumed,
+        workers=workers,
+        warnings=job.warnings,
+    )
+
+
+def _check_existing(output: Output, spec: PrepareSpec, overwrite: bool) -> Manifest | None:
+    """The existing manifest when OUT already holds this exact job, else None."""
+    plan_rel = f"{WORK_DIR}/plan.json"
+    if output.exists(MANIFEST_NAME):
+        try:
+            manifest = read_manifest(output)
+        except ManifestError:
+            manifest = None
+        if manifest is not None and manifest.params == spec.output_identity() and not overwrite:
+            return manifest
+        if not overwrite:
+            raise JobConflictError(
+                f"{spec.out} already holds a dataset prepared with different settings; "
+                "choose another OUT or pass --overwrite to replace it"
+            )
+        _clear_output(output)
+    elif output.exists(plan_rel):
+        plan = json.loads(output.read_bytes(plan_rel))
+        if plan.get("identity") != spec.output_identity():
+            if not overwrite:
+                raise JobConflictError(
+                    f"{spec.out} holds an unfinished prepare with different settings; "
+                    "re-run that command to finish it, choose another OUT, or pass --overwrite"
+                )
+            _clear_output(output)
+    return None
+
+
+def _clear_output(output: Output) -> None:
+    for name in output.listdir():
+        if name in (MANIFEST_NAME, REJECTED_NAME, WORK_DIR) or re.fullmatch(r"shard-\d{6}\.tar|v\d+", name):
+            output.remove(name)
+
+
+def _already_complete(manifest: Manifest, spec: PrepareSpec, workers: int, started: float) -> PrepareResult:
+    return PrepareResult(
+        out=spec.out,
+        listed=manifest.samples + manifest.rejected,
+        samples=manifest.samples,
+        rejected=manifest.rejected,
+        ignored=0,
+        shards=len(manifest.shards),
+        bytes=sum(s.bytes for s in manifest.shards),
+        classes=manifest.classes,
+        variants=manifest.variants,
+        seconds=time.perf_counter() - started,
+        processed=0,
+        resumed_shards=len(manifest.shards),
+        workers=workers,
+        already_complete=True,
+    )
+
+
+def _start_job(spec: PrepareSpec, output: Output, workers: int, force: bool, overwrite: bool) -> _Job:
+    work = output.local(WORK_DIR)
+    os.makedirs(os.path.join(work, "shards"), exist_ok=True)
+    listing = Listing(work)
+    info = ListingInfo()
+    listed, digest, labels = listing.write(list_images(spec.source, info))
+    if listed == 0:
+        listing.close()
+        raise ConfigError(
+            f"no images found in {spec.source}"
+            + (f" ({info.ignored} files without an image extension were ignored)" if info.ignored else "")
+        )
+    classes = _class_names(info, labels)
+    warnings: list[str] = []
+    plan_rel = f"{WORK_DIR}/plan.json"
+    saved = json.loads(output.read_bytes(plan_rel)) if output.exists(plan_rel) else None
+    if saved is not None and saved.get("listing_sha256") != digest:
+        if not overwrite:
+            raise SourceError(
+                f"{spec.source} changed since the interrupted prepare into {spec.out} "
+                f"({saved.get('listed')} files then, {listed} now); pass --overwrite to start over"
+            )
+        saved = None
+        output.remove(f"{WORK_DIR}/shards")
+        os.makedirs(os.path.join(work, "shards"), exist_ok=True)
+    if saved is not None:
+        plan = ShardPlan(**saved["plan"])
+    else:
+        per_sample = _estimate_sample_bytes(listing, listed, spec, classes)
+        plan = plan_shards(listed, _samples_per_shard(spec, per_sample), spec.seed)
+        warnings += _check_placement(spec, per_sample * listed * max(1, spec.augment.variants), force)
+        record = {
+            "identity": spec.output_identity(),
+            "listing_sha256": digest,
+            "listed": listed,
+            "classes": classes,
+            "plan": plan.to_dict(),
+            "estimated_sample_bytes": per_sample,
+        }
+        output.write_bytes_atomic(plan_rel, json.dumps(record, indent=1).encode("utf-8"))
+    return _Job(spec, output, work, listing, plan, classes, listed, info.ignored, warnings)
+
+
+def _class_names(info: ListingInfo, labels: set[str]) -> list[str]:
+    if info.kind == "imagefolder":
+        return info.classes
+    if labels and all(label.isdigit() for label in labels):
+        # Integer labels in a list are class indices already.
+        return [str(i) for i in range(max(int(label) for label in labels) + 1)]
+    return sorted(labels)
+
+
+def _estimate_sample_bytes(listing: Listing, listed: int, spec: PrepareSpec, classes: list[str]) -> int:
+    """Mean bytes one sample adds to a shard, measured on a few evenly spread sources."""
+    class_index = {name: i for i, name in enumerate(classes)}
+    step = max(1, listed // ESTIMATE_SAMPLES)
+    sizes = []
+    for index in range(0, listed, step)[:ESTIMATE_SAMPLES]:
+        outcome = process_item(listing.get(index), index, spec, class_index)
+        if outcome.members:
+            members = outcome.members[0]
+            sizes.append(sum(len(data) + TAR_OVERHEAD_PER_MEMBER for data in members.values()))
+    if not sizes:
+        return 64 * 1024  # nothing decodable in the sample: plan for typical JPEGs
+    return int(math.ceil(sum(sizes) / len(sizes)))
+
+
+def _samples_per_shard(spec: PrepareSpec, per_sample: int) -> int:
+    limits = []
+    if spec.shards.max_bytes is not None:
+        limits.append(max(1, int(spec.shards.max_bytes * SHARD_FILL) // per_sample))
+    if spec.shards.max_samples is not None:
+        limits.append(spec.shards.max_samples)
+    return min(limits)
+
+
+def _check_placement(spec: PrepareSpec, estimated_bytes: int, force: bool) -> list[str]:
+    warnings = []
+    free = free_bytes(spec.out)
+    if free is not None and estimated_bytes * 1.1 > free:
+        message = (
+            f"{spec.out} has {free / 1e9:.2f} GB free but the shards need about "
+            f"{estimated_bytes / 1e9:.2f} GB (+10 % margin)"
+        )
+        if not force:
+            raise StorageError(message + "; free some space, pick another OUT, or pass --force")
+        warnings.append(message + "; writing anyway (--force)")
+    device = device_info(spec.out)
+    if device.kind in ("rotational", "network"):
+        nvme = faster_local_disk()
+        if nvme:
+            warnings.append(
+                f"{spec.out} is on {device.kind} storage ({device.fstype}) while this machine has a "
+                f"local NVMe disk ({nvme}); shards read fastest from NVMe"
+            )
+    return warnings
+
+
+# ---------------------------------------------------------------------------
+# Writing shards
+
+
+def _set_dirs(job: _Job) -> list[tuple[int | None, str]]:
+    if job.spec.augment.variants:
+        return [(v, f"v{v}/") for v in range(job.spec.augment.variants)]
+    return [(None, "")]
+
+
+def _shard_record_rel(shard: int) -> str:
+    return f"{WORK_DIR}/shards/{shard:06d}.json"
+
+
+def _shard_is_complete(job: _Job, shard: int) -> bool:
+    rel = _shard_record_rel(shard)
+    if not job.output.exists(rel):
+        return False
+    record = json.loads(job.output.read_bytes(rel))
+    for info in record["shards"]:
+        if job.output.size(info["path"]) != info["bytes"]:
+            return False
+        if job.output.is_local and file_sha256(job.output.local(info["path"]))[0] != info["sha256"]:
+            return False
+    return True
+
+
+def _remove_stale_temp_files(job: _Job) -> None:
+    for _, prefix in _set_dirs(job):
+        directory = job.output.local(prefix) if prefix else job.output.staging
+        if not os.path.isdir(directory):
+            continue
+        for name in os.listdir(directory):
+            if name.startswith(".shard-") and ".tmp-" in name:
+                os.unlink(os.path.join(directory, name))
+
+
+def _chunks(job: _Job, shard: int) -> Iterator[list[tuple[int, SourceItem]]]:
+    indices = job.plan.indices(shard)
+    for start in range(0, len(indices), CHUNK_ITEMS):
+        yield [(int(i), job.listing.get(int(i))) for i in indices[start : start + CHUNK_ITEMS]]
+
+
+def _write_pending_shards(
+    job: _Job, workers: int, progress: ProgressCallback | None, started: float
+) -> tuple[int, int]:
+    _remove_stale_temp_files(job)
+    pending = [s for s in range(job.plan.shards) if not _shard_is_complete(job, s)]
+    resumed = job.plan.shards - len(pending)
+    total = sum(len(job.plan.positions(s)) for s in pending)
+    state = PrepareProgress(0, total, 0, 0.0)
+    pool: Any
+    if workers == 0:
+        _init_worker(job.spec.to_dict(), job.classes)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        pool = _InlinePool()
+    else:
+        context = multiprocessing.get_context("fork")
+        pool = context.Pool(workers, initializer=_init_worker, initargs=(job.spec.to_dict(), job.classes))
+    try:
+        for shard in pending:
+            _write_one_shard(job, shard, pool, workers, state, progress, started)
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+    return total, resumed
+
+
+def _write_one_shard(
+    job: _Job,
+    shard: int,
+    pool: Any,
+    workers: int,
+    state: PrepareProgress,
+    progress: ProgressCallback | None,
+    started: float,
+) -> None:
+    sets = _set_dirs(job)
+    writers = [TarShardWriter(job.output.local(prefix + shard_name(shard))) for _, prefix in sets]
+    rejected: list[dict[str, str]] = []
+    window = max(2, workers * 3)  # chunks in flight: keeps every worker busy, bounds memory
+    with _ExitAll(writers):
+        in_flight: deque[Any] = deque()
+        chunks = _chunks(job, shard)
+        for chunk in chunks:
+            in_flight.append(pool.apply_async(_process_chunk, (chunk,)))
+            if len(in_flight) >= window:
+                _drain(in_flight.popleft(), writers, rejected, state)
+                _report(state, progress, started)
+        while in_flight:
+            _drain(in_flight.popleft(), writers, rejected, state)
+            _report(state, progress, started)
+        infos = []
+        for writer, (variant, prefix) in zip(writers, sets):
+            if writer.samples:
+                info = writer.commit(prefix + shard_name(shard), variant)
+                job.output.publish(info.path)
+                infos.append(info)
+    record = {"shard": shard, "shards": [i.to_dict() for i in infos], "rejected": rejected}
+    job.output.write_bytes_atomic(_shard_record_rel(shard), json.dumps(record).encode("utf-8"))
+
+
+class _ExitAll:
+    """Enter several writers; leaving removes every uncommitted temp file."""
+
+    def __init__(self, writers: Sequence[TarShardWriter]) -> None:
+        self.writers = writers
+
+    def __enter__(self) -> None:
+        for writer in self.writers:
+            writer.__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        for writer in self.writers:
+            writer.__exit__(*exc_info)
+
+
+def _drain(pending: Any, writers: list[TarShardWriter], rejected: list[dict[str, str]], state: PrepareProgress) -> None:
+    for outcome in pending.get():
+        state.done += 1
+        if outcome.members is None:
+            rejected.append({"source": outcome.source, "reason": outcome.reason})
+            state.rejected += 1
+            continue
+        for writer, members in zip(writers, outcome.members):
+            writer.write_sample(outcome.key, members)
+
+
+def _report(state: PrepareProgress, progress: ProgressCallback | None, started: float) -> None:
+    if progress is not None:
+        state.seconds = time.perf_counter() - started
+        progress(state)
+
+
+def _finish(job: _Job) -> Manifest:
+    shards: list[ShardInfo] = []
+    rejected_lines: list[bytes] = []
+    rejected = 0
+    for shard in range(job.plan.shards):
+        record = json.loads(job.output.read_bytes(_shard_record_rel(shard)))
+        for info in record["shards"]:
+            shards.append(ShardInfo(info["path"], info["samples"], info["bytes"], info["sha256"], info.get("variant")))
+        for entry in record["rejected"]:
+            rejected_lines.append(json.dumps(entry, ensure_ascii=False).encode("utf-8") + b"\n")
+            rejected += 1
+    sets = max(1, job.spec.augment.variants)
+    samples = sum(s.samples for s in shards) // sets
+    if samples + rejected != job.listed:
+        raise StorageError(
+            f"internal check failed: {samples} samples + {rejected} rejects != {job.listed} listed; "
+            f"remove {job.spec.out} and run again"
+        )
+    job.output.write_bytes_atomic(REJECTED_NAME, b"".join(rejected_lines))
+    manifest = Manifest(
+        samples=samples,
+        classes=job.classes,
+        shards=shards,
+        params=job.spec.output_identity(),
+        source=job.spec.source,
+        rejected=rejected,
+        variants=job.spec.augment.variants,
+    )
+    write_manifest(job.output, manifest)
+    job.listing.close()
+    job.output.remove(WORK_DIR)
+    if not job.output.is_local:
+        import shutil
+
+        shutil.rmtree(job.output.staging, ignore_errors=True)
+    return manifest

@@ -1,0 +1,80 @@
+"""Terminal output for the CLI: the progress bar and the summaries (rich, on stderr/stdout)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .prepare import PrepareProgress, PrepareResult
+
+
+@contextlib.contextmanager
+def prepare_progress(enabled: bool = True) -> Iterator[Callable[[PrepareProgress], None] | None]:
+    """A progress bar on stderr (images/s, rejects, ETA) while a prepare runs."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (
+        TextColumn("[bold]prepare"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]:>8.0f} img/s"),
+        TextColumn("{task.fields[rejected]} rejected"),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("prepare", total=None, rate=0.0, rejected=0)
+
+        def update(state: PrepareProgress) -> None:
+            rate = state.done / state.seconds if state.seconds else 0.0
+            bar.update(task, total=state.total, completed=state.done, rate=rate, rejected=state.rejected)
+
+        yield update
+
+
+def print_prepare_summary(result: PrepareResult) -> None:
+    from rich.console import Console
+
+    console = Console()
+    if result.already_complete:
+        console.print(f"{result.out}: already prepared with these settings; nothing to do")
+    resumed = f", {result.resumed_shards} kept from an earlier run" if result.resumed_shards and not result.already_complete else ""
+    console.print(
+        f"[bold green]done[/]: {result.samples} samples, {result.rejected} rejected "
+        f"(of {result.listed} listed), {result.shards} shards{resumed}, {result.bytes / 1e6:.1f} MB"
+    )
+    if result.processed:
+        console.print(
+            f"{result.processed} images in {result.seconds:.1f} s = {result.images_per_s:.0f} images/s "
+            f"with {result.workers or 1} worker process(es)"
+        )
+    if result.rejected:
+        console.print(f"rejected files and reasons: {result.out.rstrip('/')}/rejected.jsonl")
+    console.print(f"manifest: {result.out.rstrip('/')}/manifest.json")
+
+
+def print_inspect(summary: dict[str, Any], manifest: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(show_header=False, box=None)
+    for name in ("dataset", "samples", "classes", "variants", "shards", "bytes", "rejected", "format", "size", "mode", "created"):
+        table.add_row(name, str(summary[name]))
+    console.print(table)
+    if manifest.classes:
+        shown = ", ".join(manifest.classes[:10]) + (" ..." if len(manifest.classes) > 10 else "")
+        console.print(f"classes: {shown}")
+    if "verified" in summary:
+        if summary["verified"]:
+            console.print(f"[bold green]verified[/]: every shard matches its sha256, size and sample count")
+        else:
+            console.print(f"[bold red]verification failed[/]: {len(summary['problems'])} problem(s)")
+            for problem in summary["problems"]:
+                console.print(f"  {problem}")

@@ -1,0 +1,272 @@
+"""List the images of a source dataset, streaming.
+
+A source is a directory (ImageFolder layout: one sub-folder per class; or a
+flat folder without labels), a CSV/JSONL list with `path` and optional
+`label`, or any fsspec URL to either. Listing yields one `SourceItem` at a
+time in a deterministic order so millions of files never sit in memory at once.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import ConfigError, SourceError
+
+IMAGE_EXTENSIONS = frozenset(
+    ".jpg .jpeg .jpe .jfif .png .gif .bmp .dib .tif .tiff .webp .ppm .pgm .pbm .pnm "
+    ".jp2 .j2k .jpx .tga .ico .avif .heic".split()
+)
+LIST_EXTENSIONS = (".csv", ".jsonl", ".ndjson")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceItem:
+    """One listed input: where to read it, its path relative to the source, its label name."""
+
+    url: str
+    rel: str
+    label: str | None
+
+    def to_json(self) -> str:
+        return json.dumps([self.url, self.rel, self.label], ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str | bytes) -> SourceItem:
+        url, rel, label = json.loads(line)
+        return cls(url, rel, label)
+
+
+@dataclasses.dataclass
+class ListingInfo:
+    """Counts kept while listing: classes seen and files passed over."""
+
+    kind: str = ""
+    classes: list[str] = dataclasses.field(default_factory=list)
+    ignored: int = 0
+
+
+def is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str | None:
+    """The local filesystem path for `path` or a file:// URL, else None."""
+    if path.startswith("file://"):
+        return path[len("file://") :]
+    if "://" in path:
+        return None
+    return path
+
+
+def open_fs(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path inside it) for a URL; errors become SourceError."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise SourceError(f"cannot open {url}: {exc}") from exc
+    return fs, path
+
+
+def list_images(source: str, info: ListingInfo | None = None) -> Iterator[SourceItem]:
+    """Yield every image of `source` in a stable order.
+
+    Args:
+        source: directory, CSV/JSONL list, or fsspec URL of either.
+        info: filled in while listing (kind, class names, files ignored).
+
+    Yields:
+        SourceItem for each file with an image extension (or each list row).
+
+    Raises:
+        SourceError: when the source does not exist or cannot be read.
+        ConfigError: when a list file lacks a `path` column.
+    """
+    info = info if info is not None else ListingInfo()
+    local = local_path(source)
+    if local is not None:
+        if os.path.isdir(local):
+            yield from _list_local_dir(local.rstrip("/") or "/", info)
+            return
+        if os.path.isfile(local):
+            yield from _list_file(source, info)
+            return
+        raise SourceError(f"source not found: {source}")
+    fs, root = open_fs(source)
+    try:
+        is_dir = fs.isdir(root)
+        exists = is_dir or fs.exists(root)
+    except OSError as exc:
+        raise SourceError(f"cannot reach {source}: {exc}") from exc
+    if not exists:
+        raise SourceError(f"source not found: {source}")
+    if is_dir:
+        yield from _list_fs_dir(fs, root, info)
+    else:
+        yield from _list_file(source, info)
+
+
+def _is_image_name(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def _scan_sorted(path: str) -> tuple[list[str], list[str]]:
+    dirs, files = [], []
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_dir():
+                    dirs.append(entry.name)
+                elif entry.is_file():
+                    files.append(entry.name)
+    except OSError as exc:
+        raise SourceError(f"cannot list {path}: {exc.strerror or exc}") from exc
+    return sorted(dirs), sorted(files)
+
+
+def _list_local_dir(root: str, info: ListingInfo) -> Iterator[SourceItem]:
+    top_dirs, top_files = _scan_sorted(root)
+    if not top_dirs:
+        info.kind = "flat"
+        yield from _walk_local(root, "", None, top_files, [], info)
+        return
+    info.kind = "imagefolder"
+    info.classes = list(top_dirs)
+    info.ignored += len(top_files)  # files beside class folders belong to no class
+    for name in top_dirs:
+        sub_dirs, sub_files = _scan_sorted(os.path.join(root, name))
+        yield from _walk_local(root, name, name, sub_files, sub_dirs, info)
+
+
+def _walk_local(
+    root: str, rel_dir: str, label: str | None, files: list[str], dirs: list[str], info: ListingInfo
+) -> Iterator[SourceItem]:
+    base = os.path.join(root, rel_dir) if rel_dir else root
+    for name in files:
+        if not _is_image_name(name):
+            info.ignored += 1
+            continue
+        rel = f"{rel_dir}/{name}" if rel_dir else name
+        yield SourceItem(os.path.join(base, name), rel, label)
+    for name in dirs:
+        child = f"{rel_dir}/{name}" if rel_dir else name
+        sub_dirs, sub_files = _scan_sorted(os.path.join(root, child))
+        yield from _walk_local(root, child, label, sub_files, sub_dirs, info)
+
+
+def _list_fs_dir(fs: Any, root: str, info: ListingInfo) -> Iterator[SourceItem]:
+    root = root.rstrip("/")
+    protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+    try:
+        top = fs.ls(root, detail=True)
+    except OSError as exc:
+        raise SourceError(f"cannot list {root}: {exc}") from exc
+    top_dirs = sorted(_basename(e["name"]) for e in top if e["type"] == "directory")
+    top_dirs = [d for d in top_dirs if not d.startswith(".")]
+    info.kind = "imagefolder" if top_dirs else "flat"
+    info.classes = list(top_dirs)
+
+    def url_of(path: str) -> str:
+        return f"{protocol}://{path.lstrip('/')}" if protocol == "memory" else fs.unstrip_protocol(path)
+
+    if not top_dirs:
+        walks: list[tuple[str, str | None]] = [(root, None)]
+    else:
+        info.ignored += sum(1 for e in top if e["type"] != "directory")
+        walks = [(f"{root}/{name}", name) for name in top_dirs]
+    for base, label in walks:
+        # fs.walk yields one directory at a time: memory holds one folder's names.
+        for dirpath, dirnames, filenames in fs.walk(base):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for name in sorted(filenames):
+                if name.startswith(".") or not _is_image_name(name):
+                    info.ignored += 1
+                    continue
+                full = f"{dirpath.rstrip('/')}/{name}"
+                yield SourceItem(url_of(full), full[len(root) + 1 :], label)
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _list_file(source: str, info: ListingInfo) -> Iterator[SourceItem]:
+    lower = source.lower()
+    if not lower.endswith(LIST_EXTENSIONS):
+        raise SourceError(
+            f"{source} is a file but not a CSV or JSONL list; give a folder of images or a list with a 'path' column"
+        )
+    info.kind = "list"
+    base = source.rsplit("/", 1)[0] if "/" in source else "."
+    rows = _read_csv_rows(source) if lower.endswith(".csv") else _read_jsonl_rows(source)
+    for line_no, row in rows:
+        path = row.get("path")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{source}:{line_no}: every row needs a non-empty 'path'")
+        label = row.get("label")
+        label = None if label in (None, "") else str(label)
+        url = path if ("://" in path or os.path.isabs(path)) else f"{base}/{path}"
+        yield SourceItem(url, path.lstrip("/"), label)
+
+
+def _open_text(source: str) -> io.TextIOBase:
+    local = local_path(source)
+    if local is not None:
+        try:
+            return open(local, encoding="utf-8", newline="")
+        except OSError as exc:
+            raise SourceError(f"cannot read {source}: {exc.strerror or exc}") from exc
+    fs, path = open_fs(source)
+    try:
+        return io.TextIOWrapper(fs.open(path, "rb"), encoding="utf-8", newline="")
+    except OSError as exc:
+        raise SourceError(f"cannot read {source}: {exc}") from exc
+
+
+def _read_csv_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    with _open_text(source) as handle:
+        reader = csv.DictReader(handle)
+        if reader.fieldnames is None or "path" not in reader.fieldnames:
+            raise ConfigError(f"{source}: the CSV header must have a 'path' column (and optionally 'label')")
+        for line_no, row in enumerate(reader, start=2):
+            yield line_no, row
+
+
+def _read_jsonl_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    with _open_text(source) as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{source}:{line_no}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(row, dict):
+                raise ConfigError(f"{source}:{line_no}: each line must be a JSON object with 'path'")
+            yield line_no, row
+
+
+def read_source_bytes(url: str, max_bytes: int) -> bytes:
+    """Read one input file whole; OSError for anything unreadable or too large."""
+    local = local_path(url)
+    if local is not None:
+        with open(local, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > max_bytes:
+                raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
+            return handle.read()
+    fs, path = open_fs(url)
+    size = fs.size(path)
+    if size is not None and size > max_bytes:
+        raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
+    data: bytes = fs.cat_file(path)
+    return data

@@ -1,0 +1,230 @@
+"""Frozen, validated settings objects.
+
+A spec is everything needed to reproduce a piece of work. Specs round-trip
+through plain JSON (`to_dict` / `from_dict`) so the same object drives a local
+`gpufeed prepare`, a Celery task message and the `params` of a manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, TypeVar
+
+from .errors import ConfigError
+
+RESIZE_MODES = ("shorter", "longer", "center-crop", "pad", "none")
+FORMATS = ("jpeg", "webp", "png", "npy")
+FORMAT_EXTENSIONS = {"jpeg": "jpg", "webp": "webp", "png": "png", "npy": "npy"}
+DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own bomb threshold: 0.25 GiB of RGBA
+
+_SpecT = TypeVar("_SpecT", bound="_Spec")
+
+
+class _Spec:
+    """to_dict/from_dict for the flat frozen dataclasses below."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload, no-any-return]
+
+    @classmethod
+    def from_dict(cls: type[_SpecT], data: dict[str, Any]) -> _SpecT:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{cls.__name__} must be a JSON object, not {type(data).__name__}")
+        names = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"{cls.__name__}: unknown setting(s) {', '.join(unknown)}")
+        values = {}
+        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if field.name in data:
+                value = data[field.name]
+                values[field.name] = tuple(value) if isinstance(value, list) else value
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ConfigError(f"{cls.__name__}: {exc}") from exc
+
+
+def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"{name} must be {bound}, got {value}")
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be a whole number, got {value!r}")
+    _check_number(name, value, low, high)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeSpec(_Spec):
+    """How each image is resized.
+
+    Attributes:
+        size: target S in pixels.
+        mode: shorter (shorter side S), longer (fit inside SxS), center-crop
+            (SxS), pad (fit and pad to SxS), none.
+        upscale: enlarge images smaller than the target (off by default).
+        resample: lanczos, bicubic or bilinear.
+    """
+
+    size: int = 256
+    mode: str = "shorter"
+    upscale: bool = False
+    resample: str = "lanczos"
+
+    def __post_init__(self) -> None:
+        _check_int("--size", self.size, 8, 16384)
+        if self.mode not in RESIZE_MODES:
+            raise ConfigError(f"--mode must be one of {', '.join(RESIZE_MODES)}, got {self.mode!r}")
+        if self.resample not in ("lanczos", "bicubic", "bilinear"):
+            raise ConfigError(f"--resample must be lanczos, bicubic or bilinear, got {self.resample!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AugmentSpec(_Spec):
+    """Pre-augmentation into `variants` complete copies of the dataset.
+
+    Attributes:
+        variants: K; 0 writes the resized originals only.
+        scale: random-resized-crop area range (fraction of the image).
+        ratio: random-resized-crop aspect-ratio range.
+        flip: horizontal flip with probability 0.5.
+        jitter: colour jitter strength for brightness, contrast, saturation.
+        rotate: maximum absolute rotation in degrees.
+    """
+
+    variants: int = 0
+    scale: tuple[float, float] = (0.35, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
+    jitter: float = 0.2
+    rotate: float = 10.0
+
+    def __post_init__(self) -> None:
+        _check_int("--variants", self.variants, 0, 1000)
+        for name, pair, low, high in (("scale", self.scale, 0.01, 1.0), ("ratio", self.ratio, 0.1, 10.0)):
+            if len(pair) != 2 or not pair[0] <= pair[1]:
+                raise ConfigError(f"--crop-{name} must be two numbers LOW,HIGH with LOW <= HIGH")
+            for value in pair:
+                _check_number(f"--crop-{name}", value, low, high)
+        _check_number("--jitter", self.jitter, 0.0, 0.9)
+        _check_number("--rotate", self.rotate, 0.0, 45.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeSpec(_Spec):
+    """Output encoding: jpeg (default, quality 90), webp, png, or raw uint8 npy."""
+
+    format: str = "jpeg"
+    quality: int = 90
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        _check_int("--quality", self.quality, 1, 100)
+
+    @property
+    def extension(self) -> str:
+        return FORMAT_EXTENSIONS[self.format]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec(_Spec):
+    """Shard bounds: at most `max_bytes` bytes (planned from a measured
+    estimate) and at most `max_samples` samples (exact), whichever is smaller."""
+
+    max_bytes: int | None = DEFAULT_SHARD_BYTES
+    max_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_bytes is None and self.max_samples is None:
+            raise ConfigError("give --shard-size, --shard-count or both")
+        if self.max_bytes is not None:
+            _check_int("--shard-size", self.max_bytes, 64 * 1024)
+        if self.max_samples is not None:
+            _check_int("--shard-count", self.max_samples, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareSpec(_Spec):
+    """One prepare job: SRC in, OUT out, and every setting in between.
+
+    The whole spec is recorded as the manifest's `params`; two runs with equal
+    specs over the same source produce byte-identical shards.
+    """
+
+    source: str
+    out: str
+    resize: ResizeSpec = ResizeSpec()
+    augment: AugmentSpec = AugmentSpec()
+    encode: EncodeSpec = EncodeSpec()
+    shards: ShardSpec = ShardSpec()
+    seed: int = 0
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_file_bytes: int = 512 * 1024 * 1024
+    background: tuple[int, int, int] = (255, 255, 255)
+
+    def __post_init__(self) -> None:
+        for name in ("source", "out"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"{name.upper()} must be a non-empty path or URL")
+        _check_int("--seed", self.seed, 0, 2**63 - 1)
+        _check_int("--max-pixels", self.max_pixels, 64)
+        _check_int("max_file_bytes", self.max_file_bytes, 1)
+        if len(self.background) != 3 or any(
+            isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 255 for c in self.background
+        ):
+            raise ConfigError("background must be three integers 0-255")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["background"] = list(self.background)
+        data["augment"]["scale"] = list(self.augment.scale)
+        data["augment"]["ratio"] = list(self.augment.ratio)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrepareSpec:
+        if not isinstance(data, dict):
+            raise ConfigError("a prepare spec must be a JSON object")
+        nested = {"resize": ResizeSpec, "augment": AugmentSpec, "encode": EncodeSpec, "shards": ShardSpec}
+        values = dict(data)
+        for name, spec_type in nested.items():
+            if name in values and not isinstance(values[name], spec_type):
+                values[name] = spec_type.from_dict(values[name])
+        return super().from_dict.__func__(cls, values)  # type: ignore[attr-defined, no-any-return]
+
+    def output_identity(self) -> dict[str, Any]:
+        """The settings that decide the bytes of the output (source and OUT excluded)."""
+        data = self.to_dict()
+        data.pop("out")
+        return data
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse `256MB`, `1.5GiB`, `64k` or a plain integer into bytes.
+
+    Raises:
+        ConfigError: when the text is not a size.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ConfigError(f"not a size: {text!r} (try 256MB, 1GiB or a number of bytes)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    binary = "i" in unit
+    letter = unit[:1] if unit[:1] in "kmgt" else ""
+    factor = 1024 ** ("kmgt".index(letter) + 1) if binary and letter else _UNITS[letter]
+    return int(number * factor)

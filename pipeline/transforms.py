@@ -1,0 +1,216 @@
+"""Pure image transforms: the five resize modes and seeded pre-augmentation.
+
+Every output size is computed from the image's *original* upright size, never
+from the (possibly DCT-reduced) decoded size, so the output does not depend on
+which decoder happened to run. Augmentation is a pure function of
+(seed, key, variant): re-running a job writes the same pixels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import numpy as np
+
+from .specs import AugmentSpec, ResizeSpec
+
+_FILTERS = {"lanczos": "LANCZOS", "bicubic": "BICUBIC", "bilinear": "BILINEAR"}
+PAD_FILL = (0, 0, 0)
+
+
+def _filter(resize: ResizeSpec) -> Any:
+    from PIL import Image
+
+    return getattr(Image.Resampling, _FILTERS[resize.resample])
+
+
+def required_scale(resize: ResizeSpec, augment: AugmentSpec, width: int, height: int) -> float:
+    """The smallest decode scale (<= 1) that still gives the transform enough pixels."""
+    if resize.mode == "none":
+        return 1.0
+    reference = min(width, height) if resize.mode in ("shorter", "center-crop") else max(width, height)
+    needed = resize.size / reference
+    if augment.variants:
+        # A random crop keeps as little as sqrt(scale_min) of each side; decode enough for it.
+        needed *= 1.15 / math.sqrt(augment.scale[0])
+    return min(1.0, needed)
+
+
+def output_size(resize: ResizeSpec, width: int, height: int) -> tuple[int, int]:
+    """Size of the resized (uncropped, unpadded) picture for an original of width x height."""
+    if resize.mode == "none":
+        return width, height
+    reference = min(width, height) if resize.mode in ("shorter", "center-crop") else max(width, height)
+    scale = resize.size / reference
+    if scale >= 1 and not resize.upscale:
+        return width, height
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def resize_image(img: Any, original_size: tuple[int, int], resize: ResizeSpec) -> tuple[Any, dict[str, Any]]:
+    """Apply `resize.mode` to a decoded image.
+
+    Args:
+        img: upright RGB PIL image, possibly DCT-reduced from `original_size`.
+        original_size: upright (width, height) of the source file.
+        resize: the resize settings.
+
+    Returns:
+        (image, op) where op records what was done, for provenance.
+    """
+    width, height = original_size
+    target_w, target_h = output_size(resize, width, height)
+    op: dict[str, Any] = {"op": "resize", "mode": resize.mode, "size": resize.size}
+    if resize.mode == "center-crop":
+        side = min(target_w, target_h)
+        # The square box in the decoded image's own coordinates.
+        box_side = min(img.width, img.height) * side / min(target_w, target_h)
+        left = (img.width - box_side) / 2
+        top = (img.height - box_side) / 2
+        box = (left, top, left + box_side, top + box_side)
+        return img.resize((side, side), _filter(resize), box=box), op
+    if img.size != (target_w, target_h):
+        img = img.resize((target_w, target_h), _filter(resize))
+    if resize.mode == "pad":
+        img = _pad(img, resize.size)
+    return img, op
+
+
+def _pad(img: Any, size: int) -> Any:
+    from PIL import Image
+
+    if img.size == (size, size) or img.width > size or img.height > size:
+        return img
+    canvas = Image.new("RGB", (size, size), PAD_FILL)
+    canvas.paste(img, ((size - img.width) // 2, (size - img.height) // 2))
+    return canvas
+
+
+def variant_rng(seed: int, key: str, variant: int) -> np.random.Generator:
+    """The random stream for one (seed, key, variant): stable across runs and machines."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=16).digest()
+    words = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
+    return np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32, *words, variant])
+
+
+def augment_image(
+    img: Any,
+    original_size: tuple[int, int],
+    resize: ResizeSpec,
+    augment: AugmentSpec,
+    rng: np.random.Generator,
+) -> tuple[Any, list[dict[str, Any]]]:
+    """One augmented view: random-resized crop with a small rotation, flip, colour jitter.
+
+    The crop box is drawn in original-image coordinates; crop, rotation and
+    resize are one affine resampling of the (pre-reduced) decoded image.
+
+    Returns:
+        (image, ops) with every parameter drawn, for provenance.
+    """
+    width, height = original_size
+    cw, ch = _draw_crop(rng, width, height, augment)
+    angle = float(rng.uniform(-augment.rotate, augment.rotate)) if augment.rotate else 0.0
+    cw, ch, cx, cy = _fit_rotated(rng, width, height, cw, ch, angle)
+    out_w, out_h = _crop_output_size(resize, cw, ch)
+    img = _affine_crop(img, original_size, (cx, cy, cw, ch), angle, (out_w, out_h), resize)
+    ops: list[dict[str, Any]] = [
+        {
+            "op": "random_resized_crop",
+            "center": [round(cx, 2), round(cy, 2)],
+            "size": [round(cw, 2), round(ch, 2)],
+            "angle": round(angle, 3),
+            "output": [out_w, out_h],
+        }
+    ]
+    if augment.flip and rng.random() < 0.5:
+        from PIL import Image
+
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        ops.append({"op": "hflip"})
+    if augment.jitter:
+        img, jitter_op = _colour_jitter(img, augment.jitter, rng)
+        ops.append(jitter_op)
+    if resize.mode == "pad":
+        img = _pad(img, resize.size)
+    return img, ops
+
+
+def _draw_crop(rng: np.random.Generator, width: int, height: int, augment: AugmentSpec) -> tuple[float, float]:
+    area = width * height
+    log_low, log_high = math.log(augment.ratio[0]), math.log(augment.ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(*augment.scale)
+        ratio = math.exp(rng.uniform(log_low, log_high))
+        cw, ch = math.sqrt(target * ratio), math.sqrt(target / ratio)
+        if cw <= width and ch <= height:
+            return cw, ch
+    side = min(width, height)  # like torchvision: fall back to a centred square
+    return float(side), float(side)
+
+
+def _fit_rotated(
+    rng: np.random.Generator, width: int, height: int, cw: float, ch: float, angle: float
+) -> tuple[float, float, float, float]:
+    # Shrink the crop until its rotated corners stay inside the image, then
+    # place its centre uniformly where it fits: no black corners.
+    cos, sin = abs(math.cos(math.radians(angle))), abs(math.sin(math.radians(angle)))
+    half_x = (cw * cos + ch * sin) / 2
+    half_y = (cw * sin + ch * cos) / 2
+    shrink = min(1.0, (width / 2) / half_x, (height / 2) / half_y)
+    cw, ch, half_x, half_y = cw * shrink, ch * shrink, half_x * shrink, half_y * shrink
+    cx = rng.uniform(half_x, width - half_x) if width - half_x > half_x else width / 2
+    cy = rng.uniform(half_y, height - half_y) if height - half_y > half_y else height / 2
+    return cw, ch, float(cx), float(cy)
+
+
+def _crop_output_size(resize: ResizeSpec, cw: float, ch: float) -> tuple[int, int]:
+    if resize.mode == "center-crop":
+        side = resize.size if (resize.upscale or min(cw, ch) >= resize.size) else int(min(cw, ch))
+        return max(1, side), max(1, side)
+    width, height = output_size(resize, max(1, round(cw)), max(1, round(ch)))
+    return width, height
+
+
+def _affine_crop(
+    img: Any,
+    original_size: tuple[int, int],
+    box: tuple[float, float, float, float],
+    angle: float,
+    out_size: tuple[int, int],
+    resize: ResizeSpec,
+) -> Any:
+    from PIL import Image
+
+    cx, cy, cw, ch = box
+    sx = img.width / original_size[0]
+    sy = img.height / original_size[1]
+    # Affine sampling does not anti-alias: first reduce so that the crop is at
+    # most ~1.5x the output, with a proper filter.
+    shrink = min(cw * sx / out_size[0], ch * sy / out_size[1]) / 1.5
+    if shrink > 1:
+        small = (max(1, round(img.width / shrink)), max(1, round(img.height / shrink)))
+        img = img.resize(small, _filter(resize))
+        sx, sy = img.width / original_size[0], img.height / original_size[1]
+    out_w, out_h = out_size
+    theta = math.radians(angle)
+    cos, sin = math.cos(theta), math.sin(theta)
+    # Output pixel (u, v) -> crop-local offset -> rotate -> decoded-image coordinates.
+    ax, ay = cw / out_w, ch / out_h
+    a, b = cos * ax * sx, -sin * ay * sx
+    d, e = sin * ax * sy, cos * ay * sy
+    c = cx * sx - a * out_w / 2 - b * out_h / 2
+    f = cy * sy - d * out_w / 2 - e * out_h / 2
+    return img.transform((out_w, out_h), Image.Transform.AFFINE, (a, b, c, d, e, f), Image.Resampling.BICUBIC)
+
+
+def _colour_jitter(img: Any, strength: float, rng: np.random.Generator) -> tuple[Any, dict[str, Any]]:
+    from PIL import ImageEnhance
+
+    factors = {name: float(rng.uniform(1 - strength, 1 + strength)) for name in ("brightness", "contrast", "saturation")}
+    img = ImageEnhance.Brightness(img).enhance(factors["brightness"])
+    img = ImageEnhance.Contrast(img).enhance(factors["contrast"])
+    img = ImageEnhance.Color(img).enhance(factors["saturation"])
+    return img, {"op": "colour_jitter", **{k: round(v, 4) for k, v in factors.items()}}

@@ -1,0 +1,1 @@
+"""The Celery service: a thin shell over `pipeline` (see worker/app.py)."""
