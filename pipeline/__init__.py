@@ -17,7 +17,7 @@ from .errors import (
     StorageError,
 )
 from .manifest import Manifest, VerifyResult, read_manifest, verify_dataset
-from .prepare import PrepareResult, prepare
+from .prepare import PrepareResult, prepare_dataset
 from .specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
     "SourceError",
     "StorageError",
     "VerifyResult",
-    "prepare",
+    "prepare_dataset",
     "read_manifest",
     "verify_dataset",
 ]

@@ -107,7 +107,7 @@ def prepare(
     quiet: bool,
 ) -> None:
     """Prepare SRC (folder, CSV/JSONL list or URL) into WebDataset shards at OUT."""
-    from .prepare import prepare as run_prepare
+    from .prepare import prepare_dataset
 
     spec = PrepareSpec(
         source=src,
@@ -129,7 +129,7 @@ def prepare(
     from .progress import prepare_progress
 
     with prepare_progress(enabled=not quiet) as callback:
-        result = run_prepare(spec, workers=workers, force=force, overwrite=overwrite, progress=callback)
+        result = prepare_dataset(spec, workers=workers, force=force, overwrite=overwrite, progress=callback)
     for warning in result.warnings:
         click.echo(f"gpufeed: warning: {warning}", err=True)
     if as_json:

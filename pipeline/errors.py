@@ -46,3 +46,15 @@ class ManifestError(GpufeedError):
 
 class JobConflictError(GpufeedError):
     """OUT already holds a different job's output."""
+
+
+def write_failure(path: str, exc: OSError) -> StorageError:
+    """A StorageError for a failed write, saying what to do about a full disk."""
+    import errno
+
+    if exc.errno == errno.ENOSPC:
+        return StorageError(
+            f"no space left on the device while writing {path}; "
+            "free some space and run the same command again to resume"
+        )
+    return StorageError(f"cannot write {path}: {exc.strerror or exc}")

@@ -30,9 +30,9 @@ import numpy as np
 
 from .decode import decode_image
 from .encode import encode_image
-from .errors import ConfigError, DecodeError, JobConflictError, ManifestError, SourceError, StorageError
+from .errors import ConfigError, DecodeError, JobConflictError, ManifestError, SourceError, StorageError, write_failure
 from .manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, write_manifest
-from .shards import ShardInfo, ShardPlan, TarShardWriter, file_sha256, plan_shards, shard_name
+from .shards import ShardInfo, ShardPlan, TarShardWriter, file_sha256, plan_shards, sample_tar_bytes, shard_name
 from .sources import ListingInfo, SourceItem, list_images, read_source_bytes
 from .specs import PrepareSpec
 from .storage import Output, device_info, faster_local_disk, free_bytes
@@ -40,7 +40,6 @@ from .transforms import augment_image, required_scale, resize_image, variant_rng
 
 WORK_DIR = ".gpufeed"
 CHUNK_ITEMS = 16
-TAR_OVERHEAD_PER_MEMBER = 512 + 256  # header block + average padding
 ESTIMATE_SAMPLES = 16
 SHARD_FILL = 0.92  # plan shards to 92 % of --shard-size: the estimate is an estimate
 
@@ -111,12 +110,12 @@ def sample_key(rel: str) -> str:
 
 @dataclasses.dataclass
 class SampleOutcome:
-    """What became of one source: members per variant set, or a reject reason."""
+    """What became of one source: its tar bytes per variant set, or a reject reason."""
 
     index: int
     key: str
     source: str
-    members: list[dict[str, bytes]] | None = None
+    tars: list[bytes] | None = None
     reason: str = ""
 
 
@@ -139,7 +138,7 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
             max_pixels=spec.max_pixels,
             background=spec.background,
         )
-        outcome.members = _render_variants(decoded, key, item, spec, classes)
+        outcome.tars = [sample_tar_bytes(key, m) for m in _render_variants(decoded, key, item, spec, classes)]
     except DecodeError as exc:
         outcome.reason = exc.reason
     except (OSError, ValueError, MemoryError) as exc:
@@ -195,25 +194,30 @@ class Listing:
 
     def write(self, items: Iterator[SourceItem]) -> tuple[int, str, set[str]]:
         """Spill `items`; returns (count, sha256 of the listing, label names seen)."""
+        try:
+            with open(self.lines_path, "wb") as lines, open(self.index_path, "wb") as index:
+                return self._spill(items, lines, index)
+        except OSError as exc:
+            raise write_failure(self.lines_path, exc) from exc
+
+    def _spill(self, items: Iterator[SourceItem], lines: Any, index: Any) -> tuple[int, str, set[str]]:
         digest = hashlib.sha256()
         labels: set[str] = set()
         offsets = array.array("Q", [0])
-        count = 0
-        position = 0
-        with open(self.lines_path, "wb") as lines, open(self.index_path, "wb") as index:
-            for item in items:
-                line = item.to_json().encode("utf-8") + b"\n"
-                lines.write(line)
-                digest.update(line)
-                position += len(line)
-                offsets.append(position)
-                count += 1
-                if item.label is not None:
-                    labels.add(item.label)
-                if len(offsets) >= 65536:  # flush the index in blocks: memory stays flat
-                    offsets.tofile(index)
-                    offsets = array.array("Q")
-            offsets.tofile(index)
+        count = position = 0
+        for item in items:
+            line = item.to_json().encode("utf-8") + b"\n"
+            lines.write(line)
+            digest.update(line)
+            position += len(line)
+            offsets.append(position)
+            count += 1
+            if item.label is not None:
+                labels.add(item.label)
+            if len(offsets) >= 65536:  # flush the index in blocks: memory stays flat
+                offsets.tofile(index)
+                offsets = array.array("Q")
+        offsets.tofile(index)
         return count, digest.hexdigest(), labels
 
     def __len__(self) -> int:
@@ -299,7 +303,7 @@ class _Job:
     warnings: list[str]
 
 
-def prepare(
+def prepare_dataset(
     spec: PrepareSpec,
     *,
     workers: int | None = None,
@@ -471,9 +475,8 @@ def _estimate_sample_bytes(listing: Listing, listed: int, spec: PrepareSpec, cla
     sizes = []
     for index in range(0, listed, step)[:ESTIMATE_SAMPLES]:
         outcome = process_item(listing.get(index), index, spec, class_index)
-        if outcome.members:
-            members = outcome.members[0]
-            sizes.append(sum(len(data) + TAR_OVERHEAD_PER_MEMBER for data in members.values()))
+        if outcome.tars:
+            sizes.append(len(outcome.tars[0]))
     if not sizes:
         return 64 * 1024  # nothing decodable in the sample: plan for typical JPEGs
     return int(math.ceil(sum(sizes) / len(sizes)))
@@ -633,12 +636,12 @@ class _ExitAll:
 def _drain(pending: Any, writers: list[TarShardWriter], rejected: list[dict[str, str]], state: PrepareProgress) -> None:
     for outcome in pending.get():
         state.done += 1
-        if outcome.members is None:
+        if outcome.tars is None:
             rejected.append({"source": outcome.source, "reason": outcome.reason})
             state.rejected += 1
             continue
-        for writer, members in zip(writers, outcome.members):
-            writer.write_sample(outcome.key, members)
+        for writer, blob in zip(writers, outcome.tars):
+            writer.write_sample_bytes(blob)
 
 
 def _report(state: PrepareProgress, progress: ProgressCallback | None, started: float) -> None:

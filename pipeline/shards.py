@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import os
 import tarfile
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .errors import StorageError
+from .errors import StorageError, write_failure
 
 TAR_MTIME = 946684800  # 2000-01-01: fixed so equal jobs give equal tars
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -119,22 +118,37 @@ class ShardInfo:
         return data
 
 
-class _HashingFile:
-    """Counts and hashes every byte on its way to the real file."""
+TAR_BLOCK = 512
+TAR_RECORD = 10240  # tar's default record: archives are padded to a multiple of it
 
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw = raw
-        self.sha256 = hashlib.sha256()
-        self.bytes = 0
 
-    def write(self, data: bytes) -> int:
-        self.raw.write(data)
-        self.sha256.update(data)
-        self.bytes += len(data)
-        return len(data)
+def tar_member(name: str, data: bytes) -> bytes:
+    """One POSIX ustar member (header + data + padding) with fixed metadata.
 
-    def tell(self) -> int:
-        return self.bytes
+    Built by hand instead of through `tarfile`: this runs once per member in
+    the writing process and `tarfile.addfile` costs ~0.08 ms each.
+    """
+    encoded = name.encode("utf-8")
+    if len(encoded) > 100:
+        raise ValueError(f"tar member name over 100 bytes: {name!r}")
+    header = bytearray(TAR_BLOCK)
+    header[0 : len(encoded)] = encoded
+    header[100:108] = b"0000644\0"
+    header[108:116] = b"0000000\0"
+    header[116:124] = b"0000000\0"
+    header[124:136] = b"%011o\0" % len(data)
+    header[136:148] = b"%011o\0" % TAR_MTIME
+    header[148:156] = b"        "
+    header[156:157] = b"0"
+    header[257:265] = b"ustar\x0000"
+    header[148:156] = b"%06o\0 " % sum(header)
+    padding = -len(data) % TAR_BLOCK
+    return bytes(header) + data + b"\0" * padding
+
+
+def sample_tar_bytes(key: str, members: dict[str, bytes]) -> bytes:
+    """All members of one sample, ready to append to a shard (extensions in sorted order)."""
+    return b"".join(tar_member(f"{key}.{extension}", members[extension]) for extension in sorted(members))
 
 
 class TarShardWriter:
@@ -145,14 +159,14 @@ class TarShardWriter:
     never has a shard's name.
     """
 
-    def __init__(self, final_path: str, opener: Any = None) -> None:
+    def __init__(self, final_path: str) -> None:
         self.final_path = final_path
         directory, name = os.path.split(final_path)
         self.temp_path = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
         self.samples = 0
+        self.bytes = 0
+        self._sha256 = hashlib.sha256()
         self._raw: BinaryIO | None = None
-        self._hashing: _HashingFile | None = None
-        self._tar: tarfile.TarFile | None = None
 
     def __enter__(self) -> TarShardWriter:
         try:
@@ -160,53 +174,49 @@ class TarShardWriter:
             self._raw = open(self.temp_path, "wb")
         except OSError as exc:
             raise StorageError(f"cannot create {self.temp_path}: {exc.strerror or exc}") from exc
-        self._hashing = _HashingFile(self._raw)
-        self._tar = tarfile.TarFile(fileobj=self._hashing, mode="w", format=tarfile.USTAR_FORMAT)  # type: ignore[arg-type]
         return self
+
+    def _write(self, data: bytes) -> None:
+        assert self._raw is not None
+        try:
+            self._raw.write(data)
+        except OSError as exc:
+            raise write_failure(self.final_path, exc) from exc
+        self._sha256.update(data)
+        self.bytes += len(data)
 
     def write_sample(self, key: str, members: dict[str, bytes]) -> None:
         """Add one sample: `members` maps extension (e.g. "jpg") to bytes."""
-        assert self._tar is not None
-        try:
-            for extension in sorted(members):
-                data = members[extension]
-                info = tarfile.TarInfo(f"{key}.{extension}")
-                info.size = len(data)
-                info.mtime = TAR_MTIME
-                info.mode = 0o644
-                info.uname = info.gname = ""
-                self._tar.addfile(info, io.BytesIO(data))
-        except OSError as exc:
-            raise StorageError(_write_failure(self.final_path, exc)) from exc
+        self.write_sample_bytes(sample_tar_bytes(key, members))
+
+    def write_sample_bytes(self, blob: bytes) -> None:
+        """Add one sample already encoded by `sample_tar_bytes` (e.g. in a worker process)."""
+        self._write(blob)
         self.samples += 1
 
     def commit(self, relative_path: str, variant: int | None = None) -> ShardInfo:
         """Finish the tar, make it durable, rename it to its final name."""
-        assert self._tar is not None and self._raw is not None and self._hashing is not None
+        assert self._raw is not None
+        end = 2 * TAR_BLOCK
+        end += -(self.bytes + end) % TAR_RECORD
+        self._write(b"\0" * end)
         try:
-            self._tar.close()
             self._raw.flush()
             os.fsync(self._raw.fileno())
             self._raw.close()
             os.replace(self.temp_path, self.final_path)
         except OSError as exc:
-            raise StorageError(_write_failure(self.final_path, exc)) from exc
-        self._tar = None
-        return ShardInfo(relative_path, self.samples, self._hashing.bytes, self._hashing.sha256.hexdigest(), variant)
+            raise write_failure(self.final_path, exc) from exc
+        return ShardInfo(relative_path, self.samples, self.bytes, self._sha256.hexdigest(), variant)
 
     def __exit__(self, *exc_info: object) -> None:
         if self._raw is not None and not self._raw.closed:
-            self._raw.close()
+            try:
+                self._raw.close()
+            except OSError:
+                pass  # the temp file is being discarded; a full disk may refuse the final flush
         if os.path.exists(self.temp_path):
             os.unlink(self.temp_path)
-
-
-def _write_failure(path: str, exc: OSError) -> str:
-    import errno
-
-    if exc.errno == errno.ENOSPC:
-        return f"no space left on the device while writing {path}; free some space and run the same command again to resume"
-    return f"cannot write {path}: {exc.strerror or exc}"
 
 
 def file_sha256(path: str, chunk: int = 4 * 1024 * 1024) -> tuple[str, int]:

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from .errors import StorageError
+from .errors import StorageError, write_failure
 from .sources import local_path, open_fs
 
 NETWORK_FS = frozenset(
@@ -114,9 +114,7 @@ class Output:
         except OSError as exc:
             if os.path.exists(temp):
                 os.unlink(temp)
-            from .shards import _write_failure
-
-            raise StorageError(_write_failure(path, exc)) from exc
+            raise write_failure(path, exc) from exc
         self.publish(rel)
 
     def remove(self, rel: str) -> None:

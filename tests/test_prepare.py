@@ -1,0 +1,367 @@
+"""End-to-end behaviour of `prepare_dataset` and `gpufeed prepare` on real files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from pipeline import (
+    AugmentSpec,
+    ConfigError,
+    EncodeSpec,
+    JobConflictError,
+    PrepareSpec,
+    ResizeSpec,
+    ShardSpec,
+    SourceError,
+    StorageError,
+    prepare_dataset,
+)
+from pipeline.demo import make_demo_dataset
+from pipeline.manifest import read_manifest, verify_dataset
+from pipeline.storage import Output
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("raw")
+    make_demo_dataset(root, 60, classes=3, min_side=120, max_side=260, workers=1)
+    return root
+
+
+def spec_for(src: str | Path, out: str | Path, **changes: object) -> PrepareSpec:
+    values: dict[str, object] = {
+        "resize": ResizeSpec(size=64),
+        "shards": ShardSpec(max_bytes=None, max_samples=16),
+    }
+    values.update(changes)
+    return PrepareSpec(source=str(src), out=str(out), **values)  # type: ignore[arg-type]
+
+
+def read_samples(out: Path, pattern: str = "shard-*.tar") -> list[dict]:
+    urls = sorted(str(p) for p in out.glob(pattern))
+    return list(wds.WebDataset(urls, shardshuffle=False).decode("pil"))
+
+
+def shard_bytes(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*.tar"))}
+
+
+def test_imagefolder_to_shards_round_trip(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = prepare_dataset(spec_for(raw, out), workers=2)
+    assert (result.listed, result.samples, result.rejected) == (60, 60, 0)
+    manifest = read_manifest(Output(str(out)))
+    assert manifest.format == "gpufeed-manifest/1"
+    assert manifest.classes == ["aurora", "canyon", "harbour"]
+    assert [s.samples for s in manifest.shards] == [16, 16, 16, 12]
+    samples = read_samples(out)
+    assert len(samples) == 60 and len({s["__key__"] for s in samples}) == 60
+    for sample in samples:
+        meta = sample["json"]
+        assert manifest.classes[int(sample["cls"])] == meta["label"]
+        assert Path(meta["source"]).parent.name == meta["label"]
+        assert min(sample["jpg"].size) == 64
+        assert "." not in sample["__key__"]
+    assert verify_dataset(Output(str(out)), manifest).ok
+
+
+def test_samples_are_shuffled_across_shards_by_seed(raw: Path, tmp_path: Path) -> None:
+    first = [s["__key__"] for s in (prepare_dataset(spec_for(raw, tmp_path / "a"), workers=0) and read_samples(tmp_path / "a"))]
+    other = [s["__key__"] for s in (prepare_dataset(spec_for(raw, tmp_path / "b", seed=7), workers=0) and read_samples(tmp_path / "b"))]
+    assert sorted(first) == sorted(other) and first != other
+    # Listing order is class by class; a shuffled first shard holds several classes.
+    first_shard = read_samples(tmp_path / "a", "shard-000000.tar")
+    assert len({s["json"]["label"] for s in first_shard}) >= 2
+
+
+def test_identical_jobs_give_byte_identical_shards(raw: Path, tmp_path: Path) -> None:
+    prepare_dataset(spec_for(raw, tmp_path / "one"), workers=2)
+    prepare_dataset(spec_for(raw, tmp_path / "two"), workers=0)
+    assert shard_bytes(tmp_path / "one") == shard_bytes(tmp_path / "two")
+    one = json.loads((tmp_path / "one" / "manifest.json").read_text())
+    two = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert one["shards"] == two["shards"]
+
+
+def test_shard_size_bound_in_bytes(raw: Path, tmp_path: Path) -> None:
+    bound = 96 * 1024
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out, shards=ShardSpec(max_bytes=bound)), workers=2)
+    manifest = read_manifest(Output(str(out)))
+    assert len(manifest.shards) >= 3
+    assert all(shard.bytes <= bound * 1.1 for shard in manifest.shards)
+    assert sum(s.samples for s in manifest.shards) == 60
+
+
+@pytest.mark.parametrize(
+    ("fmt", "extension"), [("webp", "webp"), ("png", "png"), ("npy", "npy")]
+)
+def test_other_encodings_read_back(raw: Path, tmp_path: Path, fmt: str, extension: str) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out, encode=EncodeSpec(format=fmt, quality=80)), workers=0)
+    samples = read_samples(out)
+    assert len(samples) == 60
+    for sample in samples[:5]:
+        image = sample[extension]
+        array = image if fmt == "npy" else np.asarray(image)
+        assert array.dtype == np.uint8 and array.ndim == 3 and array.shape[2] == 3
+        assert min(array.shape[:2]) == 64
+
+
+def test_variant_sets_are_complete_and_deterministic(raw: Path, tmp_path: Path) -> None:
+    spec = spec_for(raw, tmp_path / "a", augment=AugmentSpec(variants=2), resize=ResizeSpec(size=48, mode="center-crop"))
+    prepare_dataset(spec, workers=2)
+    manifest = read_manifest(Output(str(tmp_path / "a")))
+    assert manifest.variants == 2 and manifest.samples == 60
+    assert {s.variant for s in manifest.shards} == {0, 1}
+    assert all(s.path.startswith(f"v{s.variant}/") for s in manifest.shards)
+    v0 = {s["__key__"]: s for s in read_samples(tmp_path / "a", "v0/*.tar")}
+    v1 = {s["__key__"]: s for s in read_samples(tmp_path / "a", "v1/*.tar")}
+    assert v0.keys() == v1.keys() and len(v0) == 60
+    differing = sum(np.asarray(v0[k]["jpg"]).tobytes() != np.asarray(v1[k]["jpg"]).tobytes() for k in v0)
+    assert differing == 60
+    meta = v1[next(iter(v1))]["json"]
+    assert meta["variant"] == 1 and meta["seed"] == 0
+    assert meta["ops"][0]["op"] == "random_resized_crop"
+    assert all(v0[k]["jpg"].size == (48, 48) for k in v0)
+    prepare_dataset(PrepareSpec.from_dict({**spec.to_dict(), "out": str(tmp_path / "b")}), workers=0)
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
+
+
+def test_memory_and_file_urls(raw: Path, tmp_path: Path) -> None:
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    for path in sorted(raw.rglob("*.jpg"))[:10]:
+        memory.pipe(f"/gpufeed-test-src/{path.parent.name}/{path.name}", path.read_bytes())
+    try:
+        result = prepare_dataset(spec_for("memory://gpufeed-test-src", "memory://gpufeed-test-out"), workers=0)
+        assert result.samples == 10
+        output = Output("memory://gpufeed-test-out")
+        manifest = read_manifest(output)
+        assert verify_dataset(output, manifest).ok
+        assert sorted(manifest.classes) == sorted({p.parent.name for p in sorted(raw.rglob("*.jpg"))[:10]})
+        assert not any(".tmp-" in name for name in output.listdir())
+    finally:
+        memory.rm("/gpufeed-test-src", recursive=True)
+        memory.rm("/gpufeed-test-out", recursive=True)
+    result = prepare_dataset(spec_for(f"file://{raw}", f"file://{tmp_path / 'out'}"), workers=0)
+    assert result.samples == 60 and (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_csv_and_jsonl_lists(raw: Path, tmp_path: Path) -> None:
+    files = sorted(raw.rglob("*.jpg"))[:12]
+    with open(tmp_path / "list.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["path", "label"])
+        for i, path in enumerate(files):
+            writer.writerow([str(path), "cat" if i % 2 else "dog"])
+    result = prepare_dataset(spec_for(tmp_path / "list.csv", tmp_path / "csv-out"), workers=0)
+    assert result.samples == 12 and result.classes == ["cat", "dog"]
+    lines = [json.dumps({"path": str(p.relative_to(raw)), "label": i % 3}) for i, p in enumerate(files)]
+    (raw / "list.jsonl").write_text("\n".join(lines) + "\n")
+    try:
+        result = prepare_dataset(spec_for(raw / "list.jsonl", tmp_path / "jsonl-out"), workers=0)
+    finally:
+        (raw / "list.jsonl").unlink()
+    assert result.classes == ["0", "1", "2"]
+    labels = sorted(int(s["cls"]) for s in read_samples(tmp_path / "jsonl-out"))
+    assert labels == sorted(i % 3 for i in range(12))
+
+
+def test_flat_folder_has_no_labels(raw: Path, tmp_path: Path) -> None:
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for path in sorted(raw.rglob("*.jpg"))[:5]:
+        (flat / path.name).write_bytes(path.read_bytes())
+    prepare_dataset(spec_for(flat, tmp_path / "out"), workers=0)
+    samples = read_samples(tmp_path / "out")
+    assert len(samples) == 5 and all("cls" not in s for s in samples)
+    assert read_manifest(Output(str(tmp_path / "out"))).classes == []
+
+
+def test_rerun_of_finished_job_does_nothing_and_other_settings_conflict(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out), workers=0)
+    before = shard_bytes(out)
+    again = prepare_dataset(spec_for(raw, out), workers=0)
+    assert again.already_complete and again.processed == 0
+    with pytest.raises(JobConflictError, match="different settings"):
+        prepare_dataset(spec_for(raw, out, resize=ResizeSpec(size=32)), workers=0)
+    assert shard_bytes(out) == before
+    replaced = prepare_dataset(spec_for(raw, out, resize=ResizeSpec(size=32)), workers=0, overwrite=True)
+    assert replaced.samples == 60 and shard_bytes(out) != before
+
+
+def test_bad_sources_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="not found"):
+        prepare_dataset(spec_for(tmp_path / "missing", tmp_path / "out"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("hello")
+    with pytest.raises(ConfigError, match="no images found"):
+        prepare_dataset(spec_for(tmp_path / "empty", tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_free_space_check_refuses_unless_forced(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pipeline.prepare.free_bytes", lambda path: 1000)
+    with pytest.raises(StorageError, match="free"):
+        prepare_dataset(spec_for(raw, tmp_path / "out"), workers=0)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    result = prepare_dataset(spec_for(raw, tmp_path / "out2"), workers=0, force=True)
+    assert result.samples == 60 and any("--force" in w for w in result.warnings)
+
+
+class _FullDisk:
+    """A file object whose writes fail with ENOSPC once `budget` bytes are written."""
+
+    def __init__(self, real, budget: int) -> None:
+        self.real, self.budget = real, budget
+
+    def write(self, data: bytes) -> int:
+        import errno
+
+        self.budget -= len(data)
+        if self.budget < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+def test_full_disk_mid_write_is_a_clear_error_without_manifest(
+    raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import builtins
+
+    def failing_open(path, mode="r", *args, **kwargs):
+        handle = builtins.open(path, mode, *args, **kwargs)
+        return _FullDisk(handle, 40_000) if "w" in mode and ".tmp-" in str(path) else handle
+
+    monkeypatch.setattr("pipeline.shards.open", failing_open, raising=False)
+    out = tmp_path / "out"
+    with pytest.raises(StorageError, match="no space left"):
+        prepare_dataset(spec_for(raw, out), workers=0)
+    assert not (out / "manifest.json").exists()
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    monkeypatch.undo()
+    result = prepare_dataset(spec_for(raw, out), workers=0)  # space freed: the same command resumes
+    assert result.samples == 60 and verify_dataset(Output(str(out)), read_manifest(Output(str(out)))).ok
+
+
+def test_full_tmpfs_gives_clear_error(raw: Path, tmp_path: Path) -> None:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}); the injected test covers it")
+    try:
+        cmd = [sys.executable, "-m", "pipeline", "prepare", str(raw), str(mount / "out"), "--size", "128", "--shard-count", "8"]
+        refused = subprocess.run(cmd + ["--quiet"], capture_output=True, text=True)
+        assert refused.returncode == 1 and "free" in refused.stderr and "Traceback" not in refused.stderr
+        forced = subprocess.run(cmd + ["--quiet", "--force"], capture_output=True, text=True)
+        assert forced.returncode == 1, forced.stderr
+        assert "no space left" in forced.stderr and "Traceback" not in forced.stderr
+        assert not (mount / "out" / "manifest.json").exists()
+        assert not [p for p in (mount / "out").rglob("*") if ".tmp-" in p.name]
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_flipped_byte_fails_verify(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out), workers=0)
+    ok = subprocess.run([sys.executable, "-m", "pipeline", "inspect", str(out), "--verify"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    shard = out / "shard-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[2000] ^= 0x01
+    shard.write_bytes(bytes(data))
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "inspect", str(out), "--verify", "--json"], capture_output=True, text=True)
+    assert bad.returncode != 0
+    report = json.loads(bad.stdout)
+    assert report["verified"] is False and any("shard-000001.tar" in p and "sha256" in p for p in report["problems"])
+
+
+def test_sigkill_midway_then_rerun_completes_exactly(raw: Path, tmp_path: Path) -> None:
+    """Kill a CLI prepare with SIGKILL once some shards exist; the re-run keeps them and finishes."""
+    import signal
+    import time
+
+    big = tmp_path / "big"
+    make_demo_dataset(big, 160, classes=4, min_side=400, max_side=700, workers=2)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pipeline", "prepare", str(big), str(out), "--size", "96", "--shard-count", "10", "--quiet", "--workers", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    seen_partial_names = set()
+    while time.monotonic() < deadline and len(list(out.glob("shard-*.tar"))) < 5:
+        for visible in out.glob("shard-*.tar"):
+            with tarfile.open(visible) as tar:  # a visible shard is always a complete tar
+                assert len({m.name.split(".")[0] for m in tar.getmembers()}) == 10
+        seen_partial_names |= {p.name for p in out.glob(".shard-*")}
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    complete_before = len(list(out.glob("shard-*.tar")))
+    assert 0 < complete_before < 16, "the kill must land mid-job"
+    assert not (out / "manifest.json").exists()
+    rerun = subprocess.run(cmd[:-2] + ["--json"], capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    summary = json.loads(rerun.stdout)
+    assert summary["resumed_shards"] >= complete_before - 1
+    assert summary["samples"] == 160 and summary["rejected"] == 0
+    keys = [s["__key__"] for s in read_samples(out)]
+    assert len(keys) == 160 and len(set(keys)) == 160
+    check = subprocess.run([sys.executable, "-m", "pipeline", "inspect", str(out), "--verify"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    fresh = tmp_path / "fresh"
+    subprocess.run(cmd[:5] + [str(fresh)] + cmd[6:], check=True, capture_output=True)
+    assert shard_bytes(out) == shard_bytes(fresh)
+
+
+def test_peak_memory_does_not_grow_with_image_count(tmp_path: Path) -> None:
+    """Main-process peak RSS for 1,500 vs 12,000 tiny images: listing and planning stream."""
+    from PIL import Image
+
+    def make(root: Path, count: int) -> None:
+        pixels = np.random.default_rng(0).integers(0, 255, (24, 24, 3), dtype=np.uint8)
+        for c in range(3):
+            (root / f"class{c}").mkdir(parents=True)
+        Image.fromarray(pixels).save(tmp_path / "tile.jpg", quality=80)
+        data = (tmp_path / "tile.jpg").read_bytes()
+        for i in range(count):
+            (root / f"class{i % 3}" / f"image_{i:06d}_with_a_fairly_long_name.jpg").write_bytes(data)
+
+    script = (
+        "import resource, sys\n"
+        "from pipeline import prepare_dataset, PrepareSpec, ResizeSpec, ShardSpec\n"
+        "r = prepare_dataset(PrepareSpec(sys.argv[1], sys.argv[2], resize=ResizeSpec(size=16),"
+        " shards=ShardSpec(max_bytes=None, max_samples=500)), workers=1)\n"
+        "assert r.samples == int(sys.argv[3]), r\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    peaks = {}
+    for count in (1500, 12000):
+        make(tmp_path / f"src{count}", count)
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / f"src{count}"), str(tmp_path / f"out{count}"), str(count)],
+            capture_output=True, text=True, check=True,
+        )
+        peaks[count] = int(done.stdout.strip()) / 1024  # MiB
+    growth = peaks[12000] - peaks[1500]
+    print(f"peak RSS MiB: {peaks}")
+    # Holding per-image records in memory would cost ~5+ MiB for 10,500 more images.
+    assert growth < 3.0, f"peak RSS grew {growth:.1f} MiB: {peaks}"
