@@ -31,6 +31,41 @@ except ImportError:  # pragma: no cover - depends on the install
 _ORIENTATION_TAG = 0x0112
 _PIL_READY = False
 
+# The raster formats gpufeed decodes (PIL names). PIL identifies files by their
+# content, not their name, and some of its plugins hand the bytes to external
+# programs (EPS runs Ghostscript) or parse rarely audited formats: a hostile
+# `photo.jpg` must not reach those. MPO (camera multi-picture JPEG) opens as JPEG.
+DECODE_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "BMP", "DIB", "PPM", "JPEG2000", "TGA", "ICO", "AVIF", "HEIF")
+_DCT_FORMATS = ("JPEG", "MPO")
+
+# Leading bytes of formats a user may meet in an image folder, so a file PIL
+# cannot open is reported as "truncated PNG" or "unsupported HEIC" rather than
+# "not an image". (offset, magic, name); checked in order.
+_SIGNATURES: tuple[tuple[int, bytes, str], ...] = (
+    (0, b"\xff\xd8\xff", "JPEG"),
+    (0, b"\x89PNG\r\n\x1a\n", "PNG"),
+    (0, b"GIF87a", "GIF"),
+    (0, b"GIF89a", "GIF"),
+    (0, b"II*\x00", "TIFF"),
+    (0, b"MM\x00*", "TIFF"),
+    (0, b"II+\x00", "TIFF"),
+    (0, b"MM\x00+", "TIFF"),
+    (0, b"\x00\x00\x00\x0cjP  \r\n\x87\n", "JPEG2000"),
+    (0, b"\xffO\xffQ", "JPEG2000"),
+    (0, b"\x00\x00\x00\x0cJXL \r\n\x87\n", "JPEG XL"),
+    (0, b"\xff\x0a", "JPEG XL"),
+    (4, b"ftypavif", "AVIF"),
+    (4, b"ftypavis", "AVIF"),
+    (4, b"ftyphei", "HEIC"),
+    (4, b"ftyphev", "HEIC"),
+    (4, b"ftypmif1", "HEIF"),
+    (4, b"ftypmsf1", "HEIF"),
+    (0, b"8BPS", "PSD (Photoshop)"),
+    (0, b"%!PS", "PostScript/EPS"),
+    (0, b"\xc5\xd0\xd3\xc6", "PostScript/EPS"),
+    (0, b"%PDF", "PDF"),
+)
+
 
 def _pil() -> Any:
     """Import PIL once per process with gpufeed's safety settings."""
@@ -89,11 +124,12 @@ def decode_image(
         raise DecodeError("empty file (0 bytes)")
     Image = _pil()
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=_decode_formats(Image))
     except Image.UnidentifiedImageError:
-        raise DecodeError(f"not an image: unknown format (file starts with {data[:12]!r})") from None
+        raise DecodeError(_unidentified_reason(data, Image)) from None
     except Exception as exc:  # PIL raises many types for broken headers
-        raise DecodeError(f"unreadable image header: {_describe(exc)}") from None
+        kind = _sniff(data) or "image"
+        raise DecodeError(f"corrupt or truncated {kind} header: {_describe(exc)}") from None
     width, height = img.size
     if width < 1 or height < 1:
         raise DecodeError(f"image has no pixels ({width}x{height})")
@@ -104,7 +140,7 @@ def decode_image(
     orientation = _orientation(img)
     scale = min(1.0, scale_for(width, height)) if scale_for else 1.0
     try:
-        if img.format == "JPEG" and simplejpeg is not None and img.mode in ("RGB", "L"):
+        if img.format in _DCT_FORMATS and simplejpeg is not None and img.mode in ("RGB", "L"):
             array = _decode_jpeg_scaled(data, width, height, scale)
             rgb = Image.fromarray(array)
         else:
@@ -116,6 +152,55 @@ def decode_image(
     rgb = _apply_orientation(rgb, orientation)
     upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
     return DecodedImage(rgb, upright, img.format or "unknown")
+
+
+# PIL registers some plugins even when the codec library behind them is missing.
+_CODEC_FEATURES = {"WEBP": "webp", "JPEG2000": "jpg_2000", "AVIF": "avif"}
+_PIL_NAMES = {"HEIC": "HEIF"}
+_formats_cache: tuple[int, tuple[str, ...]] = (-1, ())
+
+
+def _decode_formats(Image: Any) -> tuple[str, ...]:
+    """The DECODE_FORMATS this PIL can actually decode (plugins added later count too)."""
+    global _formats_cache
+    Image.init()  # PIL loads most plugins lazily; the list must not depend on what was opened first
+    if _formats_cache[0] != len(Image.OPEN):
+        from PIL import features
+
+        def usable(name: str) -> bool:
+            if name not in Image.OPEN:
+                return False
+            feature = _CODEC_FEATURES.get(name)
+            with warnings.catch_warnings():  # older PIL warns about feature names it does not know
+                warnings.simplefilter("ignore")
+                return feature is None or bool(features.check(feature))
+
+        _formats_cache = (len(Image.OPEN), tuple(name for name in DECODE_FORMATS if usable(name)))
+    return _formats_cache[1]
+
+
+def _sniff(data: bytes) -> str | None:
+    """The format named by the file's leading bytes, if it is one we know."""
+    for offset, magic, name in _SIGNATURES:
+        if data[offset : offset + len(magic)] == magic:
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return None
+
+
+def _unidentified_reason(data: bytes, Image: Any) -> str:
+    kind = _sniff(data)
+    if kind is None:
+        head = data[:512].lstrip().lower()
+        if head.startswith((b"<!doctype html", b"<html")):
+            return f"not an image: an HTML page (file starts with {data[:12]!r})"
+        if b"<svg" in head:
+            return "unsupported image format: SVG (vector graphics are not decoded)"
+        return f"not an image: unknown format (file starts with {data[:12]!r})"
+    if _PIL_NAMES.get(kind, kind) in _decode_formats(Image):
+        return f"corrupt or truncated {kind} file: PIL cannot read its header"
+    return f"unsupported image format: {kind} (this build of PIL or gpufeed cannot decode it)"
 
 
 def _describe(exc: BaseException) -> str:
@@ -137,7 +222,7 @@ def _decode_jpeg_scaled(data: bytes, width: int, height: int, scale: float) -> n
 def _decode_with_pil(img: Any, scale: float, background: tuple[int, int, int]) -> Any:
     Image = _pil()
     width, height = img.size
-    if img.format == "JPEG" and scale < 1:
+    if img.format in _DCT_FORMATS and scale < 1:
         img.draft(img.mode, (math.ceil(width * scale), math.ceil(height * scale)))
     if getattr(img, "n_frames", 1) > 1:
         img.seek(0)  # animated: the first frame stands for the file
@@ -156,7 +241,10 @@ def to_rgb(img: Any, background: tuple[int, int, int], Image: Any = None) -> Any
     if mode == "P" or mode == "PA":
         img = img.convert("RGBA")
         mode = "RGBA"
-    if mode in ("LA", "La"):
+    if mode == "La":  # premultiplied: PIL converts it only to LA
+        img = img.convert("LA")
+        mode = "LA"
+    if mode == "LA":
         img = img.convert("RGBA")
         mode = "RGBA"
     if mode in ("RGBA", "RGBa"):
@@ -173,7 +261,9 @@ def _high_depth_to_rgb(img: Any, Image: Any) -> Any:
     # scale by the type's range instead.
     array = np.asarray(img)
     if img.mode == "F":
-        low, high = float(np.nanmin(array)), float(np.nanmax(array))
+        finite = np.isfinite(array)
+        array = np.where(finite, array, 0.0)  # NaN and inf would cast to arbitrary bytes
+        low, high = (float(array[finite].min()), float(array[finite].max())) if finite.any() else (0.0, 0.0)
         scaled = (array - low) / (high - low or 1.0) * 255.0
     else:
         full_scale = 65535.0 if array.max(initial=0) > 255 or img.mode.startswith("I;16") else 255.0

@@ -78,7 +78,7 @@ def write_manifest(output: Output, manifest: Manifest) -> None:
     """Write OUT/manifest.json atomically (the last step of a job)."""
     if not manifest.created:
         manifest.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    text = json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False) + "\n"
+    text = json.dumps(manifest.to_dict(), indent=2) + "\n"
     output.write_bytes_atomic(MANIFEST_NAME, text.encode("utf-8"))
 
 
@@ -132,7 +132,12 @@ def verify_dataset(output: Output, manifest: Manifest) -> VerifyResult:
             result.problems.append(f"{shard.path}: unreadable tar: {error}")
         elif samples != shard.samples:
             result.problems.append(f"{shard.path}: {samples} samples, manifest says {shard.samples}")
-    for variant, count in per_variant.items():
+    expected: list[int | None] = list(range(manifest.variants)) if manifest.variants else [None]
+    for variant in per_variant:
+        if variant not in expected:
+            result.problems.append(f"shards of variant {variant!r}, which the manifest does not declare")
+    for variant in expected:
+        count = per_variant.get(variant, 0)
         if count != manifest.samples:
             label = "dataset" if variant is None else f"variant set v{variant}"
             result.problems.append(f"{label}: shards hold {count} samples, manifest says {manifest.samples}")

@@ -104,7 +104,8 @@ def sample_key(rel: str) -> str:
     apart.
     """
     slug = _KEY_UNSAFE.sub("_", rel).strip("_")[:48] or "image"
-    digest = hashlib.blake2b(rel.encode("utf-8"), digest_size=8).hexdigest()
+    # surrogateescape: file names that are not valid UTF-8 still get a stable key.
+    digest = hashlib.blake2b(rel.encode("utf-8", "surrogateescape"), digest_size=8).hexdigest()
     return f"{slug}-{digest}"
 
 
@@ -171,7 +172,7 @@ def _render_variants(
         }
         members = {
             spec.encode.extension: encode_image(image, spec.encode),
-            "json": json.dumps(meta, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8"),
+            "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode("ascii"),
         }
         if label is not None:
             members["cls"] = str(label).encode("ascii")
@@ -659,7 +660,7 @@ def _finish(job: _Job) -> Manifest:
         for info in record["shards"]:
             shards.append(ShardInfo(info["path"], info["samples"], info["bytes"], info["sha256"], info.get("variant")))
         for entry in record["rejected"]:
-            rejected_lines.append(json.dumps(entry, ensure_ascii=False).encode("utf-8") + b"\n")
+            rejected_lines.append(json.dumps(entry).encode("ascii") + b"\n")
             rejected += 1
     sets = max(1, job.spec.augment.variants)
     samples = sum(s.samples for s in shards) // sets

@@ -34,7 +34,8 @@ class SourceItem:
     label: str | None
 
     def to_json(self) -> str:
-        return json.dumps([self.url, self.rel, self.label], ensure_ascii=False)
+        # ASCII escapes keep names that are not valid UTF-8 (surrogate-escaped) intact.
+        return json.dumps([self.url, self.rel, self.label])
 
     @classmethod
     def from_json(cls, line: str | bytes) -> SourceItem:
@@ -44,7 +45,13 @@ class SourceItem:
 
 @dataclasses.dataclass
 class ListingInfo:
-    """Counts kept while listing: classes seen and files passed over."""
+    """Counts kept while listing: classes seen and entries passed over.
+
+    `ignored` counts files without an image extension, files beside class
+    folders, special files (FIFOs, sockets, devices) and symlinks that lead
+    back into a folder being listed. Hidden entries (``.name``) are skipped
+    without counting.
+    """
 
     kind: str = ""
     classes: list[str] = dataclasses.field(default_factory=list)
@@ -117,7 +124,13 @@ def _is_image_name(name: str) -> bool:
     return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
-def _scan_sorted(path: str) -> tuple[list[str], list[str]]:
+def _scan_sorted(path: str, info: ListingInfo) -> tuple[list[str], list[str]]:
+    """Sub-folders and listable files of `path`, sorted; other entries count as ignored.
+
+    A dangling symlink is listed as a file so it is rejected with a reason
+    rather than silently missing; FIFOs and devices are never listed (reading
+    one would block or never end).
+    """
     dirs, files = [], []
     try:
         with os.scandir(path) as entries:
@@ -126,29 +139,57 @@ def _scan_sorted(path: str) -> tuple[list[str], list[str]]:
                     continue
                 if entry.is_dir():
                     dirs.append(entry.name)
-                elif entry.is_file():
+                elif entry.is_file() or (entry.is_symlink() and not os.path.exists(entry.path)):
                     files.append(entry.name)
+                else:
+                    info.ignored += 1
     except OSError as exc:
         raise SourceError(f"cannot list {path}: {exc.strerror or exc}") from exc
     return sorted(dirs), sorted(files)
 
 
+def _dir_id(path: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 def _list_local_dir(root: str, info: ListingInfo) -> Iterator[SourceItem]:
-    top_dirs, top_files = _scan_sorted(root)
+    top_dirs, top_files = _scan_sorted(root, info)
+    ancestors = frozenset(filter(None, [_dir_id(root)]))
     if not top_dirs:
         info.kind = "flat"
-        yield from _walk_local(root, "", None, top_files, [], info)
+        yield from _walk_local(root, "", None, top_files, [], info, ancestors)
         return
     info.kind = "imagefolder"
-    info.classes = list(top_dirs)
+    info.classes = [_printable(name) for name in top_dirs]
     info.ignored += len(top_files)  # files beside class folders belong to no class
     for name in top_dirs:
-        sub_dirs, sub_files = _scan_sorted(os.path.join(root, name))
-        yield from _walk_local(root, name, name, sub_files, sub_dirs, info)
+        yield from _walk_dir(root, name, _printable(name), info, ancestors)
+
+
+def _walk_dir(
+    root: str, rel_dir: str, label: str | None, info: ListingInfo, ancestors: frozenset[tuple[int, int]]
+) -> Iterator[SourceItem]:
+    path = os.path.join(root, rel_dir)
+    ident = _dir_id(path)
+    if ident is None or ident in ancestors:
+        info.ignored += 1  # a symlink back into its own tree would never end
+        return
+    sub_dirs, sub_files = _scan_sorted(path, info)
+    yield from _walk_local(root, rel_dir, label, sub_files, sub_dirs, info, ancestors | {ident})
 
 
 def _walk_local(
-    root: str, rel_dir: str, label: str | None, files: list[str], dirs: list[str], info: ListingInfo
+    root: str,
+    rel_dir: str,
+    label: str | None,
+    files: list[str],
+    dirs: list[str],
+    info: ListingInfo,
+    ancestors: frozenset[tuple[int, int]],
 ) -> Iterator[SourceItem]:
     base = os.path.join(root, rel_dir) if rel_dir else root
     for name in files:
@@ -156,11 +197,23 @@ def _walk_local(
             info.ignored += 1
             continue
         rel = f"{rel_dir}/{name}" if rel_dir else name
-        yield SourceItem(os.path.join(base, name), rel, label)
+        yield SourceItem(_printable(os.path.join(base, name)), _printable(rel), label)
     for name in dirs:
-        child = f"{rel_dir}/{name}" if rel_dir else name
-        sub_dirs, sub_files = _scan_sorted(os.path.join(root, child))
-        yield from _walk_local(root, child, label, sub_files, sub_dirs, info)
+        yield from _walk_dir(root, f"{rel_dir}/{name}" if rel_dir else name, label, info, ancestors)
+
+
+def _printable(text: str) -> str:
+    """`text` as valid Unicode: bytes of a file name that are not UTF-8 become U+FFFD.
+
+    Such a name cannot be written to the listing, the manifest or
+    rejected.jsonl; the file is listed under the replaced name and rejected
+    with a reason (see read_source_bytes) instead of crashing the job.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return text
 
 
 def _list_fs_dir(fs: Any, root: str, info: ListingInfo) -> Iterator[SourceItem]:
@@ -181,14 +234,16 @@ def _list_fs_dir(fs: Any, root: str, info: ListingInfo) -> Iterator[SourceItem]:
     if not top_dirs:
         walks: list[tuple[str, str | None]] = [(root, None)]
     else:
-        info.ignored += sum(1 for e in top if e["type"] != "directory")
+        info.ignored += sum(1 for e in top if e["type"] != "directory" and not _basename(e["name"]).startswith("."))
         walks = [(f"{root}/{name}", name) for name in top_dirs]
     for base, label in walks:
         # fs.walk yields one directory at a time: memory holds one folder's names.
         for dirpath, dirnames, filenames in fs.walk(base):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             for name in sorted(filenames):
-                if name.startswith(".") or not _is_image_name(name):
+                if name.startswith("."):
+                    continue
+                if not _is_image_name(name):
                     info.ignored += 1
                     continue
                 full = f"{dirpath.rstrip('/')}/{name}"
@@ -257,6 +312,17 @@ def _read_jsonl_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
 
 def read_source_bytes(url: str, max_bytes: int) -> bytes:
     """Read one input file whole; OSError for anything unreadable or too large."""
+    try:
+        return _read_bytes(url, max_bytes)
+    except FileNotFoundError as exc:
+        if "\ufffd" in url:
+            raise OSError(
+                "the file name is not valid UTF-8 (shown with U+FFFD), so it cannot be recorded; rename the file"
+            ) from exc
+        raise
+
+
+def _read_bytes(url: str, max_bytes: int) -> bytes:
     local = local_path(url)
     if local is not None:
         with open(local, "rb") as handle:

@@ -55,6 +55,14 @@ def _check_number(name: str, value: Any, low: float, high: float | None = None) 
         raise ConfigError(f"{name} must be {bound}, got {value}")
 
 
+def _is_number_pair(pair: Any) -> bool:
+    return (
+        isinstance(pair, (tuple, list))
+        and len(pair) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
+    )
+
+
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be a whole number, got {value!r}")
@@ -109,7 +117,7 @@ class AugmentSpec(_Spec):
     def __post_init__(self) -> None:
         _check_int("--variants", self.variants, 0, 1000)
         for name, pair, low, high in (("scale", self.scale, 0.01, 1.0), ("ratio", self.ratio, 0.1, 10.0)):
-            if len(pair) != 2 or not pair[0] <= pair[1]:
+            if not _is_number_pair(pair) or not pair[0] <= pair[1]:
                 raise ConfigError(f"--crop-{name} must be two numbers LOW,HIGH with LOW <= HIGH")
             for value in pair:
                 _check_number(f"--crop-{name}", value, low, high)
@@ -178,7 +186,7 @@ class PrepareSpec(_Spec):
         _check_int("--seed", self.seed, 0, 2**63 - 1)
         _check_int("--max-pixels", self.max_pixels, 64)
         _check_int("max_file_bytes", self.max_file_bytes, 1)
-        if len(self.background) != 3 or any(
+        if not isinstance(self.background, (tuple, list)) or len(self.background) != 3 or any(
             isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 255 for c in self.background
         ):
             raise ConfigError("background must be three integers 0-255")
@@ -208,7 +216,7 @@ class PrepareSpec(_Spec):
         return data
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*((?:[kmgt]i?)?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
@@ -219,6 +227,8 @@ def parse_bytes(text: str | int) -> int:
         ConfigError: when the text is not a size.
     """
     if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ConfigError(f"a size cannot be negative: {text}")
         return text
     match = _SIZE_RE.match(str(text))
     if not match:
@@ -228,3 +238,84 @@ def parse_bytes(text: str | int) -> int:
     letter = unit[:1] if unit[:1] in "kmgt" else ""
     factor = 1024 ** ("kmgt".index(letter) + 1) if binary and letter else _UNITS[letter]
     return int(number * factor)
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderSpec(_Spec):
+    """Settings of `make_loader`, validated before anything is built.
+
+    Attributes:
+        batch_size: samples per batch.
+        train: random-resized crop, flips, shuffling (else centre crop, fixed order).
+        crop: output side in pixels.
+        num_workers: decode workers, or "auto" (available cores).
+        worker_type: "thread" (libjpeg-turbo releases the GIL) or "process".
+        shuffle_buffer: samples mixed by the seeded shuffle buffer (train).
+        interleave: shards read at once, taken in turn.
+        seed: seed of every random choice (order, crops, flips).
+        mean, std: per-channel normalisation, in 0-1 units.
+        dtype: float32, float16 or bfloat16 output.
+        channels_last: return NCHW tensors in channels-last memory format.
+        drop_last: drop the incomplete last batch and the uneven tail across ranks.
+        prefetch: batches prepared ahead (>= 2).
+        scale, ratio: random-resized-crop ranges.
+        flip: random horizontal flips in train mode (on the device).
+        eval_fraction: centre-crop fraction in eval mode.
+        decoder: "auto", "simplejpeg", "pil", or "nvjpeg" (GPU, needs torchvision with CUDA).
+    """
+
+    batch_size: int
+    train: bool = True
+    crop: int = 224
+    num_workers: int | str = "auto"
+    worker_type: str = "thread"
+    shuffle_buffer: int = 2048
+    interleave: int = 4
+    seed: int = 0
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    dtype: str = "float32"
+    channels_last: bool = False
+    drop_last: bool | None = None
+    prefetch: int = 2
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
+    eval_fraction: float = 0.875
+    decoder: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_int("batch_size", self.batch_size, 1, 1 << 16)
+        _check_int("crop", self.crop, 8, 8192)
+        if self.num_workers != "auto":
+            _check_int("num_workers", self.num_workers, 1, 256)
+        if self.worker_type not in ("thread", "process"):
+            raise ConfigError(f"worker_type must be 'thread' or 'process', got {self.worker_type!r}")
+        _check_int("shuffle_buffer", self.shuffle_buffer, 0)
+        _check_int("interleave", self.interleave, 1, 64)
+        _check_int("seed", self.seed, 0, 2**63 - 1)
+        _check_int("prefetch", self.prefetch, 2, 64)
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if not isinstance(values, (tuple, list)) or len(values) != 3:
+                raise ConfigError(f"{name} must have three values (R, G, B)")
+            for value in values:
+                _check_number(name, value, 0.0 if name == "mean" else 1e-6, 1e6)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not _is_number_pair(self.scale) or not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ConfigError("scale must be (low, high) with 0 < low <= high <= 1")
+        if not _is_number_pair(self.ratio) or not 0 < self.ratio[0] <= self.ratio[1]:
+            raise ConfigError("ratio must be (low, high) with 0 < low <= high")
+        _check_number("eval_fraction", self.eval_fraction, 0.1, 1.0)
+        if self.decoder not in ("auto", "simplejpeg", "pil", "nvjpeg"):
+            raise ConfigError(f"decoder must be auto, simplejpeg, pil or nvjpeg, got {self.decoder!r}")
+
+    @property
+    def effective_drop_last(self) -> bool:
+        return self.train if self.drop_last is None else self.drop_last

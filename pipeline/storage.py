@@ -182,7 +182,13 @@ def _mount_for(path: str) -> tuple[str, str, str]:
 
 
 def _block_device_kind(source: str) -> tuple[str, str]:
+    if source.startswith("/dev/"):
+        source = os.path.realpath(source)  # /dev/mapper/x and /dev/root are links to dm-N / sdaN
     name = os.path.basename(source)
+    slaves = f"/sys/block/{name}/slaves"
+    if os.path.isdir(slaves) and os.listdir(slaves):
+        # LVM/LUKS: judge by the first underlying disk.
+        return _block_device_kind("/dev/" + sorted(os.listdir(slaves))[0])
     if not source.startswith("/dev/") or not name:
         return "unknown", name
     sys_block = "/sys/class/block"

@@ -108,11 +108,6 @@ def test_prepare_spec_bad_value(kwargs, flag):
         PrepareSpec(**values)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AugmentSpec.__post_init__ calls len()/<= on scale/ratio before checking their type: "
-    "a non-pair or non-numeric pair is a TypeError (direct) or a ConfigError not naming --crop-scale",
-)
 @pytest.mark.parametrize("scale", [0.5, None, ("a", 1.0)])
 def test_augment_scale_of_wrong_type_names_the_flag(scale):
     with pytest.raises(ConfigError, match="--crop-scale"):
@@ -121,11 +116,6 @@ def test_augment_scale_of_wrong_type_names_the_flag(scale):
         AugmentSpec(scale=scale)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PrepareSpec.__post_init__ calls len(background) before checking its type: "
-    "background=5 is a TypeError (direct) or a ConfigError not naming background",
-)
 def test_prepare_background_of_wrong_type_names_the_setting():
     with pytest.raises(ConfigError, match="background"):
         PrepareSpec.from_dict({"source": "s", "out": "o", "background": 5})
@@ -293,10 +283,6 @@ def test_parse_bytes_garbage_raises(text):
         parse_bytes(text)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="specs._SIZE_RE makes the unit letter optional but not the 'i': '5i' and '5ib' parse as 5 bytes",
-)
 @pytest.mark.parametrize("text", ["5i", "5ib", "5 iB"])
 def test_parse_bytes_binary_marker_without_unit_raises(text):
     with pytest.raises(ConfigError):

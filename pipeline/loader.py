@@ -1,0 +1,550 @@
+"""`make_loader`: batches from prepared shards, decoded by a worker pool, finished on the device.
+
+    loader = make_loader("shards/manifest.json", batch_size=256, device="cuda")
+    for epoch in range(90):
+        loader.set_epoch(epoch)
+        for images, labels in loader:   # on the GPU, normalised, ready
+            ...
+    print(loader.stats)
+
+The host side decodes and crops into preallocated (pinned on CUDA) uint8
+NHWC batch buffers; the device side converts to float, flips, normalises and
+sets the memory format. On CUDA the next batches are copied and normalised on
+a side stream while the current one is used. On the CPU the same code runs
+with the stream context replaced by a no-op, so outputs are identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from .crops import CropSpec, decode_into, default_decoder
+from .errors import ConfigError, DecodeError
+from .reader import DatasetInfo, Record, pick_image, plan_epoch, read_segments, resolve_dataset, shuffle_buffer
+from .specs import LoaderSpec
+
+log = logging.getLogger("gpufeed.loader")
+_END = object()
+
+
+@dataclasses.dataclass
+class LoaderStats:
+    """Where the time of a training loop goes.
+
+    Attributes:
+        batches: batches delivered.
+        samples: samples delivered.
+        wait_s: seconds the training loop waited for data inside `next()`.
+        step_s: seconds the training loop spent between batches (its own work).
+        skipped: corrupt samples or shard parts skipped.
+    """
+
+    batches: int = 0
+    samples: int = 0
+    wait_s: float = 0.0
+    step_s: float = 0.0
+    skipped: int = 0
+
+    @property
+    def stall_fraction(self) -> float:
+        """Share of the loop's time spent waiting for data (0 = never stalled)."""
+        total = self.wait_s + self.step_s
+        return self.wait_s / total if total > 0 else 0.0
+
+    @property
+    def images_per_s(self) -> float:
+        total = self.wait_s + self.step_s
+        return self.samples / total if total > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        data = dataclasses.asdict(self)
+        data["stall_fraction"] = self.stall_fraction
+        data["images_per_s"] = self.images_per_s
+        return data
+
+    def __str__(self) -> str:
+        return (
+            f"{self.batches} batches, {self.samples} samples, {self.images_per_s:.0f} images/s, "
+            f"waited {self.wait_s:.2f} s for data, stall fraction {self.stall_fraction:.1%}, {self.skipped} skipped"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Decode workers: threads (default) or processes writing into shared buffers
+
+_SHARED_RING: np.ndarray | None = None  # set before forking process workers
+
+
+def _decode_chunk(
+    ring: np.ndarray | None, slot: int, start: int, items: list[tuple[str, bytes, int]], crop: CropSpec
+) -> list[tuple[int, str]]:
+    """Decode items into ring[slot, start:...]; returns (position, reason) of failures."""
+    target = ring if ring is not None else _SHARED_RING
+    assert target is not None
+    failures = []
+    for offset, (extension, data, seed) in enumerate(items):
+        try:
+            decode_into(target[slot, start + offset], extension, data, crop, seed)
+        except DecodeError as exc:
+            failures.append((start + offset, exc.reason))
+    return failures
+
+
+class _ProcessExecutor:
+    """A fork pool whose workers decode into the shared ring (no pixels through pipes)."""
+
+    def __init__(self, workers: int, ring: np.ndarray) -> None:
+        import multiprocessing
+
+        global _SHARED_RING
+        _SHARED_RING = ring
+        self._pool = multiprocessing.get_context("fork").Pool(workers)
+
+    def submit(self, func: Any, ring: Any, slot: int, start: int, items: Any, crop: CropSpec) -> Any:
+        return self._pool.apply_async(func, (None, slot, start, items, crop))
+
+    def shutdown(self) -> None:
+        self._pool.terminate()
+        self._pool.join()
+
+
+def _result(pending: Any) -> Any:
+    return pending.result() if isinstance(pending, Future) else pending.get()
+
+
+@dataclasses.dataclass
+class _HostBatch:
+    index: int
+    slot: int
+    count: int
+    labels: np.ndarray
+    pending: list[Any]
+    keys: list[str]
+
+
+class Loader:
+    """Iterable of (images, labels) batches on a device; build it with `make_loader`."""
+
+    def __init__(
+        self, dataset: DatasetInfo, spec: LoaderSpec, device: torch.device, rank: int = 0, world_size: int = 1
+    ) -> None:
+        self.dataset = dataset
+        self.spec = spec
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.stats = LoaderStats()
+        self._skip_batches = 0
+        self._delivered = 0
+        self._workers = _resolve_workers(spec.num_workers)
+        decoder = default_decoder() if spec.decoder in ("auto", "nvjpeg") else spec.decoder
+        self._crop = CropSpec(spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder)
+        self._ring_slots = spec.prefetch + 2
+        self._ring: torch.Tensor | None = None
+        self._executor: Any = None
+        self._mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
+        self._std = torch.tensor(spec.std, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
+        self._dtype = getattr(torch, spec.dtype)
+        self._warned: set[str] = set()
+
+    # -- sizes and epochs -------------------------------------------------
+
+    def _shards(self, epoch: int) -> list[Any]:
+        return self.dataset.sets[epoch % self.dataset.variants]
+
+    def _per_rank(self) -> int:
+        total = sum(s.samples for s in self._shards(0))
+        return total // self.world_size if self.spec.effective_drop_last else -(-total // self.world_size)
+
+    def __len__(self) -> int:
+        per_rank = self._per_rank()
+        if self.spec.effective_drop_last:
+            return per_rank // self.spec.batch_size
+        return math.ceil(per_rank / self.spec.batch_size)
+
+    @property
+    def num_workers(self) -> int:
+        return self._workers
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for `epoch`; with variant sets, read set `epoch mod K`."""
+        if epoch < 0:
+            raise ConfigError("epoch must be 0 or more")
+        if epoch != self.epoch:
+            self._skip_batches = 0
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: restore with `load_state_dict` to continue exactly here."""
+        return {
+            "epoch": self.epoch,
+            "batches": self._delivered,
+            "seed": self.spec.seed,
+            "batch_size": self.spec.batch_size,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue mid-epoch: the next iteration skips the batches already delivered."""
+        for name in ("seed", "batch_size", "world_size"):
+            if state.get(name) != getattr(self.spec, name, getattr(self, name, None)):
+                raise ConfigError(
+                    f"state was saved with {name}={state.get(name)!r}; this loader has "
+                    f"{getattr(self.spec, name, getattr(self, name, None))!r}"
+                )
+        self.epoch = int(state["epoch"])
+        self._skip_batches = int(state["batches"])
+        self._delivered = self._skip_batches
+
+    # -- host side ----------------------------------------------------------
+
+    def _ensure_workers(self) -> None:
+        if self._ring is not None:
+            return
+        shape = (self._ring_slots, self.spec.batch_size, self.spec.crop, self.spec.crop, 3)
+        pin = self.device.type == "cuda" and self.spec.worker_type == "thread"
+        ring = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        if self.spec.worker_type == "process":
+            ring.share_memory_()
+            self._executor = _ProcessExecutor(self._workers, ring.numpy())
+        else:
+            self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="gpufeed-decode")
+        self._ring = ring
+
+    def _records(self, epoch: int, errors: list[str]) -> Iterator[Record]:
+        shards = self._shards(epoch)
+        segments, per_rank = plan_epoch(
+            shards,
+            seed=self.spec.seed,
+            epoch=epoch,
+            rank=self.rank,
+            world=self.world_size,
+            shuffle=self.spec.train,
+            drop_last=self.spec.effective_drop_last,
+        )
+        samples = read_segments(shards, segments, self.spec.interleave if self.spec.train else 1, errors.append)
+        if self.spec.train:
+            rng = np.random.default_rng([self.spec.seed, epoch, self.rank, 0x5B])
+            samples = shuffle_buffer(samples, self.spec.shuffle_buffer, rng)
+        ordinal = 0
+        for key, members in samples:
+            picked = pick_image(members)
+            if picked is None:
+                errors.append(f"sample {key} has no image member ({', '.join(sorted(members))})")
+                continue
+            label = int(members["cls"]) if members.get("cls", b"").strip().lstrip(b"-").isdigit() else -1
+            yield Record(key, picked[1], picked[0], label, ordinal)
+            ordinal += 1
+            if ordinal >= per_rank:
+                return
+
+    def _sample_seed(self, epoch: int, ordinal: int) -> int:
+        return (self.spec.seed * 0x9E3779B97F4A7C15 ^ (epoch << 40) ^ (self.rank << 32) ^ ordinal) & (2**64 - 1)
+
+    def _produce(
+        self,
+        epoch: int,
+        skip: int,
+        out: queue.Queue[Any],
+        free: queue.Queue[int],
+        stop: threading.Event,
+        inflight: list[Any],
+    ) -> None:
+        errors: list[str] = []
+        try:
+            records = self._records(epoch, errors)
+            batch_size = self.spec.batch_size
+            for _ in range(skip * batch_size):  # resume: replay the order without decoding
+                if next(records, None) is None:
+                    break
+            index = skip
+            while not stop.is_set():
+                chunk = [r for _, r in zip(range(batch_size), records)]
+                self._flush_errors(errors, out, stop)
+                if not chunk or (len(chunk) < batch_size and self.spec.effective_drop_last):
+                    break
+                slot = _get(free, stop)
+                if slot is None:
+                    return
+                out_batch = self._submit(index, slot, chunk, epoch)
+                inflight.extend(out_batch.pending)
+                _put(out, out_batch, stop)
+                index += 1
+            self._flush_errors(errors, out, stop)
+            _put(out, _END, stop)
+        except BaseException as exc:  # surfaced in the training loop, never lost in a thread
+            _put(out, exc, stop)
+
+    def _flush_errors(self, errors: list[str], out: queue.Queue[Any], stop: threading.Event) -> None:
+        while errors:
+            _put(out, ("error", errors.pop(0)), stop)
+
+    def _submit(self, index: int, slot: int, chunk: list[Record], epoch: int) -> _HostBatch:
+        assert self._ring is not None
+        ring = self._ring.numpy() if self.spec.worker_type == "thread" else None
+        items = [(r.extension, r.data, self._sample_seed(epoch, r.ordinal)) for r in chunk]
+        per_worker = max(1, math.ceil(len(items) / self._workers))
+        pending = []
+        for start in range(0, len(items), per_worker):
+            piece = items[start : start + per_worker]
+            pending.append(self._executor.submit(_decode_chunk, ring, slot, start, piece, self._crop))
+        labels = np.array([r.label for r in chunk], dtype=np.int64)
+        return _HostBatch(index, slot, len(chunk), labels, pending, [r.key for r in chunk])
+
+    # -- device side --------------------------------------------------------
+
+    def _finish_on_device(self, images: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
+        """uint8 NHWC -> normalised NCHW `dtype` on the device (flip, channels_last)."""
+        x = images.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
+        if flips is not None:
+            flips = flips.to(self.device, non_blocking=True).view(-1, 1, 1, 1)
+            x = torch.where(flips, x.flip(3), x)
+        mean, std = self._mean.to(self.device), self._std.to(self.device)
+        x = ((x - mean) / std).to(self._dtype)
+        memory_format = torch.channels_last if self.spec.channels_last else torch.contiguous_format
+        return x.contiguous(memory_format=memory_format)
+
+    def _flips(self, epoch: int, batch: _HostBatch, keep: np.ndarray | None) -> torch.Tensor | None:
+        if not (self.spec.train and self.spec.flip):
+            return None
+        rng = np.random.default_rng([self.spec.seed, epoch, self.rank, batch.index, 0xF1])
+        mask = rng.random(batch.count) < 0.5
+        return torch.from_numpy(mask if keep is None else mask[keep])
+
+    def _host_tensors(self, batch: _HostBatch) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+        assert self._ring is not None
+        failures = [failure for pending in batch.pending for failure in _result(pending)]
+        images = self._ring[batch.slot, : batch.count]
+        labels = torch.from_numpy(batch.labels)
+        keep = None
+        if failures:
+            bad = {position for position, _ in failures}
+            for position, reason in failures:
+                self._warn(f"skipping sample {batch.keys[position]}: {reason}")
+            keep = np.array([i for i in range(batch.count) if i not in bad], dtype=np.int64)
+            images = images[torch.from_numpy(keep)]
+            labels = labels[torch.from_numpy(keep)]
+        return images, labels, keep
+
+    def _warn(self, message: str) -> None:
+        self.stats.skipped += 1
+        if message not in self._warned and len(self._warned) < 100:
+            self._warned.add(message)
+            log.warning(message)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self._ensure_workers()
+        epoch, skip = self.epoch, self._skip_batches
+        self._skip_batches = 0
+        self._delivered = skip
+        out: queue.Queue[Any] = queue.Queue(maxsize=self.spec.prefetch)
+        free: queue.Queue[int] = queue.Queue()
+        for slot in range(self._ring_slots):
+            free.put(slot)
+        stop = threading.Event()
+        inflight: list[Any] = []
+        producer = threading.Thread(target=self._produce, args=(epoch, skip, out, free, stop, inflight), daemon=True)
+        producer.start()
+        try:
+            yield from self._deliver(epoch, out, free)
+            self.epoch = epoch + 1  # a finished epoch moves on unless set_epoch says otherwise
+            self._delivered = 0
+        finally:
+            stop.set()
+            producer.join(timeout=30)
+            for pending in inflight:  # no decode may still write into a slot the next epoch reuses
+                with contextlib.suppress(Exception):
+                    _result(pending)
+
+    def _next_host_batch(self, out: queue.Queue[Any]) -> _HostBatch | None:
+        while True:
+            item = out.get()
+            if item is _END:
+                return None
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, tuple):
+                self._warn(item[1])
+                continue
+            return item  # type: ignore[no-any-return]
+
+    def _deliver(self, epoch: int, out: queue.Queue[Any], free: queue.Queue[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if cuda else None
+        ready: deque[tuple[torch.Tensor, torch.Tensor, int]] = deque()
+        exhausted = False
+        step_started: float | None = None
+        while True:
+            waited_from = time.perf_counter()
+            if step_started is not None:
+                self.stats.step_s += waited_from - step_started
+            while not exhausted and len(ready) < (self.spec.prefetch if cuda else 1):
+                batch = self._next_host_batch(out)
+                if batch is None:
+                    exhausted = True
+                    break
+                ready.append(self._to_device(epoch, batch, free, side))
+            if not ready:
+                return
+            images, labels, count = ready.popleft()
+            if side is not None:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_stream(side)
+                images.record_stream(current)
+                labels.record_stream(current)
+            self.stats.wait_s += time.perf_counter() - waited_from
+            self.stats.batches += 1
+            self.stats.samples += count
+            self._delivered += 1
+            step_started = time.perf_counter()
+            yield images, labels
+
+    def _to_device(
+        self, epoch: int, batch: _HostBatch, free: queue.Queue[int], side: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        host_images, host_labels, keep = self._host_tensors(batch)
+        flips = self._flips(epoch, batch, keep)
+        context = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+        with context:
+            if side is not None and self.spec.worker_type == "process":
+                host_images = host_images.pin_memory()
+            images = self._finish_on_device(host_images, flips)
+            labels = host_labels.to(self.device, non_blocking=True)
+            if side is not None:
+                copied = torch.cuda.Event()
+                copied.record(side)
+        if side is not None:
+            copied.synchronize()  # the pinned slot may be refilled once its copy is done
+        free.put(batch.slot)
+        return images, labels, int(labels.shape[0])
+
+    def close(self) -> None:
+        """Stop the worker pool (also done when the loader is garbage collected)."""
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+            self._ring = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _get(source: queue.Queue[int], stop: threading.Event) -> int | None:
+    while not stop.is_set():
+        try:
+            return source.get(timeout=0.1)
+        except queue.Empty:
+            continue
+    return None
+
+
+def _put(target: queue.Queue[Any], item: Any, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            target.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
+def _resolve_workers(num_workers: int | str) -> int:
+    if num_workers == "auto":
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # pragma: no cover
+            return max(1, os.cpu_count() or 1)
+    return int(num_workers)
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown device {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but CUDA is not available here; use device='auto' or 'cpu'")
+    return resolved
+
+
+def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None or world_size is not None:
+        rank, world_size = rank or 0, world_size or 1
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        rank, world_size = 0, 1
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside world size {world_size}")
+    return rank, world_size
+
+
+def make_loader(
+    source: str,
+    batch_size: int,
+    *,
+    device: str | torch.device = "auto",
+    train: bool = True,
+    crop: int = 224,
+    rank: int | None = None,
+    world_size: int | None = None,
+    **options: Any,
+) -> Loader:
+    """Build a loader over a prepared dataset.
+
+    Args:
+        source: a manifest path/URL, a dataset directory, or a shard brace
+            pattern (`shards/shard-{000000..000099}.tar`).
+        batch_size: samples per batch (per rank).
+        device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1", or a torch.device.
+        train: random-resized crops, flips and shuffling; False gives
+            centre crops in a fixed order.
+        crop: output side in pixels.
+        rank, world_size: override what torch.distributed reports.
+        **options: any other LoaderSpec field (num_workers, worker_type,
+            mean, std, dtype, channels_last, drop_last, prefetch, seed,
+            shuffle_buffer, scale, ratio, flip, decoder, ...).
+
+    Returns:
+        A Loader: iterate for (images, labels); `len()`, `set_epoch`,
+        `stats`, `state_dict`, `load_state_dict`.
+
+    Raises:
+        ConfigError: invalid settings (checked before anything is built).
+        ManifestError: the source is not a prepared dataset.
+    """
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(LoaderSpec)})
+    if unknown:
+        raise ConfigError(f"make_loader got unknown option(s): {', '.join(unknown)}")
+    for name in ("mean", "std", "scale", "ratio"):
+        if name in options:
+            options[name] = tuple(options[name])
+    spec = LoaderSpec(batch_size=batch_size, train=train, crop=crop, **options)
+    resolved = _resolve_device(device)
+    if spec.decoder == "nvjpeg":
+        raise ConfigError("decoder='nvjpeg' is not available in this build; use 'auto'")
+    rank, world_size = _distributed(rank, world_size)
+    dataset = resolve_dataset(source)
+    if dataset.samples == 0:
+        raise ConfigError(f"{source} holds no samples")
+    return Loader(dataset, spec, resolved, rank, world_size)

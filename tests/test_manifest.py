@@ -1,0 +1,351 @@
+"""manifest.json: round trips, clear errors, and verify_dataset catching damage."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.errors import ManifestError
+from pipeline.manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    Manifest,
+    read_manifest,
+    verify_dataset,
+    write_manifest,
+)
+from pipeline.shards import ShardInfo, TarShardWriter, shard_name
+from pipeline.storage import Output
+
+
+def _manifest(shards: list[ShardInfo], samples: int | None = None, **kwargs) -> Manifest:
+    values = {
+        "samples": sum(s.samples for s in shards) if samples is None else samples,
+        "classes": ["cat", "dog"],
+        "shards": shards,
+        "params": {"seed": 0, "resize": {"size": 64}},
+        "source": "/data/src",
+        "rejected": 1,
+    }
+    values.update(kwargs)
+    return Manifest(**values)
+
+
+def _write_shard(out: Output, index: int, samples: int, variant: int | None = None) -> ShardInfo:
+    rel = shard_name(index) if variant is None else f"v{variant}/{shard_name(index)}"
+    with TarShardWriter(out.local(rel)) as writer:
+        for i in range(samples):
+            key = f"s{index}_{i}"
+            writer.write_sample(key, {"jpg": os.urandom(300 + i), "cls": b"1", "json": b"{}"})
+        return writer.commit(rel, variant)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """A small valid dataset: three shards of 4, 4 and 2 samples and its manifest."""
+    out = Output(str(tmp_path / "out"))
+    out.makedirs()
+    shards = [_write_shard(out, 0, 4), _write_shard(out, 1, 4), _write_shard(out, 2, 2)]
+    manifest = _manifest(shards)
+    write_manifest(out, manifest)
+    return out, manifest
+
+
+# ---------------------------------------------------------------------------
+# Round trips
+
+
+def test_write_read_round_trip(dataset):
+    out, manifest = dataset
+    again = read_manifest(out)
+    assert again == manifest
+    assert again.created  # filled in on write
+    assert again.format == MANIFEST_FORMAT
+
+
+def test_manifest_file_is_plain_json_with_the_documented_fields(dataset):
+    out, manifest = dataset
+    with open(out.local(MANIFEST_NAME), encoding="utf-8") as handle:
+        data = json.load(handle)
+    assert data["format"] == "gpufeed-manifest/1"
+    assert {"format", "samples", "classes", "shards", "params", "source", "rejected", "created"} <= set(data)
+    assert data["samples"] == 10
+    assert data["classes"] == ["cat", "dog"]
+    assert data["shards"][0] == {
+        "path": "shard-000000.tar",
+        "samples": 4,
+        "bytes": manifest.shards[0].bytes,
+        "sha256": manifest.shards[0].sha256,
+    }
+    assert not any(name.startswith(".") or ".tmp" in name for name in os.listdir(out.root))
+
+
+def test_created_is_kept_when_given(tmp_path):
+    out = Output(str(tmp_path))
+    write_manifest(out, _manifest([], samples=0, created="2024-01-01T00:00:00+00:00"))
+    assert read_manifest(out).created == "2024-01-01T00:00:00+00:00"
+
+
+def test_variant_shards_round_trip(tmp_path):
+    out = Output(str(tmp_path))
+    shards = [_write_shard(out, 0, 3, variant=0), _write_shard(out, 0, 3, variant=1)]
+    manifest = _manifest(shards, samples=3, variants=2)
+    write_manifest(out, manifest)
+    again = read_manifest(out)
+    assert again == manifest
+    assert [s.variant for s in again.shards] == [0, 1]
+    assert verify_dataset(out, again).ok
+
+
+def test_non_ascii_text_round_trips(tmp_path):
+    out = Output(str(tmp_path))
+    manifest = _manifest([], samples=0, classes=["été", "日本"], source="/données")
+    write_manifest(out, manifest)
+    assert read_manifest(out) == manifest
+
+
+shard_infos = st.builds(
+    ShardInfo,
+    path=st.text(min_size=1, max_size=20),
+    samples=st.integers(0, 10**6),
+    bytes=st.integers(0, 2**40),
+    sha256=st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
+    variant=st.none() | st.integers(0, 1000),
+)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    samples=st.integers(0, 10**7),
+    classes=st.lists(st.text(max_size=10), max_size=5),
+    shards=st.lists(shard_infos, max_size=5),
+    params=st.dictionaries(st.text(max_size=8), json_values, max_size=4),
+    source=st.text(max_size=30),
+    rejected=st.integers(0, 10**6),
+    created=st.text(max_size=30),
+    variants=st.integers(0, 100),
+)
+def test_dict_round_trip(samples, classes, shards, params, source, rejected, created, variants):
+    manifest = Manifest(samples, classes, shards, params, source, rejected, created, variants)
+    assert Manifest.from_dict(json.loads(json.dumps(manifest.to_dict()))) == manifest
+
+
+# ---------------------------------------------------------------------------
+# Clear errors
+
+
+def test_missing_manifest(tmp_path):
+    with pytest.raises(ManifestError, match="no manifest.json in .*not a prepared dataset"):
+        read_manifest(Output(str(tmp_path)))
+
+
+def test_not_json(tmp_path):
+    (tmp_path / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(ManifestError, match="cannot read"):
+        read_manifest(Output(str(tmp_path)))
+
+
+def test_not_utf8(tmp_path):
+    (tmp_path / MANIFEST_NAME).write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ManifestError):
+        read_manifest(Output(str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("data", "found"),
+    [
+        ({"name": "some other tool", "version": 3}, "None"),
+        ({"format": "gpufeed-manifest/2", "samples": 1}, "gpufeed-manifest/2"),
+        ({"format": "webdataset"}, "webdataset"),
+        ([1, 2, 3], "list"),
+        ("gpufeed-manifest/1", "str"),
+        (None, "NoneType"),
+    ],
+)
+def test_foreign_or_wrong_format(tmp_path, data, found):
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="is not a gpufeed manifest") as caught:
+        read_manifest(Output(str(tmp_path)))
+    message = str(caught.value)
+    assert found in message
+    assert MANIFEST_FORMAT in message
+    assert str(tmp_path) in message
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d.pop("shards"),
+        lambda d: d.pop("samples"),
+        lambda d: d.update(samples="many"),
+        lambda d: d.update(shards=None),
+        lambda d: d.update(shards=[{"path": "x.tar"}]),
+        lambda d: d.update(shards=["x.tar"]),
+        lambda d: d.update(params="seed=0"),
+    ],
+)
+def test_malformed_manifest(dataset, damage):
+    out, manifest = dataset
+    data = manifest.to_dict()
+    damage(data)
+    with open(out.local(MANIFEST_NAME), "w", encoding="utf-8") as handle:
+        json.dump(data, handle)
+    with pytest.raises(ManifestError, match="malformed"):
+        read_manifest(out)
+
+
+# ---------------------------------------------------------------------------
+# verify_dataset
+
+
+def test_verify_passes_on_a_good_dataset(dataset):
+    out, manifest = dataset
+    result = verify_dataset(out, read_manifest(out))
+    assert result.ok, result.problems
+    assert result.problems == []
+    assert result.shards_checked == 3
+    assert result.samples_checked == 10
+    assert result.bytes_checked == sum(s.bytes for s in manifest.shards)
+
+
+@pytest.mark.parametrize("where", ["header", "data", "end"])
+def test_verify_reports_a_flipped_byte(dataset, where):
+    out, manifest = dataset
+    path = out.local(manifest.shards[1].path)
+    with open(path, "rb") as handle:
+        data = bytearray(handle.read())
+    offset = {"header": 10, "data": 512 + 5, "end": len(data) - 1}[where]
+    data[offset] ^= 0x01
+    with open(path, "wb") as handle:
+        handle.write(bytes(data))
+    result = verify_dataset(out, manifest)
+    assert not result.ok
+    assert any(manifest.shards[1].path in p and "sha256" in p for p in result.problems), result.problems
+    assert not any(manifest.shards[0].path in p for p in result.problems)
+
+
+def test_verify_reports_a_missing_shard(dataset):
+    out, manifest = dataset
+    os.unlink(out.local(manifest.shards[2].path))
+    result = verify_dataset(out, manifest)
+    assert not result.ok
+    assert f"{manifest.shards[2].path}: missing" in result.problems
+    assert result.shards_checked == 3
+
+
+@pytest.mark.parametrize("keep", [0, 100, 1024 + 10, "half", "all_but_one"])
+def test_verify_reports_a_truncated_shard(dataset, keep):
+    out, manifest = dataset
+    shard = manifest.shards[0]
+    path = out.local(shard.path)
+    size = os.path.getsize(path)
+    length = {"half": size // 2, "all_but_one": size - 1}.get(keep, keep)  # type: ignore[arg-type]
+    with open(path, "r+b") as handle:
+        handle.truncate(length)
+    result = verify_dataset(out, manifest)
+    assert not result.ok
+    problems = [p for p in result.problems if p.startswith(shard.path)]
+    assert any(f"{length} bytes, manifest says {shard.bytes}" in p for p in problems), result.problems
+    assert any("sha256" in p for p in problems)
+
+
+def test_verify_reports_an_appended_shard(dataset):
+    out, manifest = dataset
+    with open(out.local(manifest.shards[0].path), "ab") as handle:
+        handle.write(b"\0" * 512)
+    result = verify_dataset(out, manifest)
+    assert not result.ok
+
+
+def test_verify_reports_wrong_shard_sample_count(dataset):
+    out, manifest = dataset
+    wrong = ShardInfo(manifest.shards[0].path, 5, manifest.shards[0].bytes, manifest.shards[0].sha256)
+    manifest.shards[0] = wrong
+    manifest.samples = 11
+    result = verify_dataset(out, manifest)
+    assert not result.ok
+    assert f"{wrong.path}: 4 samples, manifest says 5" in result.problems
+    assert len(result.problems) == 1  # the total (11) agrees with the shards' claims
+
+
+def test_verify_reports_wrong_total(dataset):
+    out, manifest = dataset
+    manifest.samples = 12
+    result = verify_dataset(out, manifest)
+    assert not result.ok
+    assert any("shards hold 10 samples, manifest says 12" in p for p in result.problems), result.problems
+
+
+def test_verify_reports_a_short_variant_set(tmp_path):
+    out = Output(str(tmp_path))
+    shards = [_write_shard(out, 0, 3, variant=0), _write_shard(out, 0, 2, variant=1)]
+    result = verify_dataset(out, _manifest(shards, samples=3, variants=2))
+    assert not result.ok
+    assert any("variant set v1" in p and "2 samples" in p for p in result.problems), result.problems
+    assert not any("v0" in p for p in result.problems)
+
+
+def test_verify_reports_a_shard_that_is_not_a_tar(dataset):
+    out, manifest = dataset
+    shard = manifest.shards[2]
+    garbage = b"this is not a tar file at all" * 40
+    with open(out.local(shard.path), "wb") as handle:
+        handle.write(garbage)
+    result = verify_dataset(out, manifest)
+    assert not result.ok
+    problems = [p for p in result.problems if p.startswith(shard.path)]
+    assert problems
+    assert any("sha256" in p for p in problems)
+
+
+def test_verify_a_swapped_shard_is_caught(dataset):
+    out, manifest = dataset
+    a, b = out.local(manifest.shards[0].path), out.local(manifest.shards[1].path)
+    os.replace(a, a + ".x")
+    os.replace(b, a)
+    os.replace(a + ".x", b)
+    result = verify_dataset(out, manifest)
+    assert not result.ok
+    assert {p.split(":")[0] for p in result.problems} == {manifest.shards[0].path, manifest.shards[1].path}
+
+
+def test_verify_over_a_memory_output(tmp_path):
+    import uuid
+
+    local = Output(str(tmp_path))
+    shards = [_write_shard(local, 0, 3)]
+    remote = Output(f"memory://gpufeed-test-{uuid.uuid4().hex}/ds")
+    remote.makedirs()
+    os.replace(local.local(shards[0].path), remote.local(shards[0].path))
+    remote.publish(shards[0].path)
+    manifest = _manifest(shards)
+    write_manifest(remote, manifest)
+    try:
+        assert read_manifest(remote) == manifest
+        assert verify_dataset(remote, manifest).ok
+    finally:
+        remote.remove("")
+        shutil.rmtree(remote.staging, ignore_errors=True)
+
+
+def test_verify_reports_samples_without_shards(tmp_path):
+    out = Output(str(tmp_path))
+    result = verify_dataset(out, _manifest([], samples=10))
+    assert not result.ok
+
+
+def test_verify_reports_a_missing_variant_set(tmp_path):
+    out = Output(str(tmp_path))
+    shards = [_write_shard(out, 0, 3, variant=0)]
+    result = verify_dataset(out, _manifest(shards, samples=3, variants=2))
+    assert not result.ok
