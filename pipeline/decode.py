@@ -137,14 +137,17 @@ def decode_image(
         raise DecodeError(
             f"decompression bomb refused: {width}x{height} = {width * height:,} pixels is over the {max_pixels:,} limit"
         )
-    orientation = _orientation(img)
     scale = min(1.0, scale_for(width, height)) if scale_for else 1.0
     try:
         if img.format in _DCT_FORMATS and simplejpeg is not None and img.mode in ("RGB", "L"):
-            array = _decode_jpeg_scaled(data, width, height, scale)
-            rgb = Image.fromarray(array)
+            orientation = _orientation(img)
+            rgb = Image.fromarray(_decode_jpeg_scaled(data, width, height, scale))
         else:
-            rgb = _decode_with_pil(img, scale, background)
+            img = _load_with_pil(img, scale)
+            # Read after loading: some PIL loaders (TIFF since Pillow 11) apply the
+            # orientation themselves, report the upright size and drop the tag.
+            orientation = _orientation(img)
+            rgb = to_rgb(img, background, Image)
     except DecodeError:
         raise
     except Exception as exc:
@@ -219,15 +222,14 @@ def _decode_jpeg_scaled(data: bytes, width: int, height: int, scale: float) -> n
     return array
 
 
-def _decode_with_pil(img: Any, scale: float, background: tuple[int, int, int]) -> Any:
-    Image = _pil()
+def _load_with_pil(img: Any, scale: float) -> Any:
     width, height = img.size
     if img.format in _DCT_FORMATS and scale < 1:
         img.draft(img.mode, (math.ceil(width * scale), math.ceil(height * scale)))
     if getattr(img, "n_frames", 1) > 1:
         img.seek(0)  # animated: the first frame stands for the file
     img.load()
-    return to_rgb(img, background, Image)
+    return img
 
 
 def to_rgb(img: Any, background: tuple[int, int, int], Image: Any = None) -> Any:

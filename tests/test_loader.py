@@ -1,0 +1,312 @@
+"""`make_loader` over real prepared shards: correctness, determinism, resume, bad data, DDP."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+
+from pipeline import AugmentSpec, ConfigError, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
+from pipeline.demo import make_demo_dataset
+from pipeline.loader import make_loader
+from pipeline.manifest import read_manifest, write_manifest
+from pipeline.shards import ShardInfo, TarShardWriter
+from pipeline.storage import Output
+
+N = 150
+SIZE = 64
+CROP = 56  # 56 / 64 = 0.875: eval mode is an exact centre crop of the prepared image
+MEAN = np.array([0.485, 0.456, 0.406]) * 255
+STD = np.array([0.229, 0.224, 0.225]) * 255
+
+
+def _prepare_labelled(tmp: Path, name: str, count: int, **changes: object) -> Path:
+    """A dataset whose label is each image's own index: labels identify samples."""
+    raw = tmp / f"{name}-raw"
+    make_demo_dataset(raw, count, classes=3, min_side=90, max_side=160, workers=1)
+    files = sorted(raw.rglob("*.jpg"))
+    (tmp / f"{name}.jsonl").write_text("".join(json.dumps({"path": str(p), "label": i}) + "\n" for i, p in enumerate(files)))
+    out = tmp / name
+    spec = PrepareSpec(
+        source=str(tmp / f"{name}.jsonl"),
+        out=str(out),
+        resize=ResizeSpec(size=SIZE),
+        shards=ShardSpec(max_bytes=None, max_samples=20),
+        **changes,  # type: ignore[arg-type]
+    )
+    prepare_dataset(spec, workers=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _prepare_labelled(tmp_path_factory.mktemp("loader"), "ds", N)
+
+
+def loader_for(source: Path | str, batch_size: int = 16, **options: object):
+    options.setdefault("device", "cpu")
+    options.setdefault("num_workers", 2)
+    options.setdefault("shuffle_buffer", 64)
+    return make_loader(str(source), batch_size, crop=CROP, **options)  # type: ignore[arg-type]
+
+
+def all_labels(loader) -> list[int]:
+    return [int(v) for _, labels in loader for v in labels]
+
+
+def reference_eval(jpeg: bytes) -> np.ndarray:
+    """What eval mode must produce: PIL decode, centre crop, normalise (CHW float)."""
+    image = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"), dtype=np.float64)
+    height, width = image.shape[:2]
+    top, left = round((height - CROP) / 2), round((width - CROP) / 2)
+    crop = image[top : top + CROP, left : left + CROP]
+    return ((crop - MEAN) / STD).transpose(2, 0, 1)
+
+
+def shard_samples(root: Path, pattern: str = "shard-*.tar") -> list[dict]:
+    urls = sorted(str(p) for p in root.glob(pattern))
+    return list(wds.WebDataset(urls, shardshuffle=False))
+
+
+def test_shapes_dtypes_and_memory_format(dataset: Path) -> None:
+    loader = loader_for(dataset)
+    images, labels = next(iter(loader))
+    assert images.shape == (16, 3, CROP, CROP) and images.dtype == torch.float32
+    assert labels.dtype == torch.int64 and labels.shape == (16,)
+    assert len(loader) == N // 16  # train mode drops the incomplete batch
+    for dtype in ("float16", "bfloat16"):
+        images, _ = next(iter(loader_for(dataset, dtype=dtype)))
+        assert images.dtype == getattr(torch, dtype)
+    images, _ = next(iter(loader_for(dataset, channels_last=True)))
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    # Normalised with ImageNet statistics: roughly zero-centred, unit-scaled.
+    assert -3.0 < float(images.float().mean()) < 3.0 and float(images.float().std()) > 0.2
+
+
+def test_eval_mode_equals_reference_decode_and_crop_with_right_labels(dataset: Path) -> None:
+    loader = loader_for(dataset, train=False, batch_size=32)
+    assert len(loader) == -(-N // 32)
+    expected = shard_samples(dataset)
+    got_images = torch.cat([images for images, _ in loader]).numpy()
+    got_labels = all_labels(loader)
+    assert got_labels == [int(s["cls"]) for s in expected]
+    manifest = read_manifest(Output(str(dataset)))
+    for sample, label in zip(expected, got_labels):
+        meta = json.loads(sample["json"])
+        assert manifest.classes[label] == meta["label"] == str(label)
+    reference = np.stack([reference_eval(s["jpg"]) for s in expected])
+    assert got_images.shape == reference.shape
+    assert np.abs(got_images - reference).max() < 1.01 / 255 / 0.224  # at most one grey level
+
+
+def test_every_sample_exactly_once_per_epoch(dataset: Path) -> None:
+    loader = loader_for(dataset, drop_last=False)
+    assert sorted(all_labels(loader)) == list(range(N))
+    dropping = loader_for(dataset)
+    labels = all_labels(dropping)
+    assert len(labels) == (N // 16) * 16 and len(set(labels)) == len(labels)
+
+
+def test_set_epoch_reshuffles_deterministically(dataset: Path) -> None:
+    first = loader_for(dataset, drop_last=False)
+    first.set_epoch(0)
+    epoch0 = all_labels(first)
+    first.set_epoch(1)
+    epoch1 = all_labels(first)
+    assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1
+    again = loader_for(dataset, drop_last=False, num_workers=1)
+    again.set_epoch(1)
+    assert all_labels(again) == epoch1
+
+
+def test_batches_identical_across_worker_counts_and_kinds(dataset: Path) -> None:
+    def batches(**options: object) -> list[torch.Tensor]:
+        loader = loader_for(dataset, **options)
+        loader.set_epoch(2)
+        return [images for images, _ in loader][:3]
+
+    reference = batches(num_workers=2)
+    for options in ({"num_workers": 1}, {"worker_type": "process", "num_workers": 2}):
+        other = batches(**options)
+        assert all(torch.equal(a, b) for a, b in zip(reference, other)), options
+
+
+def test_resume_mid_epoch_continues_exactly(dataset: Path) -> None:
+    full = loader_for(dataset)
+    full.set_epoch(3)
+    uninterrupted = [(images, labels) for images, labels in full]
+    partial = loader_for(dataset)
+    partial.set_epoch(3)
+    iterator = iter(partial)
+    for _ in range(4):
+        next(iterator)
+    state = partial.state_dict()
+    assert state["epoch"] == 3 and state["batches"] == 4
+    resumed = loader_for(dataset)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a checkpoint file
+    resumed.set_epoch(3)  # the usual training loop calls this again: it must not restart
+    rest = [(images, labels) for images, labels in resumed]
+    assert len(rest) == len(uninterrupted) - 4
+    for (a_images, a_labels), (b_images, b_labels) in zip(uninterrupted[4:], rest):
+        assert torch.equal(a_labels, b_labels) and torch.equal(a_images, b_images)
+    assert resumed.epoch == 4  # a finished epoch moves on
+
+
+def test_variant_sets_switch_with_epoch(tmp_path: Path) -> None:
+    root = _prepare_labelled(tmp_path, "variants", 40, augment=AugmentSpec(variants=2))
+    loader = loader_for(root, train=False, batch_size=8)
+    for epoch in (0, 1, 2):
+        loader.set_epoch(epoch)
+        images = torch.cat([batch for batch, _ in loader]).numpy()
+        expected = shard_samples(root, f"v{epoch % 2}/shard-*.tar")
+        reference = np.stack([reference_eval(s["jpg"]) for s in expected])
+        assert np.abs(images - reference).max() < 1.01 / 255 / 0.224, f"epoch {epoch}"
+
+
+def _rewrite_shard(root: Path, shard_path: str, damage) -> None:
+    output = Output(str(root))
+    manifest = read_manifest(output)
+    target = root / shard_path
+    samples = shard_samples(root, shard_path)
+    with TarShardWriter(str(target)) as writer:
+        for index, sample in enumerate(samples):
+            members = {k: v for k, v in sample.items() if not k.startswith("__")}
+            writer.write_sample(sample["__key__"], damage(index, members))
+        info = writer.commit(shard_path)
+    manifest.shards = [info if s.path == shard_path else s for s in manifest.shards]
+    write_manifest(output, manifest)
+
+
+def test_corrupt_sample_is_skipped_with_a_warning(dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(dataset, root)
+
+    def damage(index: int, members: dict[str, bytes]) -> dict[str, bytes]:
+        if index == 3:
+            members["jpg"] = members["jpg"][:200] + b"\x00garbage" * 10
+        return members
+
+    _rewrite_shard(root, "shard-000001.tar", damage)
+    loader = loader_for(root, drop_last=False)
+    with caplog.at_level(logging.WARNING, logger="gpufeed.loader"):
+        labels = all_labels(loader)
+    assert len(labels) == N - 1 and len(set(labels)) == N - 1
+    assert loader.stats.skipped == 1
+    assert any("skipping sample" in record.message for record in caplog.records)
+
+
+def test_truncated_shard_skips_its_rest_and_goes_on(dataset: Path, tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(dataset, root)
+    shard = root / "shard-000002.tar"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2 + 100])
+    loader = loader_for(root, drop_last=False, train=False)
+    labels = all_labels(loader)
+    assert 0 < N - len(labels) < 20 and len(set(labels)) == len(labels)
+    assert loader.stats.skipped >= 1
+
+
+def test_sources_manifest_directory_and_brace_pattern(dataset: Path) -> None:
+    by_dir = all_labels(loader_for(dataset, train=False))
+    by_manifest = all_labels(loader_for(dataset / "manifest.json", train=False))
+    count = len(list(dataset.glob("shard-*.tar")))
+    pattern = str(dataset / f"shard-{{000000..{count - 1:06d}}}.tar")
+    by_pattern = all_labels(loader_for(pattern, train=False))
+    assert by_dir == by_manifest == by_pattern and len(by_dir) == N
+
+
+def test_stats_report_the_stall(dataset: Path) -> None:
+    import time
+
+    loader = loader_for(dataset)
+    for _ in loader:
+        time.sleep(0.02)  # a slow "GPU step": the loader keeps up
+    stats = loader.stats
+    assert stats.batches == len(loader) and stats.samples == len(loader) * 16
+    assert 0.0 <= stats.stall_fraction < 0.5 and stats.images_per_s > 0
+    assert stats.step_s >= 0.02 * (stats.batches - 1)
+    assert set(stats.to_dict()) >= {"images_per_s", "stall_fraction", "wait_s", "step_s", "batches", "samples"}
+
+
+def test_bad_settings_are_clear_errors(dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="batch_size"):
+        make_loader(str(dataset), 0)
+    with pytest.raises(ConfigError, match="unknown option"):
+        make_loader(str(dataset), 8, num_wrokers=2)
+    with pytest.raises(ConfigError, match="dtype"):
+        make_loader(str(dataset), 8, dtype="float64")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA"):
+            make_loader(str(dataset), 8, device="cuda")
+    from pipeline import ManifestError
+
+    with pytest.raises(ManifestError):
+        make_loader(str(tmp_path), 8)
+
+
+DDP_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+from pipeline.loader import make_loader
+loader = make_loader(sys.argv[1], 16, device="cpu", crop=56, num_workers=1, drop_last=sys.argv[3] == "drop")
+loader.set_epoch(1)
+labels = [int(v) for _, batch in loader for v in batch]
+with open(os.path.join(sys.argv[2], f"rank{dist.get_rank()}.json"), "w") as handle:
+    json.dump({"labels": labels, "batches": loader.stats.batches, "len": len(loader)}, handle)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("policy", ["pad", "drop"])
+def test_ddp_two_ranks_disjoint_equal_and_complete(dataset: Path, tmp_path: Path, policy: str) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(_free_port()), str(script), str(dataset), str(tmp_path), policy],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["batches"] == ranks[1]["batches"] == ranks[0]["len"]
+    first, second = set(ranks[0]["labels"]), set(ranks[1]["labels"])
+    if policy == "drop":
+        assert not first & second
+        assert len(ranks[0]["labels"]) == len(ranks[1]["labels"]) == (N // 2 // 16) * 16
+    else:
+        # Padding: N = 150 splits evenly, so ranks are disjoint and together hold everything.
+        assert not first & second and first | second == set(range(N))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.cuda
+def test_cuda_batches_equal_cpu_batches(dataset: Path) -> None:
+    cpu = [images for images, _ in loader_for(dataset, device="cpu")]
+    gpu = [images for images, _ in loader_for(dataset, device="cuda")]
+    assert all(g.is_cuda for g in gpu)
+    for a, b in zip(cpu, gpu):
+        assert torch.allclose(a, b.cpu(), atol=1e-5)
