@@ -134,6 +134,7 @@ class _HostBatch:
     labels: np.ndarray
     pending: list[Any]
     keys: list[str]
+    items: list[tuple[str, bytes, int]]
 
 
 class Loader:
@@ -157,6 +158,7 @@ class Loader:
         self._ring_slots = spec.prefetch + 2
         self._ring: torch.Tensor | None = None
         self._executor: Any = None
+        self._gpu_decode = spec.decoder == "nvjpeg"
         self._mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
         self._std = torch.tensor(spec.std, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
         self._dtype = getattr(torch, spec.dtype)
@@ -301,17 +303,20 @@ class Loader:
         items = [(r.extension, r.data, self._sample_seed(epoch, r.ordinal)) for r in chunk]
         per_worker = max(1, math.ceil(len(items) / self._workers))
         pending = []
-        for start in range(0, len(items), per_worker):
+        for start in range(0, 0 if self._gpu_decode else len(items), per_worker):
             piece = items[start : start + per_worker]
             pending.append(self._executor.submit(_decode_chunk, ring, slot, start, piece, self._crop))
         labels = np.array([r.label for r in chunk], dtype=np.int64)
-        return _HostBatch(index, slot, len(chunk), labels, pending, [r.key for r in chunk])
+        return _HostBatch(index, slot, len(chunk), labels, pending, [r.key for r in chunk], items)
 
     # -- device side --------------------------------------------------------
 
     def _finish_on_device(self, images: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
         """uint8 NHWC -> normalised NCHW `dtype` on the device (flip, channels_last)."""
-        x = images.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
+        return self._normalise(images.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float(), flips)
+
+    def _normalise(self, x: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
+        """float NCHW in 0-255 on the device -> flipped, normalised, `dtype`, memory format."""
         if flips is not None:
             flips = flips.to(self.device, non_blocking=True).view(-1, 1, 1, 1)
             x = torch.where(flips, x.flip(3), x)
@@ -418,6 +423,8 @@ class Loader:
     def _to_device(
         self, epoch: int, batch: _HostBatch, free: queue.Queue[int], side: Any
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if self._gpu_decode:
+            return self._gpu_decoded(epoch, batch, free, side)
         host_images, host_labels, keep = self._host_tensors(batch)
         flips = self._flips(epoch, batch, keep)
         context = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
@@ -431,6 +438,28 @@ class Loader:
                 copied.record(side)
         if side is not None:
             copied.synchronize()  # the pinned slot may be refilled once its copy is done
+        free.put(batch.slot)
+        return images, labels, int(labels.shape[0])
+
+    def _gpu_decoded(
+        self, epoch: int, batch: _HostBatch, free: queue.Queue[int], side: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """nvjpeg: decode the batch's JPEGs on the GPU, crop and resize there too."""
+        from .gpu_decode import decode_batch_on_gpu
+
+        with torch.cuda.stream(side):
+            pixels, failures = decode_batch_on_gpu(batch.items, self._crop, self.device)
+            keep = None
+            labels = torch.from_numpy(batch.labels)
+            if failures:
+                for position, reason in failures:
+                    self._warn(f"skipping sample {batch.keys[position]}: {reason}")
+                bad = {position for position, _ in failures}
+                keep = np.array([i for i in range(batch.count) if i not in bad], dtype=np.int64)
+                pixels = pixels[torch.from_numpy(keep).to(self.device)]
+                labels = labels[torch.from_numpy(keep)]
+            images = self._normalise(pixels, self._flips(epoch, batch, keep))
+            labels = labels.to(self.device, non_blocking=True)
         free.put(batch.slot)
         return images, labels, int(labels.shape[0])
 
@@ -542,7 +571,9 @@ def make_loader(
     spec = LoaderSpec(batch_size=batch_size, train=train, crop=crop, **options)
     resolved = _resolve_device(device)
     if spec.decoder == "nvjpeg":
-        raise ConfigError("decoder='nvjpeg' is not available in this build; use 'auto'")
+        from .gpu_decode import check_gpu_decode
+
+        check_gpu_decode(resolved)
     rank, world_size = _distributed(rank, world_size)
     dataset = resolve_dataset(source)
     if dataset.samples == 0:
