@@ -6,6 +6,8 @@ celery are imported only by the parts that use them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .errors import (
     ConfigError,
     DecodeError,
@@ -18,7 +20,16 @@ from .errors import (
 )
 from .manifest import Manifest, VerifyResult, read_manifest, verify_dataset
 from .prepare import PrepareResult, prepare_dataset
-from .specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
+from .specs import AugmentSpec, EncodeSpec, LoaderSpec, PrepareSpec, ResizeSpec, ShardSpec
+
+
+def __getattr__(name: str) -> Any:
+    # make_loader needs torch: import it on first use so `import pipeline` stays light.
+    if name == "make_loader":
+        from .loader import make_loader
+
+        return make_loader
+    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
 
 __all__ = [
     "AugmentSpec",
@@ -36,7 +47,9 @@ __all__ = [
     "ShardSpec",
     "SourceError",
     "StorageError",
+    "LoaderSpec",
     "VerifyResult",
+    "make_loader",
     "prepare_dataset",
     "read_manifest",
     "verify_dataset",

@@ -162,6 +162,7 @@ class Loader:
         self._mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
         self._std = torch.tensor(spec.std, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
         self._dtype = getattr(torch, spec.dtype)
+        self._affine_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._warned: set[str] = set()
 
     # -- sizes and epochs -------------------------------------------------
@@ -312,18 +313,40 @@ class Loader:
     # -- device side --------------------------------------------------------
 
     def _finish_on_device(self, images: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
-        """uint8 NHWC -> normalised NCHW `dtype` on the device (flip, channels_last)."""
-        return self._normalise(images.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float(), flips)
+        """uint8 NHWC -> normalised NCHW `dtype` on the device (flip, channels_last).
+
+        Flips are applied to the uint8 pixels (a quarter of the bytes of
+        floats); conversion and transpose are one pass into a preallocated
+        output, scale and shift one more, in place.
+        """
+        pixels = images.to(self.device, non_blocking=True)
+        if flips is not None and bool(flips.any()):
+            chosen = flips.nonzero().flatten().to(self.device)
+            pixels[chosen] = pixels[chosen].flip(2)
+        return self._scale_shift(pixels.permute(0, 3, 1, 2))
+
+    def _scale_shift(self, nchw: torch.Tensor) -> torch.Tensor:
+        scale, shift = self._affine()
+        memory_format = torch.channels_last if self.spec.channels_last else torch.contiguous_format
+        out = torch.empty(nchw.shape, dtype=torch.float32, device=self.device, memory_format=memory_format)
+        out.copy_(nchw)
+        out.mul_(scale).add_(shift)
+        return out if self._dtype == torch.float32 else out.to(self._dtype)
+
+    def _affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1/std, -mean/std) per channel, in 0-255 units, cached on the device."""
+        if self._affine_cache is None:
+            scale = (1.0 / self._std).to(self.device)
+            shift = (-self._mean / self._std).to(self.device)
+            self._affine_cache = (scale, shift)
+        return self._affine_cache
 
     def _normalise(self, x: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
-        """float NCHW in 0-255 on the device -> flipped, normalised, `dtype`, memory format."""
-        if flips is not None:
-            flips = flips.to(self.device, non_blocking=True).view(-1, 1, 1, 1)
-            x = torch.where(flips, x.flip(3), x)
-        mean, std = self._mean.to(self.device), self._std.to(self.device)
-        x = ((x - mean) / std).to(self._dtype)
-        memory_format = torch.channels_last if self.spec.channels_last else torch.contiguous_format
-        return x.contiguous(memory_format=memory_format)
+        """float NCHW in 0-255 on the device (GPU decode) -> flipped, normalised, `dtype`."""
+        if flips is not None and bool(flips.any()):
+            chosen = flips.nonzero().flatten().to(self.device)
+            x[chosen] = x[chosen].flip(3)
+        return self._scale_shift(x)
 
     def _flips(self, epoch: int, batch: _HostBatch, keep: np.ndarray | None) -> torch.Tensor | None:
         if not (self.spec.train and self.spec.flip):

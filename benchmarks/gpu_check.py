@@ -1,0 +1,128 @@
+"""One short check on a CUDA machine: the GPU path of make_loader, end to end.
+
+    python benchmarks/gpu_check.py [--images 1500] [--json FILE]
+
+1. equality: CUDA batches equal CPU batches (same seed, same epoch), eval and train;
+2. stall: a synthetic GPU step that consumes more slowly than the loader
+   produces must see a stall fraction under 2 %;
+3. throughput: images/s of the CPU-decode path and of nvjpeg decoding on the
+   GPU (when torchvision with CUDA is installed), with the GPU doing nothing else.
+
+Prints one line per check and exits non-zero when a check fails. Needs a few
+minutes including data generation; everything lives under --data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline import PrepareSpec, ResizeSpec, prepare_dataset  # noqa: E402
+from pipeline.demo import make_demo_dataset  # noqa: E402
+from pipeline.loader import make_loader  # noqa: E402
+
+
+def ensure_dataset(data: Path, images: int) -> Path:
+    raw, shards = data / "raw", data / "shards"
+    if not (shards / "manifest.json").exists():
+        if not raw.exists():
+            make_demo_dataset(raw, images, min_side=800, max_side=1250)
+        prepare_dataset(PrepareSpec(str(raw), str(shards), resize=ResizeSpec(size=256)))
+    return shards
+
+
+def check_equality(shards: Path) -> dict[str, object]:
+    result: dict[str, object] = {}
+    for train in (False, True):
+        cpu = make_loader(str(shards), 64, device="cpu", train=train, seed=3)
+        gpu = make_loader(str(shards), 64, device="cuda", train=train, seed=3)
+        worst = 0.0
+        batches = 0
+        for (a, la), (b, lb) in zip(cpu, gpu):
+            assert b.is_cuda and lb.is_cuda
+            if not torch.equal(la, lb.cpu()):
+                raise AssertionError("labels differ between CPU and CUDA")
+            worst = max(worst, float((a - b.cpu()).abs().max()))
+            batches += 1
+            if batches == 8:
+                break
+        result["eval" if not train else "train"] = worst
+    result["ok"] = all(float(v) <= 1e-5 for k, v in result.items() if k in ("eval", "train"))
+    return result
+
+
+def measure(shards: Path, **options: object) -> float:
+    loader = make_loader(str(shards), 64, device="cuda", **options)  # type: ignore[arg-type]
+    for count, (images, _) in enumerate(loader):  # warm-up: page cache, pools, CUDA context
+        if count == 3:
+            break
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    samples = 0
+    for images, _ in loader:
+        images.sum()  # the GPU touches every batch
+        samples += images.shape[0]
+    torch.cuda.synchronize()
+    return samples / (time.perf_counter() - started)
+
+
+def check_stall(shards: Path, loader_rate: float) -> dict[str, float]:
+    """A synthetic GPU step at 80 % of the loader's rate: the loader must keep it fed."""
+    loader = make_loader(str(shards), 64, device="cuda")
+    step_s = 64 / (0.8 * loader_rate)
+    weights = torch.randn(3 * 224 * 224, 256, device="cuda")
+    for images, _ in loader:
+        started = time.perf_counter()
+        work = images.flatten(1).float() @ weights  # real GPU work on the batch
+        work.sum().item()
+        remaining = step_s - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+    return {"stall_fraction": loader.stats.stall_fraction, "step_s": step_s, "batches": loader.stats.batches}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=1500)
+    parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "results" / "gpu-data")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: CUDA is not available here; run this on a machine with an NVIDIA GPU")
+        return 2
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  cores {len(os.sched_getaffinity(0))}")
+    shards = ensure_dataset(args.data, args.images)
+    report: dict[str, object] = {}
+    equality = check_equality(shards)
+    report["equality"] = equality
+    print(f"equality CPU vs CUDA: max |diff| eval {equality['eval']:.2e}, train {equality['train']:.2e} -> {'ok' if equality['ok'] else 'FAIL'}")
+    rate = measure(shards)
+    report["cpu_decode_images_per_s"] = rate
+    print(f"throughput, CPU decode -> GPU: {rate:.0f} images/s")
+    stall = check_stall(shards, rate)
+    report["stall"] = stall
+    stall_ok = stall["stall_fraction"] < 0.02
+    print(f"stall with a GPU step at 80 % of the loader's rate: {stall['stall_fraction']:.2%} -> {'ok' if stall_ok else 'FAIL'}")
+    try:
+        nvjpeg = measure(shards, decoder="nvjpeg")
+        report["nvjpeg_images_per_s"] = nvjpeg
+        print(f"throughput, nvjpeg decode on the GPU: {nvjpeg:.0f} images/s ({nvjpeg / rate:.2f}x the CPU path)")
+    except Exception as exc:  # torchvision missing or without CUDA: report, don't fail the rest
+        report["nvjpeg_images_per_s"] = None
+        print(f"nvjpeg: skipped ({exc})")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if equality["ok"] and stall_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
