@@ -36,6 +36,29 @@ def _user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+class _Gpufeed(click.Group):
+    """The `gpufeed` group: a usage error is one `gpufeed: error:` line, like every other error."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            _usage_error(exc)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            _usage_error(exc)
+
+
+def _usage_error(exc: click.UsageError) -> NoReturn:
+    if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):
+        raise exc  # `gpufeed` alone: click prints the help
+    hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+    _fail(exc.format_message() + hint, 2)
+
+
 def _pair(text: str, name: str) -> tuple[float, float]:
     try:
         low, high = (float(part) for part in text.split(","))
@@ -44,7 +67,7 @@ def _pair(text: str, name: str) -> tuple[float, float]:
     return low, high
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=_Gpufeed, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="gpufeed")
 def main() -> None:
     """gpufeed keeps GPUs fed: prepare image datasets into fast shards, measure, advise."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .decode import _pil, to_rgb
+from .decode import _pil, open_image, to_rgb
 from .errors import DecodeError
 
 try:
@@ -46,6 +46,7 @@ class CropSpec:
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     eval_fraction: float = 0.875
     decoder: str = "simplejpeg"
+    max_pixels: int = 89_478_485
 
 
 def default_decoder() -> str:
@@ -100,6 +101,7 @@ def decode_into(slot: np.ndarray, extension: str, data: bytes, spec: CropSpec, s
     try:
         if extension == "npy":
             array = np.load(io.BytesIO(data), allow_pickle=False)
+            _check_pixels(array.shape[1] if array.ndim > 1 else 0, array.shape[0], spec)
             _crop_array_into(slot, _as_rgb_array(array), rng, spec)
         elif extension in ("jpg", "jpeg") and spec.decoder == "simplejpeg" and simplejpeg is not None:
             _jpeg_into(slot, data, rng, spec)
@@ -109,6 +111,13 @@ def decode_into(slot: np.ndarray, extension: str, data: bytes, spec: CropSpec, s
         raise
     except Exception as exc:  # any decoder failure is one bad sample, not a crashed epoch
         raise DecodeError(f"cannot decode .{extension} sample: {str(exc)[:160] or type(exc).__name__}") from None
+
+
+def _check_pixels(width: int, height: int, spec: CropSpec) -> None:
+    if width * height > spec.max_pixels:
+        raise DecodeError(f"decompression bomb refused: {width}x{height} is over the {spec.max_pixels:,}-pixel limit")
+    if width < 1 or height < 1:
+        raise DecodeError(f"image has no pixels ({width}x{height})")
 
 
 def _as_rgb_array(array: np.ndarray) -> np.ndarray:
@@ -123,6 +132,7 @@ def _as_rgb_array(array: np.ndarray) -> np.ndarray:
 
 def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec) -> None:
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    _check_pixels(width, height, spec)
     left, top, cw, ch = crop_box(rng, width, height, spec)
     scale = min(1.0, max(spec.size / cw, spec.size / ch))
     kwargs = {}
@@ -135,7 +145,7 @@ def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: C
 
 def _pil_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec) -> None:
     Image = _pil()
-    img = Image.open(io.BytesIO(data))
+    img = open_image(data, max_pixels=spec.max_pixels)
     width, height = img.size
     left, top, cw, ch = crop_box(rng, width, height, spec)
     if img.format == "JPEG":

@@ -2,8 +2,11 @@
 
 `decode_image` is the single entry for hostile input: it applies EXIF
 orientation, converts every PIL mode to RGB (alpha composited on a
-background), refuses decompression bombs before decoding, and turns every
-failure into a `DecodeError` whose reason ends up in rejected.jsonl.
+background), refuses decompression bombs before decoding, opens only the
+raster formats in DECODE_FORMATS (never EPS/Ghostscript and the like), and
+turns every failure into a `DecodeError` whose reason ends up in
+rejected.jsonl ("corrupt or truncated PNG data", "unsupported image format:
+HEIC", ...).
 
 JPEGs are decoded already scaled down in the DCT domain when the target is
 smaller (libjpeg-turbo's M/8 scaling through simplejpeg when installed, else
@@ -96,6 +99,43 @@ class DecodedImage:
     format: str
 
 
+def open_image(data: bytes, *, max_pixels: int = 89_478_485) -> Any:
+    """Open image bytes with PIL after the checks every decoder needs, without decoding pixels.
+
+    Only DECODE_FORMATS are tried, and images over `max_pixels` are refused
+    from their header alone (gpufeed turns PIL's own bomb check off to give
+    this clear reason instead, so every PIL decode must come through here).
+
+    Args:
+        data: the whole file.
+        max_pixels: refuse images with more pixels than this (bombs).
+
+    Returns:
+        A lazily loaded PIL image (call ``load()`` to decode).
+
+    Raises:
+        DecodeError: empty, not an image, unsupported format, broken header or too many pixels.
+    """
+    if not data:
+        raise DecodeError("empty file (0 bytes)")
+    Image = _pil()
+    try:
+        img = Image.open(io.BytesIO(data), formats=_decode_formats(Image))
+    except Image.UnidentifiedImageError:
+        raise DecodeError(_unidentified_reason(data, Image)) from None
+    except Exception as exc:  # PIL raises many types for broken headers
+        kind = _sniff(data) or "image"
+        raise DecodeError(f"corrupt or truncated {kind} header: {_describe(exc)}") from None
+    width, height = img.size
+    if width < 1 or height < 1:
+        raise DecodeError(f"image has no pixels ({width}x{height})")
+    if width * height > max_pixels:
+        raise DecodeError(
+            f"decompression bomb refused: {width}x{height} = {width * height:,} pixels is over the {max_pixels:,} limit"
+        )
+    return img
+
+
 def decode_image(
     data: bytes,
     *,
@@ -120,23 +160,9 @@ def decode_image(
         DecodeError: the file is empty, not an image, truncated, too large
             or otherwise unusable; ``reason`` says which.
     """
-    if not data:
-        raise DecodeError("empty file (0 bytes)")
+    img = open_image(data, max_pixels=max_pixels)
     Image = _pil()
-    try:
-        img = Image.open(io.BytesIO(data), formats=_decode_formats(Image))
-    except Image.UnidentifiedImageError:
-        raise DecodeError(_unidentified_reason(data, Image)) from None
-    except Exception as exc:  # PIL raises many types for broken headers
-        kind = _sniff(data) or "image"
-        raise DecodeError(f"corrupt or truncated {kind} header: {_describe(exc)}") from None
     width, height = img.size
-    if width < 1 or height < 1:
-        raise DecodeError(f"image has no pixels ({width}x{height})")
-    if width * height > max_pixels:
-        raise DecodeError(
-            f"decompression bomb refused: {width}x{height} = {width * height:,} pixels is over the {max_pixels:,} limit"
-        )
     scale = min(1.0, scale_for(width, height)) if scale_for else 1.0
     try:
         if img.format in _DCT_FORMATS and simplejpeg is not None and img.mode in ("RGB", "L"):
@@ -144,7 +170,7 @@ def decode_image(
             rgb = Image.fromarray(_decode_jpeg_scaled(data, width, height, scale))
         else:
             img = _load_with_pil(img, scale)
-            # Read after loading: some PIL loaders (TIFF since Pillow 11) apply the
+            # Read after loading: some PIL loaders (TIFF in current Pillow) apply the
             # orientation themselves, report the upright size and drop the tag.
             orientation = _orientation(img)
             rgb = to_rgb(img, background, Image)

@@ -138,8 +138,10 @@ def probe_pil() -> dict[str, Any]:
     turbo = bool(_quiet(features.check_feature, "libjpeg_turbo"))
     info["libjpeg_turbo"] = turbo
     info["libjpeg_turbo_version"] = _quiet(features.version_feature, "libjpeg_turbo") if turbo else None
-    info["libraries"] = {name: _pil_library_version(features, kind, key) for key, (kind, name) in _PIL_LIBRARIES.items()}
-    info["formats"] = {name: _roundtrips(*probe) for name, *probe in _FORMAT_PROBES}
+    info["libraries"] = {
+        name: _pil_library_version(features, kind, key) for key, (kind, name) in _PIL_LIBRARIES.items()
+    }
+    info["formats"] = {name: _roundtrips(fmt, mode, save, check) for name, fmt, mode, save, check in _FORMAT_PROBES}
     return info
 
 
@@ -267,9 +269,9 @@ def find_warnings(report: dict[str, Any]) -> list[str]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as aligned text lines for a terminal."""
+    python, system = report["python"], report["platform"]["description"]
     lines = [
-        f"gpufeed {report['gpufeed']['version']} on Python {report['python']['version']} "
-        f"({report['python']['implementation']}), {report['platform']['description']}"
+        f"gpufeed {report['gpufeed']['version']} on Python {python['version']} ({python['implementation']}), {system}"
     ]
 
     def row(name: str, text: str) -> None:
@@ -281,7 +283,11 @@ def format_report(report: dict[str, Any]) -> str:
     cpu = report["cpu"]
     quota = f", cgroup quota {cpu['quota']:g} cores" if cpu.get("quota") else ""
     avx2 = {True: ", AVX2", False: ", no AVX2", None: ""}[cpu.get("avx2")]
-    row("cores", f"{cpu['available']} available of {cpu['total']}{quota}{avx2}" + (f" ({cpu['model']})" if cpu.get("model") else ""))
+    row(
+        "cores",
+        f"{cpu['available']} available of {cpu['total']}{quota}{avx2}"
+        + (f" ({cpu['model']})" if cpu.get("model") else ""),
+    )
     memory = report["memory"]
     limit = f", cgroup limit {_gib(memory['limit_bytes'])}" if memory.get("limit_bytes") else ""
     row("memory", f"{_gib(memory['total_bytes'])} total, {_gib(memory['available_bytes'])} available{limit}")
@@ -313,7 +319,10 @@ def _format_torch(torch_info: dict[str, Any], row: Any) -> None:
         cuda = "CPU-only build, no CUDA"
     row("torch", f"{torch_info['version']}, {cuda}")
     for device in torch_info["devices"]:
-        row(f"  cuda:{device['index']}", f"{device['name']}, {_gib(device['memory_bytes'])}, compute {device['capability']}")
+        row(
+            f"  cuda:{device['index']}",
+            f"{device['name']}, {_gib(device['memory_bytes'])}, compute {device['capability']}",
+        )
 
 
 def _format_pil(pil: dict[str, Any], row: Any) -> None:

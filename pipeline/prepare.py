@@ -257,26 +257,73 @@ def _process_chunk(chunk: list[tuple[int, SourceItem]]) -> list[SampleOutcome]:
     return [process_item(item, index, spec, classes) for index, item in chunk]
 
 
-class _InlinePool:
-    """`workers=0`: the same code path in this process (debugging, tiny jobs)."""
+class _Workers:
+    """The process pool of a prepare, robust to a worker that dies.
 
-    def apply_async(self, func: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        value = func(*args)
+    A C decoder can crash (or be killed for memory) on a hostile file. The
+    pool then breaks; the chunks it held are re-run one file per fresh
+    process, so only the file that crashes again is rejected, and the job
+    goes on with a new pool. `workers=0` runs chunks in this process.
+    """
 
-        class _Done:
-            def get(self, timeout: float | None = None) -> Any:
-                return value
+    def __init__(self, workers: int, spec: PrepareSpec, classes: list[str]) -> None:
+        self.workers = workers
+        self._initargs = (spec.to_dict(), classes)
+        self._executor: Any = None
+        if workers == 0:
+            _init_worker(*self._initargs)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        else:
+            self._executor = self._new_executor(workers)
 
-        return _Done()
+    def _new_executor(self, workers: int) -> Any:
+        from concurrent.futures import ProcessPoolExecutor
 
-    def terminate(self) -> None:
-        pass
+        context = multiprocessing.get_context("fork")
+        return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=self._initargs)
+
+    def submit(self, chunk: list[tuple[int, SourceItem]]) -> Any:
+        if self._executor is None:
+            from concurrent.futures import Future
+
+            done: Future[list[SampleOutcome]] = Future()
+            done.set_result(_process_chunk(chunk))
+            return done
+        return self._executor.submit(_process_chunk, chunk)
+
+    def result(self, pending: Any, chunk: list[tuple[int, SourceItem]]) -> list[SampleOutcome]:
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            outcomes: list[SampleOutcome] = pending.result()
+            return outcomes
+        except BrokenProcessPool:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = self._new_executor(self.workers)
+            return [self._isolated(index, item) for index, item in chunk]
+
+    def _isolated(self, index: int, item: SourceItem) -> SampleOutcome:
+        from concurrent.futures.process import BrokenProcessPool
+
+        single = self._new_executor(1)
+        try:
+            return single.submit(_process_chunk, [(index, item)]).result()[0]  # type: ignore[no-any-return]
+        except BrokenProcessPool:
+            return SampleOutcome(index, sample_key(item.rel), item.url, reason="the decoder process crashed on this file")
+        finally:
+            single.shutdown(wait=True)
 
     def close(self) -> None:
-        pass
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
-    def join(self) -> None:
-        pass
+    def terminate(self) -> None:
+        if self._executor is not None:
+            for process in list(getattr(self._executor, "_processes", {}).values()):
+                process.terminate()
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
 
 
 def available_cores() -> int:
@@ -334,6 +381,7 @@ def prepare_dataset(
     workers = available_cores() if workers is None else workers
     if workers < 0:
         raise ConfigError("--workers must be 0 or more")
+    _refuse_out_inside_source(spec)
     output = Output(spec.out)
     finished = _check_existing(output, spec, overwrite)
     if finished is not None:
@@ -362,6 +410,17 @@ def prepare_dataset(
         workers=workers,
         warnings=job.warnings,
     )
+
+
+def _refuse_out_inside_source(spec: PrepareSpec) -> None:
+    from .sources import local_path
+
+    source, out = local_path(spec.source), local_path(spec.out)
+    if source is None or out is None or not os.path.isdir(source):
+        return
+    source_real, out_real = os.path.realpath(source), os.path.realpath(out)
+    if out_real == source_real or out_real.startswith(source_real.rstrip("/") + "/"):
+        raise ConfigError(f"OUT ({spec.out}) is inside SRC ({spec.source}): its shards would be listed as a class; put OUT elsewhere")
 
 
 def _check_existing(output: Output, spec: PrepareSpec, overwrite: bool) -> Manifest | None:
@@ -565,31 +624,21 @@ def _write_pending_shards(
     resumed = job.plan.shards - len(pending)
     total = sum(len(job.plan.positions(s)) for s in pending)
     state = PrepareProgress(0, total, 0, 0.0)
-    pool: Any
-    if workers == 0:
-        _init_worker(job.spec.to_dict(), job.classes)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        pool = _InlinePool()
-    else:
-        context = multiprocessing.get_context("fork")
-        pool = context.Pool(workers, initializer=_init_worker, initargs=(job.spec.to_dict(), job.classes))
+    pool = _Workers(workers, job.spec, job.classes)
     try:
         for shard in pending:
-            _write_one_shard(job, shard, pool, workers, state, progress, started)
+            _write_one_shard(job, shard, pool, state, progress, started)
         pool.close()
     except BaseException:
         pool.terminate()
         raise
-    finally:
-        pool.join()
     return total, resumed
 
 
 def _write_one_shard(
     job: _Job,
     shard: int,
-    pool: Any,
-    workers: int,
+    pool: _Workers,
     state: PrepareProgress,
     progress: ProgressCallback | None,
     started: float,
@@ -597,17 +646,16 @@ def _write_one_shard(
     sets = _set_dirs(job)
     writers = [TarShardWriter(job.output.local(prefix + shard_name(shard))) for _, prefix in sets]
     rejected: list[dict[str, str]] = []
-    window = max(2, workers * 3)  # chunks in flight: keeps every worker busy, bounds memory
+    window = max(2, pool.workers * 3)  # chunks in flight: keeps every worker busy, bounds memory
     with _ExitAll(writers):
-        in_flight: deque[Any] = deque()
-        chunks = _chunks(job, shard)
-        for chunk in chunks:
-            in_flight.append(pool.apply_async(_process_chunk, (chunk,)))
+        in_flight: deque[tuple[Any, list[tuple[int, SourceItem]]]] = deque()
+        for chunk in _chunks(job, shard):
+            in_flight.append((pool.submit(chunk), chunk))
             if len(in_flight) >= window:
-                _drain(in_flight.popleft(), writers, rejected, state)
+                _drain(pool.result(*in_flight.popleft()), writers, rejected, state)
                 _report(state, progress, started)
         while in_flight:
-            _drain(in_flight.popleft(), writers, rejected, state)
+            _drain(pool.result(*in_flight.popleft()), writers, rejected, state)
             _report(state, progress, started)
         infos = []
         for writer, (variant, prefix) in zip(writers, sets):
@@ -634,8 +682,10 @@ class _ExitAll:
             writer.__exit__(*exc_info)
 
 
-def _drain(pending: Any, writers: list[TarShardWriter], rejected: list[dict[str, str]], state: PrepareProgress) -> None:
-    for outcome in pending.get():
+def _drain(
+    outcomes: list[SampleOutcome], writers: list[TarShardWriter], rejected: list[dict[str, str]], state: PrepareProgress
+) -> None:
+    for outcome in outcomes:
         state.done += 1
         if outcome.tars is None:
             rejected.append({"source": outcome.source, "reason": outcome.reason})

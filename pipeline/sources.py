@@ -197,23 +197,23 @@ def _walk_local(
             info.ignored += 1
             continue
         rel = f"{rel_dir}/{name}" if rel_dir else name
-        yield SourceItem(_printable(os.path.join(base, name)), _printable(rel), label)
+        yield SourceItem(os.path.join(base, name), rel, label)
     for name in dirs:
         yield from _walk_dir(root, f"{rel_dir}/{name}" if rel_dir else name, label, info, ancestors)
 
 
-def _printable(text: str) -> str:
-    """`text` as valid Unicode: bytes of a file name that are not UTF-8 become U+FFFD.
+def _printable(name: str) -> str:
+    """A class folder name as valid Unicode: bytes that are not UTF-8 become U+FFFD.
 
-    Such a name cannot be written to the listing, the manifest or
-    rejected.jsonl; the file is listed under the replaced name and rejected
-    with a reason (see read_source_bytes) instead of crashing the job.
+    Paths keep such bytes (surrogate-escaped, so the file can still be opened
+    and SourceItem.to_json escapes them); a label is a name shown to people
+    and written to the manifest as UTF-8, so it must be printable.
     """
     try:
-        text.encode("utf-8")
+        name.encode("utf-8")
     except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    return text
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return name
 
 
 def _list_fs_dir(fs: Any, root: str, info: ListingInfo) -> Iterator[SourceItem]:
@@ -312,17 +312,6 @@ def _read_jsonl_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
 
 def read_source_bytes(url: str, max_bytes: int) -> bytes:
     """Read one input file whole; OSError for anything unreadable or too large."""
-    try:
-        return _read_bytes(url, max_bytes)
-    except FileNotFoundError as exc:
-        if "\ufffd" in url:
-            raise OSError(
-                "the file name is not valid UTF-8 (shown with U+FFFD), so it cannot be recorded; rename the file"
-            ) from exc
-        raise
-
-
-def _read_bytes(url: str, max_bytes: int) -> bytes:
     local = local_path(url)
     if local is not None:
         with open(local, "rb") as handle:

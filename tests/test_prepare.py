@@ -366,3 +366,30 @@ def test_peak_memory_does_not_grow_with_image_count(tmp_path: Path) -> None:
     print(f"peak RSS MiB: {peaks}")
     # Holding per-image records in memory would cost ~5+ MiB for 10,500 more images.
     assert growth < 2.0, f"peak RSS grew {growth:.1f} MiB: {peaks}"
+
+
+def test_a_decoder_crash_rejects_only_that_file(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed inside a C decoder (segfault, OOM kill) must not hang or fail the job."""
+    import pipeline.decode
+
+    victim = sorted(raw.rglob("*.jpg"))[7]
+    real = pipeline.decode.decode_image
+
+    def crashing_decode(data: bytes, **kwargs: object):
+        if data == victim.read_bytes():
+            os._exit(139)
+        return real(data, **kwargs)
+
+    monkeypatch.setattr("pipeline.prepare.decode_image", crashing_decode)
+    out = tmp_path / "out"
+    result = prepare_dataset(spec_for(raw, out), workers=2)
+    assert (result.samples, result.rejected) == (59, 1)
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert rejected == [{"source": str(victim), "reason": "the decoder process crashed on this file"}]
+    assert verify_dataset(Output(str(out)), read_manifest(Output(str(out)))).ok
+
+
+def test_out_inside_source_is_refused(raw: Path) -> None:
+    with pytest.raises(ConfigError, match="inside SRC"):
+        prepare_dataset(spec_for(raw, raw / "shards"))
+    assert not (raw / "shards").exists()

@@ -1,0 +1,218 @@
+"""Helpers shared by the comparative benchmarks.
+
+Standard library only at import time: the baseline rows run this module from a
+separate virtualenv (.venv-baselines) where gpufeed is not installed, so
+anything heavier (webdataset, PIL, opencv) is imported inside the function
+that needs it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+JPEG_EXTENSIONS = (".jpg", ".jpeg")
+CHUNK = 16  # tasks per pool message: the same batching gpufeed uses (CHUNK_ITEMS)
+SHARD_BYTES = 256 * 1024 * 1024  # gpufeed's default --shard-size, for the ShardWriter rows
+
+
+def available_processes() -> int:
+    """Cores this process may run on (affinity/cgroup aware), as gpufeed counts them."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def list_jpegs(root: str) -> list[tuple[str, str]]:
+    """(path, label) of every JPEG under an ImageFolder root, in a stable order.
+
+    Dot-names are skipped, like gpufeed's own listing, so every row processes
+    exactly the files `gpufeed prepare` lists.
+    """
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel = os.path.relpath(dirpath, root)
+        label = rel.split(os.sep)[0] if rel != "." else ""
+        for name in sorted(filenames):
+            if not name.startswith(".") and name.lower().endswith(JPEG_EXTENSIONS):
+                found.append((os.path.join(dirpath, name), label))
+    return found
+
+
+def warm_page_cache(paths: Iterable[str]) -> int:
+    """Read every file once so that each row reads from memory; returns bytes read."""
+    total = 0
+    for path in paths:
+        with open(path, "rb") as handle:
+            while block := handle.read(1 << 20):
+                total += len(block)
+    return total
+
+
+def shorter_side_size(width: int, height: int, size: int) -> tuple[int, int]:
+    """Output size for 'shorter side = size', never upscaling (gpufeed's `shorter` mode)."""
+    scale = size / min(width, height)
+    if scale >= 1:
+        return width, height
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def sample_key(path: str, label: str) -> str:
+    """A WebDataset key without dots or slashes."""
+    stem = os.path.splitext(os.path.basename(path))[0].replace(".", "_")
+    return f"{label}_{stem}" if label else stem
+
+
+def write_with_pool(
+    items: Sequence[tuple[str, str]],
+    out_dir: str,
+    processes: int,
+    work: Callable[[tuple[str, str]], tuple[str, bytes, dict[str, Any]] | None],
+    initializer: Callable[..., None] | None = None,
+    initargs: tuple[Any, ...] = (),
+) -> int:
+    """The loop a user writes: a process pool makes the JPEG bytes, the parent feeds wds.ShardWriter.
+
+    Args:
+        items: (path, label) pairs.
+        out_dir: folder for shard-NNNNNN.tar (created).
+        processes: pool size.
+        work: top-level function (path, label) -> (key, jpeg bytes, metadata), or None for a reject.
+        initializer: run once in each worker.
+        initargs: its arguments.
+
+    Returns:
+        Samples written.
+    """
+    import webdataset as wds
+
+    labels = {label: i for i, label in enumerate(sorted({label for _, label in items}))}
+    os.makedirs(out_dir, exist_ok=True)
+    pattern = os.path.join(out_dir, "shard-%06d.tar")
+    written = 0
+    context = multiprocessing.get_context("fork")
+    with context.Pool(processes, initializer=initializer, initargs=initargs) as pool:
+        with wds.ShardWriter(pattern, maxsize=SHARD_BYTES, maxcount=10**9, verbose=0) as sink:
+            for (_, label), result in zip(items, pool.imap(work, items, chunksize=CHUNK)):
+                if result is None:
+                    continue
+                key, jpeg, meta = result
+                sample = {"__key__": key, "jpg": jpeg, "json": meta}
+                if label:
+                    sample["cls"] = labels[label]
+                sink.write(sample)
+                written += 1
+    return written
+
+
+def directory_bytes(path: str) -> int:
+    """Total size of the files under `path`."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(dirpath, name)) for name in filenames)
+    return total
+
+
+def fresh_dir(path: str) -> str:
+    """Remove `path` if it exists; its parent is created."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
+def dist_version(*names: str) -> str | None:
+    """The installed version of the first distribution found among `names`."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+class Stopwatch:
+    """`with Stopwatch() as sw: ...` then `sw.seconds`."""
+
+    seconds = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.seconds = time.perf_counter() - self._start
+
+
+class NoiseMeter:
+    """Share of the machine's CPU time that other processes used while the block ran.
+
+    /proc/stat's busy time minus this process's and its reaped children's
+    (getrusage), over wall time x CPUs. A run with high noise is not a fair
+    figure; best-of-N keeps the quietest. None where /proc/stat is missing.
+    """
+
+    share: float | None = None
+
+    def __enter__(self) -> NoiseMeter:
+        self._start = (_machine_busy_seconds(), _own_cpu_seconds(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        busy0, own0, wall0 = self._start
+        busy1, own1, wall1 = _machine_busy_seconds(), _own_cpu_seconds(), time.perf_counter()
+        if busy0 is None or busy1 is None or wall1 <= wall0:
+            return
+        cpus = os.cpu_count() or 1
+        self.share = max(0.0, min(1.0, ((busy1 - busy0) - (own1 - own0)) / ((wall1 - wall0) * cpus)))
+
+
+def wait_for_quiet(max_seconds: float, threshold: float = 0.10, window: float = 1.0) -> float | None:
+    """Wait (at most `max_seconds`) until other processes use under `threshold` of the CPUs.
+
+    Returns the last share measured (None without /proc/stat). A shared
+    machine is rarely quiet for long; this only avoids starting a run in the
+    middle of someone else's burst.
+    """
+    deadline = time.monotonic() + max_seconds
+    share = None
+    while True:
+        with NoiseMeter() as meter:
+            time.sleep(window)
+        share = meter.share
+        if share is None or share < threshold or time.monotonic() >= deadline:
+            return share
+
+
+def _machine_busy_seconds() -> float | None:
+    try:
+        with open("/proc/stat") as handle:
+            fields = handle.readline().split()
+    except OSError:
+        return None
+    # cpu user nice system idle iowait irq softirq steal ...
+    values = [int(v) for v in fields[1:9]]
+    busy = sum(values) - values[3] - values[4]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def print_json_line(data: dict[str, Any]) -> None:
+    """The last stdout line of a row run as a subprocess: what the parent parses."""
+    print(json.dumps(data, sort_keys=True), flush=True)

@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# Set up gpufeed on this machine, from nothing to ready:
+#   .venv (python3) <- torch (CPU build, pinned first) <- gpufeed[test] (editable)
+#   <- Pillow-SIMD built against the system's libjpeg-turbo, zlib, libwebp, libtiff, openjpeg
+#   (falls back to the Pillow wheel, loudly, where it cannot be built with them),
+#   and redis-server for the tests.
+# Idempotent: when nothing changed since the last run it returns in about a second.
+# Environment: PYTHON (default python3) picks the interpreter for a new .venv.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PYTHON="${PYTHON:-python3}"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+STAMP="$VENV/.gpufeed-setup-stamp"
+TORCH_VERSION="2.13.0"
+PILLOW_SIMD_VERSION="12.1.1.post0"
+# Debian packages with the headers Pillow-SIMD needs for each codec.
+PILLOW_BUILD_DEPS=(libwebp-dev libtiff-dev liblcms2-dev libopenjp2-7-dev libfreetype-dev libjpeg62-turbo-dev zlib1g-dev)
+
+say() { printf 'setup: %s\n' "$*"; }
+shout() {
+    printf '\n%s\n' "************************************************************************" >&2
+    printf 'setup: WARNING: %s\n' "$@" >&2
+    printf '%s\n\n' "************************************************************************" >&2
+}
+pip() { "$PY" -m pip --disable-pip-version-check "$@"; }
+
+stamp_value() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1; }
+
+can_apt() { [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; }
+
+# apt-get install, refreshing the package lists only when the first attempt fails.
+apt_install() {
+    can_apt || return 1
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1 && return 0
+    say "apt-get update (package lists may be stale)"
+    apt-get update -qq >/dev/null 2>&1 || true
+    apt-get install -y -qq --no-install-recommends "$@"
+}
+
+missing_debs() {
+    command -v dpkg-query >/dev/null 2>&1 || return 0
+    local pkg
+    for pkg in "$@"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || echo "$pkg"
+    done
+}
+
+ensure_redis_server() {
+    command -v redis-server >/dev/null 2>&1 && return 0
+    say "redis-server not found; installing it"
+    if apt_install redis-server && command -v redis-server >/dev/null 2>&1; then
+        return 0
+    fi
+    shout "redis-server is not installed and could not be installed here." \
+        "Tests that need Redis will be skipped unless GPUFEED_TEST_REDIS_URL points at one" \
+        "(on Debian/Ubuntu, as root: apt-get install redis-server)."
+}
+
+ensure_venv() {
+    if [[ -x "$PY" ]] && "$PY" -c 'import sys' >/dev/null 2>&1; then
+        return 0
+    fi
+    say "creating $VENV with $(command -v "$PYTHON") ($("$PYTHON" --version 2>&1))"
+    "$PYTHON" -m venv --clear "$VENV"
+}
+
+ensure_torch() {
+    local have
+    have="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)"
+    if [[ "${have%%+*}" == "$TORCH_VERSION" ]]; then
+        say "torch $have already installed"
+        return 0
+    fi
+    # Pinned before gpufeed so that resolving gpufeed's "torch" keeps this (CPU) build
+    # instead of pulling a multi-GB CUDA one.
+    say "installing torch==$TORCH_VERSION"
+    pip install -qq "torch==$TORCH_VERSION"
+}
+
+# Exits 0 when Pillow-SIMD is the active PIL and has every codec gpufeed relies on;
+# otherwise prints why not.
+pillow_simd_ok() {
+    "$PY" - <<'EOF'
+import importlib.metadata as md
+import sys
+
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+simd, plain = version("pillow-simd"), version("pillow")
+if simd is None:
+    sys.exit("Pillow-SIMD is not installed")
+if plain is not None:
+    sys.exit(f"the Pillow {plain} distribution is installed too")
+import PIL
+from PIL import features
+
+if PIL.__version__ != simd:
+    sys.exit(f"the active PIL is {PIL.__version__}, not Pillow-SIMD {simd}")
+needed = {
+    "JPEG": features.check_codec("jpg"),
+    "libjpeg-turbo": features.check_feature("libjpeg_turbo"),
+    "PNG (zlib)": features.check_codec("zlib"),
+    "WebP": features.check_module("webp"),
+    "TIFF (libtiff)": features.check_codec("libtiff"),
+    "JPEG 2000 (openjpeg)": features.check_codec("jpg_2000"),
+}
+missing = [name for name, ok in needed.items() if not ok]
+if missing:
+    sys.exit("Pillow-SIMD was built without " + ", ".join(missing))
+print(f"Pillow-SIMD {simd} with JPEG (libjpeg-turbo), PNG, WebP, TIFF and JPEG 2000")
+EOF
+}
+
+simd_cc() {
+    local flags=""
+    if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+        flags=" -mavx2"
+    elif grep -qw sse4_2 /proc/cpuinfo 2>/dev/null; then
+        flags=" -msse4"
+    fi
+    echo "${CC:-cc}$flags"
+}
+
+install_pillow_fallback() {
+    shout "Pillow-SIMD could not be installed: $1" \
+        "Falling back to the Pillow wheel: everything works, but resizing is several times slower." \
+        "Fix the cause, then: rm $STAMP; bash scripts/setup.sh"
+    pip uninstall -y -qq pillow-simd >/dev/null 2>&1 || true
+    pip install -qq --force-reinstall pillow
+    PILLOW_NOTE="Pillow-SIMD is not installed (fallback to Pillow: $1)"
+}
+
+# Prints the path of the Pillow-SIMD wheel in folder $1, if one is there.
+find_wheel() {
+    local wheel
+    for wheel in "$1"/pillow_simd-"$PILLOW_SIMD_VERSION"-*.whl; do
+        if [[ -f "$wheel" ]]; then
+            echo "$wheel"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# Builds the Pillow-SIMD wheel once per venv and compiler flags; prints its path.
+build_pillow_simd() {
+    local cc="$1" wheels="$2"
+    find_wheel "$wheels" && return 0
+    say "building pillow-simd==$PILLOW_SIMD_VERSION with CC=\"$cc\" (about half a minute)" >&2
+    mkdir -p "$wheels"
+    # --no-cache-dir: pip's wheel cache ignores CC, so a cached wheel could lack the SIMD flags.
+    if ! CC="$cc" pip wheel --no-deps --no-cache-dir --no-binary pillow-simd \
+        "pillow-simd==$PILLOW_SIMD_VERSION" -w "$wheels" >"$wheels/build.log" 2>&1; then
+        tail -n 25 "$wheels/build.log" >&2 || true
+        return 1
+    fi
+    find_wheel "$wheels"
+}
+
+install_pillow_simd() {
+    local status
+    if status="$(pillow_simd_ok 2>&1)"; then
+        say "$status: already active"
+        return 0
+    fi
+    say "installing Pillow-SIMD ($status)"
+    local missing
+    missing="$(missing_debs "${PILLOW_BUILD_DEPS[@]}" | tr '\n' ' ')"
+    if [[ -n "${missing// /}" ]]; then
+        say "installing codec headers: $missing"
+        # shellcheck disable=SC2086
+        if ! apt_install $missing; then
+            install_pillow_fallback "the codec headers are missing and could not be installed; as root: apt-get install ${PILLOW_BUILD_DEPS[*]}"
+            return 0
+        fi
+    fi
+    local cc wheels wheel
+    cc="$(simd_cc)"
+    wheels="$VENV/.gpufeed-wheels/$(tr -c 'a-zA-Z0-9\n' _ <<<"$cc")"
+    if ! wheel="$(build_pillow_simd "$cc" "$wheels")"; then
+        install_pillow_fallback "the build failed (log: $wheels/build.log)"
+        return 0
+    fi
+    # Both distributions install the `PIL` package: remove Pillow so exactly one owns it.
+    pip uninstall -y -qq pillow >/dev/null 2>&1 || true
+    pip install -qq --force-reinstall --no-deps "$wheel"
+    if status="$(pillow_simd_ok 2>&1)"; then
+        say "$status"
+    else
+        rm -rf "$wheels"  # built without some codec: do not reuse it
+        install_pillow_fallback "$status; install the headers (${PILLOW_BUILD_DEPS[*]})"
+    fi
+}
+
+main() {
+    ensure_redis_server
+    if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_value)" ]] \
+        && "$PY" -c 'import importlib.metadata as m; m.version("gpufeed")' >/dev/null 2>&1; then
+        say "already set up in $VENV (delete $STAMP to force a full run)"
+        if [[ -s "$STAMP.note" ]]; then
+            shout "$(cat "$STAMP.note")"
+        fi
+        return 0
+    fi
+    PILLOW_NOTE=""
+    ensure_venv
+    ensure_torch
+    say "installing gpufeed (editable) with its test dependencies"
+    pip install -qq -e '.[test]'
+    # Last, because installing anything that depends on Pillow puts Pillow's PIL back.
+    install_pillow_simd
+    printf '%s' "$PILLOW_NOTE" >"$STAMP.note"
+    stamp_value >"$STAMP"
+    "$VENV/bin/gpufeed" doctor || true
+    say "ready: $VENV (gpufeed is $VENV/bin/gpufeed)"
+}
+
+main "$@"

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Run the test suite on this machine, from nothing: sets up .venv (scripts/setup.sh),
+# makes sure a Redis is there for the tests, then runs pytest with any arguments given:
+#   bash scripts/test.sh                      # everything
+#   bash scripts/test.sh tests/test_cli.py -x # a selection
+# Redis: GPUFEED_TEST_REDIS_URL if set (a loopback address), else a private redis-server
+# on a free 127.0.0.1 port, without persistence, stopped when this script exits.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="$ROOT/.venv/bin/python"
+
+bash scripts/setup.sh
+
+REDIS_DIR=""
+stop_redis() {
+    [[ -n "$REDIS_DIR" ]] || return 0
+    local pid
+    pid="$(cat "$REDIS_DIR/redis.pid" 2>/dev/null || true)"
+    if [[ -n "$pid" ]] && kill "$pid" 2>/dev/null; then
+        for _ in $(seq 50); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+    fi
+    rm -rf "$REDIS_DIR"
+    REDIS_DIR=""
+}
+trap stop_redis EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+free_port() {
+    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+redis_answers() {  # URL -> exit 0 once a Redis answers there (waits up to 5 s)
+    "$PY" - "$1" <<'PYEOF'
+import sys, time
+import redis
+
+client = redis.Redis.from_url(sys.argv[1], socket_connect_timeout=0.5, socket_timeout=0.5)
+deadline = time.monotonic() + 5
+while True:
+    try:
+        sys.exit(0 if client.ping() else 1)
+    except redis.exceptions.ConnectionError:
+        if time.monotonic() > deadline:
+            sys.exit(1)
+        time.sleep(0.05)
+PYEOF
+}
+
+start_private_redis() {
+    local port url
+    for _ in 1 2 3 4 5; do  # another process may take the port between choosing and binding it
+        REDIS_DIR="$(mktemp -d -t gpufeed-redis.XXXXXX)"
+        port="$(free_port)"
+        url="redis://127.0.0.1:$port/0"
+        redis-server --bind 127.0.0.1 --port "$port" --save '' --appendonly no \
+            --daemonize yes --pidfile "$REDIS_DIR/redis.pid" --dir "$REDIS_DIR" \
+            --logfile "$REDIS_DIR/redis.log" >/dev/null
+        if redis_answers "$url"; then
+            export GPUFEED_TEST_REDIS_URL="$url"
+            echo "test: private redis-server at $url (pid $(cat "$REDIS_DIR/redis.pid"))"
+            return 0
+        fi
+        cat "$REDIS_DIR/redis.log" >&2 || true
+        stop_redis
+    done
+    echo "test: could not start redis-server; tests that need Redis will be skipped" >&2
+}
+
+if [[ -n "${GPUFEED_TEST_REDIS_URL:-}" ]]; then
+    echo "test: using GPUFEED_TEST_REDIS_URL=$(sed -E 's#(://[^:/@]*:)[^@]*@#\1***@#' <<<"$GPUFEED_TEST_REDIS_URL")"
+elif command -v redis-server >/dev/null 2>&1; then
+    start_private_redis
+else
+    echo "test: redis-server not found; tests that need Redis will be skipped" >&2
+fi
+
+status=0
+"$PY" -m pytest "$@" || status=$?
+if [[ "$status" == 5 ]]; then
+    echo "test: FAILED: pytest collected no tests (exit code 5); check the paths and -k/-m filters" >&2
+fi
+exit "$status"
