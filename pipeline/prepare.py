@@ -246,8 +246,12 @@ class Listing:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(spec_dict: dict[str, Any], classes: list[str]) -> None:
+def _init_child(spec_dict: dict[str, Any], classes: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
+    _init_worker(spec_dict, classes)
+
+
+def _init_worker(spec_dict: dict[str, Any], classes: list[str]) -> None:
     _WORKER["spec"] = PrepareSpec.from_dict(spec_dict)
     _WORKER["classes"] = {name: i for i, name in enumerate(classes)}
 
@@ -272,7 +276,6 @@ class _Workers:
         self._executor: Any = None
         if workers == 0:
             _init_worker(*self._initargs)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
         else:
             self._executor = self._new_executor(workers)
 
@@ -280,7 +283,7 @@ class _Workers:
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("fork")
-        return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=self._initargs)
+        return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_child, initargs=self._initargs)
 
     def submit(self, chunk: list[tuple[int, SourceItem]]) -> Any:
         if self._executor is None:
@@ -381,21 +384,21 @@ def prepare_dataset(
     workers = available_cores() if workers is None else workers
     if workers < 0:
         raise ConfigError("--workers must be 0 or more")
-    _refuse_out_inside_source(spec)
-    output = Output(spec.out)
-    finished = _check_existing(output, spec, overwrite)
-    if finished is not None:
-        return _already_complete(finished, spec, workers, started)
-    output.makedirs()
-    job = _start_job(spec, output, workers, force, overwrite)
+    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite)
+    if isinstance(job_or_done, Manifest):
+        return _already_complete(job_or_done, spec, workers, started)
+    job = job_or_done
     try:
         processed, resumed = _write_pending_shards(job, workers, progress, started)
         manifest = _finish(job)
     finally:
         job.listing.close()
-    seconds = time.perf_counter() - started
+    return _result(job, manifest, time.perf_counter() - started, processed, resumed, workers)
+
+
+def _result(job: _Job, manifest: Manifest, seconds: float, processed: int, resumed: int, workers: int) -> PrepareResult:
     return PrepareResult(
-        out=spec.out,
+        out=job.spec.out,
         listed=job.listed,
         samples=manifest.samples,
         rejected=manifest.rejected,
@@ -410,6 +413,127 @@ def prepare_dataset(
         workers=workers,
         warnings=job.warnings,
     )
+
+
+def _open_or_plan(spec: PrepareSpec, *, force: bool, overwrite: bool) -> _Job | Manifest:
+    _refuse_out_inside_source(spec)
+    output = Output(spec.out)
+    finished = _check_existing(output, spec, overwrite)
+    if finished is not None:
+        return finished
+    output.makedirs()
+    return _start_job(spec, output, force, overwrite)
+
+
+# ---------------------------------------------------------------------------
+# The same job in steps, for a distributed runner (the Celery service):
+# plan once, write each shard anywhere that sees OUT, finish once.
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparePlanInfo:
+    """What `plan_prepare` decided: how many shards to write, or that OUT is already complete."""
+
+    shards: int
+    listed: int
+    ignored: int
+    classes: list[str]
+    pending: list[int]
+    already_complete: bool = False
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRecord:
+    """One planned shard once written: its files (one per variant set) and its rejects."""
+
+    shard: int
+    samples: int
+    rejected: int
+    skipped: bool
+
+
+def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = False) -> PreparePlanInfo:
+    """List SRC and plan the shards (kept in OUT/.gpufeed); resumable like `prepare_dataset`.
+
+    Raises:
+        The same errors as `prepare_dataset`.
+    """
+    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite)
+    if isinstance(job_or_done, Manifest):
+        count = len(job_or_done.shards)
+        return PreparePlanInfo(count, job_or_done.samples + job_or_done.rejected, 0, job_or_done.classes, [], True)
+    job = job_or_done
+    try:
+        _remove_stale_temp_files(job)
+        pending = [s for s in range(job.plan.shards) if not _shard_is_complete(job, s)]
+    finally:
+        job.listing.close()
+    return PreparePlanInfo(job.plan.shards, job.listed, job.ignored, job.classes, pending, False, job.warnings)
+
+
+def write_prepare_shard(spec: PrepareSpec, shard: int) -> ShardRecord:
+    """Write one planned shard in this process; a complete and valid shard is left as it is.
+
+    Idempotent: the bytes depend only on (spec, shard), temp files are
+    per host and process, and the final rename is atomic, so a duplicate or
+    re-delivered run is harmless.
+
+    Raises:
+        ConfigError: the job was not planned (run `plan_prepare` first) or the index is out of range.
+        StorageError: OUT cannot be written.
+    """
+    job = _load_planned_job(spec)
+    try:
+        if not 0 <= shard < job.plan.shards:
+            raise ConfigError(f"shard {shard} is outside the plan (0..{job.plan.shards - 1})")
+        if _shard_is_complete(job, shard):
+            record = _read_shard_record(job, shard)
+            return ShardRecord(shard, _record_samples(record), len(record["rejected"]), True)
+        state = PrepareProgress(0, len(job.plan.positions(shard)), 0, 0.0)
+        _write_one_shard(job, shard, _Workers(0, job.spec, job.classes), state, None, time.perf_counter())
+        record = _read_shard_record(job, shard)
+        return ShardRecord(shard, _record_samples(record), len(record["rejected"]), False)
+    finally:
+        job.listing.close()
+
+
+def finish_prepare(spec: PrepareSpec) -> Manifest:
+    """Write rejected.jsonl and the manifest once every planned shard is complete and valid.
+
+    Raises:
+        StorageError: a shard is missing or does not match its record (nothing is published).
+    """
+    job = _load_planned_job(spec)
+    try:
+        missing = [s for s in range(job.plan.shards) if not _shard_is_complete(job, s)]
+        if missing:
+            raise StorageError(f"cannot finish {spec.out}: shard(s) {missing[:10]} are missing or invalid")
+        return _finish(job)
+    finally:
+        job.listing.close()
+
+
+def _load_planned_job(spec: PrepareSpec) -> _Job:
+    output = Output(spec.out)
+    plan_rel = f"{WORK_DIR}/plan.json"
+    if not output.exists(plan_rel):
+        raise ConfigError(f"{spec.out} has no planned prepare; run plan_prepare first")
+    saved = json.loads(output.read_bytes(plan_rel))
+    if saved.get("identity") != spec.output_identity():
+        raise JobConflictError(f"{spec.out} holds a planned prepare with different settings")
+    listing = Listing(output.local(WORK_DIR))
+    plan = ShardPlan(**saved["plan"])
+    return _Job(spec, output, output.local(WORK_DIR), listing, plan, saved["classes"], saved["listed"], saved.get("ignored", 0), [])
+
+
+def _read_shard_record(job: _Job, shard: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(job.output.read_bytes(_shard_record_rel(shard)))
+    return data
+
+
+def _record_samples(record: dict[str, Any]) -> int:
+    return max((info["samples"] for info in record["shards"]), default=0)
 
 
 def _refuse_out_inside_source(spec: PrepareSpec) -> None:
@@ -476,7 +600,7 @@ def _already_complete(manifest: Manifest, spec: PrepareSpec, workers: int, start
     )
 
 
-def _start_job(spec: PrepareSpec, output: Output, workers: int, force: bool, overwrite: bool) -> _Job:
+def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool) -> _Job:
     work = output.local(WORK_DIR)
     os.makedirs(os.path.join(work, "shards"), exist_ok=True)
     listing = Listing(work)
@@ -514,6 +638,7 @@ def _start_job(spec: PrepareSpec, output: Output, workers: int, force: bool, ove
             "classes": classes,
             "plan": plan.to_dict(),
             "estimated_sample_bytes": per_sample,
+            "ignored": info.ignored,
         }
         output.write_bytes_atomic(plan_rel, json.dumps(record, indent=1).encode("utf-8"))
     return _Job(spec, output, work, listing, plan, classes, listed, info.ignored, warnings)

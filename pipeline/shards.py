@@ -92,6 +92,13 @@ def permute(positions: np.ndarray, n: int, seed: int) -> np.ndarray:
     return out.astype(np.int64)
 
 
+def temp_suffix() -> str:
+    """`.tmp-HOST-PID`: unique among writers on every machine that shares OUT."""
+    import socket
+
+    return f".tmp-{socket.gethostname()}-{os.getpid()}"
+
+
 def plan_shards(items: int, samples_per_shard: int, seed: int) -> ShardPlan:
     """A ShardPlan of `items` sources with at most `samples_per_shard` per shard."""
     return ShardPlan(items=items, samples_per_shard=max(1, samples_per_shard), seed=seed)
@@ -162,7 +169,7 @@ class TarShardWriter:
     def __init__(self, final_path: str) -> None:
         self.final_path = final_path
         directory, name = os.path.split(final_path)
-        self.temp_path = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+        self.temp_path = os.path.join(directory, f".{name}{temp_suffix()}")
         self.samples = 0
         self.bytes = 0
         self._sha256 = hashlib.sha256()

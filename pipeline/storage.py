@@ -17,6 +17,7 @@ import tempfile
 from typing import Any
 
 from .errors import StorageError, write_failure
+from .shards import temp_suffix
 from .sources import local_path, open_fs
 
 NETWORK_FS = frozenset(
@@ -66,7 +67,7 @@ class Output:
             return
         source = self.local(rel)
         final = self._remote(rel)
-        temp = f"{final}.tmp-{os.getpid()}"
+        temp = f"{final}{temp_suffix()}"
         try:
             self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
             self.fs.put_file(source, temp)
@@ -103,7 +104,7 @@ class Output:
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         """Write a small file under its final name in one step."""
         path = self.local(rel)
-        temp = f"{path}.tmp-{os.getpid()}"
+        temp = f"{path}{temp_suffix()}"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(temp, "wb") as handle:

@@ -393,3 +393,24 @@ def test_out_inside_source_is_refused(raw: Path) -> None:
     with pytest.raises(ConfigError, match="inside SRC"):
         prepare_dataset(spec_for(raw, raw / "shards"))
     assert not (raw / "shards").exists()
+
+
+def test_step_api_plan_shards_finish_equals_local_prepare(raw: Path, tmp_path: Path) -> None:
+    """The service runs prepare in steps; shards in any order, twice, give the same dataset."""
+    from pipeline.prepare import finish_prepare, plan_prepare, write_prepare_shard
+
+    spec = spec_for(raw, tmp_path / "steps")
+    plan = plan_prepare(spec)
+    assert plan.shards == 4 and plan.pending == [0, 1, 2, 3] and plan.listed == 60
+    with pytest.raises(StorageError, match="missing or invalid"):
+        finish_prepare(spec)
+    for shard in (2, 0, 3, 1):
+        assert not write_prepare_shard(spec, shard).skipped
+    assert write_prepare_shard(spec, 1).skipped  # a re-delivered task finds its shard done
+    assert plan_prepare(spec).pending == []
+    manifest = finish_prepare(spec)
+    assert manifest.samples == 60
+    prepare_dataset(spec_for(raw, tmp_path / "local"), workers=2)
+    assert shard_bytes(tmp_path / "steps") == shard_bytes(tmp_path / "local")
+    with pytest.raises(ConfigError, match="no planned prepare"):
+        write_prepare_shard(spec_for(raw, tmp_path / "never"), 0)
