@@ -236,5 +236,9 @@ def doctor(as_json: bool, redis_url: str | None) -> None:
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
+# Command groups that live in their own modules register themselves on `main`.
+from . import cli_bench, cli_service  # noqa: E402,F401
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
