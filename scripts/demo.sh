@@ -2,7 +2,7 @@
 # gpufeed end to end on a generated sample dataset, with no service (the embedded default):
 #   sets up .venv, generates 300 photo-like JPEGs in demo/raw, prepares them into WebDataset
 #   shards in demo/shards (256 px, shorter side), verifies every shard, and reads the shards
-#   back with plain webdataset. Everything it writes is under demo/.
+#   back with plain webdataset and through make_loader. Everything it writes is under demo/
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,4 +44,15 @@ print(f"{total} samples from {len(urls)} shard(s), as many as the manifest lists
 print("per class:", dict(sorted(labels.items())))
 print("shorter side of every image:", dict(sizes))
 print(f"last sample: {key} -> class {label} ({meta['label']}), {image.size[0]}x{image.size[1]}, from {meta['source']}")
+PYEOF
+
+step "one epoch through make_loader (batch 32, random-resized crops to 224)"
+python - <<'PYEOF'
+from pipeline import make_loader
+
+loader = make_loader("demo/shards/manifest.json", batch_size=32)
+for images, labels in loader:
+    pass
+print(f"{len(loader)} batches of {tuple(images.shape)} {images.dtype} on {images.device}")
+print(f"loader stats: {loader.stats}")
 PYEOF
