@@ -73,82 +73,76 @@ def main() -> None:
     """gpufeed keeps GPUs fed: prepare image datasets into fast shards, measure, advise."""
 
 
+def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The options that make a PrepareSpec (shared by `prepare` and `submit prepare`); see `spec_from_options`."""
+    options = [
+        click.option("--size", default=256, show_default=True, help="Target size S in pixels."),
+        click.option(
+            "--mode",
+            type=click.Choice(["shorter", "longer", "center-crop", "pad", "none"]),
+            default="shorter",
+            show_default=True,
+            help="shorter: shorter side S; longer: fit in SxS; center-crop: SxS; pad: fit and pad to SxS.",
+        ),
+        click.option("--upscale", is_flag=True, help="Enlarge images smaller than the target."),
+        click.option("--resample", type=click.Choice(["lanczos", "bicubic", "bilinear"]), default="lanczos", show_default=True),
+        click.option("--format", "fmt", type=click.Choice(["jpeg", "webp", "png", "npy"]), default="jpeg", show_default=True),
+        click.option("--quality", default=90, show_default=True, help="JPEG/WebP quality."),
+        click.option("--variants", default=0, show_default=True, help="Write K pre-augmented copies OUT/v0..v{K-1}."),
+        click.option("--crop-scale", default="0.35,1.0", show_default=True, help="Random crop area range (variants)."),
+        click.option("--crop-ratio", default="0.75,1.333", show_default=True, help="Random crop aspect range (variants)."),
+        click.option("--rotate", default=10.0, show_default=True, help="Max rotation in degrees (variants)."),
+        click.option("--jitter", default=0.2, show_default=True, help="Colour jitter strength (variants)."),
+        click.option("--no-flip", is_flag=True, help="No horizontal flips in variants."),
+        click.option("--shard-size", default="256MiB", show_default=True, help="Target bytes per shard (e.g. 256MB, 1GiB)."),
+        click.option("--shard-count", type=int, default=None, help="Max samples per shard."),
+        click.option("--seed", default=0, show_default=True, help="Seed for the shuffle and the augmentations."),
+        click.option("--max-pixels", default=89_478_485, show_default=True, help="Refuse larger images (bombs)."),
+        click.option("--force", is_flag=True, help="Write even if the free-space check fails."),
+        click.option("--overwrite", is_flag=True, help="Replace an OUT prepared with other settings."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpec:
+    """A PrepareSpec from the values of `prepare_options` (validated; errors are ConfigError)."""
+    o = options  # the option values by parameter name
+    return PrepareSpec(
+        source=src,
+        out=out,
+        resize=ResizeSpec(size=o["size"], mode=o["mode"], upscale=o["upscale"], resample=o["resample"]),
+        augment=AugmentSpec(
+            variants=o["variants"],
+            scale=_pair(o["crop_scale"], "--crop-scale"),
+            ratio=_pair(o["crop_ratio"], "--crop-ratio"),
+            flip=not o["no_flip"],
+            jitter=o["jitter"],
+            rotate=o["rotate"],
+        ),
+        encode=EncodeSpec(format=o["fmt"], quality=o["quality"]),
+        shards=ShardSpec(max_bytes=parse_bytes(o["shard_size"]), max_samples=o["shard_count"]),
+        seed=o["seed"],
+        max_pixels=o["max_pixels"],
+    )
+
+
 @main.command()
 @click.argument("src")
 @click.argument("out")
-@click.option("--size", default=256, show_default=True, help="Target size S in pixels.")
-@click.option(
-    "--mode",
-    type=click.Choice(["shorter", "longer", "center-crop", "pad", "none"]),
-    default="shorter",
-    show_default=True,
-    help="shorter: shorter side S; longer: fit in SxS; center-crop: SxS; pad: fit and pad to SxS.",
-)
-@click.option("--upscale", is_flag=True, help="Enlarge images smaller than the target.")
-@click.option("--resample", type=click.Choice(["lanczos", "bicubic", "bilinear"]), default="lanczos", show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["jpeg", "webp", "png", "npy"]), default="jpeg", show_default=True)
-@click.option("--quality", default=90, show_default=True, help="JPEG/WebP quality.")
-@click.option("--variants", default=0, show_default=True, help="Write K pre-augmented copies OUT/v0..v{K-1}.")
-@click.option("--crop-scale", default="0.35,1.0", show_default=True, help="Random crop area range (variants).")
-@click.option("--crop-ratio", default="0.75,1.333", show_default=True, help="Random crop aspect range (variants).")
-@click.option("--rotate", default=10.0, show_default=True, help="Max rotation in degrees (variants).")
-@click.option("--jitter", default=0.2, show_default=True, help="Colour jitter strength (variants).")
-@click.option("--no-flip", is_flag=True, help="No horizontal flips in variants.")
-@click.option("--shard-size", default="256MiB", show_default=True, help="Target bytes per shard (e.g. 256MB, 1GiB).")
-@click.option("--shard-count", type=int, default=None, help="Max samples per shard.")
+@prepare_options
 @click.option("--workers", type=int, default=None, help="Processes (default: available cores; 0: in-process).")
-@click.option("--seed", default=0, show_default=True, help="Seed for the shuffle and the augmentations.")
-@click.option("--max-pixels", default=89_478_485, show_default=True, help="Refuse larger images (bombs).")
-@click.option("--force", is_flag=True, help="Write even if the free-space check fails.")
-@click.option("--overwrite", is_flag=True, help="Replace an OUT prepared with other settings.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_user_errors
 def prepare(
-    src: str,
-    out: str,
-    size: int,
-    mode: str,
-    upscale: bool,
-    resample: str,
-    fmt: str,
-    quality: int,
-    variants: int,
-    crop_scale: str,
-    crop_ratio: str,
-    rotate: float,
-    jitter: float,
-    no_flip: bool,
-    shard_size: str,
-    shard_count: int | None,
-    workers: int | None,
-    seed: int,
-    max_pixels: int,
-    force: bool,
-    overwrite: bool,
-    as_json: bool,
-    quiet: bool,
+    src: str, out: str, workers: int | None, force: bool, overwrite: bool, as_json: bool, quiet: bool, **options: Any
 ) -> None:
     """Prepare SRC (folder, CSV/JSONL list or URL) into WebDataset shards at OUT."""
     from .prepare import prepare_dataset
 
-    spec = PrepareSpec(
-        source=src,
-        out=out,
-        resize=ResizeSpec(size=size, mode=mode, upscale=upscale, resample=resample),
-        augment=AugmentSpec(
-            variants=variants,
-            scale=_pair(crop_scale, "--crop-scale"),
-            ratio=_pair(crop_ratio, "--crop-ratio"),
-            flip=not no_flip,
-            jitter=jitter,
-            rotate=rotate,
-        ),
-        encode=EncodeSpec(format=fmt, quality=quality),
-        shards=ShardSpec(max_bytes=parse_bytes(shard_size), max_samples=shard_count),
-        seed=seed,
-        max_pixels=max_pixels,
-    )
+    spec = spec_from_options(src, out, options)
     from .progress import prepare_progress
 
     with prepare_progress(enabled=not quiet) as callback:

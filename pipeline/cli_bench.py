@@ -1,5 +1,467 @@
-"""`gpufeed bench …`, `gpufeed advise`, `gpufeed estimate-memory`: measuring and advising (SPEC §3)."""
+"""`gpufeed bench …`, `gpufeed advise`, `gpufeed estimate-memory`: measuring and advising (SPEC §3).
+
+Parsing and printing only: the measurements live in pipeline.bench, pipeline.advise and pipeline.memory.
+"""
 
 from __future__ import annotations
 
-from .cli import main  # noqa: F401
+import functools
+import json
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from .cli import _fail, main
+from .errors import ConfigError, GpufeedError
+from .specs import parse_bytes
+
+
+def _measure_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Gpufeed errors -> one line and exit 1; Ctrl-C -> exit 130 (test files are already removed)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except GpufeedError as exc:
+            _fail(str(exc))
+        except KeyboardInterrupt:
+            _fail("interrupted; temporary test files were removed", 130)
+
+    return wrapper
+
+
+def _say(text: str) -> None:
+    if sys.stderr.isatty():
+        click.echo(f"gpufeed: {text} …", err=True)
+
+
+def _sizes(text: str, name: str) -> list[int]:
+    try:
+        return [parse_bytes(part) for part in text.split(",") if part.strip()]
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint=name) from None
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected numbers like 1,2,4, got {text!r}", param_hint=name) from None
+    if not values or min(values) < 1:
+        raise click.BadParameter("expected positive numbers", param_hint=name)
+    return values
+
+
+_SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+
+
+def parse_rate(text: str, name: str = "--device-flops") -> float:
+    """`312T`, `19.5 TFLOPS`, `2.5e13` -> FLOP/s."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgtp]?)\s*(?:flop/?s|flops)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise click.BadParameter(f"expected a rate like 312T or 19.5TFLOPS, got {text!r}", param_hint=name)
+    return float(match.group(1)) * _SI[match.group(2).lower()]
+
+
+def _bytes(size: float | None) -> str:
+    if size is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{size:.0f} B"
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def _table(rows: list[tuple[str, ...]], header: tuple[str, ...] | None = None, align: str = "") -> str:
+    """Columns padded to their widest cell; `align` has one l or r per column (default: l then r)."""
+    lines = ([header] if header else []) + rows
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    align = align or "l" + "r" * (len(widths) - 1)
+    out = []
+    for index, line in enumerate(lines):
+        cells = [cell.ljust(width) if side == "l" else cell.rjust(width) for cell, width, side in zip(line, widths, align)]
+        out.append("  ".join(cells).rstrip())
+        if header and index == 0:
+            out.append("  ".join("-" * width for width in widths))
+    return "\n".join(out)
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _plot(kind: str, plot: str | None, result: Any, **extra: Any) -> None:
+    if not plot:
+        return
+    from . import plots
+
+    path = getattr(plots, f"plot_{kind}")(result, plot, **extra)
+    click.echo(f"plot: {path}", err=True)
+
+
+# ---------------------------------------------------------------------------
+# gpufeed bench disk | decode | loader
+
+
+@main.group()
+def bench() -> None:
+    """Measure storage, decoders and the loader on this machine."""
+
+
+@bench.command("disk")
+@click.argument("path")
+@click.option("--size", "size", default="1GiB", show_default=True, help="Test file size (larger than any device cache).")
+@click.option("--block-sizes", default="1MiB,2MiB,4MiB", show_default=True, help="Sequential block sizes.")
+@click.option("--duration", default=2.0, show_default=True, help="Seconds per read test.")
+@click.option("--threads", default=16, show_default=True, help="Reads in flight for the queue-depth-N figures.")
+@click.option("--small-file-size", default=None, help="Small-file size (default: the --dataset mean, else 110kB).")
+@click.option("--dataset", default=None, help="Take the small-file size from this dataset's mean file size.")
+@click.option("--small-files", default=512, show_default=True, help="How many small files to read.")
+@click.option("--no-direct", is_flag=True, help="Do not try O_DIRECT; evict files with posix_fadvise instead.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--plot", default=None, help="Write a PNG chart (IOPS vs threads, MB/s vs block size).")
+@_measure_errors
+def bench_disk(
+    path: str,
+    size: str,
+    block_sizes: str,
+    duration: float,
+    threads: int,
+    small_file_size: str | None,
+    dataset: str | None,
+    small_files: int,
+    no_direct: bool,
+    as_json: bool,
+    plot: str | None,
+) -> None:
+    """Sequential and random read speed, latency and small-file reads of the storage under PATH."""
+    from .bench.disk import benchmark_disk, mean_file_bytes
+
+    small = parse_bytes(small_file_size) if small_file_size else (mean_file_bytes(dataset) if dataset else None)
+    _say(f"measuring {path}")
+    result = benchmark_disk(
+        path,
+        file_bytes=parse_bytes(size),
+        block_sizes=_sizes(block_sizes, "--block-sizes"),
+        duration_s=duration,
+        threads=threads,
+        small_file_bytes=small,
+        small_files=small_files,
+        direct=False if no_direct else None,
+    )
+    _plot("disk", plot, result)
+    if as_json:
+        _emit_json(result.to_dict())
+        return
+    free = _bytes(result.free_bytes) if result.free_bytes is not None else "n/a"
+    click.echo(f"{result.path}: {result.device_kind} ({result.fstype}{', ' + result.device if result.device else ''}), {free} free")
+    click.echo(f"page cache bypass: {result.cache_bypass}; test file {_bytes(result.file_bytes)}, {duration:g} s per test")
+    rows = [("sequential write (fsync included)", _num(result.seq_write_mb_s), "MB/s", "", "")]
+    for block, rate in sorted(result.seq_read_by_block.items()):
+        rows.append((f"sequential read, {_bytes(block)} blocks", _num(rate), "MB/s", "", ""))
+    for point in result.randread_sweep:
+        rows.append(
+            (f"random 4 KiB read, {point.threads} thread(s)", _num(point.iops), "IOPS",
+             f"{point.p50_ms:.3f}", f"{point.p99_ms:.3f}")
+        )
+    small = _bytes(result.small_file_bytes)
+    rows.append((f"small files ({small}), 1 thread", _num(result.small_file_reads_per_s_qd1), "files/s", "", ""))
+    rows.append(
+        (f"small files ({small}), {result.threads} threads", _num(result.small_file_reads_per_s), "files/s", "", "")
+    )
+    click.echo(_table(rows, ("test", "rate", "", "p50 ms", "p99 ms"), "lrlrr"))
+    for warning in result.warnings:
+        click.echo(f"gpufeed: warning: {warning}", err=True)
+
+
+@bench.command("decode")
+@click.argument("src")
+@click.option("--sample", default=32, show_default=True, help="Images sampled from SRC.")
+@click.option("--size", default=256, show_default=True, help="Shorter side of the prepared copy (prepare --size).")
+@click.option("--target", default=224, show_default=True, help="Shorter side every decode is resized to.")
+@click.option("--quality", default=90, show_default=True, help="JPEG quality of the prepared copy.")
+@click.option("--seconds", default=0.5, show_default=True, help="Minimum timed seconds per decoder and sample.")
+@click.option("--decoder", "decoders", multiple=True, help="Only these decoders (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--plot", default=None, help="Write a PNG chart (images/s per core by decoder).")
+@_measure_errors
+def bench_decode(
+    src: str, sample: int, size: int, target: int, quality: int, seconds: float, decoders: tuple[str, ...],
+    as_json: bool, plot: str | None,
+) -> None:
+    """Per-core decode + resize images/s on a sample of SRC, raw vs prepared, for each decoder."""
+    from .bench.decode import benchmark_decode
+
+    _say(f"decoding a sample of {src}")
+    result = benchmark_decode(
+        src, sample=sample, target=target, size=size, quality=quality, min_seconds=seconds, decoders=list(decoders) or None
+    )
+    _plot("decode", plot, result)
+    if as_json:
+        _emit_json(result.to_dict())
+        return
+    click.echo(
+        f"{result.samples} images of {src}: raw {result.raw_mean_pixels / 1e6:.2f} MP, {result.raw_mean_bytes / 1e3:.0f} kB; "
+        f"prepared (shorter side {result.prepared_size}) {result.prepared_mean_pixels / 1e6:.2f} MP, "
+        f"{result.prepared_mean_bytes / 1e3:.0f} kB JPEG q{result.quality}, {result.npy_mean_bytes / 1e3:.0f} kB .npy"
+    )
+    click.echo(f"images/s per core, decode + resize to shorter side {result.target}:")
+    rows = [
+        (row.decoder, _num(row.raw_images_per_s), _num(row.prepared_images_per_s),
+         f"{row.speedup:.1f}x" if row.speedup else "", row.note)
+        for row in result.rows
+    ]
+    click.echo(_table(rows, ("decoder", "raw", "prepared", "speedup", "note"), "lrrrl"))
+
+
+@bench.command("loader")
+@click.argument("dataset")
+@click.option("--workers", "workers", default=None, help="num_workers values, e.g. 1,2,4 (default: 1,2,4 … 2 x cores).")
+@click.option("--batch-size", default=64, show_default=True)
+@click.option("--gpu-images-per-s", type=float, default=None, help="Simulated consumer rate (default: infinitely fast).")
+@click.option("--seconds", default=2.0, show_default=True, help="Seconds measured per num_workers value.")
+@click.option("--device", default="auto", show_default=True, help="The loader's device: auto, cpu, cuda.")
+@click.option("--worker-type", type=click.Choice(["thread", "process"]), default="thread", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--plot", default=None, help="Write a PNG chart (images/s and stall fraction vs num_workers).")
+@_measure_errors
+def bench_loader(
+    dataset: str, workers: str | None, batch_size: int, gpu_images_per_s: float | None, seconds: float, device: str,
+    worker_type: str, as_json: bool, plot: str | None,
+) -> None:
+    """The loader's images/s and stall fraction over DATASET for a range of num_workers."""
+    from .bench.loader import benchmark_loader
+
+    _say(f"running the loader over {dataset}")
+    result = benchmark_loader(
+        dataset,
+        workers=_ints(workers, "--workers") if workers else None,
+        batch_size=batch_size,
+        consumer_images_per_s=gpu_images_per_s,
+        min_seconds=seconds,
+        device=device,
+        worker_type=worker_type,
+    )
+    _plot("loader", plot, result)
+    if as_json:
+        _emit_json(result.to_dict())
+        return
+    consumer = f"a consumer of {gpu_images_per_s:g} images/s" if gpu_images_per_s else "an infinitely fast consumer"
+    click.echo(f"loader over {dataset}, batch {batch_size}, {worker_type} workers, against {consumer}:")
+    rows = [(str(p.num_workers), _num(p.images_per_s), f"{p.stall_fraction:.1%}") for p in result.points]
+    click.echo(_table(rows, ("num_workers", "images/s", "stall")))
+    click.echo(f"best: num_workers={result.best.num_workers} ({result.best.images_per_s:.0f} images/s)")
+
+
+# ---------------------------------------------------------------------------
+# gpufeed advise
+
+
+@main.command()
+@click.argument("src")
+@click.option("--target", required=True, help="Local folder where the shards would go (its disk is measured).")
+@click.option("--gpu-images-per-s", type=float, default=None, help="The GPU's consumption rate, if known.")
+@click.option("--model", default=None, help="Else time this model on synthetic batches: module:factory.")
+@click.option("--input", "input_shape", default="3,224,224", show_default=True, help="The model's input for one sample.")
+@click.option("--batch-size", default=64, show_default=True, help="Training batch size.")
+@click.option("--crop", default=224, show_default=True, help="The loader's crop size.")
+@click.option("--sample", default=128, show_default=True, help="Images sampled from SRC for the measurements.")
+@click.option("--seconds", default=2.0, show_default=True, help="Seconds per loader measurement.")
+@click.option("--device", default="auto", show_default=True, help="Device of the loader and the model.")
+@click.option("--apply", "apply_out", default=None, help="Run the recommended prepare into OUT and measure the loader on it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--plot", default=None, help="Write a PNG chart of the ceilings.")
+@_measure_errors
+def advise(
+    src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, batch_size: int,
+    crop: int, sample: int, seconds: float, device: str, apply_out: str | None, as_json: bool, plot: str | None,
+) -> None:
+    """Diagnose why the GPU would wait on SRC, and print the `gpufeed prepare` command that fixes it."""
+    from .advise import advise as run_advise
+    from .advise import apply_advice
+
+    result = run_advise(
+        src,
+        target,
+        gpu_images_per_s=gpu_images_per_s,
+        model=model,
+        input_shape=input_shape,
+        batch_size=batch_size,
+        crop=crop,
+        sample=sample,
+        measure_seconds=seconds,
+        device=device,
+        out=apply_out,
+        progress=_say,
+    )
+    if not as_json:
+        _print_advice(result)
+    applied = None
+    if apply_out:
+        _say("running the recommended prepare")
+        applied = apply_advice(result, apply_out, measure_seconds=seconds)
+        if not as_json:
+            _print_applied(applied)
+    _plot("advise", plot, result, applied=applied)
+    if as_json:
+        data = result.to_dict()
+        data["applied"] = applied.to_dict() if applied else None
+        _emit_json(data)
+
+
+def _print_applied(applied: Any) -> None:
+    click.echo(f"\napplied: {applied.samples} samples prepared into {applied.out} in {applied.prepare_seconds:.1f} s")
+    busy = f"; other processes used {applied.others_cpu_share:.0%} of the CPU meanwhile" if applied.others_cpu_share else ""
+    click.echo(
+        f"loader on {applied.out}: measured {applied.measured_loader_images_per_s:.0f} images/s, "
+        f"predicted {applied.predicted_now_images_per_s:.0f} ({applied.error:+.0%}; the prediction re-run on the sample "
+        f"alongside the measurement{busy})"
+    )
+    click.echo(
+        f"the prediction printed above was {applied.predicted_loader_images_per_s:.0f} images/s "
+        f"({applied.error_advise_time:+.0%}; machine load changes between the two)"
+    )
+
+
+def _print_advice(result: Any) -> None:
+    advice, inputs = result.advice, result.inputs
+    ceilings = inputs.ceilings
+    click.echo(
+        f"{result.source}: {result.listed} images (sample of {result.sample}), {inputs.cores} core(s); "
+        f"target {result.target} ({inputs.target_kind})"
+    )
+    gpu_label = "GPU (given)" if result.details.get("gpu_source") == "given" else f"GPU ({result.details.get('gpu_device', '?')}, measured)"
+    rows = [
+        (gpu_label, _num(ceilings.gpu)),
+        ("CPU decode: loader over page-cached raw files", _num(ceilings.cpu_decode)),
+        (f"storage: raw files read cold from {inputs.storage_kind}", _num(ceilings.storage)),
+        ("host-to-device copy", _num(ceilings.host_to_device) if ceilings.host_to_device else "n/a (no CUDA)"),
+    ]
+    names = ["gpu", "cpu_decode", "storage", "host_to_device"]
+    rows = [(label, value, "<- bottleneck" if name == advice.bottleneck else "") for (label, value), name in zip(rows, names)]
+    click.echo(_table(rows, ("ceiling", "images/s", ""), "lrl"))
+    click.echo(f"\n{advice.sentence}")
+    click.echo("\nrecommended:")
+    click.echo("  " + shlex.join(result.command))
+    click.echo(
+        f"  then: make_loader({result.out!r}, batch_size={result.batch_size}, "
+        f"num_workers={advice.recommendation.num_workers})"
+    )
+    for reason in advice.reasons:
+        click.echo(f"  - {reason}")
+    click.echo(
+        f"\npredicted: loader {advice.predicted_loader:.0f} images/s after preparing "
+        f"(data pipeline today: {min(v for v in (ceilings.cpu_decode, ceilings.storage, ceilings.host_to_device) if v):.0f}); "
+        f"training {advice.predicted_after:.0f} images/s (today {advice.predicted_before:.0f})"
+    )
+
+
+# ---------------------------------------------------------------------------
+# gpufeed estimate-memory
+
+
+@main.command("estimate-memory")
+@click.option("--model", required=True, help="module:factory returning a torch.nn.Module.")
+@click.option("--input", "input_shape", default="3,224,224", show_default=True, help="One sample's shape.")
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="adam", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "float64"]), default="float32", show_default=True)
+@click.option("--vram", default=None, help="Device memory, e.g. 16GiB or 80GB.")
+@click.option("--margin", default=0.1, show_default=True, help="Share of VRAM kept free.")
+@click.option("--inference", is_flag=True, help="Inference under torch.no_grad: no gradients or optimizer state.")
+@click.option("--batch-size", type=int, default=None, help="Batch to check the loader against (default: largest that fits).")
+@click.option("--device-flops", default=None, help="Device FLOP/s, e.g. 312T; else measured on synthetic batches.")
+@click.option("--measure/--no-measure", default=None, help="Time steps on synthetic batches (default: when no --device-flops).")
+@click.option("--device", default="auto", show_default=True, help="Device to measure on.")
+@click.option("--loader-images-per-s", type=float, default=None, help="The loader's rate, if known.")
+@click.option("--dataset", default=None, help="Else measure the loader over this prepared dataset.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--plot", default=None, help="Write a PNG chart (memory and images/s vs batch size).")
+@_measure_errors
+def estimate_memory_command(
+    model: str, input_shape: str, optimizer: str, dtype: str, vram: str | None, margin: float, inference: bool,
+    batch_size: int | None, device_flops: str | None, measure: bool | None, device: str,
+    loader_images_per_s: float | None, dataset: str | None, as_json: bool, plot: str | None,
+) -> None:
+    """Parameters, gradients, optimizer state, activations, the largest batch, FLOPs and images/s of a model."""
+    from .memory import estimate_memory
+
+    flops = parse_rate(device_flops) if device_flops else None
+    if dataset and loader_images_per_s is None:
+        from .bench.loader import measure_loader
+
+        _say(f"measuring the loader over {dataset}")
+        loader_images_per_s = measure_loader(dataset, batch_size=batch_size or 64, device=device).images_per_s
+    _say("counting")
+    estimate = estimate_memory(
+        model,
+        input_shape,
+        optimizer=optimizer,
+        dtype=dtype,
+        training=not inference,
+        vram=vram,
+        safety_margin=margin,
+        batch_size=batch_size,
+        device_flops=flops,
+        measure=flops is None if measure is None else measure,
+        device=device,
+        loader_images_per_s=loader_images_per_s,
+    )
+    _plot("memory", plot, estimate)
+    if as_json:
+        _emit_json(estimate.to_dict())
+        return
+    _print_memory(estimate)
+
+
+def _print_memory(e: Any) -> None:
+    mode = f"training with {e.optimizer}" if e.training else "inference (torch.no_grad)"
+    click.echo(f"{e.model}, input {','.join(map(str, e.input_shape))}, {e.dtype}, {mode}")
+    rows = [
+        ("parameters", f"{e.parameters:,}", _bytes(e.parameter_bytes)),
+        ("gradients", "", _bytes(e.gradient_bytes)),
+        ("optimizer state", "", _bytes(e.optimizer_state_bytes)),
+        ("buffers", "", _bytes(e.buffer_bytes)),
+        ("fixed total", "", _bytes(e.fixed_bytes)),
+        ("activations per sample", f"x{e.activation_factor}", _bytes(e.activation_bytes_per_sample * e.activation_factor)),
+        ("input per sample", "", _bytes(e.input_bytes_per_sample)),
+        ("FLOPs per sample", "forward", f"{e.flops_per_sample_forward / 1e9:.3f} GFLOP"),
+        ("FLOPs per sample", "step" if e.training else "forward", f"{e.flops_per_sample_step / 1e9:.3f} GFLOP"),
+    ]
+    click.echo(_table(rows, align="llr"))
+    if e.vram_bytes:
+        click.echo(
+            f"largest batch in {_bytes(e.vram_bytes)} with a {e.safety_margin:.0%} margin: {e.max_batch_size} "
+            f"({_bytes(e.memory_for_batch(e.max_batch_size or 0))})"
+        )
+    for note in e.notes:
+        click.echo(f"note: {note}")
+    if e.throughput is not None:
+        t = e.throughput
+        how = f"measured on {t.device}" if t.source == "measured" else "from the given FLOP/s"
+        click.echo(
+            f"speed ({how}): step = {t.overhead_s * 1e3:.1f} ms + {t.seconds_per_sample * 1e3:.3f} ms/sample; "
+            f"peak {t.peak_images_per_s:,.0f} images/s ({(e.device_flops or 0) / 1e12:.2f} TFLOP/s); "
+            f"batch {t.saturation_batch()} reaches 90 % of it, beyond that a bigger batch only costs memory"
+        )
+    rows = [
+        (str(r.batch_size), _bytes(r.memory_bytes), "yes" if r.fits else "no", _num(r.images_per_s))
+        for r in e.rows
+    ]
+    click.echo(_table(rows, ("batch", "memory", "fits", "images/s")))
+    if e.loader_can_feed is not None:
+        need = e.required_images_per_s or 0.0
+        verdict = "can" if e.loader_can_feed else "cannot"
+        click.echo(
+            f"the loader ({e.loader_images_per_s:,.0f} images/s) {verdict} feed batch {e.feed_batch} "
+            f"({need:,.0f} images/s)"
+            + ("" if e.loader_can_feed else f": the device would wait {1 - (e.loader_images_per_s or 0) / need:.0%} of the time")
+        )

@@ -1,5 +1,427 @@
-"""`gpufeed worker|beat|submit|status|jobs|cancel|schedule`: the Celery service (SPEC §4)."""
+"""`gpufeed worker|beat|submit|status|jobs|cancel|schedule|reshard`: the Celery service (SPEC §4).
+
+Parsing and printing only: the service lives in `worker/`, the reshard in
+`pipeline.reshard`. Celery and Redis are imported inside the commands, so
+`gpufeed --help` and the local commands stay fast.
+"""
 
 from __future__ import annotations
 
-from .cli import main  # noqa: F401
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from .cli import _fail, _user_errors, main, prepare_options, spec_from_options
+from .specs import parse_bytes
+
+PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
+WAIT_POLL_S = 0.5
+
+
+def _settings() -> Any:
+    from worker.settings import get_settings
+
+    return get_settings()
+
+
+# ---------------------------------------------------------------------------
+# Processes: worker and beat
+
+
+@main.command(context_settings=PASS_THROUGH)
+@click.option("--concurrency", "-c", type=int, default=None, help="Processes (default: the cores of this machine).")
+@click.option("-n", "--hostname", "name", default=None, help="Worker name, e.g. w1@%h (unique per worker on a machine).")
+@click.option("--queues", "-Q", default=None, help="Queues to consume, comma-separated (default: GPUFEED_QUEUE).")
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+@_user_errors
+def worker(concurrency: int | None, name: str | None, queues: str | None, loglevel: str, celery_args: tuple[str, ...]) -> None:
+    """Run a Celery worker for gpufeed jobs; other options go to `celery worker` (e.g. --pool solo)."""
+    settings = _settings()
+    if not settings.allowed_roots:
+        click.echo("gpufeed: warning: GPUFEED_ALLOWED_ROOTS is not set; this worker will refuse every job", err=True)
+    from worker.app import app
+
+    argv = ["worker", "--loglevel", loglevel, "--queues", queues or settings.queue]
+    if concurrency is not None:
+        argv += ["--concurrency", str(concurrency)]
+    if name:
+        argv += ["--hostname", name]
+    sys.exit(app.worker_main(argv + list(celery_args)) or 0)
+
+
+@main.command(context_settings=PASS_THROUGH)
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+@_user_errors
+def beat(loglevel: str, celery_args: tuple[str, ...]) -> None:
+    """Run the scheduler that fires `gpufeed schedule` entries (several beats are safe: one ticks at a time)."""
+    _settings()
+    from worker.app import app
+
+    sys.exit(app.start(["beat", "--scheduler", "redbeat.RedBeatScheduler", "--loglevel", loglevel, *celery_args]) or 0)
+
+
+# ---------------------------------------------------------------------------
+# Submitting jobs
+
+
+def _wait_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("--quiet", "-q", is_flag=True, help="No progress bar while waiting.")(func)
+    func = click.option("--json", "as_json", is_flag=True, help='Print {"job": ID, ...} (with --wait: the final status).')(func)
+    return click.option("--wait", is_flag=True, help="Wait for the job to finish, with a progress bar.")(func)
+
+
+def reshard_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Options of a reshard (shared by `reshard`, `submit reshard` and `schedule add … reshard`)."""
+    options = [
+        click.option("--shard-count", type=int, default=None, help="At most N samples per shard."),
+        click.option("--shard-size", default=None, help="About S bytes per shard at most (e.g. 256MB)."),
+        click.option("--multiple-of", type=int, default=None, help="Make the shard count a multiple of W (e.g. GPUs x loader workers)."),
+        click.option("--reaugment", is_flag=True, help="Re-augment from the source with --seed instead of re-packing."),
+        click.option("--seed", type=int, default=None, help="The new augmentation seed (with --reaugment)."),
+        click.option("--out", default=None, help="Write the result to NEW instead of a new version in place."),
+        click.option("--keep", default=1, show_default=True, help="Older versions kept for readers still using them."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _reshard_spec(dataset: str, options: dict[str, Any], absolute: Callable[[str], str] = str) -> Any:
+    """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service."""
+    from .reshard import ReshardSpec
+
+    return ReshardSpec(
+        dataset=absolute(dataset),
+        out=absolute(options["out"]) if options["out"] else None,
+        max_samples=options["shard_count"],
+        max_bytes=parse_bytes(options["shard_size"]) if options["shard_size"] else None,
+        multiple_of=options["multiple_of"],
+        reaugment=options["reaugment"],
+        seed=options["seed"],
+        keep=options["keep"],
+    )
+
+
+@main.group()
+def submit() -> None:
+    """Submit a job to the service (GPUFEED_BROKER_URL); prints its id."""
+
+
+@submit.command("prepare")
+@click.argument("src")
+@click.argument("out")
+@prepare_options
+@_wait_options
+@_user_errors
+def submit_prepare(
+    src: str, out: str, force: bool, overwrite: bool, wait: bool, as_json: bool, quiet: bool, **options: Any
+) -> None:
+    """Prepare SRC into shards at OUT on the service's workers (same options as `gpufeed prepare`)."""
+    from worker.security import absolute
+
+    spec = spec_from_options(absolute(src, "SRC"), absolute(out, "OUT"), options)
+    _submit("prepare", {"spec": spec.to_dict(), "force": force, "overwrite": overwrite}, wait, as_json, quiet)
+
+
+@submit.command("reshard")
+@click.argument("dataset")
+@reshard_options
+@_wait_options
+@_user_errors
+def submit_reshard(dataset: str, wait: bool, as_json: bool, quiet: bool, **options: Any) -> None:
+    """Re-pack DATASET into new shards (no decoding), or re-augment it with a new seed, on the service."""
+    from worker.security import absolute
+
+    _submit("reshard", {"spec": _reshard_spec(dataset, options, absolute).to_dict()}, wait, as_json, quiet)
+
+
+@submit.command("bench-disk")
+@click.argument("path")
+@click.option("--file-size", default=None, help="Size of the test file (default 1GiB; larger than any cache).")
+@click.option("--duration", type=float, default=None, help="Seconds each read test runs (default 2).")
+@click.option("--threads", type=int, default=None, help="Reads in flight for the queue-depth-N figures (default 16).")
+@_wait_options
+@_user_errors
+def submit_bench_disk(
+    path: str, file_size: str | None, duration: float | None, threads: int | None, wait: bool, as_json: bool, quiet: bool
+) -> None:
+    """Benchmark the disk behind PATH on a worker (like `gpufeed bench disk`, run where the data lives)."""
+    from worker.security import absolute
+
+    options = {"file_bytes": parse_bytes(file_size) if file_size else None, "duration_s": duration, "threads": threads}
+    payload = {"path": absolute(path, "PATH"), "options": {k: v for k, v in options.items() if v is not None}}
+    _submit("bench-disk", payload, wait, as_json, quiet)
+
+
+def _submit(kind: str, payload: dict[str, Any], wait: bool, as_json: bool, quiet: bool) -> None:
+    from worker.client import submit_job
+    from worker.jobs import JobStore, redis_errors
+
+    settings = _settings()
+    with redis_errors(settings):
+        store = JobStore(settings)
+        job_id = submit_job(kind, payload, settings, store)
+        if not wait:
+            if as_json:
+                click.echo(json.dumps({"job": job_id, "kind": kind, "state": "queued"}))
+            else:
+                click.echo(f"job {job_id} queued ({kind}); follow it with: gpufeed status {job_id}")
+            return
+        if not as_json:
+            click.echo(f"job {job_id} queued ({kind})", err=True)
+        record = _wait_for(store, job_id, show_bar=not quiet and not as_json)
+    _print_status(record.to_status(), as_json)
+    if record.state != "succeeded":
+        sys.exit(1)
+
+
+def _wait_for(store: Any, job_id: str, show_bar: bool) -> Any:
+    from worker.jobs import FINAL
+
+    if not show_bar or not sys.stderr.isatty():
+        while (record := store.require(job_id)).state not in FINAL:
+            time.sleep(WAIT_POLL_S)
+        return record
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("[bold]{task.fields[state]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("shards  {task.fields[samples]} samples  {task.fields[rate]:>6.0f} img/s"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(job_id, total=None, state="queued", samples=0, rate=0.0)
+        while True:
+            record = store.require(job_id)
+            bar.update(
+                task,
+                total=record.shards_total or None,
+                completed=record.shards_done,
+                state=record.state,
+                samples=record.samples,
+                rate=record.images_per_s(),
+            )
+            if record.state in FINAL:
+                return record
+            time.sleep(WAIT_POLL_S)
+
+
+# ---------------------------------------------------------------------------
+# Following jobs
+
+
+def _print_status(doc: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"job {doc['job']}  {doc['kind']}  {doc['state']}")
+    if doc.get("source") and doc.get("out") and doc["source"] != doc["out"]:
+        click.echo(f"  {doc['source']} -> {doc['out']}")
+    elif doc.get("out"):
+        click.echo(f"  {doc['out']}")
+    seconds = f", {doc['seconds']:.1f} s" if doc.get("seconds") is not None else ""
+    result = doc.get("result") or {}
+    if doc["kind"] == "bench-disk":
+        figures = {k: v for k, v in result.items() if isinstance(v, (int, float)) and k.endswith(("_mb_s", "_per_s", "_iops_qd1", "_iops_qdn"))}
+        click.echo(f"  {result.get('device_kind', '')} {result.get('fstype', '')}{seconds}".rstrip())
+        for name, value in figures.items():
+            click.echo(f"  {name}: {value:.1f}")
+    else:
+        rate = f", {doc['images_per_s']:.1f} images/s" if doc["kind"] == "prepare" or result.get("reaugmented") else ""
+        click.echo(
+            f"  shards {doc['shards_done']}/{doc['shards_total']}, samples {doc['samples']}, rejected {doc['rejected']}"
+            f"{rate}{seconds}"
+        )
+    if doc["kind"] == "reshard" and result:
+        click.echo(f"  {result['shards_before']} -> {result['shards_after']} shards per set, version {result['version'] or '(--out)'}")
+    if doc.get("workers"):
+        click.echo("  workers: " + ", ".join(f"{name} ({count})" for name, count in sorted(doc["workers"].items())))
+    if doc.get("running"):
+        click.echo("  running: " + ", ".join(f"{r['task']} on {r['worker']}" for r in doc["running"]))
+    if doc.get("redispatched"):
+        click.echo(f"  re-dispatched after a worker was lost: {doc['redispatched']} task(s)")
+    if doc.get("error") and doc["state"] != "cancelled":
+        click.echo(f"  error: {doc['error']}")
+    if doc["state"] == "succeeded" and result.get("manifest"):
+        click.echo(f"  manifest: {result['manifest']}")
+
+
+@main.command()
+@click.argument("job")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@_user_errors
+def status(job: str, as_json: bool) -> None:
+    """Show a job: state (queued, running, succeeded, failed, cancelled), shards, samples, rejects, images/s, error."""
+    from worker.jobs import JobStore, redis_errors
+
+    settings = _settings()
+    with redis_errors(settings):
+        record = JobStore(settings).require(job)
+    _print_status(record.to_status(), as_json)
+
+
+@main.command()
+@click.option("--limit", default=50, show_default=True, help="Most recent jobs shown.")
+@click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
+@_user_errors
+def jobs(limit: int, as_json: bool) -> None:
+    """List recent jobs, newest first."""
+    from worker.jobs import JobStore, redis_errors
+
+    settings = _settings()
+    with redis_errors(settings):
+        records = JobStore(settings).list_jobs(limit)
+    docs = [record.to_status() for record in records]
+    if as_json:
+        click.echo(json.dumps(docs, indent=2))
+        return
+    if not docs:
+        click.echo("no jobs")
+        return
+    click.echo(f"{'JOB':<12}  {'KIND':<10}  {'STATE':<9}  {'SHARDS':>9}  {'SAMPLES':>8}  {'CREATED':<25}  OUT")
+    for doc in docs:
+        shards = f"{doc['shards_done']}/{doc['shards_total']}"
+        click.echo(
+            f"{doc['job']:<12}  {doc['kind']:<10}  {doc['state']:<9}  {shards:>9}  {doc['samples']:>8}  "
+            f"{doc['created'] or '':<25}  {doc['out'] or ''}"
+        )
+
+
+@main.command()
+@click.argument("job")
+@click.option("--json", "as_json", is_flag=True, help="Print the job's status as JSON.")
+@_user_errors
+def cancel(job: str, as_json: bool) -> None:
+    """Cancel a job: no more of its shards start, its partial output is removed, no manifest is written."""
+    from worker.client import cancel_job
+    from worker.jobs import JobStore, redis_errors
+
+    settings = _settings()
+    with redis_errors(settings):
+        record = cancel_job(job, settings, JobStore(settings))
+    if as_json:
+        click.echo(json.dumps(record.to_status(), indent=2))
+    else:
+        click.echo(f"job {job} cancelled; its partial output is being removed")
+
+
+# ---------------------------------------------------------------------------
+# Schedules
+
+
+@main.group()
+def schedule() -> None:
+    """Recurring jobs kept in Redis and fired by `gpufeed beat`."""
+
+
+@click.command("reshard")
+@click.argument("dataset")
+@reshard_options
+def _scheduled_reshard(dataset: str, **options: Any) -> None:
+    """Parses the job part of `schedule add NAME … reshard DATASET [options]`."""
+
+
+@schedule.command("add", context_settings=PASS_THROUGH)
+@click.argument("name")
+@click.option("--every", default=None, help="Interval: 30m, 6h, 1d …")
+@click.option("--cron", default=None, help="Crontab (UTC): 'minute hour day-of-month month day-of-week'.")
+@click.option("--json", "as_json", is_flag=True, help="Print the schedule as JSON.")
+@click.argument("job", nargs=-1, type=click.UNPROCESSED)
+@_user_errors
+def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, job: tuple[str, ...]) -> None:
+    """Add schedule NAME that runs JOB (`reshard DATASET [reshard options]`) --every INTERVAL or on --cron."""
+    from worker.app import app
+    from worker.jobs import redis_errors
+    from worker.schedules import add_schedule
+    from worker.security import validate_job
+
+    if not job or job[0] != "reshard":
+        _fail("give the job to schedule after the options: reshard DATASET [--multiple-of W …]", 2)
+    from worker.security import absolute
+
+    context = _scheduled_reshard.make_context("gpufeed schedule add NAME … reshard", list(job[1:]))
+    params = dict(context.params)
+    payload = {"spec": _reshard_spec(params.pop("dataset"), params, absolute).to_dict()}
+    settings = _settings()
+    payload = validate_job("reshard", payload, settings)
+    with redis_errors(settings):
+        info = add_schedule(app, settings, name, "reshard", payload, every=every, cron=cron)
+    if as_json:
+        click.echo(json.dumps(info.to_dict(), indent=2))
+    else:
+        click.echo(f"schedule {info.name}: reshard {payload['spec']['dataset']} {info.when}; next run {info.next_run}")
+
+
+@schedule.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the schedules as JSON.")
+@_user_errors
+def schedule_list(as_json: bool) -> None:
+    """List the schedules, their next run and the last job each submitted."""
+    from worker.app import app
+    from worker.jobs import redis_errors
+    from worker.schedules import list_schedules
+
+    settings = _settings()
+    with redis_errors(settings):
+        infos = list_schedules(app, settings)
+    if as_json:
+        click.echo(json.dumps([info.to_dict() for info in infos], indent=2))
+        return
+    if not infos:
+        click.echo("no schedules")
+    for info in infos:
+        target = info.spec.get("spec", {}).get("dataset", "")
+        last = f"; last job {info.last_job}" if info.last_job else ""
+        skipped = f"; last run skipped: {info.last_error}" if info.last_error else ""
+        click.echo(f"{info.name}: {info.kind} {target} {info.when}; next run {info.next_run}{last}{skipped}")
+
+
+@schedule.command("remove")
+@click.argument("name")
+@_user_errors
+def schedule_remove(name: str) -> None:
+    """Remove schedule NAME (jobs it already submitted go on)."""
+    from worker.app import app
+    from worker.jobs import redis_errors
+    from worker.schedules import remove_schedule
+
+    settings = _settings()
+    with redis_errors(settings):
+        remove_schedule(app, settings, name)
+    click.echo(f"schedule {name} removed")
+
+
+# ---------------------------------------------------------------------------
+# Local reshard (no service)
+
+
+@main.command()
+@click.argument("dataset")
+@reshard_options
+@click.option("--workers", type=int, default=None, help="Prepare processes when re-augmenting (default: available cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@_user_errors
+def reshard(dataset: str, workers: int | None, as_json: bool, **options: Any) -> None:
+    """Re-pack DATASET into new shards without decoding (or --reaugment it), here, without the service."""
+    from .reshard import reshard_dataset
+
+    result = reshard_dataset(_reshard_spec(dataset, options), workers=workers)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    where = f"version {result.version}" if result.version else result.out
+    click.echo(
+        f"{'re-augmented' if result.reaugmented else 're-packed'} {result.dataset}: {result.shards_before} -> "
+        f"{result.shards_after} shards per set ({where}), {result.samples} samples, verified, in {result.seconds:.1f} s"
+    )
+    if result.removed:
+        click.echo("removed old versions: " + ", ".join(v or "(original)" for v in result.removed))

@@ -13,6 +13,7 @@ import dataclasses
 import io
 import math
 import random
+import threading
 from typing import Any
 
 import numpy as np
@@ -138,9 +139,22 @@ def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: C
     kwargs = {}
     if scale < 1.0:
         kwargs = {"min_width": math.ceil(width * scale), "min_height": math.ceil(height * scale)}
-    array = simplejpeg.decode_jpeg(data, colorspace="RGB", **kwargs)
+    array = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=_decode_buffer(width, height), **kwargs)
     sx, sy = array.shape[1] / width, array.shape[0] / height
     _resize_box_into(slot, array, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy))
+
+
+_LOCAL = threading.local()
+
+
+def _decode_buffer(width: int, height: int) -> np.ndarray:
+    """A per-thread output buffer for simplejpeg: no fresh 200 KB allocation per image."""
+    needed = width * height * 3
+    buffer = getattr(_LOCAL, "buffer", None)
+    if buffer is None or buffer.size < needed:
+        buffer = np.empty(max(needed, 1 << 20), np.uint8)
+        _LOCAL.buffer = buffer
+    return buffer
 
 
 def _pil_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec) -> None:

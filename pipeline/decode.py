@@ -80,6 +80,10 @@ def _pil() -> Any:
         Image.MAX_IMAGE_PIXELS = None
         ImageFile.LOAD_TRUNCATED_IMAGES = False
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        # Keep a few freed image blocks for reuse. With Pillow's default (none)
+        # every image is fresh memory from the kernel, and its page faults cost
+        # more than the resize itself (measured: 0.80 -> 0.45 ms per 224 px crop).
+        Image.core.set_blocks_max(max(Image.core.get_blocks_max(), 16))
         _PIL_READY = True
     return Image
 

@@ -89,18 +89,52 @@ class LoaderStats:
 _SHARED_RING: np.ndarray | None = None  # set before forking process workers
 
 
+@dataclasses.dataclass
+class _CpuFinish:
+    """The device side, done by the decode thread right after each image while it is in cache.
+
+    On a CPU device there is no device to overlap with: flipping, float
+    conversion and normalisation run in the decode threads, in parallel, on
+    the uint8 pixels just written, into the batch's output tensor.
+    """
+
+    out: np.ndarray  # float32 view of the batch's NCHW (or channels-last) output
+    flips: np.ndarray | None
+    scale: np.ndarray  # (3, 1, 1): 1/std in 0-255 units
+    shift: np.ndarray  # (3, 1, 1): -mean/std
+
+    def __call__(self, pixels: np.ndarray, position: int) -> None:
+        if self.flips is not None and self.flips[position]:
+            pixels = pixels[:, ::-1]
+        target = self.out[position]
+        if target.dtype == np.uint8:
+            np.copyto(target, pixels.transpose(2, 0, 1))
+            return
+        np.multiply(pixels.transpose(2, 0, 1), self.scale, out=target)
+        np.add(target, self.shift, out=target)
+
+
 def _decode_chunk(
-    ring: np.ndarray | None, slot: int, start: int, items: list[tuple[str, bytes, int]], crop: CropSpec
+    ring: np.ndarray | None,
+    slot: int,
+    start: int,
+    items: list[tuple[str, bytes, int]],
+    crop: CropSpec,
+    finish: _CpuFinish | None = None,
 ) -> list[tuple[int, str]]:
     """Decode items into ring[slot, start:...]; returns (position, reason) of failures."""
     target = ring if ring is not None else _SHARED_RING
     assert target is not None
     failures = []
     for offset, (extension, data, seed) in enumerate(items):
+        position = start + offset
         try:
-            decode_into(target[slot, start + offset], extension, data, crop, seed)
+            decode_into(target[slot, position], extension, data, crop, seed)
         except DecodeError as exc:
-            failures.append((start + offset, exc.reason))
+            failures.append((position, exc.reason))
+            continue
+        if finish is not None:
+            finish(target[slot, position], position)
     return failures
 
 
@@ -114,7 +148,7 @@ class _ProcessExecutor:
         _SHARED_RING = ring
         self._pool = multiprocessing.get_context("fork").Pool(workers)
 
-    def submit(self, func: Any, ring: Any, slot: int, start: int, items: Any, crop: CropSpec) -> Any:
+    def submit(self, func: Any, ring: Any, slot: int, start: int, items: Any, crop: CropSpec, finish: Any) -> Any:
         return self._pool.apply_async(func, (None, slot, start, items, crop))
 
     def shutdown(self) -> None:
@@ -135,6 +169,7 @@ class _HostBatch:
     pending: list[Any]
     keys: list[str]
     items: list[tuple[str, bytes, int]]
+    finished: torch.Tensor | None = None
 
 
 class Loader:
@@ -303,12 +338,26 @@ class Loader:
         ring = self._ring.numpy() if self.spec.worker_type == "thread" else None
         items = [(r.extension, r.data, self._sample_seed(epoch, r.ordinal)) for r in chunk]
         per_worker = max(1, math.ceil(len(items) / self._workers))
+        finished, finish = self._cpu_finish(epoch, index, len(items))
         pending = []
         for start in range(0, 0 if self._gpu_decode else len(items), per_worker):
             piece = items[start : start + per_worker]
-            pending.append(self._executor.submit(_decode_chunk, ring, slot, start, piece, self._crop))
+            pending.append(self._executor.submit(_decode_chunk, ring, slot, start, piece, self._crop, finish))
         labels = np.array([r.label for r in chunk], dtype=np.int64)
-        return _HostBatch(index, slot, len(chunk), labels, pending, [r.key for r in chunk], items)
+        keys = [r.key for r in chunk]
+        return _HostBatch(index, slot, len(chunk), labels, pending, keys, items, finished)
+
+    def _cpu_finish(self, epoch: int, index: int, count: int) -> tuple[torch.Tensor | None, _CpuFinish | None]:
+        """On a CPU device with thread workers: the batch's output tensor and the per-image finisher."""
+        if not (self.device.type == "cpu" and self.spec.worker_type == "thread" and not self._gpu_decode):
+            return None, None
+        memory_format = torch.channels_last if self.spec.channels_last else torch.contiguous_format
+        dtype = torch.uint8 if self._dtype == torch.uint8 else torch.float32
+        out = torch.empty((count, 3, self.spec.crop, self.spec.crop), dtype=dtype, memory_format=memory_format)
+        scale, shift = self._affine()
+        flips = self._flip_mask(epoch, index, count)
+        view = out.numpy() if not self.spec.channels_last else out.permute(0, 2, 3, 1).numpy().transpose(0, 3, 1, 2)
+        return out, _CpuFinish(view, flips, scale.view(3, 1, 1).numpy(), shift.view(3, 1, 1).numpy())
 
     # -- device side --------------------------------------------------------
 
@@ -328,6 +377,11 @@ class Loader:
     def _scale_shift(self, nchw: torch.Tensor) -> torch.Tensor:
         scale, shift = self._affine()
         memory_format = torch.channels_last if self.spec.channels_last else torch.contiguous_format
+        if self._dtype == torch.uint8:
+            pixels = torch.empty(nchw.shape, dtype=torch.uint8, device=self.device, memory_format=memory_format)
+            if nchw.is_floating_point():  # GPU-decoded and resized: back to whole pixel values
+                nchw = nchw.round().clamp_(0, 255)
+            return pixels.copy_(nchw)
         out = torch.empty(nchw.shape, dtype=torch.float32, device=self.device, memory_format=memory_format)
         out.copy_(nchw)
         out.mul_(scale).add_(shift)
@@ -348,11 +402,16 @@ class Loader:
             x[chosen] = x[chosen].flip(3)
         return self._scale_shift(x)
 
-    def _flips(self, epoch: int, batch: _HostBatch, keep: np.ndarray | None) -> torch.Tensor | None:
+    def _flip_mask(self, epoch: int, index: int, count: int) -> np.ndarray | None:
         if not (self.spec.train and self.spec.flip):
             return None
-        rng = np.random.default_rng([self.spec.seed, epoch, self.rank, batch.index, 0xF1])
-        mask = rng.random(batch.count) < 0.5
+        rng = np.random.default_rng([self.spec.seed, epoch, self.rank, index, 0xF1])
+        return rng.random(count) < 0.5
+
+    def _flips(self, epoch: int, batch: _HostBatch, keep: np.ndarray | None) -> torch.Tensor | None:
+        mask = self._flip_mask(epoch, batch.index, batch.count)
+        if mask is None:
+            return None
         return torch.from_numpy(mask if keep is None else mask[keep])
 
     def _host_tensors(self, batch: _HostBatch) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
@@ -448,6 +507,8 @@ class Loader:
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         if self._gpu_decode:
             return self._gpu_decoded(epoch, batch, free, side)
+        if batch.finished is not None:
+            return self._cpu_finished(batch, free)
         host_images, host_labels, keep = self._host_tensors(batch)
         flips = self._flips(epoch, batch, keep)
         context = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
@@ -462,6 +523,15 @@ class Loader:
         if side is not None:
             copied.synchronize()  # the pinned slot may be refilled once its copy is done
         free.put(batch.slot)
+        return images, labels, int(labels.shape[0])
+
+    def _cpu_finished(self, batch: _HostBatch, free: queue.Queue[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        _, labels, keep = self._host_tensors(batch)
+        free.put(batch.slot)
+        assert batch.finished is not None
+        images = batch.finished if keep is None else batch.finished[torch.from_numpy(keep)]
+        if self._dtype not in (torch.float32, torch.uint8):
+            images = images.to(self._dtype)
         return images, labels, int(labels.shape[0])
 
     def _gpu_decoded(

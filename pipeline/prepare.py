@@ -472,12 +472,14 @@ def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = Fa
     return PreparePlanInfo(job.plan.shards, job.listed, job.ignored, job.classes, pending, False, job.warnings)
 
 
-def write_prepare_shard(spec: PrepareSpec, shard: int) -> ShardRecord:
+def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCallback | None = None) -> ShardRecord:
     """Write one planned shard in this process; a complete and valid shard is left as it is.
 
     Idempotent: the bytes depend only on (spec, shard), temp files are
     per host and process, and the final rename is atomic, so a duplicate or
-    re-delivered run is harmless.
+    re-delivered run is harmless. `progress` is called after every chunk of
+    images; an exception it raises abandons the shard (its temp files are
+    removed), which is how a runner cancels one.
 
     Raises:
         ConfigError: the job was not planned (run `plan_prepare` first) or the index is out of range.
@@ -491,7 +493,7 @@ def write_prepare_shard(spec: PrepareSpec, shard: int) -> ShardRecord:
             record = _read_shard_record(job, shard)
             return ShardRecord(shard, _record_samples(record), len(record["rejected"]), True)
         state = PrepareProgress(0, len(job.plan.positions(shard)), 0, 0.0)
-        _write_one_shard(job, shard, _Workers(0, job.spec, job.classes), state, None, time.perf_counter())
+        _write_one_shard(job, shard, _Workers(0, job.spec, job.classes), state, progress, time.perf_counter())
         record = _read_shard_record(job, shard)
         return ShardRecord(shard, _record_samples(record), len(record["rejected"]), False)
     finally:
@@ -512,6 +514,26 @@ def finish_prepare(spec: PrepareSpec) -> Manifest:
         return _finish(job)
     finally:
         job.listing.close()
+
+
+def discard_prepare(spec: PrepareSpec) -> None:
+    """Remove what an unfinished prepare wrote to OUT: shards, rejects, the work folder, temp files.
+
+    A finished dataset (OUT/manifest.json present) keeps its shards; only
+    leftover temp files and work files go.
+    """
+    output = Output(spec.out)
+    if not output.exists(MANIFEST_NAME):
+        _clear_output(output)
+    else:
+        output.remove(WORK_DIR)
+    if not output.is_local:
+        return
+    set_dirs = [""] + [name for name in output.listdir() if re.fullmatch(r"v\d+", name)]
+    for prefix in set_dirs:
+        for name in output.listdir(prefix):
+            if name.startswith(".shard-") and ".tmp-" in name:
+                output.remove(f"{prefix}/{name}" if prefix else name)
 
 
 def _load_planned_job(spec: PrepareSpec) -> _Job:

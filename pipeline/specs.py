@@ -242,7 +242,7 @@ def parse_bytes(text: str | int) -> int:
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "uint8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +259,8 @@ class LoaderSpec(_Spec):
         interleave: shards read at once, taken in turn.
         seed: seed of every random choice (order, crops, flips).
         mean, std: per-channel normalisation, in 0-1 units.
-        dtype: float32, float16 or bfloat16 output.
+        dtype: float32, float16 or bfloat16 output, normalised; or uint8 (pixels
+            as decoded and flipped, not normalised: for GPU-side augmentation).
         channels_last: return NCHW tensors in channels-last memory format.
         drop_last: drop the incomplete last batch and the uneven tail across ranks.
         prefetch: batches prepared ahead (>= 2).

@@ -89,6 +89,14 @@ def test_shapes_dtypes_and_memory_format(dataset: Path) -> None:
         assert images.dtype == getattr(torch, dtype)
     images, _ = next(iter(loader_for(dataset, channels_last=True)))
     assert images.is_contiguous(memory_format=torch.channels_last)
+    # uint8: the same crops and flips, not normalised; normalising them gives the float batch.
+    for worker_type in ("thread", "process"):
+        pixels, _ = next(iter(loader_for(dataset, dtype="uint8", worker_type=worker_type)))
+        floats, _ = next(iter(loader_for(dataset, worker_type=worker_type)))
+        assert pixels.dtype == torch.uint8 and pixels.shape == (16, 3, CROP, CROP)
+        mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1)
+        std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1)
+        assert torch.allclose((pixels.float() - mean) / std, floats, atol=1e-4)
     # Normalised with ImageNet statistics: roughly zero-centred, unit-scaled.
     assert -3.0 < float(images.float().mean()) < 3.0 and float(images.float().std()) > 0.2
 

@@ -1,0 +1,363 @@
+"""`gpufeed bench decode SRC`: how fast one core decodes (and resizes) the images, raw vs prepared.
+
+A sample of SRC is read into memory; a prepared copy of it is made in memory
+the way `gpufeed prepare` would (shorter side `size`, JPEG at `quality`, and
+raw uint8 `.npy`). Each decoder present then decodes every image and resizes
+it to the training input (`target`, shorter side), in one thread, looping
+over the sample for at least `min_seconds`: images/s per core. Multiply by
+the cores a loader gets for its decode ceiling.
+
+Decoders: PIL (full decode), PIL with draft mode (DCT-domain downscale),
+simplejpeg (libjpeg-turbo, DCT-scaled), PyTurboJPEG and OpenCV (reduced
+decode) when installed, and `.npy` (no decode) for the prepared copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..decode import _pil, decode_image, open_image
+from ..encode import encode_image
+from ..errors import ConfigError, DecodeError
+from ..sources import SourceItem, list_images, read_source_bytes
+from ..specs import AugmentSpec, EncodeSpec, ResizeSpec
+from ..transforms import required_scale, resize_image
+
+MAX_FILE_BYTES = 512 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class DecoderRow:
+    """One decoder on the raw and the prepared sample (None: not applicable)."""
+
+    decoder: str
+    raw_images_per_s: float | None
+    prepared_images_per_s: float | None
+    note: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        if self.raw_images_per_s and self.prepared_images_per_s:
+            return self.prepared_images_per_s / self.raw_images_per_s
+        return None
+
+
+@dataclasses.dataclass
+class DecodeBenchResult:
+    """Per-core decode (+ resize to `target`) speed, raw vs prepared, for each decoder.
+
+    Attributes:
+        source: the dataset sampled.
+        samples: images in the sample (that decoded).
+        target: shorter side every decode is resized to (the training input).
+        prepared_size: the prepared copy's shorter side.
+        quality: JPEG quality of the prepared copy.
+        raw_mean_bytes, raw_mean_pixels: the raw sample's means.
+        prepared_mean_bytes: mean bytes of the prepared JPEG copy.
+        npy_mean_bytes: mean bytes of the prepared `.npy` copy.
+        rows: one per decoder.
+    """
+
+    source: str
+    samples: int
+    target: int
+    prepared_size: int
+    quality: int
+    raw_mean_bytes: float
+    raw_mean_pixels: float
+    prepared_mean_bytes: float
+    prepared_mean_pixels: float
+    npy_mean_bytes: float
+    rows: list[DecoderRow]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for row, out in zip(self.rows, data["rows"]):
+            out["speedup"] = row.speedup
+        return data
+
+
+# ---------------------------------------------------------------------------
+# Samples
+
+
+def sample_sources(source: str, count: int, seed: int = 0) -> tuple[list[SourceItem], int]:
+    """An even random sample of `count` images of `source` (reservoir: one pass, flat memory).
+
+    Returns:
+        (sampled items in listing order, number of images listed).
+
+    Raises:
+        SourceError: the source cannot be listed.
+        ConfigError: it holds no images.
+    """
+    rng = random.Random(seed)
+    chosen: list[tuple[int, SourceItem]] = []
+    listed = 0
+    for index, item in enumerate(list_images(source)):
+        listed += 1
+        if len(chosen) < count:
+            chosen.append((index, item))
+        else:
+            slot = rng.randrange(index + 1)
+            if slot < count:
+                chosen[slot] = (index, item)
+    if not chosen:
+        raise ConfigError(f"{source} holds no images")
+    return [item for _, item in sorted(chosen, key=lambda pair: pair[0])], listed
+
+
+def read_sample(items: list[SourceItem]) -> list[bytes]:
+    """The bytes of each item that can be read (unreadable files are left out)."""
+    blobs = []
+    for item in items:
+        try:
+            blobs.append(read_source_bytes(item.url, MAX_FILE_BYTES))
+        except (OSError, ValueError):
+            continue
+    return blobs
+
+
+def prepare_in_memory(blobs: list[bytes], size: int, encode: EncodeSpec) -> list[bytes]:
+    """What `gpufeed prepare --size SIZE` stores for each decodable blob (shorter side, no variants)."""
+    resize = ResizeSpec(size=size)
+    out = []
+    for data in blobs:
+        try:
+            decoded = decode_image(data, scale_for=lambda w, h: required_scale(resize, AugmentSpec(), w, h))
+        except DecodeError:
+            continue
+        image, _ = resize_image(decoded.image, decoded.original_size, resize)
+        out.append(encode_image(image, encode))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Decoders: bytes -> RGB array (or PIL image) already resized to `target`
+
+Decoder = Callable[[bytes, int], Any]
+
+
+def _target_size(width: int, height: int, target: int) -> tuple[int, int]:
+    scale = target / min(width, height)
+    if scale >= 1:
+        return width, height
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _pil_resize(img: Any, full: tuple[int, int], target: int) -> Any:
+    Image = _pil()
+    size = _target_size(*full, target)
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    return img if img.size == size else img.resize(size, Image.Resampling.BILINEAR)
+
+
+def decode_pil(data: bytes, target: int) -> Any:
+    img = open_image(data)
+    img.load()
+    return _pil_resize(img, img.size, target)
+
+
+def decode_pil_draft(data: bytes, target: int) -> Any:
+    img = open_image(data)
+    full = img.size
+    if img.format == "JPEG":
+        out = _target_size(*full, target)
+        img.draft("RGB", out)
+    img.load()
+    return _pil_resize(img, full, target)
+
+
+def _decode_simplejpeg(data: bytes, target: int) -> Any:
+    import simplejpeg
+
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    out_w, out_h = _target_size(width, height, target)
+    array = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=out_w, min_height=out_h)
+    return _pil_resize(_pil().fromarray(array), (width, height), target)
+
+
+def _turbojpeg_decoder() -> Decoder:
+    import turbojpeg
+
+    jpeg = turbojpeg.TurboJPEG()
+    factors = sorted(jpeg.scaling_factors, key=lambda f: f[0] / f[1])
+
+    def decode(data: bytes, target: int) -> Any:
+        width, height, _, _ = jpeg.decode_header(data)
+        out_w, out_h = _target_size(width, height, target)
+        factor = next(
+            (f for f in factors if math.ceil(width * f[0] / f[1]) >= out_w and math.ceil(height * f[0] / f[1]) >= out_h),
+            (1, 1),
+        )
+        array = jpeg.decode(data, pixel_format=turbojpeg.TJPF_RGB, scaling_factor=factor)
+        return _pil_resize(_pil().fromarray(array), (width, height), target)
+
+    return decode
+
+
+def _opencv_decoder() -> Decoder:
+    import cv2
+
+    reduced = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2, cv2.IMREAD_REDUCED_COLOR_2))
+
+    def decode(data: bytes, target: int) -> Any:
+        header = open_image(data)  # sizes from the header; OpenCV has no header-only call
+        width, height = header.size
+        out_w, out_h = _target_size(width, height, target)
+        flag = next((f for d, f in reduced if width // d >= out_w and height // d >= out_h), cv2.IMREAD_COLOR)
+        array = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
+        if array is None:
+            raise DecodeError("OpenCV cannot decode this file")
+        array = cv2.cvtColor(array, cv2.COLOR_BGR2RGB)
+        if (array.shape[1], array.shape[0]) != (out_w, out_h):
+            array = cv2.resize(array, (out_w, out_h), interpolation=cv2.INTER_AREA)
+        return array
+
+    return decode
+
+
+def decode_npy(data: bytes, target: int) -> Any:
+    array = np.load(io.BytesIO(data), allow_pickle=False)
+    height, width = array.shape[:2]
+    return _pil_resize(_pil().fromarray(array), (width, height), target)
+
+
+def available_decoders() -> dict[str, Decoder]:
+    """The JPEG-capable decoders importable here, by display name (PIL always)."""
+    decoders: dict[str, Decoder] = {"PIL": decode_pil, "PIL + draft": decode_pil_draft}
+    try:
+        import simplejpeg  # noqa: F401
+
+        decoders["simplejpeg"] = _decode_simplejpeg
+    except ImportError:
+        pass
+    for name, factory in (("PyTurboJPEG", _turbojpeg_decoder), ("OpenCV", _opencv_decoder)):
+        try:
+            decoders[name] = factory()
+        except Exception:  # not installed, or its native library is missing
+            continue
+    return decoders
+
+
+JPEG_ONLY = frozenset({"simplejpeg", "PyTurboJPEG"})
+
+
+# ---------------------------------------------------------------------------
+# The benchmark
+
+
+def time_per_core(decoder: Decoder, blobs: list[bytes], target: int, min_seconds: float) -> float | None:
+    """Images/s of `decoder` over `blobs` in this one thread (loops for at least `min_seconds`)."""
+    usable = []
+    for data in blobs:  # one untimed pass: drops files this decoder cannot read, warms caches
+        try:
+            decoder(data, target)
+            usable.append(data)
+        except Exception:
+            continue
+    if not usable:
+        return None
+    done = 0
+    started = time.perf_counter()
+    while True:
+        for data in usable:
+            decoder(data, target)
+        done += len(usable)
+        elapsed = time.perf_counter() - started
+        if elapsed >= min_seconds:
+            return done / elapsed
+
+
+def benchmark_decode(
+    source: str,
+    *,
+    sample: int = 32,
+    target: int = 224,
+    size: int = 256,
+    quality: int = 90,
+    min_seconds: float = 0.5,
+    decoders: list[str] | None = None,
+    seed: int = 0,
+) -> DecodeBenchResult:
+    """Measure per-core decode + resize speed on a sample of `source`, raw and prepared.
+
+    Args:
+        source: a folder, CSV/JSONL list or URL of raw images.
+        sample: images to sample.
+        target: shorter side each decoded image is resized to.
+        size: shorter side of the prepared copy (what `gpufeed prepare --size` writes).
+        quality: JPEG quality of the prepared copy.
+        min_seconds: minimum timed seconds per decoder and sample.
+        decoders: names to run (default: every one available).
+        seed: seed of the sample.
+
+    Returns:
+        A DecodeBenchResult with one row per decoder.
+
+    Raises:
+        ConfigError: no decodable images, or an unknown decoder name.
+        SourceError: the source cannot be listed.
+    """
+    started = time.perf_counter()
+    if sample < 1 or target < 8 or size < 8:
+        raise ConfigError("sample must be at least 1 and sizes at least 8 pixels")
+    items, _ = sample_sources(source, sample, seed)
+    raw = [blob for blob in read_sample(items) if _decodable(blob)]
+    if not raw:
+        raise ConfigError(f"no decodable images in the sample of {source}")
+    prepared = prepare_in_memory(raw, size, EncodeSpec(format="jpeg", quality=quality))
+    npy = prepare_in_memory(raw, size, EncodeSpec(format="npy"))
+    available = available_decoders()
+    chosen = decoders or list(available)
+    unknown = [name for name in chosen if name not in available]
+    if unknown:
+        raise ConfigError(f"decoder(s) not available here: {', '.join(unknown)} (have: {', '.join(available)})")
+    rows = []
+    for name in chosen:
+        rows.append(
+            DecoderRow(
+                name,
+                time_per_core(available[name], raw, target, min_seconds),
+                time_per_core(available[name], prepared, target, min_seconds),
+                "JPEG files only" if name in JPEG_ONLY else "",
+            )
+        )
+    rows.append(DecoderRow("npy (no decode)", None, time_per_core(decode_npy, npy, target, min_seconds), "prepared --format npy"))
+    return DecodeBenchResult(
+        source=source,
+        samples=len(raw),
+        target=target,
+        prepared_size=size,
+        quality=quality,
+        raw_mean_bytes=float(np.mean([len(b) for b in raw])),
+        raw_mean_pixels=float(np.mean([_pixels(b) for b in raw])),
+        prepared_mean_bytes=float(np.mean([len(b) for b in prepared])) if prepared else 0.0,
+        prepared_mean_pixels=float(np.mean([_pixels(b) for b in prepared])) if prepared else 0.0,
+        npy_mean_bytes=float(np.mean([len(b) for b in npy])) if npy else 0.0,
+        rows=rows,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _decodable(data: bytes) -> bool:
+    try:
+        open_image(data)
+        return True
+    except DecodeError:
+        return False
+
+
+def _pixels(data: bytes) -> int:
+    width, height = open_image(data).size
+    return width * height

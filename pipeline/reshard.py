@@ -1,0 +1,441 @@
+"""Re-pack a prepared dataset into new shards, or re-augment it from the source, swapping it in atomically.
+
+Re-packing copies every sample's tar members as they are (no decoding) into a
+new shard layout: bounded by samples or bytes per shard, and optionally a
+shard count that is a multiple of W (world size x loader workers, so every
+GPU worker gets whole shards). Shards are balanced to within one sample.
+
+In place, a new version is written beside the old one in `DATASET/rNNNN/`
+and the manifest is the switch: `manifest.json` is replaced in one atomic
+rename once the new shards are complete and verified. A reader that opened
+the old manifest keeps reading the old files, which stay until `keep` newer
+versions exist. `--out NEW` writes a complete dataset to NEW instead.
+
+Re-augmenting runs prepare again from the recorded source and settings with a
+new seed (fresh variant sets) into the new version, through the same step
+API a distributed runner uses (`plan_reaugment` -> prepare ->
+`publish_reaugment`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .errors import ConfigError, JobConflictError, ManifestError
+from .manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, verify_dataset, write_manifest
+from .shards import ShardInfo, TarShardWriter, iter_tar_samples, sample_tar_bytes, shard_name
+from .specs import PrepareSpec, ShardSpec, _check_int, _Spec
+from .storage import Output
+
+VERSIONS_NAME = ".gpufeed-versions.json"
+VERSION_DIR = re.compile(r"r\d{4,}")
+ROOT_SHARD = re.compile(r"shard-\d{6}\.tar|v\d+")
+
+ReshardProgress = Callable[[int, int], None]
+"""Called with (shards written, shards to write) after every new shard."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardSpec(_Spec):
+    """One reshard of an existing dataset.
+
+    Attributes:
+        dataset: the prepared dataset (folder or URL holding manifest.json).
+        out: write the result here as a new dataset instead of a new version in place.
+        max_samples: at most this many samples per shard (`--shard-count`).
+        max_bytes: about this many bytes per shard at most (`--shard-size`).
+        multiple_of: make the number of shards (per variant set) a multiple of this.
+        reaugment: prepare again from the source with `seed` instead of re-packing.
+        seed: the new augmentation seed (with `reaugment`).
+        keep: older versions kept for readers that still use them (in place).
+    """
+
+    dataset: str
+    out: str | None = None
+    max_samples: int | None = None
+    max_bytes: int | None = None
+    multiple_of: int | None = None
+    reaugment: bool = False
+    seed: int | None = None
+    keep: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dataset, str) or not self.dataset.strip():
+            raise ConfigError("DATASET must be a non-empty path or URL")
+        if self.out is not None and (not isinstance(self.out, str) or not self.out.strip()):
+            raise ConfigError("--out must be a non-empty path or URL")
+        if self.out is not None and self.out.rstrip("/") == self.dataset.rstrip("/"):
+            raise ConfigError("--out must differ from DATASET (leave it out to reshard in place)")
+        if self.max_samples is not None:
+            _check_int("--shard-count", self.max_samples, 1)
+        if self.max_bytes is not None:
+            _check_int("--shard-size", self.max_bytes, 64 * 1024)
+        if self.multiple_of is not None:
+            _check_int("--multiple-of", self.multiple_of, 1, 1 << 16)
+        if not isinstance(self.reaugment, bool):
+            raise ConfigError("reaugment must be true or false")
+        _check_int("--keep", self.keep, 0, 100)
+        if self.reaugment:
+            if self.seed is None:
+                raise ConfigError("--reaugment needs --seed S: the seed of the new augmentations")
+            _check_int("--seed", self.seed, 0, 2**63 - 1)
+            if self.multiple_of is not None:
+                raise ConfigError("--multiple-of cannot be combined with --reaugment; re-pack after re-augmenting")
+        elif self.seed is not None:
+            raise ConfigError("--seed only applies with --reaugment (re-packing keeps every sample's bytes)")
+        elif self.max_samples is None and self.max_bytes is None and self.multiple_of is None:
+            raise ConfigError("give --shard-count, --shard-size or --multiple-of (or --reaugment --seed S)")
+
+
+@dataclasses.dataclass
+class ReshardResult:
+    """A finished reshard."""
+
+    dataset: str
+    out: str
+    version: str
+    shards_before: int
+    shards_after: int
+    samples: int
+    variants: int
+    bytes: int
+    seconds: float
+    reaugmented: bool
+    removed: list[str] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["seconds"] = round(self.seconds, 3)
+        return data
+
+
+def reshard_dataset(
+    spec: ReshardSpec, *, workers: int | None = None, progress: ReshardProgress | None = None
+) -> ReshardResult:
+    """Re-pack (no decoding) or re-augment DATASET; see the module docstring.
+
+    Args:
+        spec: what to do.
+        workers: prepare processes when re-augmenting (None: available cores).
+        progress: called with (shards written, shards to write) while re-packing.
+
+    Raises:
+        ConfigError: impossible settings (e.g. more shards than samples).
+        ManifestError: DATASET is not a prepared dataset, or the new version failed verification.
+        JobConflictError: DATASET changed while it was being resharded (nothing is swapped).
+    """
+    if not spec.reaugment:
+        return repack_dataset(spec, progress=progress)
+    from .prepare import prepare_dataset
+
+    started = time.perf_counter()
+    staged = plan_reaugment(spec)
+    try:
+        prepare_dataset(staged, workers=workers)
+    except BaseException:
+        discard_reaugment(spec, staged)
+        raise
+    return publish_reaugment(spec, staged, started=started)
+
+
+# ---------------------------------------------------------------------------
+# Re-packing
+
+
+def target_shard_count(manifest: Manifest, spec: ReshardSpec) -> int:
+    """Shards per variant set after the reshard.
+
+    Raises:
+        ConfigError: the dataset has fewer samples than the shards asked for.
+    """
+    samples = manifest.samples
+    if samples == 0:
+        raise ConfigError("DATASET holds no samples; there is nothing to re-pack")
+    sets = _shard_sets(manifest)
+    count = len(sets[0][1])
+    if spec.max_samples is not None or spec.max_bytes is not None:
+        count = 1
+        if spec.max_samples is not None:
+            count = max(count, math.ceil(samples / spec.max_samples))
+        if spec.max_bytes is not None:
+            set_bytes = sum(shard.bytes for shard in sets[0][1])
+            count = max(count, math.ceil(set_bytes / spec.max_bytes))
+    if spec.multiple_of is not None:
+        count = math.ceil(count / spec.multiple_of) * spec.multiple_of
+    if count > samples:
+        raise ConfigError(
+            f"cannot cut {samples} samples into {count} shards (each shard needs at least one sample)"
+            + (f"; --multiple-of {spec.multiple_of} needs at least that many samples" if spec.multiple_of else "")
+        )
+    return count
+
+
+def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None) -> ReshardResult:
+    """Copy every sample into a new shard layout, verify it, then swap it in (or write it to `spec.out`)."""
+    started = time.perf_counter()
+    source = Output(spec.dataset)
+    manifest = read_manifest(source)
+    sets = _shard_sets(manifest)
+    count = target_shard_count(manifest, spec)
+    target, version = _open_target(spec, source)
+    try:
+        shards: list[ShardInfo] = []
+        for variant, old in sets:
+            for info in _repack_set(source, old, target, version, variant, count):
+                shards.append(info)
+                if progress is not None:
+                    progress(len(shards), count * len(sets))
+        new = dataclasses.replace(manifest, shards=shards, created="")
+        _verify_or_raise(target, new)
+        removed = _publish(spec, source, target, manifest, new, version)
+    except BaseException:
+        _discard_target(spec, source, target, version)
+        raise
+    return ReshardResult(
+        dataset=spec.dataset,
+        out=spec.out or spec.dataset,
+        version=version,
+        shards_before=len(sets[0][1]),
+        shards_after=count,
+        samples=manifest.samples,
+        variants=manifest.variants,
+        bytes=sum(shard.bytes for shard in shards),
+        seconds=time.perf_counter() - started,
+        reaugmented=False,
+        removed=removed,
+    )
+
+
+def _shard_sets(manifest: Manifest) -> list[tuple[int | None, list[ShardInfo]]]:
+    """The manifest's shards grouped by variant set, in manifest order."""
+    sets: dict[int | None, list[ShardInfo]] = {}
+    for shard in manifest.shards:
+        sets.setdefault(shard.variant, []).append(shard)
+    if not sets:
+        raise ManifestError("the manifest lists no shards")
+    return [(variant, sets[variant]) for variant in sorted(sets, key=lambda v: -1 if v is None else v)]
+
+
+def _open_target(spec: ReshardSpec, source: Output) -> tuple[Output, str]:
+    """Where the new shards go: a fresh version folder in DATASET, or the root of `spec.out`."""
+    if spec.out is None:
+        return source, claim_version(source)
+    target = Output(spec.out)
+    if target.exists(MANIFEST_NAME):
+        raise JobConflictError(f"{spec.out} already holds a dataset; choose an empty folder for --out")
+    target.makedirs()
+    return target, ""
+
+
+def _repack_set(
+    source: Output, old: list[ShardInfo], target: Output, version: str, variant: int | None, count: int
+) -> Iterator[ShardInfo]:
+    total = sum(shard.samples for shard in old)
+    sizes = [total // count + (1 if i < total % count else 0) for i in range(count)]
+    folder = (f"{version}/" if version else "") + (f"v{variant}/" if variant is not None else "")
+    samples = _iter_set_samples(source, old)
+    for index, size in enumerate(sizes):
+        rel = folder + shard_name(index)
+        with TarShardWriter(target.local(rel)) as writer:
+            for _ in range(size):
+                sample = next(samples, None)
+                if sample is None:
+                    raise ManifestError(f"{source.url}: the shards hold fewer samples than the manifest says; run inspect --verify")
+                writer.write_sample_bytes(sample_tar_bytes(*sample))
+            info = writer.commit(rel, variant)
+        target.publish(rel)
+        yield info
+    if next(samples, None) is not None:
+        raise ManifestError(f"{source.url}: the shards hold more samples than the manifest says; run inspect --verify")
+
+
+def _iter_set_samples(source: Output, shards: list[ShardInfo]) -> Iterator[tuple[str, dict[str, bytes]]]:
+    for shard in shards:
+        if source.is_local:
+            yield from iter_tar_samples(source.local(shard.path))
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".tar") as local:
+            with source.open_read(shard.path) as remote:
+                while block := remote.read(1 << 22):
+                    local.write(block)
+            local.flush()
+            yield from iter_tar_samples(local.name)
+
+
+def _verify_or_raise(target: Output, manifest: Manifest) -> None:
+    result = verify_dataset(target, manifest)
+    if not result.ok:
+        raise ManifestError("the new shards failed verification, nothing was swapped: " + "; ".join(result.problems[:5]))
+
+
+def _publish(spec: ReshardSpec, source: Output, target: Output, old: Manifest, new: Manifest, version: str) -> list[str]:
+    if spec.out is not None:
+        if source.exists(REJECTED_NAME):
+            target.write_bytes_atomic(REJECTED_NAME, source.read_bytes(REJECTED_NAME))
+        write_manifest(target, new)
+        return []
+    return swap_version(source, old, new, version, spec.keep)
+
+
+def _discard_target(spec: ReshardSpec, source: Output, target: Output, version: str) -> None:
+    if spec.out is None:
+        source.remove(version)
+        return
+    for name in target.listdir():
+        if ROOT_SHARD.fullmatch(name) or (name.startswith(".shard-") and ".tmp-" in name):
+            target.remove(name)
+
+
+# ---------------------------------------------------------------------------
+# Versions and the atomic swap
+
+
+def claim_version(output: Output) -> str:
+    """Create and return the next free version folder name (r0001, r0002, ...)."""
+    existing = [int(name[1:]) for name in output.listdir() if VERSION_DIR.fullmatch(name)]
+    number = max(existing, default=0) + 1
+    while True:
+        name = f"r{number:04d}"
+        try:
+            os.makedirs(output.local(name))
+            return name
+        except FileExistsError:
+            number += 1
+
+
+def version_of(manifest: Manifest) -> str:
+    """The version folder a manifest's shards live in ("" for the original, top-level shards)."""
+    first = manifest.shards[0].path.split("/", 1)[0] if manifest.shards else ""
+    return first if VERSION_DIR.fullmatch(first) else ""
+
+
+def swap_version(output: Output, old: Manifest, new: Manifest, version: str, keep: int) -> list[str]:
+    """Make `new` (whose shards are in `version`) the dataset's manifest; returns the versions removed.
+
+    Raises:
+        JobConflictError: the manifest changed since `old` was read (nothing is swapped).
+    """
+    current = read_manifest(output)
+    if current.to_dict() != old.to_dict():
+        raise JobConflictError(f"{output.url} changed while it was being resharded; nothing was swapped, run it again")
+    history = _read_history(output, old)
+    write_manifest(output, new)  # the switch: one atomic rename
+    history.append(version)
+    kept = history[-(keep + 1) :]
+    output.write_bytes_atomic(VERSIONS_NAME, json.dumps({"versions": kept}).encode("utf-8"))
+    removed = [v for v in history[: -(keep + 1)]]
+    removed += [  # folders of earlier reshards that died before their swap
+        name
+        for name in output.listdir()
+        if VERSION_DIR.fullmatch(name) and name not in kept and name not in removed and int(name[1:]) < int(version[1:] or 0)
+    ]
+    for name in removed:
+        _remove_version(output, name)
+    return removed
+
+
+def _read_history(output: Output, current: Manifest) -> list[str]:
+    try:
+        versions = json.loads(output.read_bytes(VERSIONS_NAME))["versions"]
+    except (OSError, ValueError, KeyError, TypeError):
+        versions = []
+    if not isinstance(versions, list) or not versions or versions[-1] != version_of(current):
+        versions = [version_of(current)]
+    return [str(v) for v in versions]
+
+
+def _remove_version(output: Output, version: str) -> None:
+    if version:
+        output.remove(version)
+        return
+    for name in output.listdir():
+        if ROOT_SHARD.fullmatch(name):
+            output.remove(name)
+
+
+# ---------------------------------------------------------------------------
+# Re-augmenting, in steps
+
+
+def plan_reaugment(spec: ReshardSpec) -> PrepareSpec:
+    """The prepare job that re-augments DATASET: its recorded settings with the new seed.
+
+    In place, it writes into a freshly claimed version folder of DATASET.
+    """
+    output = Output(spec.dataset)
+    manifest = read_manifest(output)
+    params = dict(manifest.params)
+    params["source"] = manifest.source
+    params["seed"] = spec.seed
+    if spec.max_samples is not None or spec.max_bytes is not None:
+        params["shards"] = ShardSpec(max_bytes=spec.max_bytes, max_samples=spec.max_samples).to_dict()
+    params["out"] = spec.out if spec.out is not None else f"{output.url}/{claim_version(output)}"
+    return PrepareSpec.from_dict(params)
+
+
+def staged_version(spec: ReshardSpec, staged: PrepareSpec) -> str:
+    """The version folder a re-augment writes to ("" with --out)."""
+    if spec.out is not None:
+        return ""
+    return staged.out.rstrip("/").rsplit("/", 1)[-1]
+
+
+def publish_reaugment(spec: ReshardSpec, staged: PrepareSpec, *, started: float | None = None) -> ReshardResult:
+    """Swap a finished re-augment into DATASET (a no-op with --out, or when already swapped)."""
+    started = time.perf_counter() if started is None else started
+    version = staged_version(spec, staged)
+    if spec.out is not None:
+        manifest = read_manifest(Output(spec.out))
+        return _reaugment_result(spec, manifest, manifest, version, [], started)
+    output = Output(spec.dataset)
+    old = read_manifest(output)
+    if version_of(old) == version:
+        return _reaugment_result(spec, old, old, version, [], started)  # a re-run after the swap
+    stage = Output(staged.out)
+    made = read_manifest(stage)
+    shards = [dataclasses.replace(shard, path=f"{version}/{shard.path}") for shard in made.shards]
+    new = dataclasses.replace(made, shards=shards, created="")
+    _verify_or_raise(output, new)
+    if stage.exists(REJECTED_NAME):
+        output.write_bytes_atomic(REJECTED_NAME, stage.read_bytes(REJECTED_NAME))
+    removed = swap_version(output, old, new, version, spec.keep)
+    stage.remove(MANIFEST_NAME)
+    stage.remove(REJECTED_NAME)
+    return _reaugment_result(spec, old, new, version, removed, started)
+
+
+def discard_reaugment(spec: ReshardSpec, staged: PrepareSpec) -> None:
+    """Remove an unfinished re-augment (its version folder, or its partial output in --out)."""
+    if spec.out is None:
+        Output(spec.dataset).remove(staged_version(spec, staged))
+        return
+    from .prepare import discard_prepare
+
+    discard_prepare(staged)
+
+
+def _reaugment_result(
+    spec: ReshardSpec, old: Manifest, new: Manifest, version: str, removed: list[str], started: float
+) -> ReshardResult:
+    sets = max(1, new.variants)
+    return ReshardResult(
+        dataset=spec.dataset,
+        out=spec.out or spec.dataset,
+        version=version,
+        shards_before=len(old.shards) // max(1, old.variants),
+        shards_after=len(new.shards) // sets,
+        samples=new.samples,
+        variants=new.variants,
+        bytes=sum(shard.bytes for shard in new.shards),
+        seconds=time.perf_counter() - started,
+        reaugmented=True,
+        removed=removed,
+    )
