@@ -1,0 +1,313 @@
+"""The service end to end: real Redis, real `gpufeed worker` processes, the CLI as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from service_harness import (  # noqa: F401 - fixtures
+    SLOW_FLAGS,
+    SLOWER_FLAGS,
+    Service,
+    assert_verified,
+    dataset_samples,
+    service,
+    service_fixture,
+    shard_bytes,
+    slow_raw,
+    small_raw,
+)
+
+from pipeline.prepare import prepare_dataset
+from pipeline.specs import PrepareSpec
+
+pytestmark = pytest.mark.slow
+
+
+def local_prepare_of(service: Service, job: str, out: Path) -> Path:
+    """Prepare locally, in this process, exactly what the job was asked to do."""
+    spec = dict(service.record(job).payload["spec"])
+    spec["out"] = str(out)
+    prepare_dataset(PrepareSpec.from_dict(spec), workers=0)
+    return out
+
+
+def test_two_workers_share_a_job_and_match_a_local_prepare(service: Service, slow_raw: Path, tmp_path: Path) -> None:
+    service.start_worker("w1")
+    service.start_worker("w2")
+    out = tmp_path / "out"
+    job = service.submit("prepare", str(slow_raw), str(out), *SLOW_FLAGS)
+
+    service.wait_finished(job)
+    status = service.status(job)
+    assert status["state"] == "succeeded", status
+    assert status["shards_done"] == status["shards_total"] == 10
+    assert status["samples"] == 40 and status["rejected"] == 0 and status["error"] is None
+    assert status["images_per_s"] > 0
+    host = socket.gethostname()
+    assert sorted(status["workers"]) == [f"w1@{host}", f"w2@{host}"], status["workers"]
+    assert all(count >= 1 for count in status["workers"].values())
+    assert sum(status["workers"].values()) == 10
+    inspect = service.cli("inspect", str(out), "--verify")
+    assert inspect.returncode == 0, inspect.stdout + inspect.stderr
+
+    local = local_prepare_of(service, job, tmp_path / "local")
+    assert shard_bytes(out) == shard_bytes(local)  # byte-identical shards, sample for sample
+    assert dataset_samples(out) == dataset_samples(local)
+    service_manifest = json.loads((out / "manifest.json").read_text())
+    local_manifest = json.loads((local / "manifest.json").read_text())
+    assert service_manifest["shards"] == local_manifest["shards"]
+    assert service_manifest["params"] == local_manifest["params"]
+
+
+def test_status_json_jobs_and_records_outlive_the_workers(service: Service, small_raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "5")
+    queued = service.status(job)  # no worker yet: the job waits in Redis
+    assert queued["state"] == "queued" and queued["shards_done"] == 0
+    for field in ("state", "shards_done", "shards_total", "samples", "rejected", "error", "images_per_s", "created"):
+        assert field in queued
+
+    worker = service.start_worker("w1")
+    service.wait_finished(job, timeout=60)
+    worker.stop()  # the record lives in Redis, not in a worker
+    status = service.status(job)
+    assert status["state"] == "succeeded"
+    assert (status["shards_done"], status["shards_total"], status["samples"]) == (5, 5, 24)
+    assert status["result"]["manifest"] == f"{out}/manifest.json"
+
+    text = service.cli("status", job)
+    assert text.returncode == 0 and f"job {job}" in text.stdout and "succeeded" in text.stdout
+    listing = service.cli("jobs")
+    assert listing.returncode == 0 and job in listing.stdout
+    listed = json.loads(service.cli("jobs", "--json").stdout)
+    assert [doc["job"] for doc in listed] == [job]
+
+    ttl = service.store.client.ttl(service.store.job_key(job))
+    assert 0 < ttl <= 3600  # finished jobs expire after GPUFEED_JOB_TTL (1h here)
+
+
+def test_finished_jobs_expire_after_the_configured_time(private_redis: Any, small_raw: Path, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for service in service_fixture(private_redis.url, [small_raw.parent, tmp_path], logs, GPUFEED_JOB_TTL="2s"):
+        service.start_worker("w1")
+        job = service.submit("prepare", str(small_raw), str(tmp_path / "out"), "--shard-count", "12")
+        assert service.wait_finished(job, timeout=60).state == "succeeded"
+        deadline = time.monotonic() + 10
+        while service.store.get(job) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert service.store.get(job) is None
+        result = service.cli("status", job)
+        assert result.returncode == 1 and "no job" in result.stderr and "Traceback" not in result.stderr
+        assert json.loads(service.cli("jobs", "--json").stdout) == []
+
+
+def test_cancel_stops_the_job_and_removes_its_partial_output(service: Service, slow_raw: Path, tmp_path: Path) -> None:
+    service.start_worker("w1")
+    out = tmp_path / "out"
+    job = service.submit("prepare", str(slow_raw), str(out), *SLOWER_FLAGS)
+    service.wait_until(job, lambda r: r.shards_done >= 1, 120, "one shard done")
+
+    result = service.cli("cancel", job)
+    assert result.returncode == 0, result.stderr
+    record = service.wait_until(job, lambda r: r.cleaned, 60, "cleaned up")
+    assert record.state == "cancelled"
+    done_at_cancel = record.shards_done
+    assert done_at_cancel < record.shards_total
+    time.sleep(3)  # the rest of its shards are still queued: the worker must skip every one
+    record = service.record(job)
+    assert record.state == "cancelled" and record.shards_done == done_at_cancel and not record.running
+    assert not (out / "manifest.json").exists()
+    assert sorted(os.listdir(out)) == []  # shards, temp files, work folder: all gone
+    assert service.status(job)["state"] == "cancelled"
+    again = service.cli("cancel", job)
+    assert again.returncode == 1 and "already cancelled" in again.stderr
+
+    # The output is free again: the same job can run to the end.
+    job2 = service.submit("prepare", str(slow_raw), str(out), *SLOW_FLAGS)
+    assert service.wait_finished(job2).state == "succeeded"
+    assert_verified(out)
+
+
+def test_a_second_job_on_the_same_out_is_refused(service: Service, small_raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = service.submit("prepare", str(small_raw), str(out))
+    second = service.cli("submit", "prepare", str(small_raw), str(out), "--size", "128")
+    assert second.returncode == 1
+    assert second.stderr.startswith("gpufeed: error: ") and f"job {first}" in second.stderr, second.stderr
+    assert "Traceback" not in second.stderr
+    (tmp_path / "alias").symlink_to(tmp_path)  # the same folder by another name
+    third = service.cli("submit", "prepare", str(small_raw), str(tmp_path / "alias" / "out"))
+    assert third.returncode == 1 and f"job {first}" in third.stderr
+    assert len(service.store.list_jobs()) == 1
+
+    service.start_worker("w1")
+    assert service.wait_finished(first, timeout=60).state == "succeeded"
+    fourth = service.submit("prepare", str(small_raw), str(out))  # finished jobs free their output
+    assert service.wait_finished(fourth, timeout=60).state == "succeeded"
+
+
+def test_allowed_roots_are_enforced_at_submission_and_in_the_worker(
+    private_redis: Any, small_raw: Path, tmp_path: Path
+) -> None:
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "escape").symlink_to(outside)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for service in service_fixture(private_redis.url, [allowed, small_raw], logs):
+        refused = {
+            "OUT outside": ["prepare", str(small_raw), str(outside / "out")],
+            "OUT via ..": ["prepare", str(small_raw), f"{allowed}/../outside/out"],
+            "OUT via a symlink": ["prepare", str(small_raw), str(allowed / "escape" / "out")],
+            "SRC outside": ["prepare", str(tmp_path), str(allowed / "out")],
+            "DATASET outside": ["reshard", str(outside), "--multiple-of", "2"],
+        }
+        for case, args in refused.items():
+            result = service.cli("submit", *args)
+            assert result.returncode == 1, case
+            assert result.stderr.startswith("gpufeed: error: ") and "Traceback" not in result.stderr, (case, result.stderr)
+            assert "GPUFEED_ALLOWED_ROOTS" in result.stderr or "'..'" in result.stderr, (case, result.stderr)
+        assert service.store.list_jobs() == []
+
+        # A submitter with a wider view than the worker: the worker refuses on its own.
+        wide = {"GPUFEED_ALLOWED_ROOTS": f"{allowed}:{small_raw}:{outside}"}
+        service.start_worker("w1")
+        result = service.cli("submit", "prepare", str(small_raw), str(outside / "out"), "--json", env=wide)
+        assert result.returncode == 0, result.stderr
+        job = json.loads(result.stdout)["job"]
+        record = service.wait_finished(job, timeout=60)
+        assert record.state == "failed" and "outside GPUFEED_ALLOWED_ROOTS" in record.error, record.error
+        assert not (outside / "out").exists()
+
+        # A list file inside the roots that names a file outside them is refused by the worker.
+        listing = allowed / "list.csv"
+        secret = outside / "secret.jpg"
+        secret.write_bytes((next(small_raw.rglob("*.jpg"))).read_bytes())
+        listing.write_text(f"path,label\n{next(small_raw.rglob('*.jpg'))},a\n{secret},b\n")
+        job = service.submit("prepare", str(listing), str(allowed / "from-list"))
+        record = service.wait_finished(job, timeout=60)
+        assert record.state == "failed" and str(secret) in record.error, record.error
+        assert not (allowed / "from-list" / "manifest.json").exists()
+
+
+class _Evil:
+    """Unpickling this creates a file: proof that a worker executed a pickle payload."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_pickle_message_is_refused_not_executed(service: Service, small_raw: Path, tmp_path: Path) -> None:
+    from celery import Celery
+
+    worker = service.start_worker("w1")
+    marker = tmp_path / "pwned"
+    sender = Celery("attacker", broker=service.env["GPUFEED_BROKER_URL"])
+    sender.conf.update(task_serializer="pickle", accept_content=["pickle", "json"])
+    pickle.dumps(_Evil(marker))  # the payload is valid pickle
+    sender.send_task("gpufeed.plan_prepare", args=[_Evil(marker)], queue="gpufeed", serializer="pickle")
+
+    # A normal job queued after it still runs: the worker refused the message and went on.
+    job = service.submit("prepare", str(small_raw), str(tmp_path / "out"))
+    assert service.wait_finished(job, timeout=60).state == "succeeded"
+    assert not marker.exists()
+    assert "ContentDisallowed" in worker.text() or "Refusing to deserialize" in worker.text()
+
+
+def test_a_password_protected_redis_works_through_the_url(private_redis: Any, small_raw: Path, tmp_path: Path) -> None:
+    server = private_redis
+    client = server.client()
+    client.config_set("requirepass", "s3cret-pass")  # set after start: the fixture's readiness ping has no password
+    client.close()
+    url = f"redis://:s3cret-pass@127.0.0.1:{server.port}/0"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for service in service_fixture(url, [small_raw, tmp_path], logs):
+        service.start_worker("w1")
+        job = service.submit("prepare", str(small_raw), str(tmp_path / "out"), "--shard-count", "8")
+        assert service.wait_finished(job, timeout=60).state == "succeeded"
+        assert_verified(tmp_path / "out")
+        for bad_url in (f"redis://127.0.0.1:{server.port}/0", f"redis://:wrong@127.0.0.1:{server.port}/0"):
+            result = service.cli("status", job, env={"GPUFEED_BROKER_URL": bad_url})
+            assert result.returncode == 1 and "Traceback" not in result.stderr
+            assert "password" in result.stderr or "credentials" in result.stderr, result.stderr
+            assert "s3cret" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["submit", "prepare", "{data}", "{out}", "--quality", "500"], "--quality", id="bad-quality"),
+        pytest.param(["submit", "prepare", "{data}", "{out}", "--shard-size", "lots"], "not a size", id="bad-size"),
+        pytest.param(["submit", "prepare", "{data}", "{out}", "--mode", "sideways"], "--mode", id="bad-mode"),
+        pytest.param(["submit", "reshard", "{out}"], "--shard-count", id="reshard-without-layout"),
+        pytest.param(["submit", "reshard", "{out}", "--seed", "3"], "--reaugment", id="seed-without-reaugment"),
+        pytest.param(["submit", "bench-disk", "{out}", "--duration", "9999"], "duration_s", id="bench-too-long"),
+        pytest.param(["status", "nosuchjob"], "no job", id="unknown-job"),
+        pytest.param(["cancel", "nosuchjob"], "no job", id="cancel-unknown-job"),
+        pytest.param(["schedule", "add", "n", "--cron", "not a cron", "reshard", "{out}", "--multiple-of", "2"], "--cron", id="bad-cron"),
+        pytest.param(["schedule", "add", "n", "--every", "soon", "reshard", "{out}", "--multiple-of", "2"], "--every", id="bad-every"),
+        pytest.param(["schedule", "add", "n", "--every", "1h", "prepare", "{data}"], "reshard DATASET", id="schedule-prepare"),
+        pytest.param(["schedule", "remove", "nothing"], "no schedule", id="remove-unknown-schedule"),
+    ],
+)
+def test_invalid_requests_get_one_clear_line(
+    service: Service, small_raw: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    args = [a.format(data=small_raw, out=tmp_path / "out") for a in args]
+    result = service.cli(*args)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpufeed: error: "), result.stderr
+    assert message in lines[0], lines[0]
+
+
+def test_an_unreachable_redis_is_a_clear_error(service: Service, small_raw: Path, tmp_path: Path, get_free_port: Any) -> None:
+    env = {"GPUFEED_BROKER_URL": f"redis://:hidden@127.0.0.1:{get_free_port()}/0"}
+    for args in (["submit", "prepare", str(small_raw), str(tmp_path / "out")], ["jobs"], ["schedule", "list"]):
+        result = service.cli(*args, env=env)
+        assert result.returncode == 1, args
+        assert "cannot reach Redis" in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert "hidden" not in result.stderr
+
+
+def test_without_allowed_roots_every_job_is_refused(service: Service, small_raw: Path, tmp_path: Path) -> None:
+    result = service.cli("submit", "prepare", str(small_raw), str(tmp_path / "out"), env={"GPUFEED_ALLOWED_ROOTS": ""})
+    assert result.returncode == 1 and "GPUFEED_ALLOWED_ROOTS is not set" in result.stderr
+
+
+def test_reshard_and_reaugment_through_the_service(service: Service, small_raw: Path, tmp_path: Path) -> None:
+    service.start_worker("w1")
+    out = tmp_path / "ds"
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "5", "--variants", "2", "--size", "64")
+    assert service.wait_finished(job, timeout=60).state == "succeeded"
+    before = dataset_samples(out)
+
+    job = service.submit("reshard", str(out), "--multiple-of", "4")
+    record = service.wait_finished(job, timeout=60)
+    assert record.state == "succeeded", record.error
+    manifest = assert_verified(out)
+    assert len([s for s in manifest.shards if s.variant == 0]) % 4 == 0
+    assert dataset_samples(out) == before  # the same samples, byte for byte
+    assert record.result["shards_before"] == 5 and record.result["shards_after"] == 8
+
+    job = service.submit("reshard", str(out), "--reaugment", "--seed", "7")
+    record = service.wait_finished(job, timeout=60)
+    assert record.state == "succeeded", record.error
+    manifest = assert_verified(out)
+    assert manifest.params["seed"] == 7 and record.result["reaugmented"]
+    after = dataset_samples(out)
+    assert after.keys() == before.keys()  # the same sources ...
+    assert any(after[k]["jpg"] != before[k]["jpg"] for k in after)  # ... augmented differently

@@ -1,0 +1,190 @@
+"""What a submitted job may touch, checked at submission and again in the worker.
+
+A job names paths (SRC, OUT, a dataset, a disk to benchmark). Each must lie
+under one of GPUFEED_ALLOWED_ROOTS once `..` is refused and symlinks are
+resolved; URL paths must start with an allowed URL prefix. Specs are
+validated by the library's own spec classes, so a bad job gets the same
+clear message as a bad `gpufeed prepare` flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from pipeline.errors import ConfigError
+from pipeline.sources import local_path
+
+from .settings import ServiceSettings
+
+JOB_KINDS = ("prepare", "reshard", "bench-disk")
+MAX_PATH_CHARS = 4096
+
+
+def require_roots(roots: Iterable[str]) -> tuple[str, ...]:
+    roots = tuple(roots)
+    if not roots:
+        raise ConfigError(
+            "GPUFEED_ALLOWED_ROOTS is not set, so the service accepts no job: set it, for the submitter and the "
+            "workers alike, to the folders jobs may read and write (e.g. GPUFEED_ALLOWED_ROOTS=/data:/shards)"
+        )
+    return roots
+
+
+def _check_text(path: Any, what: str) -> str:
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"{what} must be a non-empty path")
+    if len(path) > MAX_PATH_CHARS or any(ord(c) < 32 for c in path):
+        raise ConfigError(f"{what} is not a usable path (too long or has control characters)")
+    parts = path.split("://", 1)[-1].replace("\\", "/").split("/")
+    if ".." in parts:
+        raise ConfigError(f"{what} {path!r} contains '..'; give the path without it")
+    return path
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_path(path: Any, roots: Iterable[str], what: str) -> str:
+    """Refuse `path` unless it lies under an allowed root; returns it unchanged.
+
+    Local paths must be absolute; symlinks are resolved on both sides, so a
+    link inside a root that leads outside it is refused.
+
+    Raises:
+        ConfigError: the path is malformed, relative, contains `..`, or lies outside every root.
+    """
+    roots = require_roots(roots)
+    path = _check_text(path, what)
+    local = local_path(path)
+    if local is None:
+        allowed = any("://" in root and _inside(path, root) for root in roots)
+    else:
+        if not os.path.isabs(local):
+            raise ConfigError(f"{what} {path!r} is relative; jobs need absolute paths")
+        real = os.path.realpath(local)
+        allowed = any("://" not in root and _inside(real, os.path.realpath(root)) for root in roots)
+    if not allowed:
+        raise ConfigError(f"{what} {path!r} is outside GPUFEED_ALLOWED_ROOTS ({', '.join(roots)}); the service may not touch it")
+    return path
+
+
+def absolute(path: Any, what: str = "path") -> Any:
+    """A local path made absolute from this process's folder (URLs and non-strings unchanged).
+
+    `..` is refused first: `os.path.abspath` would silently fold it away.
+    """
+    if not isinstance(path, str) or local_path(path) is None or path.startswith("file://"):
+        return path
+    _check_text(path, what)
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def check_payload_size(payload: dict[str, Any], settings: ServiceSettings) -> None:
+    size = len(json.dumps(payload))
+    if size > settings.max_spec_bytes:
+        raise ConfigError(f"the job spec is {size} bytes; the service accepts at most {settings.max_spec_bytes}")
+
+
+def _check_bool(payload: dict[str, Any], name: str) -> bool:
+    value = payload.get(name, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def validate_job(kind: str, payload: Any, settings: ServiceSettings) -> dict[str, Any]:
+    """Check a job spec and every path in it; returns the normalised payload.
+
+    Raises:
+        ConfigError: with a message that says what to fix.
+    """
+    if kind not in JOB_KINDS:
+        raise ConfigError(f"unknown job kind {kind!r} (expected one of {', '.join(JOB_KINDS)})")
+    if not isinstance(payload, dict):
+        raise ConfigError("a job spec must be a JSON object")
+    check_payload_size(payload, settings)
+    roots = settings.allowed_roots
+    if kind == "prepare":
+        unknown = set(payload) - {"spec", "force", "overwrite"}
+        if unknown:
+            raise ConfigError(f"prepare job: unknown field(s) {', '.join(sorted(unknown))}")
+        from pipeline.specs import PrepareSpec
+
+        spec = PrepareSpec.from_dict(payload.get("spec"))
+        check_path(spec.source, roots, "SRC")
+        check_path(spec.out, roots, "OUT")
+        return {"spec": spec.to_dict(), "force": _check_bool(payload, "force"), "overwrite": _check_bool(payload, "overwrite")}
+    if kind == "reshard":
+        if set(payload) - {"spec"}:
+            raise ConfigError(f"reshard job: unknown field(s) {', '.join(sorted(set(payload) - {'spec'}))}")
+        from pipeline.reshard import ReshardSpec
+
+        reshard = ReshardSpec.from_dict(payload.get("spec"))
+        check_path(reshard.dataset, roots, "DATASET")
+        if reshard.out is not None:
+            check_path(reshard.out, roots, "--out")
+        return {"spec": reshard.to_dict()}
+    unknown = set(payload) - {"path", "options"}
+    if unknown:
+        raise ConfigError(f"bench-disk job: unknown field(s) {', '.join(sorted(unknown))}")
+    return {"path": check_path(payload.get("path"), roots, "PATH"), "options": _bench_options(payload.get("options"))}
+
+
+# Options a submitted disk benchmark may set, with their bounds: a job may not fill a disk or run for hours.
+BENCH_OPTIONS = {"file_bytes": (1 << 20, 64 << 30), "duration_s": (0.1, 600.0), "threads": (1, 256)}
+
+
+def _bench_options(options: Any) -> dict[str, Any]:
+    options = options or {}
+    if not isinstance(options, dict):
+        raise ConfigError("bench-disk options must be a JSON object")
+    unknown = set(options) - set(BENCH_OPTIONS)
+    if unknown:
+        raise ConfigError(f"bench-disk: unknown option(s) {', '.join(sorted(unknown))} (allowed: {', '.join(BENCH_OPTIONS)})")
+    for name, value in options.items():
+        low, high = BENCH_OPTIONS[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ConfigError(f"bench-disk: {name} must be a number between {low} and {high}, got {value!r}")
+        if name != "duration_s" and not isinstance(value, int):
+            raise ConfigError(f"bench-disk: {name} must be a whole number, got {value!r}")
+    return dict(options)
+
+
+def job_paths(kind: str, payload: dict[str, Any]) -> list[str]:
+    """The output paths a job writes, which no two running jobs may share."""
+    if kind == "prepare":
+        return [payload["spec"]["out"]]
+    if kind == "reshard":
+        spec = payload["spec"]
+        return [spec["dataset"]] + ([spec["out"]] if spec.get("out") else [])
+    return []
+
+
+def lock_name(path: str) -> str:
+    """One name per place: symlinks resolved and trailing slashes dropped."""
+    local = local_path(path)
+    if local is None:
+        return path.rstrip("/")
+    return os.path.realpath(local)
+
+
+def check_listed_sources(source: str, roots: Iterable[str]) -> int:
+    """Refuse a source whose listing (e.g. a CSV of paths) names a file outside the roots.
+
+    Returns the number of items checked.
+    """
+    from pipeline.sources import list_images
+
+    roots = require_roots(roots)
+    count = 0
+    for item in list_images(source):
+        count += 1
+        try:
+            check_path(item.url, roots, "a listed source file")
+        except ConfigError as exc:
+            raise ConfigError(f"SRC {source} lists {item.url!r}, which is outside GPUFEED_ALLOWED_ROOTS") from exc
+    return count

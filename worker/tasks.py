@@ -1,0 +1,333 @@
+"""Celery tasks: thin shells named after the library steps they call.
+
+Each task takes small JSON arguments (a job id, a spec dict, a shard index),
+registers itself in the job record with a heartbeat (`UnitRun`), re-checks
+the job's paths against this worker's GPUFEED_ALLOWED_ROOTS, calls
+`pipeline`, and records the outcome. Errors become the job's `error`; a
+cancelled job stops at the next chunk of images.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from celery import chord
+from celery.exceptions import Reject, SoftTimeLimitExceeded
+from celery.utils.log import get_task_logger
+
+from pipeline.errors import GpufeedError
+from pipeline.manifest import MANIFEST_NAME, Manifest, read_manifest
+from pipeline.specs import PrepareSpec
+from pipeline.storage import Output
+
+from . import security
+from .app import app
+from .client import submit_job
+from .jobs import ACTIVE, JobRecord, JobStopped, JobStore, UnitRun
+from .settings import get_settings
+
+logger = get_task_logger(__name__)
+_STORE: JobStore | None = None
+
+
+def store() -> JobStore:
+    """This process's job store (created after the pool forked, with patient retries)."""
+    global _STORE
+    if _STORE is None:
+        _STORE = JobStore(get_settings(), patient=True)
+    return _STORE
+
+
+@contextlib.contextmanager
+def job_errors(job_id: str, what: str) -> Iterator[None]:
+    """Record why a task failed in its job, instead of a traceback in a log nobody reads."""
+    import redis
+
+    try:
+        yield
+    except JobStopped as exc:
+        logger.info("job %s: %s stopped (job %s)", job_id, what, exc)
+    except SoftTimeLimitExceeded:
+        limit = get_settings().shard_time_limit_s
+        store().fail(
+            job_id, f"{what} ran past the time limit ({limit:.0f} s): use smaller shards (--shard-count) or raise GPUFEED_SHARD_TIME_LIMIT"
+        )
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        logger.warning("job %s: %s lost Redis (%s); requeueing", job_id, what, exc)
+        raise Reject(str(exc), requeue=True) from exc
+    except GpufeedError as exc:
+        store().fail(job_id, f"{what}: {exc}")
+    except Exception as exc:
+        logger.exception("job %s: %s failed", job_id, what)
+        store().fail(job_id, f"{what}: internal error {type(exc).__name__}: {exc}")
+
+
+def _skipped(job_id: str, run: UnitRun) -> dict[str, Any]:
+    return {"job": job_id, "unit": run.unit, "skipped": run.status}
+
+
+def _check_attempts(job_id: str, unit: str) -> None:
+    attempts = store().count_attempt(job_id, unit)
+    limit = get_settings().max_attempts
+    if attempts > limit:
+        raise GpufeedError(
+            f"started {attempts - 1} times without finishing (its worker died each time: a file that crashes "
+            "the decoder, or too little memory?)"
+        )
+
+
+def _worker_checked_spec(spec_dict: dict[str, Any]) -> PrepareSpec:
+    """The spec of a message, refused here too if it leaves this worker's allowed roots."""
+    spec = PrepareSpec.from_dict(spec_dict)
+    roots = get_settings().allowed_roots
+    security.check_path(spec.source, roots, "SRC")
+    security.check_path(spec.out, roots, "OUT")
+    return spec
+
+
+# ---------------------------------------------------------------------------
+# prepare (and re-augment): plan -> chord(shards) -> finalize
+
+
+@app.task(bind=True, name="gpufeed.plan_prepare")
+def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
+    """List the source, plan the shards, fan out one task per shard with finalize as the chord's callback."""
+    from pipeline.prepare import plan_prepare
+
+    with job_errors(job_id, "planning"), UnitRun(store(), job_id, "plan", self.request.id) as run:
+        if run.status != "ok":
+            return _skipped(job_id, run)
+        record = store().require(job_id)
+        if store().client.hget(store().job_key(job_id), "fanned_out"):
+            return {"job": job_id, "unit": "plan", "skipped": "already planned"}
+        _check_attempts(job_id, "plan")
+        settings = get_settings()
+        payload = security.validate_job(record.kind, record.payload, settings)
+        store().transition(job_id, "running", ACTIVE)
+        spec, force, overwrite = _planned_spec(record, payload)
+        security.check_listed_sources(spec.source, settings.allowed_roots)
+        run.check()
+        info = plan_prepare(spec, force=force, overwrite=overwrite)
+        run.check()
+        if info.already_complete:
+            manifest = read_manifest(Output(spec.out))
+            shards = len(manifest.shards) // max(1, manifest.variants)
+            store().update(job_id, shards_total=shards, shards_done=shards, listed=info.listed)
+            _succeed(record, spec, manifest)
+            return {"job": job_id, "already_complete": True}
+        store().update(job_id, shards_total=info.shards, listed=info.listed, prepare_spec=spec.to_dict(), warnings=info.warnings)
+        store().update(job_id, fanned_out=1)
+        spec_dict = spec.to_dict()
+        header = [write_prepare_shard_task.si(job_id, spec_dict, i).set(queue=record.queue) for i in range(info.shards)]
+        chord(header)(finalize_prepare_task.si(job_id, spec_dict).set(queue=record.queue))
+        return {"job": job_id, "shards": info.shards, "pending": len(info.pending)}
+    return {"job": job_id, "unit": "plan", "failed": True}
+
+
+def _planned_spec(record: JobRecord, payload: dict[str, Any]) -> tuple[PrepareSpec, bool, bool]:
+    if record.kind == "prepare":
+        return PrepareSpec.from_dict(payload["spec"]), payload["force"], payload["overwrite"]
+    from pipeline.reshard import ReshardSpec, plan_reaugment
+
+    if record.prepare_spec is None:  # the first plan claims the version folder; a re-run reuses it
+        claimed = plan_reaugment(ReshardSpec.from_dict(payload["spec"]))
+        stored = store().set_if_absent(record.id, "prepare_spec", claimed.to_dict())
+        record.prepare_spec = json.loads(stored)
+    assert record.prepare_spec is not None
+    return _worker_checked_spec(record.prepare_spec), False, False
+
+
+@app.task(bind=True, name="gpufeed.write_prepare_shard")
+def write_prepare_shard_task(self: Any, job_id: str, spec_dict: dict[str, Any], shard: int) -> dict[str, Any]:
+    """Write one shard (skipped when already complete) and count it in the job."""
+    from pipeline.prepare import write_prepare_shard
+
+    unit = f"shard:{shard}"
+    with job_errors(job_id, f"shard {shard}"), UnitRun(store(), job_id, unit, self.request.id) as run:
+        if run.status != "ok":
+            return _skipped(job_id, run)
+        if not isinstance(shard, int) or isinstance(shard, bool):
+            raise GpufeedError(f"shard index must be a whole number, got {shard!r}")
+        spec = _worker_checked_spec(spec_dict)
+        if shard in store().done_shards(job_id):
+            return {"job": job_id, "shard": shard, "skipped": "done"}
+        _check_attempts(job_id, unit)
+        written = write_prepare_shard(spec, shard, progress=run.progress)
+        run.check()
+        processed = 0 if written.skipped else written.samples + written.rejected
+        _, done, total = store().record_shard(job_id, shard, written.samples, written.rejected, processed, run.entry["worker"])
+        if total and done >= total:
+            _send_finalize(job_id, spec_dict)
+        return {"job": job_id, "shard": shard, "samples": written.samples, "rejected": written.rejected, "skipped": written.skipped}
+    return {"job": job_id, "shard": shard, "failed": True}
+
+
+def _send_finalize(job_id: str, spec_dict: dict[str, Any]) -> None:
+    # The chord's callback also finalizes; this covers a chord broken by a re-dispatched shard.
+    if store().client.hsetnx(store().job_key(job_id), "finalize_sent", repr(time.time())):
+        record = store().require(job_id)
+        finalize_prepare_task.apply_async(args=[job_id, spec_dict], queue=record.queue)
+
+
+@app.task(bind=True, name="gpufeed.finalize_prepare")
+def finalize_prepare_task(self: Any, job_id: str, spec_dict: dict[str, Any]) -> dict[str, Any]:
+    """Write the manifest once every shard is complete and valid (a no-op when already done)."""
+    with job_errors(job_id, "finalize"), UnitRun(store(), job_id, "finalize", self.request.id) as run:
+        if run.status != "ok":
+            return _skipped(job_id, run)
+        record = store().require(job_id)
+        missing = record.shards_total - len(store().done_shards(job_id))
+        if record.state != "running" or missing > 0:
+            return {"job": job_id, "unit": "finalize", "waiting_for_shards": missing}
+        if not store().transition(job_id, "running", ("running",), finalizing=1):
+            return {"job": job_id, "unit": "finalize", "skipped": "job no longer running"}
+        spec = _worker_checked_spec(spec_dict)
+        _check_attempts(job_id, "finalize")
+        manifest = _finish(record, spec)
+        _succeed(record, spec, manifest)
+        return {"job": job_id, "samples": manifest.samples, "shards": len(manifest.shards)}
+    return {"job": job_id, "unit": "finalize", "failed": True}
+
+
+def _finish(record: JobRecord, spec: PrepareSpec) -> Manifest:
+    from pipeline.prepare import WORK_DIR, finish_prepare
+
+    output = Output(spec.out)
+    if record.kind == "reshard":
+        from pipeline.reshard import ReshardSpec, staged_version, version_of
+
+        version = staged_version(ReshardSpec.from_dict(record.payload["spec"]), spec)
+        current = read_manifest(Output(record.payload["spec"]["dataset"]))
+        if version and version_of(current) == version:
+            return current  # an earlier finalize swapped it in already
+    if not output.exists(f"{WORK_DIR}/plan.json") and output.exists(MANIFEST_NAME):
+        manifest = read_manifest(output)
+        if manifest.params == spec.output_identity():
+            return manifest  # an earlier finalize wrote it
+    return finish_prepare(spec)
+
+
+def _succeed(record: JobRecord, spec: PrepareSpec, manifest: Manifest) -> None:
+    result: dict[str, Any] = {
+        "manifest": f"{spec.out.rstrip('/')}/{MANIFEST_NAME}",
+        "samples": manifest.samples,
+        "rejected": manifest.rejected,
+        "shards": len(manifest.shards),
+        "bytes": sum(s.bytes for s in manifest.shards),
+    }
+    if record.kind == "reshard":
+        from pipeline.reshard import ReshardSpec, publish_reaugment
+
+        result = publish_reaugment(ReshardSpec.from_dict(record.payload["spec"]), spec).to_dict()
+    store().transition(
+        record.id, "succeeded", ACTIVE, samples=manifest.samples, rejected=manifest.rejected, result=result
+    )
+
+
+# ---------------------------------------------------------------------------
+# re-pack, disk benchmark, cleanup after a cancel, scheduled runs
+
+
+@app.task(bind=True, name="gpufeed.repack_dataset")
+def repack_dataset_task(self: Any, job_id: str) -> dict[str, Any]:
+    """Re-pack a dataset into a new shard layout (no decoding) and swap it in."""
+    from pipeline.reshard import ReshardSpec, repack_dataset
+
+    with job_errors(job_id, "reshard"), UnitRun(store(), job_id, "reshard", self.request.id) as run:
+        if run.status != "ok":
+            return _skipped(job_id, run)
+        _check_attempts(job_id, "reshard")
+        record = store().require(job_id)
+        payload = security.validate_job(record.kind, record.payload, get_settings())
+        store().transition(job_id, "running", ACTIVE)
+
+        def progress(done: int, total: int) -> None:
+            run.done = done
+            store().update(job_id, shards_done=done, shards_total=total)
+            run.check()
+
+        result = repack_dataset(ReshardSpec.from_dict(payload["spec"]), progress=progress)
+        store().transition(job_id, "succeeded", ACTIVE, samples=result.samples, result=result.to_dict())
+        return result.to_dict()
+    return {"job": job_id, "unit": "reshard", "failed": True}
+
+
+@app.task(bind=True, name="gpufeed.benchmark_disk")
+def benchmark_disk_task(self: Any, job_id: str) -> dict[str, Any]:
+    """Run the disk benchmark on a worker's disk and keep the report in the job."""
+    with job_errors(job_id, "bench-disk"), UnitRun(store(), job_id, "bench", self.request.id) as run:
+        if run.status != "ok":
+            return _skipped(job_id, run)
+        _check_attempts(job_id, "bench")
+        record = store().require(job_id)
+        payload = security.validate_job(record.kind, record.payload, get_settings())
+        try:
+            from pipeline.bench.disk import benchmark_disk
+        except ImportError as exc:
+            raise GpufeedError("this worker has no disk benchmark (pipeline.bench.disk); update gpufeed on it") from exc
+        store().transition(job_id, "running", ACTIVE)
+        report = benchmark_disk(payload["path"], **payload["options"])
+        result = _as_dict(report)
+        store().transition(job_id, "succeeded", ACTIVE, result=result)
+        return result
+    return {"job": job_id, "unit": "bench", "failed": True}
+
+
+def _as_dict(report: Any) -> dict[str, Any]:
+    if hasattr(report, "to_dict"):
+        return dict(report.to_dict())
+    if dataclasses.is_dataclass(report) and not isinstance(report, type):
+        return dataclasses.asdict(report)
+    return dict(report)
+
+
+@app.task(bind=True, name="gpufeed.cleanup_job")
+def cleanup_job_task(self: Any, job_id: str) -> dict[str, Any]:
+    """After a cancel: wait for the job's running tasks to stop, remove its partial output, free its outputs."""
+    settings = get_settings()
+    record = store().get(job_id)
+    if record is None or record.state != "cancelled":
+        return {"job": job_id, "skipped": "not cancelled"}
+    deadline = time.monotonic() + settings.stale_after_s + 2 * settings.heartbeat_interval_s
+    while time.monotonic() < deadline:
+        record = store().require(job_id)
+        now = store().now()
+        if not any(now - float(e.get("beat", 0)) <= settings.stale_after_s for e in record.running.values()):
+            break
+        time.sleep(min(1.0, settings.heartbeat_interval_s / 2))
+    _discard_output(record)
+    store().release_locks(job_id)
+    return {"job": job_id, "cleaned": True}
+
+
+def _discard_output(record: JobRecord) -> None:
+    from pipeline.prepare import discard_prepare
+
+    if record.kind == "prepare":
+        discard_prepare(_worker_checked_spec(record.payload["spec"]))
+    elif record.kind == "reshard" and record.prepare_spec is not None:
+        from pipeline.reshard import ReshardSpec, discard_reaugment
+
+        discard_reaugment(ReshardSpec.from_dict(record.payload["spec"]), _worker_checked_spec(record.prepare_spec))
+    # A re-pack removes its own partial version when it stops.
+
+
+@app.task(bind=True, name="gpufeed.run_schedule")
+def run_schedule_task(self: Any, name: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """A schedule fired: submit its job like `gpufeed submit` would (skipped while the last one still runs)."""
+    from .schedules import record_schedule_run
+
+    settings = get_settings()
+    try:
+        job_id = submit_job(kind, payload, settings, store())
+    except GpufeedError as exc:
+        logger.warning("schedule %s: not submitted: %s", name, exc)
+        record_schedule_run(store().client, settings, name, error=str(exc))
+        return {"schedule": name, "skipped": str(exc)}
+    record_schedule_run(store().client, settings, name, job=job_id)
+    return {"schedule": name, "job": job_id}
