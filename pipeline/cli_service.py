@@ -318,6 +318,14 @@ def cancel(job: str, as_json: bool) -> None:
 # Schedules
 
 
+def _schedule_app() -> Any:
+    """The Celery app for redbeat calls from the command line: fail fast instead of beat's patient retries."""
+    from worker.app import app
+
+    app.conf.redbeat_redis_options = {}
+    return app
+
+
 @main.group()
 def schedule() -> None:
     """Recurring jobs kept in Redis and fired by `gpufeed beat`."""
@@ -339,7 +347,6 @@ def _scheduled_reshard(dataset: str, **options: Any) -> None:
 @_user_errors
 def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, job: tuple[str, ...]) -> None:
     """Add schedule NAME that runs JOB (`reshard DATASET [reshard options]`) --every INTERVAL or on --cron."""
-    from worker.app import app
     from worker.jobs import redis_errors
     from worker.schedules import add_schedule
     from worker.security import validate_job
@@ -354,7 +361,7 @@ def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, 
     settings = _settings()
     payload = validate_job("reshard", payload, settings)
     with redis_errors(settings):
-        info = add_schedule(app, settings, name, "reshard", payload, every=every, cron=cron)
+        info = add_schedule(_schedule_app(), settings, name, "reshard", payload, every=every, cron=cron)
     if as_json:
         click.echo(json.dumps(info.to_dict(), indent=2))
     else:
@@ -366,13 +373,12 @@ def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, 
 @_user_errors
 def schedule_list(as_json: bool) -> None:
     """List the schedules, their next run and the last job each submitted."""
-    from worker.app import app
     from worker.jobs import redis_errors
     from worker.schedules import list_schedules
 
     settings = _settings()
     with redis_errors(settings):
-        infos = list_schedules(app, settings)
+        infos = list_schedules(_schedule_app(), settings)
     if as_json:
         click.echo(json.dumps([info.to_dict() for info in infos], indent=2))
         return
@@ -390,13 +396,12 @@ def schedule_list(as_json: bool) -> None:
 @_user_errors
 def schedule_remove(name: str) -> None:
     """Remove schedule NAME (jobs it already submitted go on)."""
-    from worker.app import app
     from worker.jobs import redis_errors
     from worker.schedules import remove_schedule
 
     settings = _settings()
     with redis_errors(settings):
-        remove_schedule(app, settings, name)
+        remove_schedule(_schedule_app(), settings, name)
     click.echo(f"schedule {name} removed")
 
 
