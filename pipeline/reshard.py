@@ -377,6 +377,9 @@ def plan_reaugment(spec: ReshardSpec) -> PrepareSpec:
     params["seed"] = spec.seed
     if spec.max_samples is not None or spec.max_bytes is not None:
         params["shards"] = ShardSpec(max_bytes=spec.max_bytes, max_samples=spec.max_samples).to_dict()
+    else:  # keep the current number of shards (which may come from an earlier re-pack)
+        count = len(_shard_sets(manifest)[0][1])
+        params["shards"] = ShardSpec(max_bytes=None, max_samples=math.ceil((manifest.samples + manifest.rejected) / count)).to_dict()
     params["out"] = spec.out if spec.out is not None else f"{output.url}/{claim_version(output)}"
     return PrepareSpec.from_dict(params)
 

@@ -162,7 +162,20 @@ def _runs_client(app: Any) -> Any:
 
 
 def _iso(value: Any) -> str | None:
-    return value.isoformat(timespec="seconds") if isinstance(value, datetime.datetime) else None
+    if not isinstance(value, datetime.datetime):
+        return None
+    rounded = (value + datetime.timedelta(microseconds=500_000)).replace(microsecond=0)  # Celery's estimate is off by microseconds
+    return rounded.isoformat()
+
+
+def _next_run(app: Any, entry: Any) -> datetime.datetime | None:
+    # redbeat's due_at adds "time left from now" to the last run; this is the moment itself.
+    if entry.last_run_at is None:
+        return app.now()
+    remaining = entry.schedule.remaining_estimate(entry.last_run_at)
+    if remaining is None:
+        return None
+    return app.now() + max(remaining, datetime.timedelta(0))
 
 
 def _info(app: Any, settings: ServiceSettings, entry: Any) -> ScheduleInfo:
@@ -173,7 +186,7 @@ def _info(app: Any, settings: ServiceSettings, entry: Any) -> ScheduleInfo:
         when=describe(entry.schedule),
         kind=kind,
         spec=json.loads(json.dumps(payload)),
-        next_run=_iso(entry.due_at),
+        next_run=_iso(_next_run(app, entry)),
         last_run=_iso(entry.last_run_at),
         runs=int(getattr(entry, "total_run_count", 0) or 0),
         last_job=runs.get("job") or None,

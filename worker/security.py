@@ -172,19 +172,47 @@ def lock_name(path: str) -> str:
     return os.path.realpath(local)
 
 
-def check_listed_sources(source: str, roots: Iterable[str]) -> int:
-    """Refuse a source whose listing (e.g. a CSV of paths) names a file outside the roots.
+def check_listed_sources(source: str, roots: Iterable[str]) -> None:
+    """Refuse a source that would make the job read outside the roots.
 
-    Returns the number of items checked.
+    A local folder (itself inside a root) can only lead outside through a
+    symlink, so only symlinks are resolved; a list file (CSV/JSONL) or a URL
+    is listed and every entry checked.
     """
     from pipeline.sources import list_images
 
     roots = require_roots(roots)
-    count = 0
+    local = local_path(source)
+    if local is not None and os.path.isdir(local):
+        _check_source_tree(local, roots, source)
+        return
     for item in list_images(source):
-        count += 1
         try:
             check_path(item.url, roots, "a listed source file")
         except ConfigError as exc:
             raise ConfigError(f"SRC {source} lists {item.url!r}, which is outside GPUFEED_ALLOWED_ROOTS") from exc
-    return count
+
+
+def _check_source_tree(top: str, roots: tuple[str, ...], source: str) -> None:
+    pending, seen = [top], set()
+    while pending:
+        folder = pending.pop()
+        try:
+            info = os.stat(folder)
+            if (info.st_dev, info.st_ino) in seen:
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue  # the listing reports unreadable folders itself
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue  # never listed
+            if entry.is_symlink():
+                try:
+                    check_path(entry.path, roots, "a file in SRC")
+                except ConfigError as exc:
+                    target = os.path.realpath(entry.path)
+                    raise ConfigError(f"SRC {source} holds {entry.path!r}, a link to {target!r} outside GPUFEED_ALLOWED_ROOTS") from exc
+            if entry.is_dir():
+                pending.append(entry.path)
