@@ -52,9 +52,9 @@ def decode_batch_on_gpu(
     jpegs = [i for i, (extension, _, _) in enumerate(items) if extension in ("jpg", "jpeg")]
     decoded: list[Any] = []
     if jpegs:
-        data = [torch.frombuffer(bytearray(items[i][1]), dtype=torch.uint8) for i in jpegs]
+        encoded = [torch.frombuffer(bytearray(items[i][1]), dtype=torch.uint8) for i in jpegs]
         try:
-            decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+            decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
         except RuntimeError:
             decoded = [None] * len(jpegs)  # one bad file fails the batch call: retry one by one
     cpu_side = [i for i in range(len(items)) if i not in set(jpegs)]

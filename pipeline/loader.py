@@ -361,14 +361,13 @@ class Loader:
 
     # -- device side --------------------------------------------------------
 
-    def _finish_on_device(self, images: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
-        """uint8 NHWC -> normalised NCHW `dtype` on the device (flip, channels_last).
+    def _finish_on_device(self, pixels: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
+        """uint8 NHWC already on the device -> normalised NCHW `dtype` (flip, channels_last).
 
         Flips are applied to the uint8 pixels (a quarter of the bytes of
         floats); conversion and transpose are one pass into a preallocated
         output, scale and shift one more, in place.
         """
-        pixels = images.to(self.device, non_blocking=True)
         if flips is not None and bool(flips.any()):
             chosen = flips.nonzero().flatten().to(self.device)
             pixels[chosen] = pixels[chosen].flip(2)
@@ -474,7 +473,7 @@ class Loader:
     def _deliver(self, epoch: int, out: queue.Queue[Any], free: queue.Queue[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
-        ready: deque[tuple[torch.Tensor, torch.Tensor, int]] = deque()
+        ready: deque[tuple[torch.Tensor, torch.Tensor, int, Any]] = deque()
         exhausted = False
         step_started: float | None = None
         while True:
@@ -489,10 +488,13 @@ class Loader:
                 ready.append(self._to_device(epoch, batch, free, side))
             if not ready:
                 return
-            images, labels, count = ready.popleft()
-            if side is not None:
+            images, labels, count, done = ready.popleft()
+            if done is not None:
+                # The training stream waits for this batch only, not for later ones
+                # already queued on the side stream; the caching allocator must know
+                # the tensors are used there.
                 current = torch.cuda.current_stream(self.device)
-                current.wait_stream(side)
+                current.wait_event(done)
                 images.record_stream(current)
                 labels.record_stream(current)
             self.stats.wait_s += time.perf_counter() - waited_from
@@ -504,39 +506,43 @@ class Loader:
 
     def _to_device(
         self, epoch: int, batch: _HostBatch, free: queue.Queue[int], side: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int, Any]:
         if self._gpu_decode:
             return self._gpu_decoded(epoch, batch, free, side)
         if batch.finished is not None:
             return self._cpu_finished(batch, free)
         host_images, host_labels, keep = self._host_tensors(batch)
         flips = self._flips(epoch, batch, keep)
-        context = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
-        with context:
-            if side is not None and self.spec.worker_type == "process":
-                host_images = host_images.pin_memory()
+        if side is None:
             images = self._finish_on_device(host_images, flips)
+            free.put(batch.slot)
+            return images, host_labels, int(host_labels.shape[0]), None
+        with torch.cuda.stream(side):
+            if self.spec.worker_type == "process":
+                host_images = host_images.pin_memory()
+            pixels = host_images.to(self.device, non_blocking=True)
             labels = host_labels.to(self.device, non_blocking=True)
-            if side is not None:
-                copied = torch.cuda.Event()
-                copied.record(side)
-        if side is not None:
-            copied.synchronize()  # the pinned slot may be refilled once its copy is done
+            copied = torch.cuda.Event()
+            copied.record(side)
+            images = self._finish_on_device(pixels, flips)
+            done = torch.cuda.Event()
+            done.record(side)
+        copied.synchronize()  # the pinned slot may be refilled once its copy has landed
         free.put(batch.slot)
-        return images, labels, int(labels.shape[0])
+        return images, labels, int(labels.shape[0]), done
 
-    def _cpu_finished(self, batch: _HostBatch, free: queue.Queue[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _cpu_finished(self, batch: _HostBatch, free: queue.Queue[int]) -> tuple[torch.Tensor, torch.Tensor, int, Any]:
         _, labels, keep = self._host_tensors(batch)
         free.put(batch.slot)
         assert batch.finished is not None
         images = batch.finished if keep is None else batch.finished[torch.from_numpy(keep)]
         if self._dtype not in (torch.float32, torch.uint8):
             images = images.to(self._dtype)
-        return images, labels, int(labels.shape[0])
+        return images, labels, int(labels.shape[0]), None
 
     def _gpu_decoded(
         self, epoch: int, batch: _HostBatch, free: queue.Queue[int], side: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int, Any]:
         """nvjpeg: decode the batch's JPEGs on the GPU, crop and resize there too."""
         from .gpu_decode import decode_batch_on_gpu
 
@@ -553,8 +559,10 @@ class Loader:
                 labels = labels[torch.from_numpy(keep)]
             images = self._normalise(pixels, self._flips(epoch, batch, keep))
             labels = labels.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
         free.put(batch.slot)
-        return images, labels, int(labels.shape[0])
+        return images, labels, int(labels.shape[0]), done
 
     def close(self) -> None:
         """Stop the worker pool (also done when the loader is garbage collected)."""

@@ -73,7 +73,7 @@ def print_inspect(summary: dict[str, Any], manifest: Any) -> None:
         console.print(f"classes: {shown}")
     if "verified" in summary:
         if summary["verified"]:
-            console.print(f"[bold green]verified[/]: every shard matches its sha256, size and sample count")
+            console.print("[bold green]verified[/]: every shard matches its sha256, size and sample count")
         else:
             console.print(f"[bold red]verification failed[/]: {len(summary['problems'])} problem(s)")
             for problem in summary["problems"]:
