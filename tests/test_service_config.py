@@ -142,6 +142,8 @@ def test_job_specs_are_validated(tmp_path: Path) -> None:
         ("bench-disk", {"path": str(tmp_path), "options": {"file_bytes": 1 << 50}}, "file_bytes"),
         ("bench-disk", {"path": str(tmp_path), "options": {"shell": "rm -rf /"}}, "unknown option"),
         ("mine-bitcoin", {}, "unknown job kind"),
+        ("prepare", {"spec": {**spec, "max_pixels": 10**12}}, "GPUFEED_MAX_PIXELS"),
+        ("prepare", {"spec": {**spec, "max_file_bytes": 1 << 40}}, "GPUFEED_MAX_FILE_BYTES"),
     ]
     for kind, job, message in bad:
         with pytest.raises(ConfigError, match=message):

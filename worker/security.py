@@ -117,6 +117,7 @@ def validate_job(kind: str, payload: Any, settings: ServiceSettings) -> dict[str
         spec = PrepareSpec.from_dict(payload.get("spec"))
         check_path(spec.source, roots, "SRC")
         check_path(spec.out, roots, "OUT")
+        check_input_limits(spec, settings)
         return {"spec": spec.to_dict(), "force": _check_bool(payload, "force"), "overwrite": _check_bool(payload, "overwrite")}
     if kind == "reshard":
         if set(payload) - {"spec"}:
@@ -152,6 +153,18 @@ def _bench_options(options: Any) -> dict[str, Any]:
         if name != "duration_s" and not isinstance(value, int):
             raise ConfigError(f"bench-disk: {name} must be a whole number, got {value!r}")
     return dict(options)
+
+
+def check_input_limits(spec: Any, settings: ServiceSettings) -> None:
+    """A job may lower the image and file size limits, never raise them past the service's."""
+    if spec.max_pixels > settings.max_pixels:
+        raise ConfigError(
+            f"--max-pixels {spec.max_pixels} is over this service's limit of {settings.max_pixels} (GPUFEED_MAX_PIXELS)"
+        )
+    if spec.max_file_bytes > settings.max_file_bytes:
+        raise ConfigError(
+            f"max_file_bytes {spec.max_file_bytes} is over this service's limit of {settings.max_file_bytes} (GPUFEED_MAX_FILE_BYTES)"
+        )
 
 
 def job_paths(kind: str, payload: dict[str, Any]) -> list[str]:

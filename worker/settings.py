@@ -18,6 +18,8 @@ override them through environment variables (durations accept `90`, `90s`,
 | GPUFEED_WATCHDOG_INTERVAL | 15s | how often a worker looks for stale tasks |
 | GPUFEED_BEAT_INTERVAL | 30s | longest sleep of `gpufeed beat` (new schedules are seen this fast) |
 | GPUFEED_MAX_SPEC_BYTES | 64KiB | largest job spec accepted |
+| GPUFEED_MAX_PIXELS | 89478485 | largest `--max-pixels` a job may ask for (decompression bombs) |
+| GPUFEED_MAX_FILE_BYTES | 512MiB | largest input file a job may allow |
 | GPUFEED_MAX_ATTEMPTS | 5 | a task started this often without finishing fails its job (e.g. a file that crashes the decoder) |
 """
 
@@ -30,6 +32,7 @@ import re
 from collections.abc import Mapping
 
 from pipeline.errors import ConfigError
+from pipeline.specs import DEFAULT_MAX_PIXELS
 
 DEFAULT_BROKER_URL = "redis://localhost:6379/0"
 HARD_LIMIT_GRACE_S = 60
@@ -76,6 +79,8 @@ class ServiceSettings:
     beat_interval_s: float = 30
     max_spec_bytes: int = 64 * 1024
     max_attempts: int = 5
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_file_bytes: int = 512 * 1024 * 1024
     key_prefix: str = KEY_PREFIX
 
     def __post_init__(self) -> None:
@@ -130,6 +135,8 @@ def settings_from_env(env: Mapping[str, str]) -> ServiceSettings:
         beat_interval_s=parse_duration(env.get("GPUFEED_BEAT_INTERVAL", "30s"), "GPUFEED_BEAT_INTERVAL"),
         max_spec_bytes=_parse_size(env.get("GPUFEED_MAX_SPEC_BYTES", "64KiB")),
         max_attempts=_parse_count(env.get("GPUFEED_MAX_ATTEMPTS", "5"), "GPUFEED_MAX_ATTEMPTS"),
+        max_pixels=_parse_count(env.get("GPUFEED_MAX_PIXELS", str(DEFAULT_MAX_PIXELS)), "GPUFEED_MAX_PIXELS"),
+        max_file_bytes=_parse_size(env.get("GPUFEED_MAX_FILE_BYTES", "512MiB")),
     )
 
 
