@@ -24,11 +24,15 @@ from .specs import AugmentSpec, EncodeSpec, LoaderSpec, PrepareSpec, ResizeSpec,
 
 
 def __getattr__(name: str) -> Any:
-    # make_loader needs torch: import it on first use so `import pipeline` stays light.
+    # make_loader and estimate_memory need torch: import them on first use so `import pipeline` stays light.
     if name == "make_loader":
         from .loader import make_loader
 
         return make_loader
+    if name == "estimate_memory":
+        from .memory import estimate_memory
+
+        return estimate_memory
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "StorageError",
     "LoaderSpec",
     "VerifyResult",
+    "estimate_memory",
     "make_loader",
     "prepare_dataset",
     "read_manifest",

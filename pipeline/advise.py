@@ -19,6 +19,10 @@ target disk's sequential read rate, is the prediction. `apply_advice` then
 prepares the whole dataset and measures the loader on it, so the prediction
 is checked, not just made.
 
+Loader rates are scaled to an otherwise idle machine: each run also records
+the CPU share other processes took meanwhile (`LoaderPoint.idle_images_per_s`),
+so a busy neighbour on a shared machine does not pass for a slow pipeline.
+
 `plan_advice` is the arithmetic (ceilings -> bottleneck -> recommendation ->
 prediction) as a pure function of the measurements.
 """
@@ -40,7 +44,7 @@ from typing import Any
 from .errors import ConfigError
 
 MiB = 1 << 20
-NPY_GAIN = 1.15  # .npy must beat JPEG by this much to be worth its bytes
+NPY_GAIN = 1.25  # .npy must beat JPEG by this much to be worth its bytes
 SHARD_MIN, SHARD_MAX, SHARD_TARGET_COUNT = 16 * MiB, 256 * MiB, 64
 FREE_SPACE_SHARE = 0.8  # never plan to fill more than this share of the target's free space
 STAGES = {
@@ -85,11 +89,13 @@ class Candidate:
         format: "jpeg" or "npy".
         loader_images_per_s: the loader over the page-cached prepared sample.
         bytes_per_sample: mean bytes per sample in the shards.
+        others_cpu_share: CPU share other processes took during the measurement (for the record).
     """
 
     format: str
     loader_images_per_s: float
     bytes_per_sample: float
+    others_cpu_share: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,20 +336,22 @@ class AdviseResult:
 class ApplyResult:
     """`--apply`: the recommended prepare, run, and the loader measured on its output.
 
-    On a shared machine the CPU left over by other processes changes from
-    minute to minute, and a loader's images/s with it. So the check re-runs
-    the prediction itself (the loader over the prepared *sample*, capped by
-    the target disk) alternately with the measurement over the full output
-    (full, sample, sample, full): both see the same machine, and `error`
-    compares them. The figure `advise` printed earlier is kept beside it.
-    Every loader rate is a run's best stretch (`LoaderPoint.best_images_per_s`).
+    On a shared machine the CPU that other processes leave over changes from
+    second to second, and a CPU-bound loader's images/s with it. Two things
+    keep the check fair: every loader rate is scaled to an otherwise idle
+    machine (`LoaderPoint.idle_images_per_s`, from the CPU share other
+    processes took during that very run), and the prediction itself (the
+    loader over the prepared *sample*, capped by the target disk) is re-run
+    alternately with the measurement over the full output (ABBA BAAB), so
+    both see the same machine. `error` compares those two; the figure
+    `advise` printed earlier is kept beside it (`error_advise_time`).
 
     Attributes:
         predicted_loader_images_per_s: the prediction as `advise` printed it.
         predicted_now_images_per_s: the same prediction, re-measured alongside the check.
-        measured_loader_images_per_s: the loader over the full prepared output.
-        measured_mean_images_per_s: that run's mean rate over its whole length.
-        others_cpu_share: share of the machine's CPU other processes used during the check.
+        measured_loader_images_per_s: the loader over the full prepared output (idle-machine scale).
+        measured_wall_images_per_s: the same runs' plain images per wall-clock second.
+        others_cpu_share: mean share of the machine's CPU other processes used during the check.
     """
 
     out: str
@@ -353,7 +361,7 @@ class ApplyResult:
     predicted_loader_images_per_s: float
     predicted_now_images_per_s: float
     measured_loader_images_per_s: float
-    measured_mean_images_per_s: float
+    measured_wall_images_per_s: float
     measured_stall_fraction: float
     others_cpu_share: float | None = None
 
@@ -364,7 +372,7 @@ class ApplyResult:
 
     @property
     def error_advise_time(self) -> float:
-        """(prediction printed by advise − measured) / measured: includes any change in machine load since."""
+        """(prediction printed by advise − measured) / measured."""
         return self.predicted_loader_images_per_s / self.measured_loader_images_per_s - 1.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -442,7 +450,9 @@ def advise(
         storage_rate = _cold_read_rate(items, cores, details)
         say("loader over the page-cached raw sample")
         raw_pattern = _pack_raw(items, blobs, scratch)
-        decode_rate = _loader_rate(raw_pattern, batch_size, cores, device, measure_seconds)
+        decode_point = _loader_point(raw_pattern, batch_size, cores, device, measure_seconds)
+        decode_rate = decode_point.idle_images_per_s
+        details["cpu_decode_others_cpu_share"] = decode_point.others_cpu_share
         say("host-to-device copy")
         h2d = _host_to_device_rate(batch_size, crop, device)
         say("target disk")
@@ -497,11 +507,10 @@ def apply_advice(result: AdviseResult, out: str | None = None, *, measure_second
     with _scratch(result.target) as scratch:
         sample_out, sample_bytes = _prepare_sample(result.sample_items, scratch, rec.format, rec.size, rec.num_workers)
         full, sample = [], []
-        for which in ("full", "sample", "sample", "full"):  # ABBA: a drift in machine load hits both alike
-            dataset, runs = (out, full) if which == "full" else (sample_out, sample)
+        for which in "ABBABAAB":  # a drift in machine load hits both alike
+            dataset, runs = (out, full) if which == "A" else (sample_out, sample)
             runs.append(_loader_point(dataset, result.batch_size, rec.num_workers, result.device, half))
-    measured = max(full, key=lambda p: p.best_images_per_s)
-    now = Candidate(rec.format, max(p.best_images_per_s for p in sample), sample_bytes)
+    now = Candidate(rec.format, _mean(p.idle_images_per_s for p in sample), sample_bytes)
     shares = [p.others_cpu_share for p in full + sample if p.others_cpu_share is not None]
     return ApplyResult(
         out=out,
@@ -510,11 +519,16 @@ def apply_advice(result: AdviseResult, out: str | None = None, *, measure_second
         prepare_images_per_s=prepared.images_per_s,
         predicted_loader_images_per_s=result.advice.predicted_loader,
         predicted_now_images_per_s=candidate_ceiling(now, result.inputs.target_read_mb_s),
-        measured_loader_images_per_s=measured.best_images_per_s,
-        measured_mean_images_per_s=measured.images_per_s,
-        measured_stall_fraction=measured.stall_fraction,
-        others_cpu_share=sum(shares) / len(shares) if shares else None,
+        measured_loader_images_per_s=_mean(p.idle_images_per_s for p in full),
+        measured_wall_images_per_s=_mean(p.images_per_s for p in full),
+        measured_stall_fraction=_mean(p.stall_fraction for p in full),
+        others_cpu_share=_mean(shares) if shares else None,
     )
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 @contextlib.contextmanager
@@ -616,10 +630,6 @@ def _loader_point(dataset: str, batch_size: int, workers: int, device: str, seco
     return measure_loader(dataset, batch_size=batch_size, num_workers=workers, device=device, min_seconds=seconds)
 
 
-def _loader_rate(dataset: str, batch_size: int, workers: int, device: str, seconds: float) -> float:
-    return float(_loader_point(dataset, batch_size, workers, device, seconds).best_images_per_s)
-
-
 def _host_to_device_rate(batch_size: int, crop: int, device: str) -> float | None:
     import torch
 
@@ -658,7 +668,8 @@ def _measure_candidate(
 ) -> Candidate:
     """Prepare the sample with `fmt` at `size` (the real prepare) and run the loader over it."""
     out, bytes_per_sample = _prepare_sample(items, scratch, fmt, size, workers)
-    return Candidate(fmt, _loader_rate(out, batch_size, workers, device, seconds), bytes_per_sample)
+    point = _loader_point(out, batch_size, workers, device, seconds)
+    return Candidate(fmt, point.idle_images_per_s, bytes_per_sample, point.others_cpu_share)
 
 
 def _prepare_sample(items: list[Any], scratch: str, fmt: str, size: int, workers: int) -> tuple[str, float]:
@@ -668,11 +679,16 @@ def _prepare_sample(items: list[Any], scratch: str, fmt: str, size: int, workers
     from .specs import EncodeSpec, PrepareSpec, ResizeSpec
     from .storage import Output
 
+    from .sources import local_path
+
     listing = os.path.join(scratch, f"sample-{fmt}.jsonl")
     with open(listing, "w", encoding="utf-8") as handle:
         for item in items:
+            local = local_path(item.url)
+            # A list's relative paths are relative to the list's own folder: write absolute ones.
+            path = os.path.abspath(local) if local is not None else item.url
             label = f', "label": {_json(item.label)}' if item.label is not None else ""
-            handle.write(f'{{"path": {_json(item.url)}{label}}}\n')
+            handle.write(f'{{"path": {_json(path)}{label}}}\n')
     out = os.path.join(scratch, fmt)
     spec = PrepareSpec(source=listing, out=out, resize=ResizeSpec(size=size), encode=EncodeSpec(format=fmt))
     prepare_dataset(spec, workers=workers, force=True)

@@ -127,6 +127,9 @@ def bench() -> None:
 @click.option("--dataset", default=None, help="Take the small-file size from this dataset's mean file size.")
 @click.option("--small-files", default=512, show_default=True, help="How many small files to read.")
 @click.option("--no-direct", is_flag=True, help="Do not try O_DIRECT; evict files with posix_fadvise instead.")
+@click.option(
+    "--tests", default="seq_write,seq_read,randread,small_files", show_default=True, help="Which tests to run."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--plot", default=None, help="Write a PNG chart (IOPS vs threads, MB/s vs block size).")
 @_measure_errors
@@ -140,6 +143,7 @@ def bench_disk(
     dataset: str | None,
     small_files: int,
     no_direct: bool,
+    tests: str,
     as_json: bool,
     plot: str | None,
 ) -> None:
@@ -156,6 +160,7 @@ def bench_disk(
         threads=threads,
         small_file_bytes=small,
         small_files=small_files,
+        tests=[name.strip() for name in tests.split(",") if name.strip()],
         direct=False if no_direct else None,
     )
     _plot("disk", plot, result)
@@ -165,7 +170,9 @@ def bench_disk(
     free = _bytes(result.free_bytes) if result.free_bytes is not None else "n/a"
     click.echo(f"{result.path}: {result.device_kind} ({result.fstype}{', ' + result.device if result.device else ''}), {free} free")
     click.echo(f"page cache bypass: {result.cache_bypass}; test file {_bytes(result.file_bytes)}, {duration:g} s per test")
-    rows = [("sequential write (fsync included)", _num(result.seq_write_mb_s), "MB/s", "", "")]
+    rows = []
+    if result.seq_write_mb_s is not None:
+        rows.append(("sequential write (fsync included)", _num(result.seq_write_mb_s), "MB/s", "", ""))
     for block, rate in sorted(result.seq_read_by_block.items()):
         rows.append((f"sequential read, {_bytes(block)} blocks", _num(rate), "MB/s", "", ""))
     for point in result.randread_sweep:
@@ -174,10 +181,11 @@ def bench_disk(
              f"{point.p50_ms:.3f}", f"{point.p99_ms:.3f}")
         )
     small = _bytes(result.small_file_bytes)
-    rows.append((f"small files ({small}), 1 thread", _num(result.small_file_reads_per_s_qd1), "files/s", "", ""))
-    rows.append(
-        (f"small files ({small}), {result.threads} threads", _num(result.small_file_reads_per_s), "files/s", "", "")
-    )
+    if result.small_file_reads_per_s is not None:
+        rows.append((f"small files ({small}), 1 thread", _num(result.small_file_reads_per_s_qd1), "files/s", "", ""))
+        rows.append(
+            (f"small files ({small}), {result.threads} threads", _num(result.small_file_reads_per_s), "files/s", "", "")
+        )
     click.echo(_table(rows, ("test", "rate", "", "p50 ms", "p99 ms"), "lrlrr"))
     for warning in result.warnings:
         click.echo(f"gpufeed: warning: {warning}", err=True)
@@ -320,15 +328,19 @@ def advise(
 
 def _print_applied(applied: Any) -> None:
     click.echo(f"\napplied: {applied.samples} samples prepared into {applied.out} in {applied.prepare_seconds:.1f} s")
-    busy = f"; other processes used {applied.others_cpu_share:.0%} of the CPU meanwhile" if applied.others_cpu_share else ""
-    click.echo(
-        f"loader on {applied.out}: measured {applied.measured_loader_images_per_s:.0f} images/s, "
-        f"predicted {applied.predicted_now_images_per_s:.0f} ({applied.error:+.0%}; the prediction re-run on the sample "
-        f"alongside the measurement{busy})"
+    busy = (
+        f"; other processes used {applied.others_cpu_share:.0%} of the CPU meanwhile "
+        f"(plain wall-clock rate {applied.measured_wall_images_per_s:.0f} images/s)"
+        if applied.others_cpu_share
+        else ""
     )
     click.echo(
-        f"the prediction printed above was {applied.predicted_loader_images_per_s:.0f} images/s "
-        f"({applied.error_advise_time:+.0%}; machine load changes between the two)"
+        f"loader on {applied.out}: measured {applied.measured_loader_images_per_s:.0f} images/s, "
+        f"predicted {applied.predicted_now_images_per_s:.0f} ({applied.error:+.0%}){busy}"
+    )
+    click.echo(
+        f"(the prediction is re-run on the sample alongside the measurement; "
+        f"advise printed {applied.predicted_loader_images_per_s:.0f}, {applied.error_advise_time:+.0%})"
     )
 
 
@@ -341,14 +353,22 @@ def _print_advice(result: Any) -> None:
     )
     gpu_label = "GPU (given)" if result.details.get("gpu_source") == "given" else f"GPU ({result.details.get('gpu_device', '?')}, measured)"
     rows = [
-        (gpu_label, _num(ceilings.gpu)),
-        ("CPU decode: loader over page-cached raw files", _num(ceilings.cpu_decode)),
-        (f"storage: raw files read cold from {inputs.storage_kind}", _num(ceilings.storage)),
-        ("host-to-device copy", _num(ceilings.host_to_device) if ceilings.host_to_device else "n/a (no CUDA)"),
+        ("gpu", gpu_label, ceilings.gpu),
+        ("cpu_decode", "CPU decode: loader over page-cached raw files", ceilings.cpu_decode),
+        ("storage", f"storage: raw files read cold from {inputs.storage_kind}", ceilings.storage),
+        ("host_to_device", "host-to-device copy", ceilings.host_to_device),
     ]
-    names = ["gpu", "cpu_decode", "storage", "host_to_device"]
-    rows = [(label, value, "<- bottleneck" if name == advice.bottleneck else "") for (label, value), name in zip(rows, names)]
-    click.echo(_table(rows, ("ceiling", "images/s", ""), "lrl"))
+    table = []
+    for name, label, value in rows:
+        note = "<- bottleneck" if name == advice.bottleneck else ("no CUDA device" if value is None else "")
+        table.append((label, _num(value), note))
+    click.echo(_table(table, ("ceiling", "images/s", ""), "lrl"))
+    busy = result.details.get("cpu_decode_others_cpu_share")
+    if busy:
+        click.echo(
+            f"(loader rates are scaled to an otherwise idle machine: other processes used {busy:.0%} of the CPU "
+            "while they were measured)"
+        )
     click.echo(f"\n{advice.sentence}")
     click.echo("\nrecommended:")
     click.echo("  " + shlex.join(result.command))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import math
 import os
 import sys
@@ -67,7 +68,8 @@ class ThroughputModel:
 
     def saturation_batch(self, fraction: float = SATURATION) -> int:
         """Smallest batch reaching `fraction` of the peak: B ≥ f·overhead / ((1 − f)·per_sample)."""
-        return max(1, math.ceil(fraction * self.overhead_s / ((1 - fraction) * self.seconds_per_sample)))
+        batch = fraction * self.overhead_s / ((1 - fraction) * self.seconds_per_sample)
+        return max(1, math.ceil(batch - 1e-9))  # 90.00000000000001 is 90
 
 
 @dataclasses.dataclass
@@ -214,24 +216,21 @@ def batch_rows(estimate: MemoryEstimate, batches: Sequence[int] | None = None) -
 
 
 def load_model(spec: str) -> Any:
-    """Build a model from ``module:factory`` (a callable returning an nn.Module; called without arguments).
+    """Build a model from ``module:factory`` or ``path/to/file.py:factory``.
 
-    The current directory is importable, as with ``python -m``.
+    The factory is a callable returning an nn.Module, called without
+    arguments (an nn.Module instance is taken as it is). The current
+    directory is importable, as with ``python -m``.
 
     Raises:
         ConfigError: the spec is malformed, the import fails, or the result is not a module.
     """
     import torch
 
-    module_name, _, attribute = spec.partition(":")
+    module_name, _, attribute = spec.rpartition(":")
     if not module_name or not attribute:
         raise ConfigError(f"--model must look like module:factory (e.g. torchvision.models:resnet50), got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name!r} for --model: {exc}") from exc
+    target: Any = _import_model_module(module_name)
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise ConfigError(f"{module_name} has no attribute {attribute!r}")
@@ -240,6 +239,23 @@ def load_model(spec: str) -> Any:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _import_model_module(name: str) -> Any:
+    try:
+        if name.endswith(".py"):
+            if not os.path.isfile(name):
+                raise ConfigError(f"--model file not found: {name}")
+            module_spec = importlib.util.spec_from_file_location(f"gpufeed_model_{abs(hash(name))}", name)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            return module
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {name!r} for --model: {exc}") from exc
 
 
 def parse_shape(text: str | Sequence[int]) -> tuple[int, ...]:

@@ -23,6 +23,30 @@ def _figure(width: float = 10.0, height: float = 4.5, columns: int = 1) -> tuple
     return figure, axes
 
 
+def _legend_below(figure: Any, *axes: Any) -> None:
+    """One legend for twin axes, under the plot, where it covers no data."""
+    handles, labels = [], []
+    for axis in axes:
+        more_handles, more_labels = axis.get_legend_handles_labels()
+        handles += more_handles
+        labels += more_labels
+    figure.legend(handles, labels, loc="outside lower center", ncols=min(4, len(labels)))
+
+
+def _size_label(size: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size:.0f} B"
+
+
+def _power_of_two_axis(axis: Any, values: list[int]) -> None:
+    axis.set_xscale("log", base=2)
+    shown = values if len(values) <= 12 else values[:: -(-len(values) // 12)]
+    axis.set_xticks(shown, [str(v) for v in shown])
+    axis.minorticks_off()
+
+
 def _save(figure: Any, path: str | os.PathLike[str]) -> str:
     target = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(target))
@@ -32,21 +56,26 @@ def _save(figure: Any, path: str | os.PathLike[str]) -> str:
 
 
 def plot_disk(result: Any, path: str | os.PathLike[str]) -> str:
-    """Random 4 KiB IOPS and p99 latency vs threads; sequential MB/s vs block size. Returns the path."""
+    """Write `disk_figure` as a PNG; returns the path."""
+    return _save(disk_figure(result), path)
+
+
+def disk_figure(result: Any) -> Any:
+    """Random 4 KiB IOPS and p99 latency vs threads; sequential MB/s vs block size (a DiskBenchResult)."""
     figure, (left, right) = _figure(columns=2)
     sweep = result.randread_sweep
     if sweep:
         threads = [p.threads for p in sweep]
-        left.plot(threads, [p.iops for p in sweep], marker="o", color=ACCENT, label="IOPS")
-        left.set_xscale("log", base=2)
-        left.set_xticks(threads, [str(t) for t in threads])
+        left.plot(threads, [p.iops for p in sweep], marker="o", color=ACCENT, label="random 4 KiB IOPS")
+        _power_of_two_axis(left, threads)
         left.set_xlabel("threads (reads in flight)")
         left.set_ylabel("random 4 KiB reads per second (IOPS)")
+        left.set_ylim(bottom=0)
         latency = left.twinx()
-        latency.plot(threads, [p.p99_ms for p in sweep], marker="s", linestyle="--", color=BAD, label="p99 latency")
+        latency.plot(threads, [p.p99_ms for p in sweep], marker="s", linestyle="--", color=BAD, label="p99 latency (ms)")
         latency.set_ylabel("p99 latency (ms)")
-        left.legend(loc="upper left")
-        latency.legend(loc="lower right")
+        latency.set_ylim(bottom=0)
+        left.legend(handles=left.get_lines() + latency.get_lines(), loc="upper left")
     left.set_title("random 4 KiB reads")
     blocks = sorted(result.seq_read_by_block)
     labels = [f"{b // (1 << 20)} MiB" if b >= 1 << 20 else f"{b // 1024} KiB" for b in blocks]
@@ -62,11 +91,16 @@ def plot_disk(result: Any, path: str | os.PathLike[str]) -> str:
     right.legend(loc="upper left", ncols=2)
     bypass = "O_DIRECT" if result.direct_io else result.cache_bypass
     figure.suptitle(f"{result.path}: {result.device_kind} ({result.fstype}), page cache bypass: {bypass}")
-    return _save(figure, path)
+    return figure
 
 
 def plot_decode(result: Any, path: str | os.PathLike[str]) -> str:
-    """Images/s per core for each decoder, raw vs prepared. Returns the path."""
+    """Write `decode_figure` as a PNG; returns the path."""
+    return _save(decode_figure(result), path)
+
+
+def decode_figure(result: Any) -> Any:
+    """Images/s per core for each decoder, raw vs prepared (a DecodeBenchResult)."""
     import numpy as np
 
     figure, axis = _figure(height=0.6 * len(result.rows) + 2.2)
@@ -93,32 +127,45 @@ def plot_decode(result: Any, path: str | os.PathLike[str]) -> str:
     axis.set_xlabel(f"images/s per core (decode + resize to shorter side {result.target} px)")
     axis.set_title(f"decode speed on {result.samples} images of {result.source}")
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=2)
-    return _save(figure, path)
+    return figure
 
 
 def plot_loader(result: Any, path: str | os.PathLike[str]) -> str:
-    """Loader images/s and stall fraction vs num_workers. Returns the path."""
+    """Write `loader_figure` as a PNG; returns the path."""
+    return _save(loader_figure(result), path)
+
+
+def loader_figure(result: Any) -> Any:
+    """Loader images/s and stall fraction vs num_workers (a LoaderBenchResult)."""
     figure, axis = _figure()
     workers = [p.num_workers for p in result.points]
     axis.plot(workers, [p.images_per_s for p in result.points], marker="o", color=ACCENT, label="loader images/s")
     if result.consumer_images_per_s:
         axis.axhline(result.consumer_images_per_s, color=NEUTRAL, linestyle="--", label="simulated consumer (images/s)")
-    axis.set_xticks(workers, [str(w) for w in workers])
+    _power_of_two_axis(axis, workers)
     axis.set_xlabel("num_workers (decode threads)" if result.worker_type == "thread" else "num_workers (processes)")
     axis.set_ylabel("images/s")
-    axis.set_ylim(bottom=0)
+    top = max([p.images_per_s for p in result.points] + [result.consumer_images_per_s or 0.0])
+    axis.set_ylim(0, 1.15 * top)
     stall = axis.twinx()
-    stall.plot(workers, [100 * p.stall_fraction for p in result.points], marker="s", linestyle=":", color=BAD, label="stall")
+    stall.plot(
+        workers, [100 * p.stall_fraction for p in result.points], marker="s", linestyle=":", color=BAD,
+        label="stall fraction (%)",
+    )
     stall.set_ylabel("stall fraction (% of the step spent waiting)")
     stall.set_ylim(0, 100)
-    axis.legend(loc="upper left")
-    stall.legend(loc="upper right")
+    _legend_below(figure, axis, stall)
     axis.set_title(f"loader over {result.dataset}, batch {result.batch_size}")
-    return _save(figure, path)
+    return figure
 
 
 def plot_advise(result: Any, path: str | os.PathLike[str], applied: Any = None) -> str:
-    """The ceilings before, and the predicted (and measured) loader after preparing. Returns the path."""
+    """Write `advise_figure` as a PNG; returns the path."""
+    return _save(advise_figure(result, applied), path)
+
+
+def advise_figure(result: Any, applied: Any = None) -> Any:
+    """The ceilings before, and the predicted (and measured) loader after preparing (an AdviseResult)."""
     figure, axis = _figure(height=4.0)
     names, values, colours = [], [], []
     advice = result.advice
@@ -134,7 +181,7 @@ def plot_advise(result: Any, path: str | os.PathLike[str], applied: Any = None) 
         names.append(labels[stage])
         values.append(value)
         colours.append(BAD if stage == advice.bottleneck else NEUTRAL)
-    names.append(f"loader after\nprepare (predicted)")
+    names.append("loader after\nprepare (predicted)")
     values.append(advice.predicted_loader)
     colours.append(GOOD)
     if applied is not None:
@@ -146,31 +193,40 @@ def plot_advise(result: Any, path: str | os.PathLike[str], applied: Any = None) 
     axis.set_yscale("log")
     axis.set_ylabel("images/s (log scale)")
     axis.set_title(f"bottleneck: {labels.get(advice.bottleneck, advice.bottleneck).replace(chr(10), ' ')}")
-    return _save(figure, path)
+    return figure
 
 
 def plot_memory(estimate: Any, path: str | os.PathLike[str]) -> str:
-    """Device memory and images/s vs batch size. Returns the path."""
+    """Write `memory_figure` as a PNG; returns the path."""
+    return _save(memory_figure(estimate), path)
+
+
+def memory_figure(estimate: Any) -> Any:
+    """Device memory and images/s vs batch size (a MemoryEstimate)."""
     figure, axis = _figure()
     rows = estimate.rows
     batches = [row.batch_size for row in rows]
     axis.plot(batches, [row.memory_bytes / 2**30 for row in rows], marker="o", color=ACCENT, label="memory")
     if estimate.vram_bytes:
-        axis.axhline(estimate.vram_bytes / 2**30, color=BAD, linestyle="--", label=f"VRAM ({estimate.vram_bytes / 2**30:.0f} GiB)")
+        axis.axhline(estimate.vram_bytes / 2**30, color=BAD, linestyle="--", label=f"VRAM ({_size_label(estimate.vram_bytes)})")
         usable = estimate.vram_bytes * (1 - estimate.safety_margin) / 2**30
         axis.axhline(usable, color=NEUTRAL, linestyle=":", label=f"usable ({estimate.safety_margin:.0%} margin)")
-    axis.set_xscale("log", base=2)
+    _power_of_two_axis(axis, batches)
     axis.set_xlabel("batch size")
     axis.set_ylabel("device memory (GiB)")
-    axis.legend(loc="upper left")
+    axis.set_ylim(bottom=0)
+    twins = [axis]
     if estimate.throughput is not None:
         speed = axis.twinx()
         speed.plot(batches, [row.images_per_s for row in rows], marker="s", color=GOOD, label="images/s")
         if estimate.loader_images_per_s:
             speed.axhline(estimate.loader_images_per_s, color=GOOD, linestyle="--", label="loader images/s")
-        speed.axvline(estimate.throughput.saturation_batch(), color=NEUTRAL, linestyle="-.", label="90 % of peak")
+        saturation = estimate.throughput.saturation_batch()
+        if saturation <= max(batches):
+            speed.axvline(saturation, color=NEUTRAL, linestyle="-.", label=f"90 % of peak (batch {saturation})")
         speed.set_ylabel("images/s (training)" if estimate.training else "images/s (inference)")
         speed.set_ylim(bottom=0)
-        speed.legend(loc="lower right")
+        twins.append(speed)
+    _legend_below(figure, *twins)
     axis.set_title(f"{estimate.model}: {estimate.optimizer if estimate.training else 'inference'}, {estimate.dtype}")
-    return _save(figure, path)
+    return figure

@@ -27,6 +27,7 @@ PUBLIC_API = [
     "SourceError",
     "StorageError",
     "VerifyResult",
+    "estimate_memory",
     "make_loader",
     "prepare_dataset",
     "read_manifest",

@@ -17,6 +17,8 @@ from typing import Any
 
 from ..errors import ConfigError
 
+MAX_OTHERS_SHARE = 0.75
+
 
 @dataclasses.dataclass
 class LoaderPoint:
@@ -44,6 +46,21 @@ class LoaderPoint:
     window_s: float = 0.0
     others_cpu_share: float | None = None
 
+    @property
+    def idle_images_per_s(self) -> float:
+        """images/s scaled to a machine nobody else uses: images_per_s / (1 − others' CPU share).
+
+        A first-order correction that assumes the loader would use the CPU the
+        others took; it is capped at 4x (others above 75 %: too busy to say).
+        """
+        share = min(self.others_cpu_share or 0.0, MAX_OTHERS_SHARE)
+        return self.images_per_s / (1.0 - share)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["idle_images_per_s"] = self.idle_images_per_s
+        return data
+
 
 @dataclasses.dataclass
 class LoaderBenchResult:
@@ -64,6 +81,7 @@ class LoaderBenchResult:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        data["points"] = [point.to_dict() for point in self.points]
         data["best_num_workers"] = self.best.num_workers
         return data
 

@@ -1,0 +1,196 @@
+"""`gpufeed advise`: the arithmetic with fixed inputs, and one short real run with --apply."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pipeline.advise import (
+    AdviseInputs,
+    Candidate,
+    Ceilings,
+    Recommendation,
+    advise,
+    find_bottleneck,
+    plan_advice,
+    shard_bytes_for,
+)
+from pipeline.errors import ConfigError
+
+MiB = 1 << 20
+JPEG = Candidate("jpeg", loader_images_per_s=1200.0, bytes_per_sample=20_000.0)
+NPY = Candidate("npy", loader_images_per_s=1300.0, bytes_per_sample=200_000.0)
+
+
+def inputs(**changes: object) -> AdviseInputs:
+    """A 2-core machine whose raw ~1 MP JPEGs decode at 300 images/s for a GPU that takes 2000."""
+    base = AdviseInputs(
+        ceilings=Ceilings(gpu=2000.0, cpu_decode=300.0, storage=5000.0, host_to_device=None),
+        candidates=(JPEG, NPY),
+        samples=200,
+        cores=2,
+        prepared_size=256,
+        raw_shorter_side=920.0,
+        raw_bytes_per_sample=170_000.0,
+        target_read_mb_s=2000.0,
+        target_free_bytes=50 * 10**9,
+        storage_kind="ssd (ext4)",
+        target_kind="nvme",
+    )
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_cpu_decode_bottleneck_recommends_pre_resizing() -> None:
+    advice = plan_advice(inputs())
+    assert advice.bottleneck == "cpu_decode"
+    assert advice.sentence.startswith("CPU decode is the bottleneck")
+    assert "300 images/s" in advice.sentence and "2000 images/s" in advice.sentence and "85%" in advice.sentence
+    assert advice.predicted_before == 300.0
+    rec = advice.recommendation
+    assert (rec.size, rec.mode, rec.format, rec.quality, rec.variants, rec.num_workers) == (256, "shorter", "jpeg", 90, 0, 2)
+    assert advice.predicted_loader == 1200.0  # .npy is not 25 % faster: JPEG, at a tenth of the bytes
+    assert advice.predicted_after == 1200.0
+    assert any("pre-resize the 920 px raw images" in reason for reason in advice.reasons)
+    assert any("--format jpeg" in reason and "not be much faster" in reason for reason in advice.reasons)
+
+
+def test_npy_when_the_cpu_still_limits_and_the_disk_does_not() -> None:
+    slow_jpeg = dataclasses.replace(JPEG, loader_images_per_s=800.0)
+    fast_npy = dataclasses.replace(NPY, loader_images_per_s=1800.0)
+    advice = plan_advice(inputs(candidates=(slow_jpeg, fast_npy)))
+    assert advice.recommendation.format == "npy"
+    assert advice.predicted_loader == 1800.0 and advice.predicted_after == 1800.0
+    assert "--format npy" in advice.reasons[1] and "the disk is not" in advice.reasons[1]
+    command = advice.recommendation.command("raw", "out")
+    assert "--quality" not in command and command[command.index("--format") + 1] == "npy"
+
+
+def test_npy_not_when_the_disk_would_limit_it() -> None:
+    slow_jpeg = dataclasses.replace(JPEG, loader_images_per_s=800.0)
+    fast_npy = dataclasses.replace(NPY, loader_images_per_s=1800.0)
+    # 100 MB/s / 200 kB per sample = 500 images/s: worse than JPEG's 800.
+    advice = plan_advice(inputs(candidates=(slow_jpeg, fast_npy), target_read_mb_s=100.0))
+    assert advice.recommendation.format == "jpeg"
+    assert advice.predicted_loader == 800.0
+
+
+def test_npy_not_when_it_does_not_fit() -> None:
+    slow_jpeg = dataclasses.replace(JPEG, loader_images_per_s=800.0)
+    fast_npy = dataclasses.replace(NPY, loader_images_per_s=1800.0)
+    advice = plan_advice(inputs(candidates=(slow_jpeg, fast_npy), samples=1_000_000, target_free_bytes=100 * 10**9))
+    assert advice.recommendation.format == "jpeg"
+    assert "more than the target can spare" in advice.reasons[1]
+
+
+def test_prediction_is_capped_by_the_target_disk() -> None:
+    # 10 MB/s / 20 kB = 500 images/s, below the CPU's 1200.
+    advice = plan_advice(inputs(candidates=(JPEG,), target_read_mb_s=10.0))
+    assert advice.predicted_loader == pytest.approx(500.0)
+    assert advice.reasons[1] == "--format jpeg: the only format measured"
+
+
+def test_storage_bottleneck() -> None:
+    advice = plan_advice(inputs(ceilings=Ceilings(gpu=2000.0, cpu_decode=900.0, storage=150.0)))
+    assert advice.bottleneck == "storage"
+    assert advice.sentence.startswith("Storage is the bottleneck")
+    assert "ssd (ext4)" in advice.sentence and "26 MB/s" in advice.sentence  # 150 x 170 kB
+    assert advice.predicted_before == 150.0 and advice.predicted_after == 1200.0
+
+
+def test_gpu_bottleneck_says_loading_faster_will_not_help() -> None:
+    advice = plan_advice(inputs(ceilings=Ceilings(gpu=100.0, cpu_decode=300.0, storage=5000.0)))
+    assert advice.bottleneck == "gpu"
+    assert "will not speed up training" in advice.sentence
+    assert advice.predicted_before == 100.0 and advice.predicted_after == 100.0
+    assert advice.recommendation.format == "jpeg"
+    assert "already feeds the GPU" in advice.reasons[1]
+
+
+def test_host_to_device_bottleneck() -> None:
+    advice = plan_advice(inputs(ceilings=Ceilings(gpu=2000.0, cpu_decode=900.0, storage=5000.0, host_to_device=600.0)))
+    assert advice.bottleneck == "host_to_device"
+    assert advice.sentence.startswith("The host-to-device copy is the bottleneck")
+    assert advice.after_ceilings["host_to_device"] == 600.0 and advice.predicted_after == 600.0
+
+
+def test_raw_images_already_small() -> None:
+    advice = plan_advice(inputs(raw_shorter_side=200.0))
+    assert "already this small" in advice.reasons[0]
+
+
+def test_find_bottleneck_prefers_the_gpu_on_a_tie() -> None:
+    assert find_bottleneck(Ceilings(gpu=100.0, cpu_decode=100.0)) == ("gpu", 100.0)
+    assert find_bottleneck(Ceilings(gpu=100.0, cpu_decode=99.0, storage=None)) == ("cpu_decode", 99.0)
+
+
+def test_shard_size_rule() -> None:
+    assert shard_bytes_for(5e6) == 16 * MiB
+    assert shard_bytes_for(64 * 40 * MiB) == 64 * MiB
+    assert shard_bytes_for(64 * 33 * MiB) == 64 * MiB
+    assert shard_bytes_for(40e12) == 256 * MiB
+    shard = plan_advice(inputs(samples=1_000_000)).recommendation.shard_bytes
+    assert shard == 256 * MiB  # 20 GB of JPEG
+
+
+def test_command_line() -> None:
+    rec = Recommendation(256, "shorter", "jpeg", 90, 16 * MiB, 0, 2)
+    assert rec.command("raw", "out") == [
+        "gpufeed", "prepare", "raw", "out", "--size", "256", "--mode", "shorter", "--format", "jpeg",
+        "--quality", "90", "--shard-size", "16MiB", "--variants", "0", "--workers", "2",
+    ]
+
+
+def test_needs_candidates_and_exactly_one_gpu_figure(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        plan_advice(inputs(candidates=()))
+    with pytest.raises(ConfigError, match="exactly one"):
+        advise(str(tmp_path), str(tmp_path / "t"))
+    with pytest.raises(ConfigError, match="exactly one"):
+        advise(str(tmp_path), str(tmp_path / "t"), gpu_images_per_s=100.0, model="m:f")
+    with pytest.raises(ConfigError, match="local folder"):
+        advise(str(tmp_path), "s3://bucket/x", gpu_images_per_s=100.0)
+
+
+@pytest.fixture(scope="module")
+def raw_photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pipeline.demo import make_demo_dataset
+
+    root = tmp_path_factory.mktemp("photos")
+    make_demo_dataset(root, 48, classes=2, min_side=560, max_side=720, workers=2)
+    return root
+
+
+def test_real_run_names_cpu_decode_and_its_prediction_holds(raw_photos: Path, tmp_path: Path) -> None:
+    target = tmp_path / "fast-disk"
+    out = target / "prepared"
+    plot = tmp_path / "advise.png"
+    source = os.path.relpath(raw_photos, tmp_path)  # relative paths, as a user types them
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "advise", source, "--target", "fast-disk",
+         "--gpu-images-per-s", "20000", "--batch-size", "16", "--sample", "32", "--seconds", "1",
+         "--apply", "fast-disk/prepared", "--json", "--plot", "advise.png"],
+        capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["bottleneck"] == "cpu_decode", data["advice"]["sentence"]
+    assert data["listed"] == 48 and data["sample"] == 32
+    command = data["command"]
+    assert command[:4] == ["gpufeed", "prepare", source, "fast-disk/prepared"]
+    assert command[command.index("--size") + 1] == "256"
+    ceilings = data["inputs"]["ceilings"]
+    assert data["predicted_loader_images_per_s"] > 1.5 * ceilings["cpu_decode"]  # pre-resizing pays
+    applied = data["applied"]
+    assert applied["samples"] == 48
+    assert abs(applied["error"]) <= 0.20, applied
+    assert (out / "manifest.json").is_file()
+    assert [p.name for p in target.iterdir()] == ["prepared"]  # no temp folders left
+    with Image.open(plot) as image:
+        assert image.format == "PNG" and image.size[0] > 400

@@ -1,0 +1,200 @@
+"""`gpufeed bench disk`: real reads and writes on small files, the cache bypass, and cleanup on Ctrl-C."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.bench import disk as disk_bench
+from pipeline.bench.disk import WORK_PREFIX, benchmark_disk, mean_file_bytes
+from pipeline.errors import ConfigError, StorageError
+
+MiB = 1 << 20
+SMALL = dict(file_bytes=8 * MiB, block_sizes=(MiB, 2 * MiB), duration_s=0.15, threads=4, small_files=24, small_file_bytes=20_000)
+REQUIRED_KEYS = (
+    "seq_read_mb_s",
+    "seq_write_mb_s",
+    "randread_4k_iops_qd1",
+    "randread_4k_iops_qdn",
+    "randread_4k_p99_ms_qd1",
+    "small_file_reads_per_s",
+    "direct_io",
+    "device_kind",
+)
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir()]
+
+
+def test_measures_every_figure_and_removes_its_files(tmp_path: Path) -> None:
+    result = benchmark_disk(str(tmp_path), **SMALL)
+    data = result.to_dict()
+    for key in REQUIRED_KEYS:
+        assert key in data, key
+    for key in REQUIRED_KEYS[:-2]:
+        assert data[key] > 0, key
+    assert isinstance(result.direct_io, bool)
+    assert result.device_kind in ("nvme", "ssd", "rotational", "network", "tmpfs", "ramfs", "unknown")
+    assert result.free_bytes and result.free_bytes > 0
+    assert sorted(result.seq_read_by_block) == [MiB, 2 * MiB]
+    assert result.seq_read_mb_s == max(result.seq_read_by_block.values())
+    assert [p.threads for p in result.randread_sweep] == [1, 4]
+    for point in result.randread_sweep:
+        assert 0 < point.p50_ms <= point.p99_ms
+        assert point.reads > 0
+        assert point.mb_s == pytest.approx(point.iops * 4096 / 1e6)
+    assert result.randread_4k_iops_qd1 == result.randread_sweep[0].iops
+    assert result.small_file_bytes == 20_000 and result.small_files == 24
+    assert result.small_file_reads_per_s_qd1 and result.small_file_reads_per_s_qd1 > 0
+    json.dumps(data)
+    assert _leftovers(tmp_path) == []
+
+
+def test_reads_with_o_direct_into_aligned_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    info = disk_bench.device_info(str(tmp_path))
+    if info.fstype not in ("ext4", "xfs", "btrfs"):
+        pytest.skip(f"O_DIRECT behaviour is only asserted on ext4/xfs/btrfs, not {info.fstype}")
+    opened: list[tuple[str, int]] = []
+    real_open = os.open
+
+    def recording_open(path: str, flags: int, *args: int) -> int:
+        opened.append((os.path.basename(path), flags))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    result = benchmark_disk(str(tmp_path), **SMALL)
+    assert result.direct_io is True and result.cache_bypass == "O_DIRECT"
+    data_reads = [flags for name, flags in opened if name == "data" and not flags & (os.O_WRONLY | os.O_RDWR)]
+    small_reads = [flags for name, flags in opened if name.endswith(".bin")]
+    assert data_reads and all(flags & os.O_DIRECT for flags in data_reads)
+    assert small_reads and all(flags & os.O_DIRECT for flags in small_reads)
+    buffer = disk_bench._aligned(3 * 4096)
+    try:
+        assert ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % 4096 == 0
+    finally:
+        buffer.close()
+
+
+def test_without_o_direct_files_are_evicted_with_fadvise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    advice: list[int] = []
+    real_fadvise = os.posix_fadvise
+
+    def recording_fadvise(fd: int, offset: int, length: int, flag: int) -> None:
+        advice.append(flag)
+        real_fadvise(fd, offset, length, flag)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording_fadvise)
+    result = benchmark_disk(str(tmp_path), direct=False, **SMALL)
+    assert result.direct_io is False
+    assert "fadvise" in result.cache_bypass
+    assert advice.count(os.POSIX_FADV_DONTNEED) > 10
+    assert result.seq_read_mb_s and result.randread_4k_iops_qd1 and result.small_file_reads_per_s
+    assert _leftovers(tmp_path) == []
+
+
+def test_tmpfs_is_reported_and_not_claimed_as_bypassed() -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or disk_bench.device_info(str(shm)).fstype != "tmpfs" or not os.access(shm, os.W_OK):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    folder = shm / f"gpufeed-test-{os.getpid()}"
+    try:
+        result = benchmark_disk(str(folder), tests=("seq_read",), **{**SMALL, "small_files": 1})
+        assert result.device_kind == "tmpfs"
+        assert result.direct_io is False
+        assert result.cache_bypass.startswith("none")
+        assert any("memory" in warning for warning in result.warnings)
+        assert _leftovers(folder) == []
+    finally:
+        for child in folder.glob("*"):
+            child.unlink()
+        if folder.exists():
+            folder.rmdir()
+
+
+def test_only_the_tests_asked_for_run(tmp_path: Path) -> None:
+    result = benchmark_disk(str(tmp_path), tests=("seq_read",), **SMALL)
+    assert result.seq_read_mb_s and result.seq_write_mb_s is None
+    assert result.randread_4k_iops_qd1 is None and result.small_file_reads_per_s is None
+
+
+def test_refuses_when_the_disk_is_too_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disk_bench, "free_bytes", lambda path: 4 * MiB)
+    with pytest.raises(StorageError, match="smaller --size"):
+        benchmark_disk(str(tmp_path), **SMALL)
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"block_sizes": (1000,)},
+        {"tests": ("seq_read", "bogus")},
+        {"file_bytes": 4096},
+        {"duration_s": 0},
+    ],
+)
+def test_bad_settings_are_refused(tmp_path: Path, settings: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        benchmark_disk(str(tmp_path), **{**SMALL, **settings})  # type: ignore[arg-type]
+
+
+def test_remote_paths_are_refused() -> None:
+    with pytest.raises(ConfigError, match="local folder"):
+        benchmark_disk("s3://bucket/data")
+
+
+def test_mean_file_bytes_of_a_dataset(tmp_path: Path) -> None:
+    for index, size in enumerate((1000, 2000, 6000)):
+        (tmp_path / f"img{index}.jpg").write_bytes(b"x" * size)
+    (tmp_path / "notes.txt").write_bytes(b"y" * 99999)  # not an image: ignored
+    assert mean_file_bytes(str(tmp_path)) == 3000
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_run_removes_its_files(tmp_path: Path, signum: int) -> None:
+    command = [
+        sys.executable, "-m", "pipeline", "bench", "disk", str(tmp_path),
+        "--size", "64MiB", "--duration", "20", "--threads", "2", "--small-files", "8",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any((d / "data").exists() for d in tmp_path.glob(f"{WORK_PREFIX}*")):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the benchmark never wrote its test file"
+            time.sleep(0.05)
+        time.sleep(0.5)  # well inside the (20 s) read tests
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert _leftovers(tmp_path) == []
+
+
+def test_cli_json(tmp_path: Path) -> None:
+    target = tmp_path / "disk"
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "bench", "disk", str(target), "--size", "8MiB", "--block-sizes", "1MiB",
+         "--duration", "0.1", "--threads", "2", "--small-files", "8", "--small-file-size", "16kB", "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    for key in REQUIRED_KEYS:
+        assert key in data
+    assert data["small_file_bytes"] == 16_000
+    assert data["seq_read_by_block"] == {str(MiB): data["seq_read_mb_s"]}
+    assert _leftovers(target) == []
