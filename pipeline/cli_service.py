@@ -249,6 +249,8 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
         click.echo("  running: " + ", ".join(f"{r['task']} on {r['worker']}" for r in doc["running"]))
     if doc.get("redispatched"):
         click.echo(f"  re-dispatched after a worker was lost: {doc['redispatched']} task(s)")
+    for warning in doc.get("warnings") or []:
+        click.echo(f"  warning: {warning}")
     if doc.get("error") and doc["state"] != "cancelled":
         click.echo(f"  error: {doc['error']}")
     if doc["state"] == "succeeded" and result.get("manifest"):

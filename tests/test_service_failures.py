@@ -17,7 +17,6 @@ from service_harness import (  # noqa: F401 - fixtures
     service_fixture,
     shard_bytes,
     slow_raw,
-    small_raw,
 )
 
 from pipeline.prepare import prepare_dataset

@@ -220,6 +220,7 @@ class JobRecord:
     cleaned: bool = False
     finalizing: bool = False
     locks: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_hash(cls, job_id: str, data: dict[str, str], running: dict[str, str]) -> JobRecord:
@@ -242,6 +243,7 @@ class JobRecord:
             cleaned=data.get("cleaned") == "1",
             finalizing=data.get("finalizing") == "1",
             locks=json.loads(data.get("locks") or "[]"),
+            warnings=json.loads(data.get("warnings") or "[]"),
         )
         for name in _COUNTERS:
             setattr(record, name, int(float(data.get(name) or 0)))
@@ -294,6 +296,7 @@ class JobRecord:
                 for unit, entry in sorted(self.running.items())
             ],
             "redispatched": self.redispatched,
+            "warnings": self.warnings,
             "result": self.result,
             "spec": self.payload,
         }

@@ -120,8 +120,9 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
             store().update(job_id, shards_total=shards, shards_done=shards, listed=info.listed)
             _succeed(record, spec, manifest)
             return {"job": job_id, "already_complete": True}
-        store().update(job_id, shards_total=info.shards, listed=info.listed, prepare_spec=spec.to_dict(), warnings=info.warnings)
-        store().update(job_id, fanned_out=1)
+        store().update(
+            job_id, shards_total=info.shards, listed=info.listed, prepare_spec=spec.to_dict(), warnings=info.warnings, fanned_out=1
+        )
         spec_dict = spec.to_dict()
         header = [write_prepare_shard_task.si(job_id, spec_dict, i).set(queue=record.queue) for i in range(info.shards)]
         chord(header)(finalize_prepare_task.si(job_id, spec_dict).set(queue=record.queue))
