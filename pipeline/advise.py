@@ -250,7 +250,7 @@ def _choose_format(inputs: AdviseInputs) -> tuple[Candidate, str]:
     elif not fits:
         why = f".npy would need {npy_total / 1e9:.1f} GB, more than the target can spare"
     else:
-        why = f".npy would not be much faster ({npy_rate:.0f} vs {jpeg_rate:.0f} images/s) at {ratio:.0f}x the bytes"
+        why = f".npy would give {npy_rate:.0f} images/s against JPEG's {jpeg_rate:.0f}, not worth {ratio:.0f}x the bytes"
     return jpeg, f"--format jpeg --quality {inputs.quality}: {why}"
 
 

@@ -265,8 +265,12 @@ def bench_loader(
         return
     consumer = f"a consumer of {gpu_images_per_s:g} images/s" if gpu_images_per_s else "an infinitely fast consumer"
     click.echo(f"loader over {dataset}, batch {batch_size}, {worker_type} workers, against {consumer}:")
-    rows = [(str(p.num_workers), _num(p.images_per_s), f"{p.stall_fraction:.1%}") for p in result.points]
-    click.echo(_table(rows, ("num_workers", "images/s", "stall")))
+    rows = [
+        (str(p.num_workers), _num(p.images_per_s), f"{p.stall_fraction:.1%}",
+         "n/a" if p.others_cpu_share is None else f"{p.others_cpu_share:.0%}")
+        for p in result.points
+    ]
+    click.echo(_table(rows, ("num_workers", "images/s", "stall", "CPU used by other processes")))
     click.echo(f"best: num_workers={result.best.num_workers} ({result.best.images_per_s:.0f} images/s)")
 
 
@@ -419,7 +423,8 @@ def estimate_memory_command(
         from .bench.loader import measure_loader
 
         _say(f"measuring the loader over {dataset}")
-        loader_images_per_s = measure_loader(dataset, batch_size=batch_size or 64, device=device).images_per_s
+        point = measure_loader(dataset, batch_size=batch_size or 64, device=device)
+        loader_images_per_s = point.idle_images_per_s  # scaled to an idle machine, as advise does
     _say("counting")
     estimate = estimate_memory(
         model,
