@@ -17,6 +17,7 @@ from service_harness import (  # noqa: F401 - fixtures
     service_fixture,
     shard_bytes,
     slow_raw,
+    small_raw,
 )
 
 from pipeline.prepare import prepare_dataset
@@ -196,3 +197,29 @@ def test_a_unit_that_keeps_killing_its_worker_fails_the_job(watchdog: Any, tmp_p
             _check_attempts(job, "shard:0")
     finally:
         tasks._STORE = None
+
+
+def test_finalize_refuses_a_shard_that_does_not_verify(service: Service, small_raw: Path, tmp_path: Path) -> None:
+    from pipeline.prepare import plan_prepare, write_prepare_shard
+    from worker.client import send_unit
+
+    spec = PrepareSpec.from_dict({"source": str(small_raw), "out": str(tmp_path / "out"), "shards": {"max_samples": 8}})
+    plan = plan_prepare(spec)
+    for shard in range(plan.shards):
+        write_prepare_shard(spec, shard)
+    store = service.store
+    job = store.create("prepare", {"spec": spec.to_dict(), "force": False, "overwrite": False}, [str(tmp_path / "out")], "gpufeed")
+    store.transition(job, "running", ("queued",))
+    store.update(job, shards_total=plan.shards, prepare_spec=spec.to_dict(), fanned_out=1)
+    for shard in range(plan.shards):
+        store.record_shard(job, shard, 8, 0, 8, "w@host")
+    victim = tmp_path / "out" / "shard-000001.tar"
+    data = bytearray(victim.read_bytes())
+    data[700] ^= 0xFF  # one flipped byte inside a member: same size, wrong sha256
+    victim.write_bytes(bytes(data))
+
+    service.start_worker("w1")
+    send_unit(store.require(job), "finalize")
+    record = service.wait_finished(job, timeout=60)
+    assert record.state == "failed" and "missing or invalid" in record.error, record.error
+    assert not (tmp_path / "out" / "manifest.json").exists()
