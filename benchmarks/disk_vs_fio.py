@@ -167,11 +167,14 @@ def print_report(report: dict[str, Any]) -> None:
     for key, row in report["rows"].items():
         verdict = "ok" if row["within"] else "OFF by more than 20 %"
         print(f"{names[key]:38}{row['fio']:>12,.0f}{row['gpufeed']:>12,.0f}{row['ratio']:>9.2f}  {verdict}")
-        spread = lambda runs: "/".join(f"{value:,.0f}" for value in runs)  # noqa: E731
-        print(f"{'':38}  runs: fio {spread(row['fio_runs'])}; gpufeed {spread(row['gpufeed_runs'])}")
+        print(f"{'':38}  runs: fio {_spread(row['fio_runs'])}; gpufeed {_spread(row['gpufeed_runs'])}")
     ratios = ", ".join(f"{row['ratio']:.2f}" for row in report["rows"].values())
     print(f"disk agreement: gpufeed/fio = {ratios} (seq read MB/s, 4 KiB IOPS QD1); "
           f"{'within' if report['agree'] else 'NOT within'} ±20 %")
+
+
+def _spread(runs: list[float]) -> str:
+    return "/".join(f"{value:,.0f}" for value in runs)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -114,6 +113,7 @@ class AdviseInputs:
     quality: int = 90
     storage_kind: str = "unknown"
     target_kind: str = "unknown"
+    consumer: str = "GPU"  # what consumes the batches, as the sentences name it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,10 +210,14 @@ def plan_advice(inputs: AdviseInputs) -> Advice:
     reasons = (
         _size_reason(inputs),
         format_reason,
-        f"--shard-size {format_mib(recommendation.shard_bytes)}: {total / 1e6:.0f} MB in about "
-        f"{max(1, math.ceil(total / recommendation.shard_bytes))} shard(s), read sequentially",
-        "--variants 0: the loader's random-resized crop and flip are cheap at the prepared size; "
-        "use --variants K when your own augmentation costs CPU at training time",
+        (
+            f"--shard-size {format_mib(recommendation.shard_bytes)}: {total / 1e6:.0f} MB in about "
+            f"{max(1, math.ceil(total / recommendation.shard_bytes))} shard(s), read sequentially"
+        ),
+        (
+            "--variants 0: the loader's random-resized crop and flip are cheap at the prepared size; "
+            "use --variants K when your own augmentation costs CPU at training time"
+        ),
         f"num_workers={inputs.cores}: one decode thread per available core (as measured)",
     )
     return Advice(
@@ -246,7 +250,7 @@ def _choose_format(inputs: AdviseInputs) -> tuple[Candidate, str]:
             f"raw .npy needs no decode ({npy_rate:.0f} images/s) at {ratio:.0f}x the bytes"
         )
     if not cpu_bound:
-        why = f"JPEG already feeds the GPU ({jpeg_rate:.0f} >= {inputs.ceilings.gpu:.0f} images/s)"
+        why = f"JPEG already feeds the {inputs.consumer} ({jpeg_rate:.0f} >= {inputs.ceilings.gpu:.0f} images/s)"
     elif not fits:
         why = f".npy would need {npy_total / 1e9:.1f} GB, more than the target can spare"
     else:
@@ -265,11 +269,11 @@ def _size_reason(inputs: AdviseInputs) -> str:
 
 def diagnosis_sentence(bottleneck: str, inputs: AdviseInputs) -> str:
     """The diagnosis in one sentence a user understands."""
-    c = inputs.ceilings
+    c, gpu = inputs.ceilings, inputs.consumer
     data_rate = min(v for v in (c.cpu_decode, c.storage, c.host_to_device) if v is not None)
     if bottleneck == "gpu":
         return (
-            f"The GPU is the bottleneck: the input pipeline delivers {data_rate:.0f} images/s, more than the "
+            f"The {gpu} is the bottleneck: the input pipeline delivers {data_rate:.0f} images/s, more than the "
             f"{c.gpu:.0f} images/s the model consumes, so faster data loading will not speed up training."
         )
     waits = 1 - {"cpu_decode": c.cpu_decode, "storage": c.storage or 0.0, "host_to_device": c.host_to_device or 0.0}[
@@ -278,17 +282,17 @@ def diagnosis_sentence(bottleneck: str, inputs: AdviseInputs) -> str:
     if bottleneck == "cpu_decode":
         return (
             f"CPU decode is the bottleneck: {inputs.cores} core(s) decode and crop the raw images at "
-            f"{c.cpu_decode:.0f} images/s, but the GPU could take {c.gpu:.0f} images/s, so it waits {waits:.0%} of the time."
+            f"{c.cpu_decode:.0f} images/s, but the {gpu} could take {c.gpu:.0f} images/s, so it waits {waits:.0%} of the time."
         )
     if bottleneck == "storage":
         mb_s = (c.storage or 0.0) * inputs.raw_bytes_per_sample / 1e6
         return (
             f"Storage is the bottleneck: the raw files come off {inputs.storage_kind} storage at only "
-            f"{c.storage:.0f} images/s ({mb_s:.0f} MB/s), while the GPU could take {c.gpu:.0f} images/s, "
+            f"{c.storage:.0f} images/s ({mb_s:.0f} MB/s), while the {gpu} could take {c.gpu:.0f} images/s, "
             f"so it waits {waits:.0%} of the time."
         )
     return (
-        f"The host-to-device copy is the bottleneck: uint8 batches reach the GPU at {c.host_to_device:.0f} images/s, "
+        f"The host-to-device copy is the bottleneck: uint8 batches reach the {gpu} at {c.host_to_device:.0f} images/s, "
         f"below the {c.gpu:.0f} images/s it could take, so it waits {waits:.0%} of the time."
     )
 
@@ -473,6 +477,7 @@ def advise(
         target_free_bytes=free,
         storage_kind=_describe_storage(source, device_info),
         target_kind=details.get("target_device_kind", "unknown"),
+        consumer="model on the CPU" if details.get("gpu_device") == "cpu" else "GPU",
     )
     advice = plan_advice(inputs)
     name = os.path.basename(os.path.normpath(source.split("://")[-1])) or "dataset"
@@ -555,43 +560,35 @@ def _model_rate(model: Any, input_shape: Any, batch_size: int, device: str, seco
 
 def _cold_read_rate(items: list[Any], readers: int, details: dict[str, Any]) -> float:
     """Files/s reading the sample's files with `readers` threads after evicting them from the page cache."""
-    from .sources import local_path, read_source_bytes
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .sources import local_path
 
     paths = [local_path(item.url) for item in items]
     evictable = all(path is not None for path in paths)
     details["storage_cache_evicted"] = evictable
-    total_bytes = 0
-    done = 0
+    total_bytes = done = 0
     started = time.perf_counter()
-    while True:
-        if evictable:
-            for path in paths:
-                _evict(path)
-        lock = threading.Lock()
-        queue = list(items)
+    with ThreadPoolExecutor(max(1, readers), thread_name_prefix="gpufeed-cold-read") as pool:
+        while True:
+            if evictable:
+                for path in paths:
+                    _evict(path)  # type: ignore[arg-type]
+            total_bytes += sum(pool.map(_read_size, [item.url for item in items]))
+            done += len(items)
+            elapsed = time.perf_counter() - started
+            if elapsed >= 0.5 or not evictable:  # remote files cannot be evicted: one pass
+                details["storage_mb_s"] = total_bytes / elapsed / 1e6
+                return done / elapsed
 
-        def read() -> None:
-            nonlocal total_bytes
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    item = queue.pop()
-                with contextlib.suppress(OSError, ValueError):
-                    size = len(read_source_bytes(item.url, 1 << 30))
-                    with lock:
-                        total_bytes += size
 
-        threads = [threading.Thread(target=read, daemon=True) for _ in range(max(1, readers))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        done += len(items)
-        elapsed = time.perf_counter() - started
-        if elapsed >= 0.5 or not evictable:
-            details["storage_mb_s"] = total_bytes / elapsed / 1e6
-            return done / elapsed
+def _read_size(url: str) -> int:
+    from .sources import read_source_bytes
+
+    try:
+        return len(read_source_bytes(url, 1 << 30))
+    except (OSError, ValueError):
+        return 0
 
 
 def _evict(path: str) -> None:
@@ -618,8 +615,7 @@ def _pack_raw(items: list[Any], blobs: list[bytes], scratch: str) -> str:
     folder = os.path.join(scratch, "raw")
     os.makedirs(folder)
     with open(os.path.join(folder, "shard-000000.tar"), "wb") as handle:
-        for index, (item, data) in enumerate(zip(items, blobs)):
-            handle.write(sample_tar_bytes(f"s{index:06d}", {_image_extension(item.rel): data, "cls": b"0"}))
+        handle.writelines(sample_tar_bytes(f"s{index:06d}", {_image_extension(item.rel): data, "cls": b"0"}) for index, (item, data) in enumerate(zip(items, blobs)))
         handle.write(bytes(1024))
     return os.path.join(folder, "shard-{000000..000000}.tar")
 
@@ -676,10 +672,9 @@ def _prepare_sample(items: list[Any], scratch: str, fmt: str, size: int, workers
     """`gpufeed prepare` of just the sample into scratch/<fmt>; returns (folder, mean bytes per sample)."""
     from .manifest import read_manifest
     from .prepare import prepare_dataset
+    from .sources import local_path
     from .specs import EncodeSpec, PrepareSpec, ResizeSpec
     from .storage import Output
-
-    from .sources import local_path
 
     listing = os.path.join(scratch, f"sample-{fmt}.jsonl")
     with open(listing, "w", encoding="utf-8") as handle:

@@ -355,7 +355,10 @@ def _print_advice(result: Any) -> None:
         f"{result.source}: {result.listed} images (sample of {result.sample}), {inputs.cores} core(s); "
         f"target {result.target} ({inputs.target_kind})"
     )
-    gpu_label = "GPU (given)" if result.details.get("gpu_source") == "given" else f"GPU ({result.details.get('gpu_device', '?')}, measured)"
+    if result.details.get("gpu_source") == "given":
+        gpu_label = "GPU (given)"
+    else:
+        gpu_label = f"{inputs.consumer} (measured on {result.details.get('gpu_device', '?')})"
     rows = [
         ("gpu", gpu_label, ceilings.gpu),
         ("cpu_decode", "CPU decode: loader over page-cached raw files", ceilings.cpu_decode),

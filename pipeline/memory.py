@@ -201,7 +201,7 @@ def batch_rows(estimate: MemoryEstimate, batches: Sequence[int] | None = None) -
     """Memory and images/s for powers of two up to the largest batch (or `batches`)."""
     if batches is None:
         top = estimate.max_batch_size or 256
-        batches = sorted({2**k for k in range(0, max(1, top).bit_length())} | ({top} if top else set()))
+        batches = sorted({2**k for k in range(max(1, top).bit_length())} | ({top} if top else set()))
     rows = []
     for batch in batches:
         memory = estimate.memory_for_batch(batch)
@@ -349,9 +349,9 @@ def measure_step_times(
     Raises:
         ConfigError: an unknown device or optimizer.
     """
-    import torch
-
     import copy
+
+    import torch
 
     target = _device(device)
     model = copy.deepcopy(model).to(target)  # the caller's model stays where it is

@@ -115,6 +115,12 @@ def test_gpu_bottleneck_says_loading_faster_will_not_help() -> None:
     assert "already feeds the GPU" in advice.reasons[1]
 
 
+def test_a_model_timed_on_the_cpu_is_named_as_such() -> None:
+    advice = plan_advice(inputs(ceilings=Ceilings(gpu=100.0, cpu_decode=300.0), consumer="model on the CPU"))
+    assert advice.sentence.startswith("The model on the CPU is the bottleneck")
+    assert "already feeds the model on the CPU" in advice.reasons[1]
+
+
 def test_host_to_device_bottleneck() -> None:
     advice = plan_advice(inputs(ceilings=Ceilings(gpu=2000.0, cpu_decode=900.0, storage=5000.0, host_to_device=600.0)))
     assert advice.bottleneck == "host_to_device"
@@ -196,3 +202,20 @@ def test_real_run_names_cpu_decode_and_its_prediction_holds(raw_photos: Path, tm
     assert [p.name for p in target.iterdir()] == ["prepared"]  # no temp folders left
     with Image.open(plot) as image:
         assert image.format == "PNG" and image.size[0] > 400
+
+
+def test_gpu_rate_from_a_model_on_synthetic_batches(raw_photos: Path, tmp_path: Path) -> None:
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 10))
+    result = advise(
+        str(raw_photos), str(tmp_path / "t"), model=model, input_shape="3,8,8", batch_size=8, sample=16,
+        measure_seconds=0.3, device="cpu",
+    )
+    assert result.details["gpu_source"] == "measured" and result.details["gpu_device"] == "cpu"
+    assert result.inputs.consumer == "model on the CPU"
+    step = result.details["gpu_step_seconds"]
+    assert result.inputs.ceilings.gpu == pytest.approx(8 / step)
+    if result.advice.bottleneck == "gpu":
+        assert result.advice.sentence.startswith("The model on the CPU is the bottleneck")
+    assert list((tmp_path / "t").iterdir()) == []

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from pipeline import plots
-from pipeline.advise import AdviseResult, ApplyResult, Ceilings, Candidate, AdviseInputs, plan_advice
+from pipeline.advise import AdviseInputs, AdviseResult, ApplyResult, Candidate, Ceilings, plan_advice
 from pipeline.bench.decode import DecodeBenchResult, DecoderRow
 from pipeline.bench.disk import DiskBenchResult, RandomReadPoint
 from pipeline.bench.loader import LoaderBenchResult, LoaderPoint
