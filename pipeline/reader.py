@@ -287,18 +287,27 @@ def _segment_samples(shards: list[ShardRef], segment: Segment, on_error: Any) ->
         on_error(f"{url}: {exc}; skipping the rest of this shard")
 
 
-def shuffle_buffer(items: Iterator[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
-    """Seeded reservoir shuffle: deterministic for a given input order and rng."""
+def shuffle_buffer(items: Iterator[Any], size: int, rng: np.random.Generator, initial: int = 64) -> Iterator[Any]:
+    """Seeded shuffle buffer: deterministic for a given input order and rng.
+
+    It starts yielding once `initial` items are in (so the first batch of an
+    epoch does not wait for the whole buffer to fill) and reads two items per
+    yield until it holds `size`.
+    """
     if size <= 1:
         yield from items
         return
     buffer: list[Any] = []
+    initial = min(initial, size)
     for item in items:
+        buffer.append(item)
         if len(buffer) < size:
-            buffer.append(item)
-            continue
-        slot = int(rng.integers(size))
-        yield buffer[slot]
-        buffer[slot] = item
+            extra = next(items, None)
+            if extra is not None:
+                buffer.append(extra)
+        if len(buffer) >= initial:
+            slot = int(rng.integers(len(buffer)))
+            buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
+            yield buffer.pop()
     rng.shuffle(buffer)  # type: ignore[arg-type]
     yield from buffer

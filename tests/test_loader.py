@@ -320,3 +320,23 @@ def test_cuda_batches_equal_cpu_batches(dataset: Path) -> None:
     assert all(g.is_cuda for g in gpu)
     for a, b in zip(cpu, gpu):
         assert torch.allclose(a, b.cpu(), atol=1e-5)
+
+
+def test_batches_kept_by_the_training_loop_are_never_overwritten(dataset: Path) -> None:
+    """CPU output buffers are recycled only once the loop lets go of a batch (views included)."""
+    loader = loader_for(dataset, batch_size=8, prefetch=2)
+    kept, copies, views = [], [], []
+    for index, (images, _) in enumerate(loader):
+        if index % 3 == 0:
+            kept.append(images)
+            copies.append(images.clone())
+        elif index % 3 == 1:
+            views.append(images[2:4])  # a view alone must also keep its buffer
+            copies.append(images[2:4].clone())
+    for held, copy in zip(kept + views, copies[0::2] + copies[1::2]):
+        assert torch.equal(held, copy)
+    # Batches the loop drops are recycled: the pool stays bounded by the prefetch depth.
+    before = len(loader._out_pool)
+    for _ in loader:
+        pass
+    assert len(loader._out_pool) == before <= loader._ring_slots + loader.spec.prefetch + 2
