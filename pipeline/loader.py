@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -161,6 +162,22 @@ def _result(pending: Any) -> Any:
 
 
 @dataclasses.dataclass
+class _Run:
+    """One pass over an epoch: its producer thread, queues and in-flight decodes."""
+
+    epoch: int
+    skip: int
+    out: queue.Queue[Any]
+    free: queue.Queue[int]
+    stop: threading.Event
+    inflight: list[Any]
+    producer: threading.Thread | None = None
+
+    def matches(self, epoch: int, skip: int) -> bool:
+        return self.epoch == epoch and self.skip == skip
+
+
+@dataclasses.dataclass
 class _HostBatch:
     index: int
     slot: int
@@ -201,6 +218,7 @@ class Loader:
         self._out_pool: list[torch.Tensor] = []
         self._out_busy: set[int] = set()
         self._out_lock = threading.Lock()
+        self._next_run: _Run | None = None
         self._warned: set[str] = set()
 
     # -- sizes and epochs -------------------------------------------------
@@ -269,72 +287,12 @@ class Loader:
         self._ring = ring
 
     def _records(self, epoch: int, errors: list[str]) -> Iterator[Record]:
-        shards = self._shards(epoch)
-        segments, per_rank = plan_epoch(
-            shards,
-            seed=self.spec.seed,
-            epoch=epoch,
-            rank=self.rank,
-            world=self.world_size,
-            shuffle=self.spec.train,
-            drop_last=self.spec.effective_drop_last,
+        return _epoch_records(
+            self._shards(epoch), self.spec, epoch, self.rank, self.world_size, errors
         )
-        samples = read_segments(shards, segments, self.spec.interleave if self.spec.train else 1, errors.append)
-        if self.spec.train:
-            rng = np.random.default_rng([self.spec.seed, epoch, self.rank, 0x5B])
-            samples = shuffle_buffer(samples, self.spec.shuffle_buffer, rng)
-        ordinal = 0
-        for key, members in samples:
-            picked = pick_image(members)
-            if picked is None:
-                errors.append(f"sample {key} has no image member ({', '.join(sorted(members))})")
-                continue
-            label = int(members["cls"]) if members.get("cls", b"").strip().lstrip(b"-").isdigit() else -1
-            yield Record(key, picked[1], picked[0], label, ordinal)
-            ordinal += 1
-            if ordinal >= per_rank:
-                return
 
     def _sample_seed(self, epoch: int, ordinal: int) -> int:
         return (self.spec.seed * 0x9E3779B97F4A7C15 ^ (epoch << 40) ^ (self.rank << 32) ^ ordinal) & (2**64 - 1)
-
-    def _produce(
-        self,
-        epoch: int,
-        skip: int,
-        out: queue.Queue[Any],
-        free: queue.Queue[int],
-        stop: threading.Event,
-        inflight: list[Any],
-    ) -> None:
-        errors: list[str] = []
-        try:
-            records = self._records(epoch, errors)
-            batch_size = self.spec.batch_size
-            for _ in range(skip * batch_size):  # resume: replay the order without decoding
-                if next(records, None) is None:
-                    break
-            index = skip
-            while not stop.is_set():
-                chunk = [r for _, r in zip(range(batch_size), records)]
-                self._flush_errors(errors, out, stop)
-                if not chunk or (len(chunk) < batch_size and self.spec.effective_drop_last):
-                    break
-                slot = _get(free, stop)
-                if slot is None:
-                    return
-                out_batch = self._submit(index, slot, chunk, epoch)
-                inflight.extend(out_batch.pending)
-                _put(out, out_batch, stop)
-                index += 1
-            self._flush_errors(errors, out, stop)
-            _put(out, _END, stop)
-        except BaseException as exc:  # surfaced in the training loop, never lost in a thread
-            _put(out, exc, stop)
-
-    def _flush_errors(self, errors: list[str], out: queue.Queue[Any], stop: threading.Event) -> None:
-        while errors:
-            _put(out, ("error", errors.pop(0)), stop)
 
     def _submit(self, index: int, slot: int, chunk: list[Record], epoch: int) -> _HostBatch:
         assert self._ring is not None
@@ -459,29 +417,53 @@ class Loader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self._ensure_workers()
-        with self._out_lock:  # batches of an abandoned iteration will never be delivered
-            self._out_busy.clear()
         epoch, skip = self.epoch, self._skip_batches
+        run = self._next_run if self._next_run is not None and self._next_run.matches(epoch, skip) else None
+        self._next_run = None if run is not None else self._discard_next_run()
+        run = run or self._start_run(epoch, skip)
         self._skip_batches = 0
         self._delivered = skip
-        out: queue.Queue[Any] = queue.Queue(maxsize=self.spec.prefetch)
-        free: queue.Queue[int] = queue.Queue()
-        for slot in range(self._ring_slots):
-            free.put(slot)
-        stop = threading.Event()
-        inflight: list[Any] = []
-        producer = threading.Thread(target=self._produce, args=(epoch, skip, out, free, stop, inflight), daemon=True)
-        producer.start()
+        finished = False
         try:
-            yield from self._deliver(epoch, out, free)
-            self.epoch = epoch + 1  # a finished epoch moves on unless set_epoch says otherwise
-            self._delivered = 0
+            yield from self._deliver(epoch, run.out, run.free)
+            finished = True
         finally:
-            stop.set()
-            producer.join(timeout=30)
-            for pending in inflight:  # no decode may still write into a slot the next epoch reuses
-                with contextlib.suppress(Exception):
-                    _result(pending)
+            self._stop_run(run)
+            if finished:
+                self.epoch = epoch + 1  # a finished epoch moves on unless set_epoch says otherwise
+                self._delivered = 0
+                # Persistent workers: the next epoch starts decoding now, so its first
+                # batch is ready when the training loop comes back.
+                self._next_run = self._start_run(self.epoch, 0)
+
+    def _start_run(self, epoch: int, skip: int) -> _Run:
+        run = _Run(epoch, skip, queue.Queue(maxsize=self.spec.prefetch), queue.Queue(), threading.Event(), [])
+        for slot in range(self._ring_slots):
+            run.free.put(slot)
+        run.producer = threading.Thread(target=_produce, args=(weakref.ref(self), run), daemon=True)
+        run.producer.start()
+        return run
+
+    def _stop_run(self, run: _Run) -> None:
+        run.stop.set()
+        if run.producer is not None and run.producer is not threading.current_thread():
+            run.producer.join(timeout=30)
+        for pending in run.inflight:  # no decode may still write into a slot the next run reuses
+            with contextlib.suppress(Exception):
+                _result(pending)
+        while True:  # batches never delivered give their output buffers back
+            try:
+                item = run.out.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _HostBatch) and item.finished is not None:
+                with self._out_lock:
+                    self._out_busy.discard(id(item.finished))
+
+    def _discard_next_run(self) -> None:
+        if self._next_run is not None:
+            self._stop_run(self._next_run)
+            self._next_run = None
 
     def _next_host_batch(self, out: queue.Queue[Any]) -> _HostBatch | None:
         while True:
@@ -593,6 +575,7 @@ class Loader:
 
     def close(self) -> None:
         """Stop the worker pool (also done when the loader is garbage collected)."""
+        self._discard_next_run()
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
@@ -601,6 +584,80 @@ class Loader:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _epoch_records(
+    shards: list[Any], spec: LoaderSpec, epoch: int, rank: int, world_size: int, errors: list[str]
+) -> Iterator[Record]:
+    """This rank's samples of an epoch, in their deterministic order."""
+    segments, per_rank = plan_epoch(
+        shards,
+        seed=spec.seed,
+        epoch=epoch,
+        rank=rank,
+        world=world_size,
+        shuffle=spec.train,
+        drop_last=spec.effective_drop_last,
+    )
+    samples = read_segments(shards, segments, spec.interleave if spec.train else 1, errors.append)
+    if spec.train:
+        rng = np.random.default_rng([spec.seed, epoch, rank, 0x5B])
+        samples = shuffle_buffer(samples, spec.shuffle_buffer, rng)
+    ordinal = 0
+    for key, members in samples:
+        picked = pick_image(members)
+        if picked is None:
+            errors.append(f"sample {key} has no image member ({', '.join(sorted(members))})")
+            continue
+        label = int(members["cls"]) if members.get("cls", b"").strip().lstrip(b"-").isdigit() else -1
+        yield Record(key, picked[1], picked[0], label, ordinal)
+        ordinal += 1
+        if ordinal >= per_rank:
+            return
+
+
+def _produce(loader_ref: Any, run: _Run) -> None:
+    """The producer thread: records -> batches submitted to the decode workers -> run.out.
+
+    It holds the Loader only while submitting a batch, never while it waits,
+    so a loader the program drops is collected (and its workers stopped) even
+    with a pre-started epoch waiting in its queue.
+    """
+    errors: list[str] = []
+    try:
+        loader = loader_ref()
+        if loader is None:
+            return
+        records = loader._records(run.epoch, errors)
+        batch_size, drop_last = loader.spec.batch_size, loader.spec.effective_drop_last
+        del loader
+        for _ in range(run.skip * batch_size):  # resume: replay the order without decoding
+            if next(records, None) is None:
+                break
+        index = run.skip
+        while not run.stop.is_set():
+            chunk = [r for _, r in zip(range(batch_size), records)]
+            _flush_errors(errors, run)
+            if not chunk or (len(chunk) < batch_size and drop_last):
+                break
+            slot = _get(run.free, run.stop)
+            loader = loader_ref()
+            if slot is None or loader is None:
+                return
+            batch = loader._submit(index, slot, chunk, run.epoch)
+            del loader
+            run.inflight.extend(batch.pending)
+            _put(run.out, batch, run.stop)
+            index += 1
+        _flush_errors(errors, run)
+        _put(run.out, _END, run.stop)
+    except BaseException as exc:  # surfaced in the training loop, never lost in a thread
+        _put(run.out, exc, run.stop)
+
+
+def _flush_errors(errors: list[str], run: _Run) -> None:
+    while errors:
+        _put(run.out, ("error", errors.pop(0)), run.stop)
 
 
 def _only_reference(tensor: torch.Tensor) -> bool:

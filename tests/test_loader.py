@@ -340,3 +340,28 @@ def test_batches_kept_by_the_training_loop_are_never_overwritten(dataset: Path) 
     for _ in loader:
         pass
     assert len(loader._out_pool) == before <= loader._ring_slots + loader.spec.prefetch + 2
+
+
+def test_next_epoch_is_prestarted_and_a_dropped_loader_stops_its_workers(dataset: Path) -> None:
+    import gc
+    import threading
+    import weakref
+
+    baseline = threading.active_count()
+    loader = loader_for(dataset, batch_size=8)
+    for _ in loader:
+        pass
+    assert loader._next_run is not None and loader._next_run.epoch == 1  # decoding ahead
+    second = [labels for _, labels in loader]
+    assert len(second) == len(loader) and loader.epoch == 2
+    ref = weakref.ref(loader)
+    del loader, second
+    gc.collect()
+    assert ref() is None, "the pre-started producer must not keep the loader alive"
+    for _ in range(50):
+        if threading.active_count() <= baseline:
+            break
+        import time
+
+        time.sleep(0.1)
+    assert threading.active_count() <= baseline
