@@ -15,7 +15,10 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
 CHUNK = 16  # tasks per pool message: the same batching gpufeed uses (CHUNK_ITEMS)
@@ -99,17 +102,19 @@ def write_with_pool(
     pattern = os.path.join(out_dir, "shard-%06d.tar")
     written = 0
     context = multiprocessing.get_context("fork")
-    with context.Pool(processes, initializer=initializer, initargs=initargs) as pool:
-        with wds.ShardWriter(pattern, maxsize=SHARD_BYTES, maxcount=10**9, verbose=0) as sink:
-            for (_, label), result in zip(items, pool.imap(work, items, chunksize=CHUNK)):
-                if result is None:
-                    continue
-                key, jpeg, meta = result
-                sample = {"__key__": key, "jpg": jpeg, "json": meta}
-                if label:
-                    sample["cls"] = labels[label]
-                sink.write(sample)
-                written += 1
+    with (
+        context.Pool(processes, initializer=initializer, initargs=initargs) as pool,
+        wds.ShardWriter(pattern, maxsize=SHARD_BYTES, maxcount=10**9, verbose=0) as sink,
+    ):
+        for (_, label), result in zip(items, pool.imap(work, items, chunksize=CHUNK)):
+            if result is None:
+                continue
+            key, jpeg, meta = result
+            sample: dict[str, Any] = {"__key__": key, "jpg": jpeg, "json": meta}
+            if label:
+                sample["cls"] = labels[label]
+            sink.write(sample)
+            written += 1
     return written
 
 
@@ -143,7 +148,7 @@ class Stopwatch:
 
     seconds = 0.0
 
-    def __enter__(self) -> Stopwatch:
+    def __enter__(self) -> Self:
         self._start = time.perf_counter()
         return self
 
@@ -161,7 +166,7 @@ class NoiseMeter:
 
     share: float | None = None
 
-    def __enter__(self) -> NoiseMeter:
+    def __enter__(self) -> Self:
         self._start = (_machine_busy_seconds(), _own_cpu_seconds(), time.perf_counter())
         return self
 

@@ -1,39 +1,48 @@
 """How fast is `make_loader` next to the loaders a user would otherwise pick?
 
 One epoch of training batches (batch 64, RandomResizedCrop to 224 in every
-row, 2 workers, CPU device) over the same demo images, measured in one run:
+row, --workers 2, CPU device) over the same demo images, measured in one run:
 
-  gpufeed (thread)   make_loader(worker_type="thread") over the prepared shards
-  gpufeed (process)  make_loader(worker_type="process"); the faster one is the headline
-  webdataset         plain wds.WebDataset(...).decode("pil") + torchvision-style
-                     RandomResizedCrop + ToTensor + torch DataLoader, same shards
-  imagefolder-raw    an ImageFolder-style Dataset over the raw (~1 MP) JPEGs: PIL
-                     decode + RandomResizedCrop + ToTensor, torch DataLoader
-  ffcv               FFCV's Loader with RandomResizedCropRGBImageDecoder over a
-                     .beton holding the same 256 px JPEG bytes; run as a subprocess
-                     by .venv-ffcv's python (benchmarks/setup_ffcv.sh)
-  ceiling            no I/O, no loader: the fastest decode + RandomResizedCrop
-                     (pipeline.crops.decode_into into a preallocated batch) on the
-                     same JPEG bytes in memory, in as many threads as workers
-  simplejpeg decode  informational: a plain full decode alone, same threads
+  gpufeed (threads)    make_loader(worker_type="thread") over the prepared shards
+  gpufeed (processes)  make_loader(worker_type="process"); the faster of the two is
+                       the headline row
+  gpufeed dtype=uint8  informational: threads, uint8 output like FFCV's row
+  webdataset           plain wds.WebDataset(...).decode("pil") + torchvision-style
+                       RandomResizedCrop + ToTensor + torch DataLoader, same shards
+  imagefolder-raw      an ImageFolder-style Dataset over the raw (~1 MP) JPEGs: PIL
+                       decode + RandomResizedCrop + ToTensor, torch DataLoader
+  ffcv                 FFCV's Loader with RandomResizedCropRGBImageDecoder + ToTensor
+                       (uint8 NHWC) over a .beton holding the same 256 px JPEG bytes,
+                       run as a subprocess by .venv-ffcv's python (setup_ffcv.sh)
+  ffcv-float           informational: FFCV with flip + NormalizeImage + ToTorchImage,
+                       i.e. the flipped, normalised float32 NCHW batches gpufeed gives
+  ceiling              no I/O, no loader: the fastest decode + RandomResizedCrop
+                       (pipeline.crops.decode_into into a preallocated batch) on the
+                       same JPEG bytes in memory, in as many threads as workers
+  simplejpeg           informational: a plain full decode alone, same threads
 
 Every row warms up first (page cache warm; a partial epoch, which also starts
 the workers; a full epoch for FFCV, whose first one JIT-compiles), then one full
 epoch is timed and each batch is touched once, so the figure is the loader's.
-Each row runs --rounds times (>= 2), alternating order; the best run counts:
-the machine is shared and noise only ever slows a run down. Then a stall run:
-a consumer at 80 % of the headline loader's measured rate must find data ready
-(loader.stats.stall_fraction).
+Each row runs --rounds times, alternating order, and the best run counts: the
+machine is shared, and noise only ever slows a run down. A row whose best run
+still saw other processes take more than --noise-limit of the CPUs is run again
+(--retries) and, if it stays noisy, flagged as a lower bound.
 
-Data, cached under --data (default benchmarks/results/loader-data):
+Then the stall run, on the headline design: one epoch measures the loader's
+rate, the next feeds a consumer that "trains" by sleeping batch/(0.8 x rate)
+per batch; loader.stats.stall_fraction must stay under 5 %.
+
+Data, made with the CLI once and cached under --data (default
+benchmarks/results/loader-data):
     gpufeed demo-data DATA/raw --n 2000 --min-side 800 --max-side 1250
     gpufeed prepare DATA/raw DATA/prepared --size 256 --shard-count 250
 (--shard-count gives 8 shards, so each of WebDataset's 2 workers gets some;
-gpufeed's loader does not need it.)
+gpufeed's loader does not need it.) The .beton goes to DATA/ffcv/.
 
 Usage:
-    python benchmarks/loader.py [--data DIR] [--rounds 2] [--json FILE]
-    bash benchmarks/setup_ffcv.sh      # once, for the FFCV row
+    bash benchmarks/setup_ffcv.sh      # once, for the FFCV rows
+    python benchmarks/loader.py [--data DIR] [--rounds 3] [--json FILE] [--check]
 """
 
 from __future__ import annotations
@@ -73,14 +82,18 @@ WARMUP_BATCHES = 6  # partial warm-up epoch: starts the workers, touches every c
 STALL_CONSUMER = 0.8  # the simulated consumer's rate, as a share of the loader's
 TARGETS = {"vs_webdataset": 2.3, "vs_imagefolder": 9.0, "vs_ffcv": 1.2, "of_ceiling": 0.75}
 STALL_TARGET = 0.05
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # gpufeed's defaults, for the FFCV row with the same output
+IMAGENET_STD = (0.229, 0.224, 0.225)
 FFCV_SKIPPED = "skipped (no .venv-ffcv: run benchmarks/setup_ffcv.sh)"
 
 ROW_TITLES = {
-    "gpufeed-thread": "gpufeed make_loader (2 threads)",
-    "gpufeed-process": "gpufeed make_loader (2 processes)",
+    "gpufeed-thread": "gpufeed make_loader (threads)",
+    "gpufeed-process": "gpufeed make_loader (processes)",
+    "gpufeed-uint8": "gpufeed dtype=uint8 (threads)",
     "webdataset": "plain WebDataset + DataLoader",
     "imagefolder": "ImageFolder over raw JPEGs + DataLoader",
-    "ffcv": "FFCV Loader (.beton, 256 px JPEG)",
+    "ffcv": "FFCV Loader (.beton, 256 px JPEG), uint8",
+    "ffcv-float": "FFCV + flip + normalise, float32 NCHW",
     "ceiling": "decode ceiling: decode_into in threads",
     "simplejpeg": "simplejpeg full decode alone, threads",
 }
@@ -166,18 +179,26 @@ def warm_up(batches: Iterable[Any], count: int) -> None:
 # gpufeed
 
 
-def make_gpufeed_loader(prepared: str, worker_type: str, workers: int) -> Any:
+def make_gpufeed_loader(prepared: str, worker_type: str, workers: int, **options: Any) -> Any:
     from pipeline.loader import make_loader
 
     return make_loader(
-        prepared, BATCH, device="cpu", crop=CROP, num_workers=workers, worker_type=worker_type, scale=SCALE, ratio=RATIO
+        prepared,
+        BATCH,
+        device="cpu",
+        crop=CROP,
+        num_workers=workers,
+        worker_type=worker_type,
+        scale=SCALE,
+        ratio=RATIO,
+        **options,
     )
 
 
-def run_gpufeed(prepared: str, worker_type: str, workers: int) -> Run:
+def run_gpufeed(prepared: str, worker_type: str, workers: int, **options: Any) -> Run:
     from pipeline.loader import LoaderStats
 
-    loader = make_gpufeed_loader(prepared, worker_type, workers)
+    loader = make_gpufeed_loader(prepared, worker_type, workers, **options)
     try:
         warm_up(loader, WARMUP_BATCHES)
         loader.set_epoch(1)
@@ -191,38 +212,59 @@ def run_gpufeed(prepared: str, worker_type: str, workers: int) -> Run:
 
 @dataclasses.dataclass
 class StallResult:
+    """A consumer at STALL_CONSUMER x the rate the loader measured just before, on one loader."""
+
+    loader_images_per_s: float
     consumer_images_per_s: float
     sleep_per_batch_s: float
     stats: dict[str, float]
     first_batch_wait_s: float
-    steady_stall_fraction: float
+    noise: float | None = None
+
+    @property
+    def stall_fraction(self) -> float:
+        return float(self.stats["stall_fraction"])
+
+    @property
+    def steady_stall_fraction(self) -> float:
+        """The stall fraction without the first batch's wait (the epoch's pipeline fill)."""
+        total = self.stats["wait_s"] + self.stats["step_s"] - self.first_batch_wait_s
+        return max(0.0, (self.stats["wait_s"] - self.first_batch_wait_s) / total) if total > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"steady_stall_fraction": round(self.steady_stall_fraction, 4)}
 
 
-def run_stall(prepared: str, worker_type: str, workers: int, loader_rate: float) -> StallResult:
-    """A consumer at STALL_CONSUMER x the loader's rate: how much of its time does it wait?"""
+def run_stall(prepared: str, worker_type: str, workers: int) -> StallResult:
+    """Measure the loader's rate over one epoch, then feed a consumer at STALL_CONSUMER x that rate.
+
+    The consumer "trains" by sleeping batch / (0.8 x rate) per batch; the
+    loader's own stats say how much of the loop went on waiting for data.
+    Both epochs run on the same loader in the same minute, so a noisy
+    machine slows the measurement and the consumer alike.
+    """
     from pipeline.loader import LoaderStats
 
-    rate = STALL_CONSUMER * loader_rate
-    sleep_per_batch = BATCH / rate
     loader = make_gpufeed_loader(prepared, worker_type, workers)
     try:
         warm_up(loader, WARMUP_BATCHES)
+        loader.set_epoch(1)
+        images, seconds, _ = time_epoch(loader)
+        rate = STALL_CONSUMER * images / seconds
+        sleep_per_batch = BATCH / rate
         loader.set_epoch(2)
         loader.stats = LoaderStats()
         first_wait = None
         start = time.perf_counter()
-        for images, labels in loader:
+        for batch, labels in loader:
             if first_wait is None:
                 first_wait = time.perf_counter() - start
-            touch(images)
-            time.sleep(sleep_per_batch * len(labels) / BATCH)  # the "training step"
-        stats = loader.stats
+            touch(batch)
+            time.sleep(sleep_per_batch * len(labels) / BATCH)  # the training step
+        stats = loader.stats.to_dict()
     finally:
         loader.close()
-    first_wait = first_wait or 0.0
-    total = stats.wait_s + stats.step_s
-    steady = (stats.wait_s - first_wait) / (total - first_wait) if total > first_wait else 0.0
-    return StallResult(rate, sleep_per_batch, stats.to_dict(), first_wait, max(0.0, steady))
+    return StallResult(images / seconds, rate, sleep_per_batch, stats, first_wait or 0.0)
 
 
 # ---------------------------------------------------------------------------
@@ -237,7 +279,9 @@ class RandomResizedCropToTensor:
     uint8 HWC array -> float CHW / 255.
     """
 
-    def __init__(self, size: int = CROP, scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO) -> None:
+    def __init__(
+        self, size: int = CROP, scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO
+    ) -> None:
         self.size, self.scale, self.ratio = size, scale, ratio
 
     def get_params(self, width: int, height: int) -> tuple[int, int, int, int]:
@@ -246,15 +290,15 @@ class RandomResizedCropToTensor:
         for _ in range(10):
             target_area = area * random.uniform(*self.scale)
             aspect = math.exp(random.uniform(*log_ratio))
-            w = int(round(math.sqrt(target_area * aspect)))
-            h = int(round(math.sqrt(target_area / aspect)))
+            w = round(math.sqrt(target_area * aspect))
+            h = round(math.sqrt(target_area / aspect))
             if 0 < w <= width and 0 < h <= height:
                 return random.randint(0, height - h), random.randint(0, width - w), h, w
         in_ratio = width / height
         if in_ratio < min(self.ratio):
-            w, h = width, int(round(width / min(self.ratio)))
+            w, h = width, round(width / min(self.ratio))
         elif in_ratio > max(self.ratio):
-            h, w = height, int(round(height * max(self.ratio)))
+            h, w = height, round(height * max(self.ratio))
         else:
             w, h = width, height
         return (height - h) // 2, (width - w) // 2, h, w
@@ -265,7 +309,7 @@ class RandomResizedCropToTensor:
         from PIL import Image
 
         top, left, h, w = self.get_params(*img.size)
-        img = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.BILINEAR)
+        img = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.Resampling.BILINEAR)
         array = torch.from_numpy(np.array(img, np.uint8, copy=True)).view(self.size, self.size, 3)
         return array.permute(2, 0, 1).contiguous().float().div(255)
 
@@ -328,7 +372,7 @@ def make_imagefolder_loader(raw: str, workers: int) -> Any:
     import torch
 
     transform, _ = make_transform()
-    dataset = RawImageFolder(common.list_jpegs(raw), transform)
+    dataset: Any = RawImageFolder(common.list_jpegs(raw), transform)  # a map-style Dataset
     return torch.utils.data.DataLoader(
         dataset, batch_size=BATCH, shuffle=True, num_workers=workers, persistent_workers=True
     )
@@ -386,18 +430,19 @@ def ceiling_candidates() -> dict[str, Callable[[int, list[bytes]], None]]:
 
     from pipeline.crops import CropSpec, decode_into, simplejpeg
 
-    decoders = (["simplejpeg"] if simplejpeg is not None else []) + ["pil"]
-    candidates = {}
-    for decoder in decoders:
-        spec = CropSpec(CROP, True, SCALE, RATIO, decoder=decoder)
-
-        def work(part: int, blobs: list[bytes], spec: CropSpec = spec) -> None:
-            batch = np.empty((BATCH, CROP, CROP, 3), np.uint8)
+    def decoding_with(spec: CropSpec) -> Callable[[int, list[bytes]], None]:
+        def work(part: int, blobs: list[bytes]) -> None:
+            batch = np.empty((BATCH, CROP, CROP, 3), np.uint8)  # one preallocated batch per thread
             for index, data in enumerate(blobs):
                 decode_into(batch[index % BATCH], "jpg", data, spec, seed=(part << 32) | index)
 
-        candidates[f"decode_into ({decoder})"] = work
-    return candidates
+        return work
+
+    decoders = (["simplejpeg"] if simplejpeg is not None else []) + ["pil"]
+    return {
+        f"decode_into ({decoder})": decoding_with(CropSpec(CROP, True, SCALE, RATIO, decoder=decoder))
+        for decoder in decoders
+    }
 
 
 def run_ceiling(blobs: list[bytes], threads: int) -> Run:
@@ -476,14 +521,30 @@ def write_beton(prepared: str, path: str, workers: int) -> dict[str, Any]:
     return {"samples": len(samples), "write_s": round(time.perf_counter() - start, 2), "bytes": os.path.getsize(path)}
 
 
-def run_ffcv_row(prepared: str, beton: str, workers: int) -> dict[str, Any]:
+def ffcv_pipelines(output: str) -> dict[str, list[Any]]:
+    """uint8: the decoder + ToTensor (uint8 NHWC batches, as FFCV's README shows);
+    float: what gpufeed delivers, i.e. also flipped, normalised float32 NCHW (FFCV's
+    CPU NormalizeImage is a numba lookup-table loop, parallel over the batch)."""
+    import numpy as np
+    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from ffcv.transforms import NormalizeImage, RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
+
+    decoder = RandomResizedCropRGBImageDecoder((CROP, CROP), scale=SCALE, ratio=RATIO)
+    image: list[Any] = [decoder, ToTensor()]
+    if output == "float":
+        mean = np.array(IMAGENET_MEAN) * 255
+        std = np.array(IMAGENET_STD) * 255
+        normalise = NormalizeImage(mean, std, np.float32)
+        image = [decoder, RandomHorizontalFlip(), normalise, ToTensor(), ToTorchImage(channels_last=False)]
+    return {"image": image, "label": [IntDecoder(), ToTensor(), Squeeze()]}
+
+
+def run_ffcv_row(prepared: str, beton: str, workers: int, output: str) -> dict[str, Any]:
     """Warm-up epoch (JIT), then one timed epoch; returns what the parent needs."""
     written = None
     if not os.path.exists(beton):
         written = write_beton(prepared, beton, workers)
-    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
-    from ffcv.transforms import Squeeze, ToTensor
 
     common.warm_page_cache([beton])
     loader = Loader(
@@ -493,10 +554,7 @@ def run_ffcv_row(prepared: str, beton: str, workers: int) -> dict[str, Any]:
         order=OrderOption.RANDOM,
         os_cache=True,
         drop_last=False,
-        pipelines={
-            "image": [RandomResizedCropRGBImageDecoder((CROP, CROP), scale=SCALE, ratio=RATIO), ToTensor()],
-            "label": [IntDecoder(), ToTensor(), Squeeze()],
-        },
+        pipelines=ffcv_pipelines(output),
     )
     start = time.perf_counter()
     warm_images, _, _ = time_epoch(loader)
@@ -505,13 +563,16 @@ def run_ffcv_row(prepared: str, beton: str, workers: int) -> dict[str, Any]:
         images, seconds, first = time_epoch(loader)
     if images != warm_images:
         raise RuntimeError(f"FFCV delivered {images} images, then {warm_images}")
-    return {
-        "images": images,
-        "seconds": seconds,
-        "noise": noise.share,
-        "detail": {"first_batch_s": round(first, 4), "warmup_epoch_s": round(warmup_s, 2), "beton": os.path.basename(beton)}
-        | ({"written": written} if written else {}),
+    batch = next(iter(loader))[0]
+    detail = {
+        "first_batch_s": round(first, 4),
+        "warmup_epoch_s": round(warmup_s, 2),
+        "beton": os.path.basename(beton),
+        "output": f"{str(batch.dtype).replace('torch.', '')} {list(batch.shape)}",
     }
+    if written:
+        detail["written"] = written
+    return {"images": images, "seconds": seconds, "noise": noise.share, "detail": detail}
 
 
 def ffcv_versions() -> dict[str, Any]:
@@ -528,8 +589,9 @@ def ffcv_versions() -> dict[str, Any]:
     }
 
 
-def run_ffcv_subprocess(python: str, data: str, prepared: str, workers: int) -> Run:
+def run_ffcv_subprocess(python: str, data: str, workers: int, output: str) -> Run:
     command = [python, os.path.abspath(__file__), "--row", "ffcv", "--data", data, "--workers", str(workers)]
+    command += ["--ffcv-output", output]
     answer = _run_json(command)
     return Run(answer["images"], answer["seconds"], answer["detail"], answer["noise"])
 
@@ -565,7 +627,9 @@ def ensure_data(data: str, n: int) -> tuple[str, str]:
     if found < n:
         if found and not os.path.exists(marker):
             raise SystemExit(f"{raw} holds {found} JPEGs (fewer than --n {n}) that this benchmark did not generate")
-        _gpufeed_cli("demo-data", raw, "--n", str(n), "--min-side", str(DEMO_SIDES[0]), "--max-side", str(DEMO_SIDES[1]))
+        _gpufeed_cli(
+            "demo-data", raw, "--n", str(n), "--min-side", str(DEMO_SIDES[0]), "--max-side", str(DEMO_SIDES[1])
+        )
         with open(marker, "w") as handle:
             json.dump({"n": n, "min_side": DEMO_SIDES[0], "max_side": DEMO_SIDES[1]}, handle)
         common.fresh_dir(prepared)
@@ -639,8 +703,17 @@ def local_versions() -> dict[str, Any]:
 
 def headline(rows: dict[str, Row]) -> str:
     """The faster of gpufeed's two worker designs."""
-    rates = {name: rows[name].best.images_per_s for name in ("gpufeed-thread", "gpufeed-process") if rows[name].best}
+    rates = {}
+    for name in ("gpufeed-thread", "gpufeed-process"):
+        run = rows[name].best
+        if run is not None:
+            rates[name] = run.images_per_s
     return max(rates, key=rates.__getitem__)
+
+
+def _ratio(rows: dict[str, Row], name: str, other: str) -> float | None:
+    ours, theirs = rows[name].best, rows[other].best
+    return ours.images_per_s / theirs.images_per_s if ours and theirs and theirs.images_per_s else None
 
 
 def speedups(rows: dict[str, Row], best: str) -> dict[str, float | None]:
@@ -659,27 +732,45 @@ def speedups(rows: dict[str, Row], best: str) -> dict[str, float | None]:
         "vs_imagefolder": ratio("imagefolder"),
         "vs_ffcv": ratio("ffcv"),
         "of_ceiling": ratio("ceiling"),
+        "vs_ffcv_float": ratio("ffcv-float"),  # same output as gpufeed; informational, no target
+        "uint8_vs_ffcv": _ratio(rows, "gpufeed-uint8", "ffcv"),  # both uint8; informational
     }
 
 
+def _noise_suffix(share: float | None) -> str:
+    return "" if share is None else f" ({share:.0%})"
+
+
 def _run_text(run: Run) -> str:
-    noise = "" if run.noise is None else f" ({run.noise:.0%})"
-    return f"{run.images_per_s:.1f}{noise}"
+    return f"{run.images_per_s:.1f}{_noise_suffix(run.noise)}"
+
+
+def _noise_text(share: float | None) -> str:
+    return "noise unknown" if share is None else f"other processes took {share:.0%} of the CPUs"
 
 
 def print_report(
-    header: dict[str, Any], rows: dict[str, Row], best: str, ratios: dict[str, float | None], stall: StallResult | None
+    header: dict[str, Any], rows: dict[str, Row], best: str, ratios: dict[str, float | None], stalls: list[StallResult]
 ) -> None:
+    stall = min(stalls, key=lambda run: run.stall_fraction) if stalls else None
+    _print_header(header)
+    _print_rows(header, rows, best)
+    if stall is not None:
+        _print_stall(stall, stalls, best)
+    _print_summary(ratios, stall)
+
+
+def _print_header(header: dict[str, Any]) -> None:
     data, local, ffcv = header["data"], header["versions"], header["ffcv"]
+    width, height = data["prepared_mean_size"]
     print(
-        f"gpufeed loader benchmark: one epoch of {data['prepared_images']} images "
-        f"({data['prepared_mean_size'][0]}x{data['prepared_mean_size'][1]} px mean, {data['prepared_mean_kb']:.0f} KB JPEG; "
-        f"raw {data['raw_mean_megapixels']:.2f} MP, {data['raw_mean_kb']:.0f} KB), batch {BATCH}, "
-        f"RandomResizedCrop {CROP}, {header['workers']} workers, CPU"
+        f"gpufeed loader benchmark: one epoch of {data['prepared_images']} images ({width}x{height} px mean, "
+        f"{data['prepared_mean_kb']:.0f} KB JPEG; raw {data['raw_mean_megapixels']:.2f} MP, {data['raw_mean_kb']:.0f} KB), "
+        f"batch {BATCH}, RandomResizedCrop {CROP}, {header['workers']} workers, CPU"
     )
     print(
-        f"page cache warm, warm-up before every timed epoch, best of {header['rounds']} alternating rounds; "
-        f"{header['cpus']} CPUs"
+        f"page cache warm, warm-up before every timed epoch, best of {header['rounds']} alternating rounds "
+        f"(+ retries of rows whose best run had > {header['noise_limit']:.0%} noise); {header['cpus']} CPUs"
     )
     print(
         f"PIL: {local['pil']}, libjpeg-turbo {local['libjpeg_turbo']} | simplejpeg {local['simplejpeg']} | "
@@ -694,6 +785,9 @@ def print_report(
             f"ffcv {ffcv['ffcv']}, numba {ffcv['numba']}, numpy {ffcv['numpy']}, opencv {ffcv['opencv']}, "
             f"torch {ffcv['torch']} (.venv-ffcv, Python {ffcv['python']})"
         )
+
+
+def _print_rows(header: dict[str, Any], rows: dict[str, Row], best: str) -> None:
     print(f"{'':42} {'images/s':>9} {'seconds':>8}  runs: images/s (CPU share other processes took)")
     for name, row in rows.items():
         title = ROW_TITLES[name] + (" *" if name == best else "")
@@ -702,31 +796,44 @@ def print_report(
             print(f"{title:42} {row.skipped or 'no run'}")
             continue
         runs = ", ".join(_run_text(r) for r in row.runs)
-        print(f"{title:42} {run.images_per_s:9.1f} {run.seconds:8.2f}  {runs}")
-        if name.startswith("gpufeed"):
-            stats = run.detail["stats"]
+        flag = "  NOISY: a lower bound" if _noisy(run, header["noise_limit"]) else ""
+        print(f"{title:42} {run.images_per_s:9.1f} {run.seconds:8.2f}  {runs}{flag}")
+        detail = run.detail
+        if name.startswith("gpufeed") and detail.get("stats"):
             print(
-                f"{'':4}first batch after {run.detail['first_batch_s']:.2f} s; loader.stats: "
-                f"waited {stats['wait_s']:.2f} s, stall fraction {stats['stall_fraction']:.1%} (consumer does nothing)"
+                f"{'':4}first batch after {detail['first_batch_s']:.2f} s; loader.stats: waited "
+                f"{detail['stats']['wait_s']:.2f} s, stall fraction {detail['stats']['stall_fraction']:.1%} "
+                "(consumer does nothing)"
             )
         if name == "ceiling":
-            d = run.detail
-            paths = "; ".join(f"{k} {v:.0f}" for k, v in d["images_per_s"].items())
-            one = "; ".join(f"{k} {v:.0f}" for k, v in d["one_thread_images_per_s"].items())
-            print(f"{'':4}fastest: {d['fastest']}; {header['workers']} threads: {paths}; 1 thread: {one}")
-        if name == "ffcv":
-            d = run.detail
-            print(f"{'':4}JIT warm-up epoch {d['warmup_epoch_s']:.1f} s (not timed)")
-    print(f"(* = headline gpufeed row, the faster worker design)")
-    if stall is not None:
-        s = stall.stats
-        print(
-            f"stall run ({best}): consumer at {STALL_CONSUMER:.0%} of {stall.consumer_images_per_s / STALL_CONSUMER:.0f} "
-            f"= {stall.consumer_images_per_s:.0f} images/s (sleep {stall.sleep_per_batch_s * 1e3:.1f} ms per batch): "
-            f"loader.stats.stall_fraction = {s['stall_fraction']:.2%} "
-            f"(waited {s['wait_s']:.2f} s of {s['wait_s'] + s['step_s']:.2f} s; {stall.first_batch_wait_s:.2f} s of it "
-            f"for the first batch; after it {stall.steady_stall_fraction:.2%})"
-        )
+            paths = "; ".join(f"{k} {v:.0f}" for k, v in detail["images_per_s"].items())
+            one = "; ".join(f"{k} {v:.0f}" for k, v in detail["one_thread_images_per_s"].items())
+            print(f"{'':4}fastest: {detail['fastest']}; {header['workers']} threads: {paths}; 1 thread: {one}")
+        if name.startswith("ffcv"):
+            print(f"{'':4}batches: {detail['output']}; JIT warm-up epoch {detail['warmup_epoch_s']:.1f} s (not timed)")
+    print("(* = headline gpufeed row, the faster worker design)")
+
+
+def _print_stall(stall: StallResult, stalls: list[StallResult], best: str) -> None:
+    runs = ", ".join(f"{run.stall_fraction:.1%}{_noise_suffix(run.noise)}" for run in stalls)
+    print(
+        f"stall run ({best}, best of {len(stalls)}: {runs}): loader measured {stall.loader_images_per_s:.0f} images/s, "
+        f"then a consumer at {STALL_CONSUMER:.0%} = {stall.consumer_images_per_s:.0f} images/s "
+        f"(sleep {stall.sleep_per_batch_s * 1e3:.1f} ms per batch of {BATCH})"
+    )
+    s = stall.stats
+    print(
+        f"{'':4}loader.stats.stall_fraction = {stall.stall_fraction:.2%} (waited {s['wait_s']:.2f} s of "
+        f"{s['wait_s'] + s['step_s']:.2f} s; {stall.first_batch_wait_s:.2f} s of it for the first batch; "
+        f"{stall.steady_stall_fraction:.2%} after it)"
+    )
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _print_summary(ratios: dict[str, float | None], stall: StallResult | None) -> None:
     marks = []
     for key, goal in TARGETS.items():
         value = ratios[key]
@@ -734,17 +841,17 @@ def print_report(
         state = "n/a" if value is None else ("met" if value >= goal else "MISSED")
         marks.append(f"{shown}: {state}")
     if stall is not None:
-        met = stall.stats["stall_fraction"] < STALL_TARGET
-        marks.append(f"stall < {STALL_TARGET:.0%}: {'met' if met else 'MISSED'}")
+        marks.append(f"stall < {STALL_TARGET:.0%}: {'met' if stall.stall_fraction < STALL_TARGET else 'MISSED'}")
     print("targets: " + "; ".join(marks))
-
-    def times(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.2f}x"
-
+    print(
+        f"like for like: {_times(ratios['vs_ffcv_float'])} vs ffcv-float (both flipped, normalised float32 NCHW); "
+        f"gpufeed dtype=uint8 {_times(ratios['uint8_vs_ffcv'])} vs ffcv uint8 (NCHW vs NHWC uint8); "
+        "webdataset and imagefolder-raw deliver unnormalised float32 (ToTensor), no flips"
+    )
     ceiling = "n/a" if ratios["of_ceiling"] is None else f"{ratios['of_ceiling']:.0%}"
     print(
-        f"loader speedup: {times(ratios['vs_webdataset'])} vs webdataset, {times(ratios['vs_imagefolder'])} vs "
-        f"imagefolder-raw, {times(ratios['vs_ffcv'])} vs ffcv, {ceiling} of decode ceiling"
+        f"loader speedup: {_times(ratios['vs_webdataset'])} vs webdataset, {_times(ratios['vs_imagefolder'])} vs "
+        f"imagefolder-raw, {_times(ratios['vs_ffcv'])} vs ffcv, {ceiling} of decode ceiling"
     )
 
 
@@ -753,20 +860,34 @@ def print_report(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=DEFAULT_DATA, help="cache folder for the demo JPEGs, the shards and the .beton")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data", default=DEFAULT_DATA, help="cache folder for the demo JPEGs, the shards and the .beton"
+    )
     parser.add_argument("--n", type=int, default=2000, help="demo images (default 2000)")
     parser.add_argument("--workers", type=int, default=2, help="workers (threads/processes) in every row (default 2)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per row, alternating; the best counts (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per row, alternating; the best counts (default 3)")
     parser.add_argument("--ffcv-venv", default=DEFAULT_FFCV_VENV, help="venv made by benchmarks/setup_ffcv.sh")
-    parser.add_argument("--rows", default=",".join(ROW_TITLES), help="comma-separated subset of: " + ", ".join(ROW_TITLES))
+    parser.add_argument(
+        "--rows", default=",".join(ROW_TITLES), help="comma-separated subset of: " + ", ".join(ROW_TITLES)
+    )
     parser.add_argument("--no-stall", action="store_true", help="skip the stall run")
+    parser.add_argument(
+        "--noise-limit",
+        type=float,
+        default=0.10,
+        help="a row whose best run saw other processes take more than this share of the CPUs is run again (default 0.10)",
+    )
+    parser.add_argument("--retries", type=int, default=3, help="extra runs at most for a noisy row (default 3)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     parser.add_argument("--row", choices=["ffcv", "versions"], help=argparse.SUPPRESS)
+    parser.add_argument("--ffcv-output", choices=["uint8", "float"], default="uint8", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.workers < 1 or args.n < 1:
-        parser.error("--rounds, --workers and --n must be at least 1")
+    if args.rounds < 1 or args.workers < 1 or args.n < 1 or args.retries < 0:
+        parser.error("--rounds, --workers and --n must be at least 1, --retries at least 0")
     unknown = set(args.rows.split(",")) - set(ROW_TITLES)
     if unknown:
         parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
@@ -780,8 +901,70 @@ def run_single_row(args: argparse.Namespace) -> int:
         return 0
     data = os.path.abspath(args.data)
     prepared = os.path.join(data, "prepared")
-    common.print_json_line(run_ffcv_row(prepared, beton_path(data, prepared), args.workers))
+    common.print_json_line(run_ffcv_row(prepared, beton_path(data, prepared), args.workers, args.ffcv_output))
     return 0
+
+
+def measure_once(name: str, runner: Callable[[], Run], row: Row, files: list[str], label: str) -> None:
+    """One run of one row (page cache warmed first); a failure marks the row skipped."""
+    common.warm_page_cache(files)
+    try:
+        with common.NoiseMeter() as noise:
+            run = runner()
+    except RuntimeError as exc:
+        row.skipped = f"failed: {exc}"
+        print(f"{label}: {ROW_TITLES[name]}: {row.skipped}", file=sys.stderr)
+        return
+    if run.noise is None:  # the FFCV rows measure their own timed epoch
+        run.noise = noise.share
+    row.runs.append(run)
+    print(f"{label}: {ROW_TITLES[name]:42} {_run_text(run)}", file=sys.stderr)
+
+
+def measure_rows(
+    rows: dict[str, Row], runners: dict[str, Callable[[], Run]], files: list[str], args: argparse.Namespace
+) -> None:
+    """--rounds alternating rounds, then up to --retries more runs of each row whose best run was noisy."""
+    for round_index in range(args.rounds):
+        order = list(rows) if round_index % 2 == 0 else list(rows)[::-1]
+        for name in order:
+            if not rows[name].skipped:
+                measure_once(name, runners[name], rows[name], files, f"round {round_index + 1}")
+    for attempt in range(args.retries):
+        noisy = [name for name, row in rows.items() if not row.skipped and _noisy(row.best, args.noise_limit)]
+        for name in noisy:
+            measure_once(name, runners[name], rows[name], files, f"retry {attempt + 1} (noisy)")
+
+
+def _noisy(run: Run | StallResult | None, limit: float) -> bool:
+    return run is not None and run.noise is not None and run.noise > limit
+
+
+def measure_stalls(prepared: str, worker_type: str, files: list[str], args: argparse.Namespace) -> list[StallResult]:
+    stalls: list[StallResult] = []
+    attempts = 0
+    while attempts < args.rounds + args.retries:
+        best = min(stalls, key=lambda run: run.stall_fraction) if stalls else None
+        if attempts >= args.rounds and not _noisy(best, args.noise_limit):
+            break
+        attempts += 1
+        common.warm_page_cache(files)
+        with common.NoiseMeter() as noise:
+            run = run_stall(prepared, worker_type, args.workers)
+        run.noise = noise.share
+        stalls.append(run)
+        print(
+            f"stall run {attempts}: stall fraction {run.stall_fraction:.1%} ({_noise_text(noise.share)})",
+            file=sys.stderr,
+        )
+    return stalls
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(report, handle, indent=2)
+        handle.write("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -801,6 +984,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "cpus": common.available_processes(),
         "rounds": args.rounds,
+        "noise_limit": args.noise_limit,
         "batch": BATCH,
         "crop": CROP,
         "versions": local_versions(),
@@ -808,65 +992,50 @@ def main(argv: list[str] | None = None) -> int:
     }
     selected = args.rows.split(",")
     rows = {name: Row(name) for name in ROW_TITLES if name in selected}
-    if "ffcv" in rows and (header["ffcv"] is None or "error" in header["ffcv"]):
-        rows["ffcv"].skipped = FFCV_SKIPPED if header["ffcv"] is None else f"skipped ({header['ffcv']['error']})"
+    for name in ("ffcv", "ffcv-float"):
+        if name in rows and (header["ffcv"] is None or "error" in header["ffcv"]):
+            rows[name].skipped = FFCV_SKIPPED if header["ffcv"] is None else f"skipped ({header['ffcv']['error']})"
     workers = args.workers
     runners: dict[str, Callable[[], Run]] = {
         "gpufeed-thread": lambda: run_gpufeed(prepared, "thread", workers),
         "gpufeed-process": lambda: run_gpufeed(prepared, "process", workers),
+        "gpufeed-uint8": lambda: run_gpufeed(prepared, "thread", workers, dtype="uint8"),
         "webdataset": lambda: run_dataloader(make_webdataset_loader(prepared, workers)),
         "imagefolder": lambda: run_dataloader(make_imagefolder_loader(raw, workers)),
-        "ffcv": lambda: run_ffcv_subprocess(python, data, prepared, workers),
+        "ffcv": lambda: run_ffcv_subprocess(python, data, workers, "uint8"),
+        "ffcv-float": lambda: run_ffcv_subprocess(python, data, workers, "float"),
         "ceiling": lambda: run_ceiling(blobs, workers),
         "simplejpeg": lambda: run_simplejpeg(blobs, workers),
     }
     files = shard_paths(prepared) + [path for path, _ in common.list_jpegs(raw)]
-    for round_index in range(args.rounds):
-        order = list(rows) if round_index % 2 == 0 else list(rows)[::-1]
-        for name in order:
-            if rows[name].skipped:
-                continue
-            common.warm_page_cache(files)
-            try:
-                with common.NoiseMeter() as noise:
-                    run = runners[name]()
-            except RuntimeError as exc:
-                rows[name].skipped = f"failed: {exc}"
-                print(f"round {round_index + 1}: {ROW_TITLES[name]}: {rows[name].skipped}", file=sys.stderr)
-                continue
-            if run.noise is None:  # the FFCV row measures its own timed epoch
-                run.noise = noise.share
-            rows[name].runs.append(run)
-            print(f"round {round_index + 1}: {ROW_TITLES[name]:42} {_run_text(run)}", file=sys.stderr)
-    gpufeed_rows = [name for name in ("gpufeed-thread", "gpufeed-process") if name in rows and rows[name].best]
-    if not gpufeed_rows:
+    measure_rows(rows, runners, files, args)
+    if not any(name in rows and rows[name].best for name in ("gpufeed-thread", "gpufeed-process")):
         raise SystemExit("no gpufeed row ran")
-    for name in ("gpufeed-thread", "gpufeed-process", "webdataset", "imagefolder", "ffcv", "ceiling"):
+    for name in ROW_TITLES:
         rows.setdefault(name, Row(name, skipped="not selected (--rows)"))
+    rows = {name: rows[name] for name in ROW_TITLES}  # report in the usual order
     best = headline(rows)
     ratios = speedups(rows, best)
-    stall = None
-    if not args.no_stall:
-        rate = rows[best].best.images_per_s  # type: ignore[union-attr]
-        stall = run_stall(prepared, best.split("-")[1], workers, rate)
-    print_report(header, rows, best, ratios, stall)
+    stalls = [] if args.no_stall else measure_stalls(prepared, best.split("-")[1], files, args)
+    print_report(header, rows, best, ratios, stalls)
+    stall = min(stalls, key=lambda run: run.stall_fraction) if stalls else None
     if args.json:
-        report = {
-            **header,
-            "rows": {name: row.to_dict() for name, row in rows.items()},
-            "headline": best,
-            "speedup": {k: (round(v, 4) if v is not None else None) for k, v in ratios.items()},
-            "stall": dataclasses.asdict(stall) if stall else None,
-            "targets": TARGETS | {"stall_fraction_below": STALL_TARGET},
-            "targets_met": {k: (v is not None and v >= TARGETS[k]) for k, v in ratios.items()}
-            | ({"stall": stall.stats["stall_fraction"] < STALL_TARGET} if stall else {}),
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-            handle.write("\n")
-    missed = any(v is None or v < TARGETS[k] for k, v in ratios.items())
-    missed = missed or (stall is not None and stall.stats["stall_fraction"] >= STALL_TARGET)
+        write_json(
+            args.json,
+            {
+                **header,
+                "rows": {name: row.to_dict() for name, row in rows.items()},
+                "headline": best,
+                "speedup": {k: (round(v, 4) if v is not None else None) for k, v in ratios.items()},
+                "stall": stall.to_dict() if stall else None,
+                "stall_runs": [run.to_dict() for run in stalls],
+                "targets": TARGETS | {"stall_fraction_below": STALL_TARGET},
+                "targets_met": {k: (v is not None and v >= TARGETS[k]) for k, v in ratios.items() if k in TARGETS}
+                | ({"stall": stall.stall_fraction < STALL_TARGET} if stall else {}),
+            },
+        )
+    missed = any(ratios[k] is None or ratios[k] < goal for k, goal in TARGETS.items())  # type: ignore[operator]
+    missed = missed or (stall is not None and stall.stall_fraction >= STALL_TARGET)
     return 1 if args.check and missed else 0
 
 

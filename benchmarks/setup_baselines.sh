@@ -19,8 +19,8 @@ IMG2DATASET="img2dataset==1.47.0"
 # here (the same as gpufeed's), installed first, never a CUDA wheel pulled in.
 TORCH_PIN="torch==2.13.0"
 
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 9) or sys.version_info >= (3, 13))' || {
-    echo "setup_baselines.sh: need Python 3.9-3.12 (img2dataset imports imghdr); set PYTHON=" >&2
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10) or sys.version_info >= (3, 13))' || {
+    echo "setup_baselines.sh: need Python 3.10-3.12 (img2dataset imports imghdr); set PYTHON=" >&2
     exit 2
 }
 "$PYTHON" -m venv "$VENV"

@@ -16,9 +16,11 @@ cd "$(dirname "$0")/.."
 VENV="${1:-.venv-ffcv}"
 PYTHON="${PYTHON:-python3}"
 FFCV="ffcv==1.0.2"
-# torch first, pinned to gpufeed's CPU build, so that nothing pulls a CUDA wheel.
+# torch first, pinned to gpufeed's version, so that ffcv's dependencies cannot
+# pull another (CUDA) build. Here pip's find-links hold the +cpu wheel; elsewhere
+# point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index before running this.
 TORCH_PIN="torch==2.13.0"
-# ffcv 1.0.2 (2023) predates NumPy 2: its writer and readers use NumPy 1 APIs.
+# ffcv 1.0.2 (2023) was released and tested against NumPy 1; stay there.
 NUMPY_PIN="numpy<2"
 
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 8) or sys.version_info >= (3, 12))' || {
@@ -52,9 +54,10 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 printf '%s\n' "$TORCH_PIN" "$NUMPY_PIN" >"$constraints"
-# ffcv imports PIL but does not declare it. Build isolation off: ffcv's
-# setup.py imports distutils (stdlib up to 3.11, else setuptools' shim), and
-# builds against the pinned numpy-free toolchain already in the venv.
+# ffcv imports PIL but does not declare it. Its C extension needs no numpy
+# headers; the build runs without isolation so that it uses this venv's
+# setuptools (ffcv's setup.py imports distutils: stdlib up to 3.11, else the
+# setuptools shim) and pip does not fetch a second toolchain.
 "${PIP[@]}" install -q -c "$constraints" "$NUMPY_PIN" numba opencv-python pillow
 "${PIP[@]}" install -q -c "$constraints" --no-build-isolation "$FFCV"
 
