@@ -285,7 +285,12 @@ class _Workers:
         context = multiprocessing.get_context("fork")
         return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_child, initargs=self._initargs)
 
-    def submit(self, chunk: list[tuple[int, SourceItem]]) -> Any:
+    def submit(self, chunk: list[tuple[int, SourceItem]], cache: dict[int, SampleOutcome] | None = None) -> Any:
+        if cache:
+            known = {index: cache.pop(index) for index, _ in chunk if index in cache}
+            if known:
+                rest = [(index, item) for index, item in chunk if index not in known]
+                return _WithKnown(known, chunk, self.submit(rest) if rest else None)
         if self._executor is None:
             from concurrent.futures import Future
 
@@ -329,6 +334,17 @@ class _Workers:
             self._executor = None
 
 
+class _WithKnown:
+    """A chunk's outcomes: some measured earlier (the size estimate), the rest still running."""
+
+    def __init__(self, known: dict[int, SampleOutcome], chunk: list[tuple[int, SourceItem]], pending: Any) -> None:
+        self.known, self.chunk, self.pending = known, chunk, pending
+
+    def result(self) -> list[SampleOutcome]:
+        fresh = {outcome.index: outcome for outcome in (self.pending.result() if self.pending else [])}
+        return [self.known.get(index) or fresh[index] for index, _ in self.chunk]
+
+
 def available_cores() -> int:
     """Cores this process may run on (cgroup/affinity aware), at least 1."""
     try:
@@ -352,6 +368,8 @@ class _Job:
     listed: int
     ignored: int
     warnings: list[str]
+    pool: _Workers | None = None
+    cache: dict[int, SampleOutcome] = dataclasses.field(default_factory=dict)
 
 
 def prepare_dataset(
@@ -384,7 +402,7 @@ def prepare_dataset(
     workers = available_cores() if workers is None else workers
     if workers < 0:
         raise ConfigError("--workers must be 0 or more")
-    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite)
+    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, workers=workers)
     if isinstance(job_or_done, Manifest):
         return _already_complete(job_or_done, spec, workers, started)
     job = job_or_done
@@ -415,14 +433,14 @@ def _result(job: _Job, manifest: Manifest, seconds: float, processed: int, resum
     )
 
 
-def _open_or_plan(spec: PrepareSpec, *, force: bool, overwrite: bool) -> _Job | Manifest:
+def _open_or_plan(spec: PrepareSpec, *, force: bool, overwrite: bool, workers: int | None = None) -> _Job | Manifest:
     _refuse_out_inside_source(spec)
     output = Output(spec.out)
     finished = _check_existing(output, spec, overwrite)
     if finished is not None:
         return finished
     output.makedirs()
-    return _start_job(spec, output, force, overwrite)
+    return _start_job(spec, output, force, overwrite, workers)
 
 
 # ---------------------------------------------------------------------------
@@ -622,7 +640,7 @@ def _already_complete(manifest: Manifest, spec: PrepareSpec, workers: int, start
     )
 
 
-def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool) -> _Job:
+def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool, workers: int | None = None) -> _Job:
     work = output.local(WORK_DIR)
     os.makedirs(os.path.join(work, "shards"), exist_ok=True)
     listing = Listing(work)
@@ -647,10 +665,16 @@ def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool) 
         saved = None
         output.remove(f"{WORK_DIR}/shards")
         os.makedirs(os.path.join(work, "shards"), exist_ok=True)
+    pool: _Workers | None = None
+    cache: dict[int, SampleOutcome] = {}
     if saved is not None:
         plan = ShardPlan(**saved["plan"])
-    else:
-        per_sample = _estimate_sample_bytes(listing, listed, spec, classes)
+        return _Job(spec, output, work, listing, plan, classes, listed, info.ignored, warnings)
+    # The worker pool starts now: it measures the size estimate in parallel,
+    # and the samples it measured are kept for their shards, not redone.
+    pool = _Workers(workers, spec, classes) if workers is not None else None
+    try:
+        per_sample, cache = _estimate_sample_bytes(listing, listed, spec, classes, pool)
         plan = plan_shards(listed, _samples_per_shard(spec, per_sample), spec.seed)
         warnings += _check_placement(spec, per_sample * listed * max(1, spec.augment.variants), force)
         record = {
@@ -663,7 +687,11 @@ def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool) 
             "ignored": info.ignored,
         }
         output.write_bytes_atomic(plan_rel, json.dumps(record, indent=1).encode("utf-8"))
-    return _Job(spec, output, work, listing, plan, classes, listed, info.ignored, warnings)
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+        raise
+    return _Job(spec, output, work, listing, plan, classes, listed, info.ignored, warnings, pool, cache)
 
 
 def _class_names(info: ListingInfo, labels: set[str]) -> list[str]:
@@ -675,18 +703,28 @@ def _class_names(info: ListingInfo, labels: set[str]) -> list[str]:
     return sorted(labels)
 
 
-def _estimate_sample_bytes(listing: Listing, listed: int, spec: PrepareSpec, classes: list[str]) -> int:
-    """Mean bytes one sample adds to a shard, measured on a few evenly spread sources."""
-    class_index = {name: i for i, name in enumerate(classes)}
+def _estimate_sample_bytes(
+    listing: Listing, listed: int, spec: PrepareSpec, classes: list[str], pool: _Workers | None
+) -> tuple[int, dict[int, SampleOutcome]]:
+    """Mean bytes one sample adds to a shard, measured on a few evenly spread sources.
+
+    Returns the estimate and the measured outcomes (index -> outcome) for reuse.
+    """
     step = max(1, listed // ESTIMATE_SAMPLES)
-    sizes = []
-    for index in range(0, listed, step)[:ESTIMATE_SAMPLES]:
-        outcome = process_item(listing.get(index), index, spec, class_index)
-        if outcome.tars:
-            sizes.append(len(outcome.tars[0]))
+    chunk = [(index, listing.get(index)) for index in range(0, listed, step)[:ESTIMATE_SAMPLES]]
+    if pool is None:
+        class_index = {name: i for i, name in enumerate(classes)}
+        outcomes = [process_item(item, index, spec, class_index) for index, item in chunk]
+    else:
+        per_worker = max(1, -(-len(chunk) // max(1, pool.workers)))
+        pieces = [chunk[i : i + per_worker] for i in range(0, len(chunk), per_worker)]
+        pending = [(pool.submit(piece), piece) for piece in pieces]
+        outcomes = [outcome for future, piece in pending for outcome in pool.result(future, piece)]
+    sizes = [len(outcome.tars[0]) for outcome in outcomes if outcome.tars]
+    cache = {outcome.index: outcome for outcome in outcomes}
     if not sizes:
-        return 64 * 1024  # nothing decodable in the sample: plan for typical JPEGs
-    return int(math.ceil(sum(sizes) / len(sizes)))
+        return 64 * 1024, cache  # nothing decodable in the sample: plan for typical JPEGs
+    return int(math.ceil(sum(sizes) / len(sizes))), cache
 
 
 def _samples_per_shard(spec: PrepareSpec, per_sample: int) -> int:
@@ -771,7 +809,7 @@ def _write_pending_shards(
     resumed = job.plan.shards - len(pending)
     total = sum(len(job.plan.positions(s)) for s in pending)
     state = PrepareProgress(0, total, 0, 0.0)
-    pool = _Workers(workers, job.spec, job.classes)
+    pool = job.pool or _Workers(workers, job.spec, job.classes)
     try:
         for shard in pending:
             _write_one_shard(job, shard, pool, state, progress, started)
@@ -797,7 +835,7 @@ def _write_one_shard(
     with _ExitAll(writers):
         in_flight: deque[tuple[Any, list[tuple[int, SourceItem]]]] = deque()
         for chunk in _chunks(job, shard):
-            in_flight.append((pool.submit(chunk), chunk))
+            in_flight.append((pool.submit(chunk, job.cache), chunk))
             if len(in_flight) >= window:
                 _drain(pool.result(*in_flight.popleft()), writers, rejected, state)
                 _report(state, progress, started)
