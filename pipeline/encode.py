@@ -14,7 +14,10 @@ def encode_image(img: Any, spec: EncodeSpec) -> bytes:
     """JPEG / WebP / PNG bytes, or a uint8 HxWx3 `.npy` array (no decode at load time).
 
     Deterministic: the same pixels and spec always give the same bytes.
+    An RGBX image (see `decode_image(padded=True)`) is converted to RGB first.
     """
+    if img.mode != "RGB":
+        img = img.convert("RGB")
     if spec.format == "npy":
         buffer = io.BytesIO()
         np.save(buffer, np.asarray(img, dtype=np.uint8), allow_pickle=False)

@@ -138,6 +138,7 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
             scale_for=lambda w, h: required_scale(spec.resize, spec.augment, w, h),
             max_pixels=spec.max_pixels,
             background=spec.background,
+            padded=True,
         )
         outcome.tars = [sample_tar_bytes(key, m) for m in _render_variants(decoded, key, item, spec, classes)]
     except DecodeError as exc:
@@ -151,6 +152,8 @@ def _render_variants(
     decoded: Any, key: str, item: SourceItem, spec: PrepareSpec, classes: dict[str, int]
 ) -> list[dict[str, bytes]]:
     label = classes.get(item.label) if item.label is not None else None
+    if spec.augment.variants and decoded.image.mode != "RGB":
+        decoded.image = decoded.image.convert("RGB")  # the augmentations work on RGB
     members_per_set = []
     variants = range(spec.augment.variants) if spec.augment.variants else [None]
     for variant in variants:
