@@ -20,20 +20,26 @@ def _fail(message: str, code: int = FAILURE) -> NoReturn:
     sys.exit(code)
 
 
-def _user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn gpufeed errors and Ctrl-C into a one-line message and an exit code."""
+def exit_on_user_errors(interrupted: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator: gpufeed errors become one line and exit 1; Ctrl-C prints `interrupted`, exit 130."""
     import functools
 
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except GpufeedError as exc:
-            _fail(str(exc))
-        except KeyboardInterrupt:
-            _fail("interrupted; complete shards are kept, run the same command again to resume", 130)
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return func(*args, **kwargs)
+            except GpufeedError as exc:
+                _fail(str(exc))
+            except KeyboardInterrupt:
+                _fail(interrupted, 130)
 
-    return wrapper
+        return wrapper
+
+    return decorate
+
+
+_user_errors = exit_on_user_errors("interrupted; complete shards are kept, run the same command again to resume")
 
 
 class _Gpufeed(click.Group):

@@ -5,34 +5,21 @@ Parsing and printing only: the measurements live in pipeline.bench, pipeline.adv
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import shlex
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import click
 
-from .cli import _fail, main
-from .errors import ConfigError, GpufeedError
+from .cli import exit_on_user_errors, main
+from .errors import ConfigError
 from .specs import parse_bytes
 
 
-def _measure_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Gpufeed errors -> one line and exit 1; Ctrl-C -> exit 130 (test files are already removed)."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except GpufeedError as exc:
-            _fail(str(exc))
-        except KeyboardInterrupt:
-            _fail("interrupted; temporary test files were removed", 130)
-
-    return wrapper
+# Ctrl-C: the benchmarks have removed their test files by the time this prints.
+_measure_errors = exit_on_user_errors("interrupted; temporary test files were removed")
 
 
 def _say(text: str) -> None:

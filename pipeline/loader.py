@@ -696,7 +696,8 @@ def _resolve_workers(num_workers: int | str) -> int:
     return int(num_workers)
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" (CUDA when available), "cpu", "cuda[:N]" or a torch.device; ConfigError when unusable."""
     if isinstance(device, torch.device):
         return device
     if device == "auto":
@@ -763,7 +764,7 @@ def make_loader(
         if name in options:
             options[name] = tuple(options[name])
     spec = LoaderSpec(batch_size=batch_size, train=train, crop=crop, **options)
-    resolved = _resolve_device(device)
+    resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":
         from .gpu_decode import check_gpu_decode
 

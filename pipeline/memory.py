@@ -375,17 +375,9 @@ def measure_step_times(
 
 
 def _device(device: str) -> Any:
-    import torch
+    from .loader import resolve_device
 
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise ConfigError(f"unknown device {device!r}") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' asked for but CUDA is not available here")
-    return resolved
+    return resolve_device(device)
 
 
 def _optimizer(model: Any, name: str) -> Any:
