@@ -18,6 +18,7 @@ IMG2DATASET="img2dataset==1.47.0"
 # If anything in the resolution wants torch, it must be the CPU build pinned
 # here (the same as gpufeed's), installed first, never a CUDA wheel pulled in.
 TORCH_PIN="torch==2.13.0"
+export NO_ALBUMENTATIONS_UPDATE=1  # albumentations asks PyPI for a newer version on import
 
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10) or sys.version_info >= (3, 13))' || {
     echo "setup_baselines.sh: need Python 3.10-3.12 (img2dataset imports imghdr); set PYTHON=" >&2
