@@ -8,6 +8,7 @@ that needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import multiprocessing
@@ -221,3 +222,47 @@ def _own_cpu_seconds() -> float:
 def print_json_line(data: dict[str, Any]) -> None:
     """The last stdout line of a row run as a subprocess: what the parent parses."""
     print(json.dumps(data, sort_keys=True), flush=True)
+
+
+@dataclasses.dataclass
+class Run:
+    """One timed run of one row."""
+
+    images: int
+    seconds: float
+    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+    noise: float | None = None  # share of the CPUs other processes used meanwhile
+    bytes: int | None = None  # what the run wrote, where that is a figure
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclasses.dataclass
+class Row:
+    """Every run of a row; the best one is the row's figure."""
+
+    name: str
+    runs: list[Run] = dataclasses.field(default_factory=list)
+    skipped: str = ""
+
+    @property
+    def best(self) -> Run | None:
+        return max(self.runs, key=lambda run: run.images_per_s) if self.runs else None
+
+    def to_dict(self, title: str) -> dict[str, Any]:
+        best = self.best
+        data: dict[str, Any] = {"title": title}
+        if self.skipped:
+            data["skipped"] = self.skipped
+        if best is not None:
+            data.update(images_per_s=round(best.images_per_s, 2), seconds=round(best.seconds, 4), images=best.images)
+            if best.bytes is not None:
+                data["bytes"] = best.bytes
+            data.update(
+                runs_images_per_s=[round(run.images_per_s, 2) for run in self.runs],
+                runs_noise=[None if run.noise is None else round(run.noise, 3) for run in self.runs],
+                detail=best.detail,
+            )
+        return data

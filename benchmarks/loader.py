@@ -66,6 +66,8 @@ try:
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
     import common  # type: ignore[no-redef]
 
+Run, Row = common.Run, common.Row
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.join(REPO, "benchmarks", "results", "loader-data")
 DEFAULT_FFCV_VENV = os.path.join(REPO, ".venv-ffcv")
@@ -97,49 +99,6 @@ ROW_TITLES = {
     "ceiling": "decode ceiling: decode_into in threads",
     "simplejpeg": "simplejpeg full decode alone, threads",
 }
-
-
-@dataclasses.dataclass
-class Run:
-    """One timed epoch of one row."""
-
-    images: int
-    seconds: float
-    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
-    noise: float | None = None  # share of the CPUs other processes used meanwhile
-
-    @property
-    def images_per_s(self) -> float:
-        return self.images / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclasses.dataclass
-class Row:
-    """Every run of a row; the best one is the row's figure."""
-
-    name: str
-    runs: list[Run] = dataclasses.field(default_factory=list)
-    skipped: str = ""
-
-    @property
-    def best(self) -> Run | None:
-        return max(self.runs, key=lambda run: run.images_per_s) if self.runs else None
-
-    def to_dict(self) -> dict[str, Any]:
-        best = self.best
-        data: dict[str, Any] = {"title": ROW_TITLES[self.name]}
-        if self.skipped:
-            data["skipped"] = self.skipped
-        if best is not None:
-            data.update(
-                images_per_s=round(best.images_per_s, 2),
-                seconds=round(best.seconds, 4),
-                images=best.images,
-                runs_images_per_s=[round(run.images_per_s, 2) for run in self.runs],
-                runs_noise=[None if run.noise is None else round(run.noise, 3) for run in self.runs],
-                detail=best.detail,
-            )
-        return data
 
 
 # ---------------------------------------------------------------------------
@@ -1024,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json,
             {
                 **header,
-                "rows": {name: row.to_dict() for name, row in rows.items()},
+                "rows": {name: row.to_dict(ROW_TITLES[name]) for name, row in rows.items()},
                 "headline": best,
                 "speedup": {k: (round(v, 4) if v is not None else None) for k, v in ratios.items()},
                 "stall": stall.to_dict() if stall else None,

@@ -27,7 +27,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import json
 import math
@@ -42,6 +41,8 @@ try:
     from . import common
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
     import common  # type: ignore[no-redef]
+
+Run, Row = common.Run, common.Row
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.join(REPO, "benchmarks", "results", "data")
@@ -62,51 +63,6 @@ ROW_TITLES = {
     "img2dataset": "img2dataset Resizer + wds.ShardWriter",
     "floor": "floor",
 }
-
-
-@dataclasses.dataclass
-class Run:
-    """One timed run of one row."""
-
-    images: int
-    seconds: float
-    bytes: int = 0
-    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
-    noise: float | None = None  # share of the CPUs other processes used meanwhile
-
-    @property
-    def images_per_s(self) -> float:
-        return self.images / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclasses.dataclass
-class Row:
-    """Every run of a row; the best one is the row's figure."""
-
-    name: str
-    runs: list[Run] = dataclasses.field(default_factory=list)
-    skipped: str = ""
-
-    @property
-    def best(self) -> Run | None:
-        return max(self.runs, key=lambda run: run.images_per_s) if self.runs else None
-
-    def to_dict(self) -> dict[str, Any]:
-        best = self.best
-        data: dict[str, Any] = {"title": ROW_TITLES[self.name]}
-        if self.skipped:
-            data["skipped"] = self.skipped
-        if best is not None:
-            data.update(
-                images_per_s=round(best.images_per_s, 2),
-                seconds=round(best.seconds, 4),
-                images=best.images,
-                bytes=best.bytes,
-                runs_images_per_s=[round(run.images_per_s, 2) for run in self.runs],
-                runs_noise=[None if run.noise is None else round(run.noise, 3) for run in self.runs],
-                detail=best.detail,
-            )
-        return data
 
 
 # ---------------------------------------------------------------------------
@@ -134,7 +90,7 @@ def run_gpufeed(data: str, out: str, processes: int, expected: int) -> Run:
     seconds = time.perf_counter() - start
     if result.samples != expected or result.rejected:
         raise RuntimeError(f"gpufeed wrote {result.samples} samples, {result.rejected} rejected; expected {expected}")
-    return Run(result.samples, seconds, result.bytes, _phases(start, seconds, marks))
+    return Run(result.samples, seconds, _phases(start, seconds, marks), bytes=result.bytes)
 
 
 def _gpufeed_prepare() -> Callable[..., Any]:
@@ -229,7 +185,7 @@ def run_pool_row(name: str, data: str, out: str, processes: int) -> Run:
     with common.Stopwatch() as watch:
         items = common.list_jpegs(data)
         written = common.write_with_pool(items, out, processes, work, initializer=initializer)
-    return Run(written, watch.seconds, common.directory_bytes(out))
+    return Run(written, watch.seconds, bytes=common.directory_bytes(out))
 
 
 def run_img2dataset_subprocess(python: str, data: str, out: str, processes: int, expected: int) -> Run:
@@ -239,7 +195,7 @@ def run_img2dataset_subprocess(python: str, data: str, out: str, processes: int,
     answer = _run_json(command)
     if answer["images"] != expected:
         raise RuntimeError(f"img2dataset wrote {answer['images']} samples; expected {expected}")
-    return Run(answer["images"], answer["seconds"], answer["bytes"])
+    return Run(answer["images"], answer["seconds"], bytes=answer["bytes"])
 
 
 def _run_json(command: list[str]) -> dict[str, Any]:
@@ -363,7 +319,7 @@ def run_floor(paths: list[str], processes: int) -> Run:
         "parallel_images_per_s": round(_run_in_parallel(fastest, blobs, processes), 2),
     }
     # As a job: these images on `processes` perfectly parallel processes.
-    return Run(len(blobs), len(blobs) * per_image[fastest] / processes, 0, detail)
+    return Run(len(blobs), len(blobs) * per_image[fastest] / processes, detail, bytes=0)
 
 
 _FLOOR: dict[str, Any] = {}
@@ -717,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report = {
             **header,
-            "rows": {name: row.to_dict() for name, row in rows.items()},
+            "rows": {name: row.to_dict(ROW_TITLES[name]) for name, row in rows.items()},
             "floor_ms_per_image_best": _best_costs(rows["floor"]) if rows["floor"].runs else None,
             "speedup": {k: (round(v, 4) if v is not None else None) for k, v in ratios.items()},
             "targets": TARGETS,
