@@ -15,6 +15,11 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN CC="cc ${SIMD_CFLAGS}" pip wheel --no-deps --no-cache-dir --no-binary pillow-simd \
       "pillow-simd==${PILLOW_SIMD_VERSION}" -w /wheels
+# The loader's region JPEG decoder, built here where the compiler and headers are: the
+# runtime image finds it in GPUFEED_CACHE and needs neither.
+COPY pipeline/native.py pipeline/jpegregion.c /src/pipeline/
+RUN cd /src && GPUFEED_CACHE=/gpufeed-cache python -c \
+      "from pipeline import native; assert native.library() is not None, native.problem()"
 
 FROM ${PYTHON_IMAGE}
 RUN apt-get update \
@@ -30,10 +35,12 @@ RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu 
  && pip install --no-cache-dir . \
  && pip uninstall -y pillow
 COPY --from=pillow-simd /wheels /tmp/wheels
+COPY --from=pillow-simd /gpufeed-cache /opt/gpufeed-cache
 RUN pip install --no-cache-dir --no-deps /tmp/wheels/pillow_simd-*.whl && rm -rf /tmp/wheels \
  && useradd --create-home --uid 10001 gpufeed \
  && mkdir -p /data /shards && chown gpufeed /shards
 USER gpufeed
 ENV PYTHONUNBUFFERED=1 \
-    GPUFEED_ALLOWED_ROOTS=/data:/shards
+    GPUFEED_ALLOWED_ROOTS=/data:/shards \
+    GPUFEED_CACHE=/opt/gpufeed-cache
 CMD ["gpufeed", "worker"]

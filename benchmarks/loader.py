@@ -17,8 +17,9 @@ row, --workers 2, CPU device) over the same demo images, measured in one run:
   ffcv-float           informational: FFCV with flip + NormalizeImage + ToTorchImage,
                        i.e. the flipped, normalised float32 NCHW batches gpufeed gives
   ceiling              no I/O, no loader: the fastest decode + RandomResizedCrop
-                       (pipeline.crops.decode_into into a preallocated batch) on the
-                       same JPEG bytes in memory, in as many threads as workers
+                       (pipeline.crops.decode_into, each JPEG decoder present, into a
+                       preallocated batch) on the same JPEG bytes in memory, in as
+                       many threads as workers
   simplejpeg           informational: a plain full decode alone, same threads
 
 Every row warms up first (page cache warm; a partial epoch, which also starts
@@ -387,17 +388,19 @@ def ceiling_candidates() -> dict[str, Callable[[int, list[bytes]], None]]:
     """decode_into with each JPEG decoder present, like the loader's workers run it."""
     import numpy as np
 
+    from pipeline import native
     from pipeline.crops import CropSpec, decode_into, simplejpeg
 
     def decoding_with(spec: CropSpec) -> Callable[[int, list[bytes]], None]:
         def work(part: int, blobs: list[bytes]) -> None:
-            batch = np.empty((BATCH, CROP, CROP, 3), np.uint8)  # one preallocated batch per thread
+            batch = np.empty((BATCH, 3, CROP, CROP), np.uint8)  # one preallocated NCHW batch per thread
             for index, data in enumerate(blobs):
                 decode_into(batch[index % BATCH], "jpg", data, spec, seed=(part << 32) | index)
 
         return work
 
-    decoders = (["simplejpeg"] if simplejpeg is not None else []) + ["pil"]
+    decoders = ["region"] if native.library() is not None else []
+    decoders += (["simplejpeg"] if simplejpeg is not None else []) + ["pil"]
     return {
         f"decode_into ({decoder})": decoding_with(CropSpec(CROP, True, SCALE, RATIO, decoder=decoder))
         for decoder in decoders

@@ -3,7 +3,9 @@
 The crop is chosen from the image header before decoding so that JPEGs are
 decoded already scaled down in the DCT domain (libjpeg-turbo M/8 scaling) to
 just what the crop needs; the crop box is then resized once into the
-preallocated uint8 HxWx3 slot. No per-image tensors, no ToTensor.
+preallocated uint8 slot, planar 3xHxW (the loader's batch layout: the
+device-side conversion reads it without a transpose) or interleaved HxWx3.
+No per-image tensors, no ToTensor.
 libjpeg-turbo and Pillow release the GIL, so threads scale across cores.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import native
 from .decode import _pil, open_image, to_rgb
 from .errors import DecodeError
 
@@ -38,7 +41,12 @@ class CropSpec:
         scale: random crop area range.
         ratio: random crop aspect range.
         eval_fraction: centre crop fraction in eval mode (0.875: 224 from 256).
-        decoder: "simplejpeg" or "pil" for JPEGs.
+        max_pixels: larger images are refused as decompression bombs.
+        fast_dct: the region decoder's fast integer IDCT and plain chroma
+            upsampling (faster, differs from the exact decode by a few levels).
+        decoder: for JPEGs, "region" (only the crop's rows and iMCU columns,
+            DCT-scaled, see native.py), "simplejpeg" (whole image, DCT-scaled)
+            or "pil".
     """
 
     size: int = 224
@@ -48,9 +56,16 @@ class CropSpec:
     eval_fraction: float = 0.875
     decoder: str = "simplejpeg"
     max_pixels: int = 89_478_485
+    fast_dct: bool = False
+
+
+JPEG_DECODERS = ("region", "simplejpeg", "pil")
 
 
 def default_decoder() -> str:
+    """The fastest JPEG decoder present: region, else simplejpeg, else Pillow."""
+    if native.library() is not None:
+        return "region"
     return "simplejpeg" if simplejpeg is not None else "pil"
 
 
@@ -92,8 +107,12 @@ def crop_box(rng: random.Random | None, width: int, height: int, spec: CropSpec)
     return centre_crop_box(width, height, spec)
 
 
-def decode_into(slot: np.ndarray, extension: str, data: bytes, spec: CropSpec, seed: int) -> None:
-    """Decode one sample into `slot` (size x size x 3 uint8, written in place).
+def decode_into(slot: np.ndarray, extension: str, data: bytes, spec: CropSpec, seed: int, *, flip: bool = False) -> None:
+    """Decode one sample into `slot`, written in place.
+
+    `slot` is uint8, either planar (3, size, size) or interleaved
+    (size, size, 3); its shape says which. `flip` mirrors the result
+    left-right.
 
     Raises:
         DecodeError: the sample is corrupt or not an image.
@@ -103,15 +122,26 @@ def decode_into(slot: np.ndarray, extension: str, data: bytes, spec: CropSpec, s
         if extension == "npy":
             array = np.load(io.BytesIO(data), allow_pickle=False)
             _check_pixels(array.shape[1] if array.ndim > 1 else 0, array.shape[0], spec)
-            _crop_array_into(slot, _as_rgb_array(array), rng, spec)
+            _crop_array_into(slot, _as_rgb_array(array), rng, spec, flip)
+        elif extension in ("jpg", "jpeg") and spec.decoder == "region" and _region_decoder() is not None:
+            _region_into(slot, data, rng, spec, flip)
         elif extension in ("jpg", "jpeg") and spec.decoder == "simplejpeg" and simplejpeg is not None:
-            _jpeg_into(slot, data, rng, spec)
+            _jpeg_into(slot, data, rng, spec, flip)
         else:
-            _pil_into(slot, data, rng, spec)
+            _pil_into(slot, data, rng, spec, flip)
     except DecodeError:
         raise
     except Exception as exc:  # any decoder failure is one bad sample, not a crashed epoch
         raise DecodeError(f"cannot decode .{extension} sample: {str(exc)[:160] or type(exc).__name__}") from None
+
+
+def _planar(slot: np.ndarray) -> bool:
+    return slot.shape[0] == 3 and slot.shape[2] != 3
+
+
+def _slot_size(slot: np.ndarray) -> tuple[int, int]:
+    """(width, height) of the image a slot holds."""
+    return (slot.shape[2], slot.shape[1]) if _planar(slot) else (slot.shape[1], slot.shape[0])
 
 
 def _check_pixels(width: int, height: int, spec: CropSpec) -> None:
@@ -131,25 +161,75 @@ def _as_rgb_array(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec) -> None:
+def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool) -> None:
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     _check_pixels(width, height, spec)
     left, top, cw, ch = crop_box(rng, width, height, spec)
+    if not _planar(slot) and _exact_crop((left, top, left + cw, top + ch), _slot_size(slot)):
+        # Eval at the prepared size into interleaved pixels: decode RGB, copy the rows.
+        array = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=_decode_buffer(width * height * 3))
+        _resize_box_into(slot, array, (left, top, left + cw, top + ch), flip)
+        return
     scale = min(1.0, max(spec.size / cw, spec.size / ch))
     kwargs = {}
     if scale < 1.0:
         kwargs = {"min_width": math.ceil(width * scale), "min_height": math.ceil(height * scale)}
-    array = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=_decode_buffer(width, height), **kwargs)
+    # RGBX is PIL's own pixel layout, so the decoded buffer becomes an image
+    # without a copy; the resize result is unpacked straight into the slot.
+    array = simplejpeg.decode_jpeg(data, colorspace="RGBX", buffer=_decode_buffer(width * height * 4), **kwargs)
+    image = _pil().frombuffer("RGBX", (array.shape[1], array.shape[0]), array, "raw", "RGBX", 0, 1)
     sx, sy = array.shape[1] / width, array.shape[0] / height
-    _resize_box_into(slot, array, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy))
+    _resize_box_into(slot, image, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), flip)
+
+
+def _region_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool) -> None:
+    decoder = _region_decoder()
+    assert decoder is not None
+    try:
+        width, height = decoder.header(data)
+    except native.RegionError as exc:
+        raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
+    _check_pixels(width, height, spec)
+    left, top, cw, ch = crop_box(rng, width, height, spec)
+    out_width, out_height = _slot_size(slot)
+    # The smallest M/8 DCT scaling that keeps the crop at least as large as the output.
+    eighths = min(8, max(1, math.ceil(8 * max(out_width / cw, out_height / ch) - 1e-9)))
+    scaled_width, scaled_height = -(-width * eighths // 8), -(-height * eighths // 8)
+    sx, sy = scaled_width / width, scaled_height / height
+    box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
+    # Decode a margin around the box: the resampling filter reads past its edge.
+    margin = 3 + math.ceil(max((box[2] - box[0]) / out_width, (box[3] - box[1]) / out_height))
+    x0, y0 = max(0, math.floor(box[0]) - margin), max(0, math.floor(box[1]) - margin)
+    x1, y1 = min(scaled_width, math.ceil(box[2]) + margin), min(scaled_height, math.ceil(box[3]) + margin)
+    buffer = _decode_buffer(scaled_width * (y1 - y0) * 4)
+    try:
+        first, decoded_width, _, _ = decoder.decode(
+            data, eighths, (x0, y0, x1 - x0, y1 - y0), buffer.ctypes.data, buffer.nbytes, spec.fast_dct
+        )
+    except native.RegionError as exc:
+        if "CMYK" in str(exc):  # libjpeg-turbo has no CMYK to RGB: Pillow does it
+            _pil_into(slot, data, rng, spec, flip)
+            return
+        raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
+    image = _pil().frombuffer("RGBX", (decoded_width, y1 - y0), buffer, "raw", "RGBX", 0, 1)
+    _resize_box_into(slot, image, (box[0] - first, box[1] - y0, box[2] - first, box[3] - y0), flip)
 
 
 _LOCAL = threading.local()
 
 
-def _decode_buffer(width: int, height: int) -> np.ndarray:
+def _region_decoder() -> native.RegionDecoder | None:
+    decoder = getattr(_LOCAL, "region", None)
+    if decoder is None:
+        lib = native.library()
+        if lib is None:
+            return None
+        decoder = _LOCAL.region = native.RegionDecoder(lib)
+    return decoder
+
+
+def _decode_buffer(needed: int) -> np.ndarray:
     """A per-thread output buffer for simplejpeg: no fresh 200 KB allocation per image."""
-    needed = width * height * 3
     buffer = getattr(_LOCAL, "buffer", None)
     if buffer is None or buffer.size < needed:
         buffer = np.empty(max(needed, 1 << 20), np.uint8)
@@ -157,7 +237,7 @@ def _decode_buffer(width: int, height: int) -> np.ndarray:
     return buffer
 
 
-def _pil_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec) -> None:
+def _pil_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool) -> None:
     Image = _pil()
     img = open_image(data, max_pixels=spec.max_pixels)
     width, height = img.size
@@ -170,26 +250,54 @@ def _pil_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: Cr
     img = to_rgb(img, (255, 255, 255), Image)
     sx, sy = img.width / width, img.height / height
     box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
-    _resize_box_into(slot, img, box)
+    _resize_box_into(slot, img, box, flip)
 
 
-def _crop_array_into(slot: np.ndarray, array: np.ndarray, rng: random.Random | None, spec: CropSpec) -> None:
+def _crop_array_into(
+    slot: np.ndarray, array: np.ndarray, rng: random.Random | None, spec: CropSpec, flip: bool
+) -> None:
     height, width = array.shape[:2]
     left, top, cw, ch = crop_box(rng, width, height, spec)
-    _resize_box_into(slot, array, (left, top, left + cw, top + ch))
+    _resize_box_into(slot, array, (left, top, left + cw, top + ch), flip)
 
 
-def _resize_box_into(slot: np.ndarray, image: Any, box: tuple[float, float, float, float]) -> None:
-    Image = _pil()
-    size = slot.shape[1], slot.shape[0]
+def _exact_crop(box: tuple[float, float, float, float], size: tuple[int, int]) -> bool:
     left, top, right, bottom = box
-    integral = all(float(v).is_integer() for v in box) and (right - left, bottom - top) == size
+    return all(float(v).is_integer() for v in box) and (right - left, bottom - top) == size
+
+
+def _resize_box_into(slot: np.ndarray, image: Any, box: tuple[float, float, float, float], flip: bool) -> None:
+    """Crop `box` out of `image` (PIL image or HxWx3 array), resized bilinearly to fill `slot`."""
+    Image = _pil()
+    size = _slot_size(slot)
+    exact = _exact_crop(box, size)
     if isinstance(image, np.ndarray):
-        if integral:  # an exact crop: copy, no resampling
-            slot[...] = image[int(top) : int(bottom), int(left) : int(right)]
+        if exact:  # no resampling: copy the pixels
+            left, top, right, bottom = (int(v) for v in box)
+            region = image[top:bottom, left:right]
+            if flip:
+                region = region[:, ::-1]
+            np.copyto(slot, region.transpose(2, 0, 1) if _planar(slot) else region)
             return
         image = Image.fromarray(image)
-    elif integral:
-        slot[...] = np.asarray(image.crop((int(left), int(top), int(right), int(bottom))))
+    if exact:
+        image = image.crop(tuple(int(v) for v in box))
+    else:
+        image = image.resize(size, Image.Resampling.BILINEAR, box=box)
+    _write_pixels(slot, image, flip)
+
+
+def _write_pixels(slot: np.ndarray, image: Any, flip: bool) -> None:
+    """An RGB/RGBX PIL image of the slot's size -> the slot, mirrored when `flip`."""
+    decoder = _region_decoder()
+    if decoder is not None:  # one C pass: unpack, flip, any layout
+        decoder.store(image.tobytes("raw", "RGBX"), image.width, image.height, flip, slot)
         return
-    slot[...] = np.asarray(image.resize(size, Image.Resampling.BILINEAR, box=box))
+    if flip:
+        image = image.transpose(_pil().Transpose.FLIP_LEFT_RIGHT)
+    if _planar(slot):
+        plane = slot.shape[1:]
+        for channel, band in enumerate("RGB"):
+            slot[channel] = np.frombuffer(image.tobytes("raw", band), np.uint8).reshape(plane)
+    else:
+        slot[...] = np.frombuffer(image.tobytes("raw", "RGB"), np.uint8).reshape(slot.shape)

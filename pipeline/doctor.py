@@ -146,13 +146,32 @@ def probe_pil() -> dict[str, Any]:
 
 
 def probe_decoders(cuda_available: bool = False) -> dict[str, dict[str, Any]]:
-    """JPEG decoders besides PIL: simplejpeg, PyTurboJPEG, OpenCV, torchvision (nvjpeg)."""
+    """JPEG decoders besides PIL: region (built here), simplejpeg, PyTurboJPEG, OpenCV, torchvision (nvjpeg)."""
     return {
+        "region": probe_region_decoder(),
         "simplejpeg": _probe_module("simplejpeg", "simplejpeg", lambda mod: mod.decode_jpeg(_tiny_jpeg())),
         "PyTurboJPEG": _probe_module("turbojpeg", "PyTurboJPEG", lambda mod: mod.TurboJPEG()),
         "opencv": _probe_module("cv2", None, lambda mod: None),
         "torchvision": _probe_torchvision(cuda_available),
     }
+
+
+def probe_region_decoder() -> dict[str, Any]:
+    """gpufeed's own libjpeg-turbo region decoder: built (or buildable) here, and does it decode?"""
+    from . import native
+
+    info: dict[str, Any] = {"installed": False, "version": "libjpeg-turbo"}
+    lib = native.library()
+    if lib is None:
+        info["error"] = native.problem()
+        return info
+    info["installed"] = True
+    try:
+        native.RegionDecoder(lib).header(_tiny_jpeg())
+        info["version"] = "(libjpeg-turbo, built here; the loader's JPEG decoder)"
+    except Exception as exc:  # a broken build is reported, not raised
+        info["error"] = str(exc)[:200]
+    return info
 
 
 def probe_cpu() -> dict[str, Any]:
@@ -351,7 +370,7 @@ def _format_pil(pil: dict[str, Any], row: Any) -> None:
 
 def _format_decoder(name: str, decoder: dict[str, Any]) -> str:
     if not decoder["installed"]:
-        return f"{name}: not installed"
+        return f"{name}: not available ({decoder['error']})" if decoder.get("error") else f"{name}: not installed"
     text = f"{name} {decoder.get('version') or '?'}"
     if decoder.get("error"):
         text += f" (broken: {decoder['error']})"

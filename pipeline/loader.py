@@ -8,7 +8,7 @@
     print(loader.stats)
 
 The host side decodes and crops into preallocated (pinned on CUDA) uint8
-NHWC batch buffers; the device side converts to float, flips, normalises and
+NCHW batch buffers; the device side converts to float, flips, normalises and
 sets the memory format. On CUDA the next batches are copied and normalised on
 a side stream while the current one is used. On the CPU the same code runs
 with the stream context replaced by a no-op, so outputs are identical.
@@ -40,6 +40,27 @@ from .specs import LoaderSpec
 
 log = logging.getLogger("gpufeed.loader")
 _END = object()
+_LIVE_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
+
+
+def _stop_all_loaders() -> None:
+    """At interpreter exit, stop every loader's threads before the runtime goes away.
+
+    A pre-started epoch keeps a producer thread and decode threads busy; were
+    they still inside torch or a decoder while Python finalizes, the process
+    could abort on the way out.
+    """
+    for loader in list(_LIVE_LOADERS):
+        with contextlib.suppress(Exception):
+            loader.close()
+
+
+try:  # before concurrent.futures joins its threads (its hook was registered first, runs last)
+    threading._register_atexit(_stop_all_loaders)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover - other Pythons
+    import atexit
+
+    atexit.register(_stop_all_loaders)
 
 
 @dataclasses.dataclass
@@ -99,19 +120,20 @@ class _CpuFinish:
     the uint8 pixels just written, into the batch's output tensor.
     """
 
-    out: np.ndarray  # float32 view of the batch's NCHW (or channels-last) output
-    flips: np.ndarray | None
+    out: np.ndarray  # view of the batch's NCHW (or channels-last) output, float32 or uint8
+    flips: np.ndarray | None  # applied by the decoder, which writes the pixels already flipped
     scale: np.ndarray  # (3, 1, 1): 1/std in 0-255 units
     shift: np.ndarray  # (3, 1, 1): -mean/std
 
+    def flip(self, position: int) -> bool:
+        return self.flips is not None and bool(self.flips[position])
+
     def __call__(self, pixels: np.ndarray, position: int) -> None:
-        if self.flips is not None and self.flips[position]:
-            pixels = pixels[:, ::-1]
         target = self.out[position]
         if target.dtype == np.uint8:
-            np.copyto(target, pixels.transpose(2, 0, 1))
+            np.copyto(target, pixels)
             return
-        np.multiply(pixels.transpose(2, 0, 1), self.scale, out=target)
+        np.multiply(pixels, self.scale, out=target)
         np.add(target, self.shift, out=target)
 
 
@@ -130,7 +152,8 @@ def _decode_chunk(
     for offset, (extension, data, seed) in enumerate(items):
         position = start + offset
         try:
-            decode_into(target[slot, position], extension, data, crop, seed)
+            flip = finish is not None and finish.flip(position)
+            decode_into(target[slot, position], extension, data, crop, seed, flip=flip)
         except DecodeError as exc:
             failures.append((position, exc.reason))
             continue
@@ -161,7 +184,7 @@ def _result(pending: Any) -> Any:
     return pending.result() if isinstance(pending, Future) else pending.get()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Run:
     """One pass over an epoch: its producer thread, queues and in-flight decodes."""
 
@@ -219,7 +242,9 @@ class Loader:
         self._out_busy: set[int] = set()
         self._out_lock = threading.Lock()
         self._next_run: _Run | None = None
+        self._runs: set[_Run] = set()  # started and not yet stopped
         self._warned: set[str] = set()
+        _LIVE_LOADERS.add(self)
 
     # -- sizes and epochs -------------------------------------------------
 
@@ -276,7 +301,7 @@ class Loader:
     def _ensure_workers(self) -> None:
         if self._ring is not None:
             return
-        shape = (self._ring_slots, self.spec.batch_size, self.spec.crop, self.spec.crop, 3)
+        shape = (self._ring_slots, self.spec.batch_size, 3, self.spec.crop, self.spec.crop)
         pin = self.device.type == "cuda" and self.spec.worker_type == "thread"
         ring = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
         if self.spec.worker_type == "process":
@@ -343,7 +368,7 @@ class Loader:
     # -- device side --------------------------------------------------------
 
     def _finish_on_device(self, pixels: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
-        """uint8 NHWC already on the device -> normalised NCHW `dtype` (flip, channels_last).
+        """uint8 NCHW already on the device -> normalised NCHW `dtype` (flip, channels_last).
 
         Flips are applied to the uint8 pixels (a quarter of the bytes of
         floats); conversion and transpose are one pass into a preallocated
@@ -351,8 +376,8 @@ class Loader:
         """
         if flips is not None and bool(flips.any()):
             chosen = flips.nonzero().flatten().to(self.device)
-            pixels[chosen] = pixels[chosen].flip(2)
-        return self._scale_shift(pixels.permute(0, 3, 1, 2))
+            pixels[chosen] = pixels[chosen].flip(3)
+        return self._scale_shift(pixels)
 
     def _scale_shift(self, nchw: torch.Tensor) -> torch.Tensor:
         scale, shift = self._affine()
@@ -441,10 +466,12 @@ class Loader:
         for slot in range(self._ring_slots):
             run.free.put(slot)
         run.producer = threading.Thread(target=_produce, args=(weakref.ref(self), run), daemon=True)
+        self._runs.add(run)
         run.producer.start()
         return run
 
     def _stop_run(self, run: _Run) -> None:
+        self._runs.discard(run)
         run.stop.set()
         if run.producer is not None and run.producer is not threading.current_thread():
             run.producer.join(timeout=30)
@@ -574,8 +601,10 @@ class Loader:
         return images, labels, int(labels.shape[0]), done
 
     def close(self) -> None:
-        """Stop the worker pool (also done when the loader is garbage collected)."""
+        """Stop the worker pool (also done when the loader is garbage collected or at exit)."""
         self._discard_next_run()
+        for run in list(self._runs):
+            self._stop_run(run)
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None

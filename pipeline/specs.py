@@ -265,9 +265,12 @@ class LoaderSpec(_Spec):
         drop_last: drop the incomplete last batch and the uneven tail across ranks.
         prefetch: batches prepared ahead (>= 2).
         scale, ratio: random-resized-crop ranges.
-        flip: random horizontal flips in train mode (on the device).
+        flip: random horizontal flips in train mode (on the device; on a CPU
+            device the decode threads write the pixels already mirrored).
         eval_fraction: centre-crop fraction in eval mode.
-        decoder: "auto", "simplejpeg", "pil", or "nvjpeg" (GPU, needs torchvision with CUDA).
+        decoder: "auto" (the fastest present), "region" (libjpeg-turbo decoding
+            only the crop's region, compiled on first use), "simplejpeg", "pil",
+            or "nvjpeg" (GPU, needs torchvision with CUDA).
     """
 
     batch_size: int
@@ -314,8 +317,8 @@ class LoaderSpec(_Spec):
         if not _is_number_pair(self.ratio) or not 0 < self.ratio[0] <= self.ratio[1]:
             raise ConfigError("ratio must be (low, high) with 0 < low <= high")
         _check_number("eval_fraction", self.eval_fraction, 0.1, 1.0)
-        if self.decoder not in ("auto", "simplejpeg", "pil", "nvjpeg"):
-            raise ConfigError(f"decoder must be auto, simplejpeg, pil or nvjpeg, got {self.decoder!r}")
+        if self.decoder not in ("auto", "region", "simplejpeg", "pil", "nvjpeg"):
+            raise ConfigError(f"decoder must be auto, region, simplejpeg, pil or nvjpeg, got {self.decoder!r}")
 
     @property
     def effective_drop_last(self) -> bool:

@@ -365,3 +365,24 @@ def test_next_epoch_is_prestarted_and_a_dropped_loader_stops_its_workers(dataset
 
         time.sleep(0.1)
     assert threading.active_count() <= baseline
+
+
+def test_program_exits_cleanly_with_a_prestarted_epoch_running(dataset: Path) -> None:
+    # The next epoch starts decoding as soon as one ends; a program that just
+    # returns must not abort on the way out with those threads still busy.
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from pipeline.loader import make_loader
+loader = make_loader({str(dataset)!r}, 8, device="cpu", crop={CROP}, num_workers=2, dtype="float32")
+for epoch in range(2):
+    for images, labels in loader:
+        pass
+other = make_loader({str(dataset)!r}, 8, device="cpu", crop={CROP}, num_workers=2, dtype="uint8")
+next(iter(other))
+print("done")
+"""
+    for _ in range(3):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-2000:]
+        assert "terminate called" not in result.stderr

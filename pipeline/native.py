@@ -1,0 +1,157 @@
+"""The region JPEG decoder (`jpegregion.c`), compiled on first use and called through ctypes.
+
+It needs a C compiler and libjpeg-turbo's headers (`libjpeg62-turbo-dev` or
+`libjpeg-turbo8-dev`, which setup also installs to build Pillow-SIMD). The
+library is built once per source version into the user cache
+($GPUFEED_CACHE, else $XDG_CACHE_HOME/gpufeed, else ~/.cache/gpufeed), under
+a name holding the source hash, and renamed into place atomically, so
+concurrent first uses do not clash. Without a compiler or headers the loader
+keeps decoding whole images with simplejpeg or Pillow; `gpufeed doctor`
+says which is in use and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+SOURCE = Path(__file__).with_name("jpegregion.c")
+_MESSAGE_SIZE = 200
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_problem: str | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GPUFEED_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "gpufeed"
+    )
+    return Path(root) / "native"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded region decoder, or None when it cannot be built here (see `problem()`)."""
+    global _library, _problem, _tried
+    if _tried:
+        return _library
+    with _lock:
+        if not _tried:
+            if os.environ.get("GPUFEED_NO_NATIVE"):
+                _problem = "disabled by GPUFEED_NO_NATIVE"
+            else:
+                try:
+                    _library = _load(_build())
+                except (OSError, RuntimeError) as exc:
+                    _problem = str(exc)
+            _tried = True
+    return _library
+
+
+def problem() -> str | None:
+    """Why the region decoder is not available (None when it is, or was not tried)."""
+    library()
+    return _problem
+
+
+def _build() -> Path:
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    target = cache_dir() / f"jpegregion-{digest}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC", "cc").split()
+    if shutil.which(compiler[0]) is None:
+        raise RuntimeError(f"no C compiler ({compiler[0]}) to build the region JPEG decoder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=target.name, suffix=".part", dir=target.parent)
+    os.close(fd)
+    try:
+        command = [*compiler, "-O3", "-shared", "-fPIC", "-o", partial, str(SOURCE), "-ljpeg"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            detail = (result.stderr or result.stdout).strip().splitlines()
+            hint = " (install libjpeg62-turbo-dev or libjpeg-turbo8-dev)" if "jpeglib.h" in result.stderr else ""
+            raise RuntimeError(f"cannot build the region JPEG decoder{hint}: {detail[-1] if detail else result.returncode}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.gf_header.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.gf_header.restype = ctypes.c_int
+    lib.gf_decode_region.argtypes = [
+        ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.gf_decode_region.restype = ctypes.c_int
+    lib.gf_store_rgbx.argtypes = [
+        ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+        ctypes.c_long,
+    ]  # fmt: skip
+    lib.gf_store_rgbx.restype = None
+    return lib
+
+
+def channel_strides(array: Any) -> tuple[int, int, int]:
+    """(channel, row, column) strides in bytes of a uint8 3xHxW or HxWx3 array."""
+    planar = array.shape[0] == 3 and array.shape[2] != 3
+    if array.dtype.itemsize != 1:
+        raise ValueError("store needs a uint8 array")
+    if planar:
+        return array.strides[0], array.strides[1], array.strides[2]
+    return array.strides[2], array.strides[0], array.strides[1]
+
+
+class RegionError(Exception):
+    """libjpeg refused the data (corrupt, truncated, CMYK, region outside the image)."""
+
+
+class RegionDecoder:
+    """One thread's decoder state: scratch arrays reused for every call."""
+
+    def store(self, rgbx: bytes, width: int, height: int, flip: bool, out: Any) -> None:
+        """Packed RGBX pixels -> `out`, a uint8 array of 3 channels in any layout (see `channel_strides`)."""
+        stride_c, stride_y, stride_x = channel_strides(out)
+        if len(rgbx) != width * height * 4:
+            raise ValueError("pixel data does not match the size")
+        self._lib.gf_store_rgbx(rgbx, width, height, int(flip), out.ctypes.data, stride_c, stride_y, stride_x)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._info = (ctypes.c_int * 4)()
+        self._message = ctypes.create_string_buffer(_MESSAGE_SIZE)
+
+    def header(self, data: bytes) -> tuple[int, int]:
+        """(width, height) of a JPEG."""
+        if self._lib.gf_header(data, len(data), self._info, self._message, _MESSAGE_SIZE) != 0:
+            raise RegionError(self._message.value.decode(errors="replace") or "not a JPEG")
+        return self._info[0], self._info[1]
+
+    def decode(
+        self, data: bytes, scale_num: int, region: tuple[int, int, int, int], out_address: int, out_size: int, fast: bool
+    ) -> tuple[int, int, int, int]:
+        """Decode `region` (x, y, w, h of the image scaled by scale_num/8) as RGBX rows at out_address.
+
+        Returns (first decoded column, decoded width, scaled width, scaled height).
+        """
+        x, y, w, h = region
+        status = self._lib.gf_decode_region(
+            data, len(data), scale_num, x, y, w, h, int(fast), out_address, out_size, self._info,
+            self._message, _MESSAGE_SIZE,
+        )  # fmt: skip
+        if status != 0:
+            raise RegionError(self._message.value.decode(errors="replace") or "cannot decode")
+        return self._info[0], self._info[1], self._info[2], self._info[3]

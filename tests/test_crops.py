@@ -1,0 +1,164 @@
+"""decode_into with every JPEG decoder: region decoding, layouts, flips, bad data, and the native build."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline import native
+from pipeline.crops import CropSpec, decode_into, default_decoder
+from pipeline.errors import DecodeError
+
+REPO = Path(__file__).resolve().parents[1]
+needs_region = pytest.mark.skipif(native.library() is None, reason=f"region decoder unavailable: {native.problem()}")
+
+
+def photo(width: int, height: int, seed: int) -> np.ndarray:
+    """Smooth gradients plus noise: JPEG blocks with real detail, chroma that varies."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (width + height) + 60], axis=2)
+    return np.clip(base + rng.normal(0, 25, (height, width, 3)), 0, 255).astype(np.uint8)
+
+
+def jpeg(array: np.ndarray, **options: object) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, "JPEG", quality=90, **options)
+    return out.getvalue()
+
+
+SAMPLES = [jpeg(photo(w, h, seed)) for seed, (w, h) in enumerate([(256, 341), (300, 256), (256, 256), (517, 389)])]
+
+
+def decoded(decoder: str, data: bytes, train: bool, seed: int, planar: bool = True, flip: bool = False, size: int = 224):
+    slot = np.zeros((3, size, size) if planar else (size, size, 3), np.uint8)
+    decode_into(slot, "jpg", data, CropSpec(size, train, decoder=decoder), seed, flip=flip)
+    return slot
+
+
+@needs_region
+def test_region_decoder_is_exact_in_eval_and_within_a_level_in_train():
+    for index, data in enumerate(SAMPLES):
+        reference = decoded("simplejpeg", data, False, index)
+        if index < 3:  # eval crops of images at the prepared size: no DCT scaling, bit-exact
+            assert np.array_equal(decoded("region", data, False, index), reference)
+        else:  # DCT-scaled: only rounding at the region's iMCU edges differs
+            assert np.abs(decoded("region", data, False, index).astype(int) - reference).max() <= 1
+        for seed in range(index * 10, index * 10 + 10):
+            difference = np.abs(decoded("region", data, True, seed).astype(int) - decoded("simplejpeg", data, True, seed))
+            assert difference.max() <= 2, seed
+
+
+@needs_region
+def test_region_decoder_matches_pillow_crop_and_resize():
+    # The same crop box through Pillow alone (decode, RGB, resize with the box) agrees closely.
+    data = SAMPLES[0]
+    for seed in range(8):
+        ours = decoded("region", data, True, seed).astype(int)
+        pil = decoded("pil", data, True, seed).astype(int)
+        assert np.abs(ours - pil).mean() < 1.0
+
+
+@pytest.mark.parametrize("decoder", ["region", "simplejpeg", "pil"])
+def test_layouts_and_flips_agree(decoder: str):
+    if decoder == "region" and native.library() is None:
+        pytest.skip("region decoder unavailable")
+    data = SAMPLES[1]
+    for seed, size in ((3, 224), (4, 13), (5, 61)):  # odd sizes take the store's remainder paths
+        planar = decoded(decoder, data, True, seed, size=size)
+        interleaved = decoded(decoder, data, True, seed, planar=False, size=size)
+        assert np.array_equal(planar, interleaved.transpose(2, 0, 1))
+        assert np.array_equal(decoded(decoder, data, True, seed, flip=True, size=size), planar[:, :, ::-1])
+        assert np.array_equal(decoded(decoder, data, True, seed, planar=False, flip=True, size=size), interleaved[:, ::-1])
+
+
+def test_npy_samples_flip_and_lay_out_like_images():
+    array = photo(70, 90, 7)
+    data = io.BytesIO()
+    np.save(data, array)
+    planar = np.empty((3, 64, 64), np.uint8)
+    flipped = np.empty((3, 64, 64), np.uint8)
+    decode_into(planar, "npy", data.getvalue(), CropSpec(64, False), 0)
+    decode_into(flipped, "npy", data.getvalue(), CropSpec(64, False), 0, flip=True)
+    assert np.array_equal(flipped, planar[:, :, ::-1])
+
+
+@needs_region
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (SAMPLES[0][: len(SAMPLES[0]) // 3], "ends before|premature|corrupt"),
+        (b"\xff\xd8\xff\xe0not a jpeg at all" * 10, "JPEG|marker|not"),
+        (b"", "empty|JPEG|not"),
+    ],
+)
+def test_region_decoder_refuses_bad_data_with_a_reason(data: bytes, reason: str):
+    with pytest.raises(DecodeError, match=f"(?i){reason}"):
+        decoded("region", data, False, 0)
+
+
+@needs_region
+def test_region_decoder_hands_cmyk_to_pillow():
+    cmyk = Image.fromarray(photo(200, 180, 9)).convert("CMYK")
+    out = io.BytesIO()
+    cmyk.save(out, "JPEG", quality=90)
+    ours = decoded("region", out.getvalue(), False, 0, size=150)
+    pil = decoded("pil", out.getvalue(), False, 0, size=150)
+    assert np.array_equal(ours, pil)
+
+
+@needs_region
+def test_grayscale_and_progressive_jpegs_decode_by_region():
+    gray = jpeg(photo(240, 260, 11)[:, :, 0])
+    progressive = jpeg(photo(260, 240, 12), progressive=True)
+    for data in (gray, progressive):
+        for seed in range(4):
+            difference = np.abs(decoded("region", data, True, seed).astype(int) - decoded("simplejpeg", data, True, seed))
+            assert difference.max() <= 2
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environment, timeout=300)
+
+
+def test_region_decoder_builds_once_into_the_cache(tmp_path: Path):
+    if native.library() is None:
+        pytest.skip(f"no compiler or libjpeg headers here: {native.problem()}")
+    code = """
+        from pipeline import native
+        from pipeline.crops import default_decoder
+        print(native.library()._name, default_decoder())
+    """
+    first = run_python(code, GPUFEED_CACHE=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    path, decoder = first.stdout.split()
+    assert decoder == "region" and Path(path).parent == tmp_path / "native"
+    built = Path(path).stat().st_mtime_ns
+    again = run_python(code, GPUFEED_CACHE=str(tmp_path))
+    assert again.stdout.split()[0] == path and Path(path).stat().st_mtime_ns == built
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [Path(path).name]  # no partial files left
+
+
+def test_without_a_compiler_the_loader_falls_back_and_doctor_says_why(tmp_path: Path):
+    code = """
+        from pipeline import native
+        from pipeline.crops import default_decoder
+        from pipeline.doctor import probe_region_decoder
+        print(default_decoder())
+        print(probe_region_decoder()["error"])
+    """
+    result = run_python(code, GPUFEED_CACHE=str(tmp_path), CC="/nonexistent/cc")
+    assert result.returncode == 0, result.stderr
+    decoder, reason = result.stdout.splitlines()
+    assert decoder in ("simplejpeg", "pil")
+    assert "no C compiler" in reason
+    assert default_decoder() in ("region", "simplejpeg", "pil")
