@@ -107,28 +107,43 @@ def crop_box(rng: random.Random | None, width: int, height: int, spec: CropSpec)
     return centre_crop_box(width, height, spec)
 
 
-def decode_into(slot: np.ndarray, extension: str, data: bytes, spec: CropSpec, seed: int, *, flip: bool = False) -> None:
+def decode_into(
+    slot: np.ndarray,
+    extension: str,
+    data: bytes,
+    spec: CropSpec,
+    seed: int,
+    *,
+    flip: bool = False,
+    affine: tuple[np.ndarray, np.ndarray] | None = None,
+) -> None:
     """Decode one sample into `slot`, written in place.
 
-    `slot` is uint8, either planar (3, size, size) or interleaved
-    (size, size, 3); its shape says which. `flip` mirrors the result
-    left-right.
+    `slot` is planar (3, size, size) or interleaved (size, size, 3), its
+    shape says which, and any strides. It is uint8, or float32 with
+    `affine` = (scale, shift), float32 arrays of 3: slot = pixel * scale +
+    shift per channel (conversion and normalisation in the same write).
+    `flip` mirrors the result left-right.
 
     Raises:
         DecodeError: the sample is corrupt or not an image.
     """
     rng = random.Random(seed) if spec.train else None
+    if slot.dtype != np.uint8 and (slot.dtype != np.float32 or affine is None):
+        raise ValueError("decode_into writes uint8 slots, or float32 slots with an affine")
+    if affine is not None:
+        affine = (np.ascontiguousarray(affine[0], np.float32).reshape(3), np.ascontiguousarray(affine[1], np.float32).reshape(3))
     try:
         if extension == "npy":
             array = np.load(io.BytesIO(data), allow_pickle=False)
             _check_pixels(array.shape[1] if array.ndim > 1 else 0, array.shape[0], spec)
-            _crop_array_into(slot, _as_rgb_array(array), rng, spec, flip)
+            _crop_array_into(slot, _as_rgb_array(array), rng, spec, flip, affine)
         elif extension in ("jpg", "jpeg") and spec.decoder == "region" and _region_decoder() is not None:
-            _region_into(slot, data, rng, spec, flip)
+            _region_into(slot, data, rng, spec, flip, affine)
         elif extension in ("jpg", "jpeg") and spec.decoder == "simplejpeg" and simplejpeg is not None:
-            _jpeg_into(slot, data, rng, spec, flip)
+            _jpeg_into(slot, data, rng, spec, flip, affine)
         else:
-            _pil_into(slot, data, rng, spec, flip)
+            _pil_into(slot, data, rng, spec, flip, affine)
     except DecodeError:
         raise
     except Exception as exc:  # any decoder failure is one bad sample, not a crashed epoch
@@ -161,14 +176,14 @@ def _as_rgb_array(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool) -> None:
+def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any) -> None:
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     _check_pixels(width, height, spec)
     left, top, cw, ch = crop_box(rng, width, height, spec)
     if not _planar(slot) and _exact_crop((left, top, left + cw, top + ch), _slot_size(slot)):
         # Eval at the prepared size into interleaved pixels: decode RGB, copy the rows.
         array = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=_decode_buffer(width * height * 3))
-        _resize_box_into(slot, array, (left, top, left + cw, top + ch), flip)
+        _resize_box_into(slot, array, (left, top, left + cw, top + ch), flip, affine)
         return
     scale = min(1.0, max(spec.size / cw, spec.size / ch))
     kwargs = {}
@@ -179,10 +194,10 @@ def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: C
     array = simplejpeg.decode_jpeg(data, colorspace="RGBX", buffer=_decode_buffer(width * height * 4), **kwargs)
     image = _pil().frombuffer("RGBX", (array.shape[1], array.shape[0]), array, "raw", "RGBX", 0, 1)
     sx, sy = array.shape[1] / width, array.shape[0] / height
-    _resize_box_into(slot, image, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), flip)
+    _resize_box_into(slot, image, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), flip, affine)
 
 
-def _region_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool) -> None:
+def _region_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any) -> None:
     decoder = _region_decoder()
     assert decoder is not None
     try:
@@ -208,11 +223,11 @@ def _region_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec:
         )
     except native.RegionError as exc:
         if "CMYK" in str(exc):  # libjpeg-turbo has no CMYK to RGB: Pillow does it
-            _pil_into(slot, data, rng, spec, flip)
+            _pil_into(slot, data, rng, spec, flip, affine)
             return
         raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
     image = _pil().frombuffer("RGBX", (decoded_width, y1 - y0), buffer, "raw", "RGBX", 0, 1)
-    _resize_box_into(slot, image, (box[0] - first, box[1] - y0, box[2] - first, box[3] - y0), flip)
+    _resize_box_into(slot, image, (box[0] - first, box[1] - y0, box[2] - first, box[3] - y0), flip, affine)
 
 
 _LOCAL = threading.local()
@@ -237,7 +252,7 @@ def _decode_buffer(needed: int) -> np.ndarray:
     return buffer
 
 
-def _pil_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool) -> None:
+def _pil_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any) -> None:
     Image = _pil()
     img = open_image(data, max_pixels=spec.max_pixels)
     width, height = img.size
@@ -250,15 +265,15 @@ def _pil_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: Cr
     img = to_rgb(img, (255, 255, 255), Image)
     sx, sy = img.width / width, img.height / height
     box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
-    _resize_box_into(slot, img, box, flip)
+    _resize_box_into(slot, img, box, flip, affine)
 
 
 def _crop_array_into(
-    slot: np.ndarray, array: np.ndarray, rng: random.Random | None, spec: CropSpec, flip: bool
+    slot: np.ndarray, array: np.ndarray, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any
 ) -> None:
     height, width = array.shape[:2]
     left, top, cw, ch = crop_box(rng, width, height, spec)
-    _resize_box_into(slot, array, (left, top, left + cw, top + ch), flip)
+    _resize_box_into(slot, array, (left, top, left + cw, top + ch), flip, affine)
 
 
 def _exact_crop(box: tuple[float, float, float, float], size: tuple[int, int]) -> bool:
@@ -266,7 +281,9 @@ def _exact_crop(box: tuple[float, float, float, float], size: tuple[int, int]) -
     return all(float(v).is_integer() for v in box) and (right - left, bottom - top) == size
 
 
-def _resize_box_into(slot: np.ndarray, image: Any, box: tuple[float, float, float, float], flip: bool) -> None:
+def _resize_box_into(
+    slot: np.ndarray, image: Any, box: tuple[float, float, float, float], flip: bool, affine: Any
+) -> None:
     """Crop `box` out of `image` (PIL image or HxWx3 array), resized bilinearly to fill `slot`."""
     Image = _pil()
     size = _slot_size(slot)
@@ -277,27 +294,41 @@ def _resize_box_into(slot: np.ndarray, image: Any, box: tuple[float, float, floa
             region = image[top:bottom, left:right]
             if flip:
                 region = region[:, ::-1]
-            np.copyto(slot, region.transpose(2, 0, 1) if _planar(slot) else region)
+            _finish_into(slot, region.transpose(2, 0, 1) if _planar(slot) else region, affine)
             return
         image = Image.fromarray(image)
     if exact:
         image = image.crop(tuple(int(v) for v in box))
     else:
         image = image.resize(size, Image.Resampling.BILINEAR, box=box)
-    _write_pixels(slot, image, flip)
+    _write_pixels(slot, image, flip, affine)
 
 
-def _write_pixels(slot: np.ndarray, image: Any, flip: bool) -> None:
+def _write_pixels(slot: np.ndarray, image: Any, flip: bool, affine: Any) -> None:
     """An RGB/RGBX PIL image of the slot's size -> the slot, mirrored when `flip`."""
     decoder = _region_decoder()
-    if decoder is not None:  # one C pass: unpack, flip, any layout
-        decoder.store(image.tobytes("raw", "RGBX"), image.width, image.height, flip, slot)
+    if decoder is not None:  # one C pass: unpack, flip, convert, any layout
+        decoder.store(image.tobytes("raw", "RGBX"), image.width, image.height, flip, slot, affine)
         return
     if flip:
         image = image.transpose(_pil().Transpose.FLIP_LEFT_RIGHT)
+    pixels = slot if slot.dtype == np.uint8 else np.empty(slot.shape, np.uint8)
     if _planar(slot):
         plane = slot.shape[1:]
         for channel, band in enumerate("RGB"):
-            slot[channel] = np.frombuffer(image.tobytes("raw", band), np.uint8).reshape(plane)
+            pixels[channel] = np.frombuffer(image.tobytes("raw", band), np.uint8).reshape(plane)
     else:
-        slot[...] = np.frombuffer(image.tobytes("raw", "RGB"), np.uint8).reshape(slot.shape)
+        pixels[...] = np.frombuffer(image.tobytes("raw", "RGB"), np.uint8).reshape(slot.shape)
+    if pixels is not slot:
+        _finish_into(slot, pixels, affine)
+
+
+def _finish_into(slot: np.ndarray, pixels: np.ndarray, affine: Any) -> None:
+    """uint8 pixels in the slot's layout -> the slot (copied, or scaled and shifted to float32)."""
+    if slot.dtype == np.uint8:
+        np.copyto(slot, pixels)
+        return
+    shape = (3, 1, 1) if _planar(slot) else (3,)
+    scale, shift = (np.asarray(a, np.float32).reshape(shape) for a in affine)
+    np.multiply(pixels, scale, out=slot)
+    np.add(slot, shift, out=slot)

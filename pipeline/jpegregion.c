@@ -219,3 +219,36 @@ void gf_store_rgbx(const unsigned char *restrict src, int w, int h, int flip, un
         }
     }
 }
+
+/*
+ * The same, to float32 with out = value * scale[c] + shift[c]: the CPU
+ * device's conversion and normalisation fused into the one write of the
+ * batch output (strides in floats).
+ */
+void gf_store_rgbx_f32(const unsigned char *restrict src, int w, int h, int flip, float *restrict out, long stride_c,
+                       long stride_y, long stride_x, const float *scale, const float *shift) {
+    int x, y, c;
+    for (y = 0; y < h; y++) {
+        const unsigned char *restrict row = src + (size_t)y * w * 4;
+        for (c = 0; c < 3; c++) {
+            float *restrict target = out + (long)y * stride_y + c * stride_c;
+            float a = scale[c], b = shift[c];
+            if (stride_x == 1 && !flip) {
+                for (x = 0; x < w; x++) {
+                    target[x] = row[x * 4 + c] * a + b;
+                }
+            } else if (stride_x == 1) {
+                const unsigned char *restrict last = row + (size_t)(w - 1) * 4 + c;
+                for (x = 0; x < w; x++) {
+                    target[x] = last[-4 * x] * a + b;
+                }
+            } else {
+                long step = flip ? -stride_x : stride_x;
+                target += flip ? (long)(w - 1) * stride_x : 0;
+                for (x = 0; x < w; x++) {
+                    target[x * step] = row[x * 4 + c] * a + b;
+                }
+            }
+        }
+    }
+}

@@ -113,28 +113,19 @@ _SHARED_RING: np.ndarray | None = None  # set before forking process workers
 
 @dataclasses.dataclass
 class _CpuFinish:
-    """The device side, done by the decode thread right after each image while it is in cache.
+    """The device side, done by the decode threads as they write each image.
 
-    On a CPU device there is no device to overlap with: flipping, float
-    conversion and normalisation run in the decode threads, in parallel, on
-    the uint8 pixels just written, into the batch's output tensor.
+    On a CPU device there is no device to overlap with: the decoder writes
+    each image straight into the batch's output tensor, mirrored when its
+    flip says so, converted and normalised in the same write (or as uint8).
     """
 
     out: np.ndarray  # view of the batch's NCHW (or channels-last) output, float32 or uint8
-    flips: np.ndarray | None  # applied by the decoder, which writes the pixels already flipped
-    scale: np.ndarray  # (3, 1, 1): 1/std in 0-255 units
-    shift: np.ndarray  # (3, 1, 1): -mean/std
+    flips: np.ndarray | None
+    affine: tuple[np.ndarray, np.ndarray] | None  # (1/std, -mean/std) per channel in 0-255 units; None for uint8
 
     def flip(self, position: int) -> bool:
         return self.flips is not None and bool(self.flips[position])
-
-    def __call__(self, pixels: np.ndarray, position: int) -> None:
-        target = self.out[position]
-        if target.dtype == np.uint8:
-            np.copyto(target, pixels)
-            return
-        np.multiply(pixels, self.scale, out=target)
-        np.add(target, self.shift, out=target)
 
 
 def _decode_chunk(
@@ -145,20 +136,21 @@ def _decode_chunk(
     crop: CropSpec,
     finish: _CpuFinish | None = None,
 ) -> list[tuple[int, str]]:
-    """Decode items into ring[slot, start:...]; returns (position, reason) of failures."""
+    """Decode items into ring[slot, start:...] (or the finished output); returns (position, reason) of failures."""
     target = ring if ring is not None else _SHARED_RING
     assert target is not None
     failures = []
     for offset, (extension, data, seed) in enumerate(items):
         position = start + offset
         try:
-            flip = finish is not None and finish.flip(position)
-            decode_into(target[slot, position], extension, data, crop, seed, flip=flip)
+            if finish is None:
+                decode_into(target[slot, position], extension, data, crop, seed)
+            else:
+                decode_into(
+                    finish.out[position], extension, data, crop, seed, flip=finish.flip(position), affine=finish.affine
+                )
         except DecodeError as exc:
             failures.append((position, exc.reason))
-            continue
-        if finish is not None:
-            finish(target[slot, position], position)
     return failures
 
 
@@ -363,7 +355,8 @@ class Loader:
         scale, shift = self._affine()
         flips = self._flip_mask(epoch, index, count)
         view = out.numpy() if not self.spec.channels_last else out.permute(0, 2, 3, 1).numpy().transpose(0, 3, 1, 2)
-        return out, _CpuFinish(view, flips, scale.view(3, 1, 1).numpy(), shift.view(3, 1, 1).numpy())
+        affine = None if out.dtype == torch.uint8 else (scale.reshape(3).numpy(), shift.reshape(3).numpy())
+        return out, _CpuFinish(view, flips, affine)
 
     # -- device side --------------------------------------------------------
 
@@ -611,8 +604,10 @@ class Loader:
             self._ring = None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # also at interpreter teardown, when module globals may already be gone
             self.close()
+        except Exception:
+            pass
 
 
 def _epoch_records(

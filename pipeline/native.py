@@ -102,14 +102,17 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_long,
     ]  # fmt: skip
     lib.gf_store_rgbx.restype = None
+    lib.gf_store_rgbx_f32.argtypes = [
+        ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+    ]  # fmt: skip
+    lib.gf_store_rgbx_f32.restype = None
     return lib
 
 
 def channel_strides(array: Any) -> tuple[int, int, int]:
-    """(channel, row, column) strides in bytes of a uint8 3xHxW or HxWx3 array."""
+    """(channel, row, column) strides in bytes of a 3xHxW or HxWx3 array."""
     planar = array.shape[0] == 3 and array.shape[2] != 3
-    if array.dtype.itemsize != 1:
-        raise ValueError("store needs a uint8 array")
     if planar:
         return array.strides[0], array.strides[1], array.strides[2]
     return array.strides[2], array.strides[0], array.strides[1]
@@ -122,17 +125,32 @@ class RegionError(Exception):
 class RegionDecoder:
     """One thread's decoder state: scratch arrays reused for every call."""
 
-    def store(self, rgbx: bytes, width: int, height: int, flip: bool, out: Any) -> None:
-        """Packed RGBX pixels -> `out`, a uint8 array of 3 channels in any layout (see `channel_strides`)."""
-        stride_c, stride_y, stride_x = channel_strides(out)
-        if len(rgbx) != width * height * 4:
-            raise ValueError("pixel data does not match the size")
-        self._lib.gf_store_rgbx(rgbx, width, height, int(flip), out.ctypes.data, stride_c, stride_y, stride_x)
-
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
         self._info = (ctypes.c_int * 4)()
         self._message = ctypes.create_string_buffer(_MESSAGE_SIZE)
+
+    def store(
+        self, rgbx: bytes, width: int, height: int, flip: bool, out: Any, affine: tuple[Any, Any] | None = None
+    ) -> None:
+        """Packed RGBX pixels -> `out`, 3 channels in any layout (see `channel_strides`).
+
+        `out` is uint8, or float32 with `affine` = (scale, shift), float32
+        arrays of 3: out = pixel * scale + shift per channel.
+        """
+        if len(rgbx) != width * height * 4:
+            raise ValueError("pixel data does not match the size")
+        stride_c, stride_y, stride_x = channel_strides(out)
+        if out.dtype.itemsize == 1:
+            self._lib.gf_store_rgbx(rgbx, width, height, int(flip), out.ctypes.data, stride_c, stride_y, stride_x)
+            return
+        if out.dtype.name != "float32" or affine is None:
+            raise ValueError("store writes uint8, or float32 with an affine")
+        scale, shift = affine
+        self._lib.gf_store_rgbx_f32(
+            rgbx, width, height, int(flip), out.ctypes.data, stride_c // 4, stride_y // 4, stride_x // 4,
+            scale.ctypes.data, shift.ctypes.data,
+        )  # fmt: skip
 
     def header(self, data: bytes) -> tuple[int, int]:
         """(width, height) of a JPEG."""
