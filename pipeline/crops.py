@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import struct
+import zlib
 import math
 import random
 import threading
@@ -60,6 +62,26 @@ class CropSpec:
 
 
 JPEG_DECODERS = ("region", "simplejpeg", "pil")
+
+
+class Affine:
+    """Per-channel scale and shift to float32 (normalisation), kept ready for the C writer."""
+
+    __slots__ = ("scale", "shift", "addresses")
+
+    def __init__(self, scale: np.ndarray, shift: np.ndarray) -> None:
+        self.scale, self.shift = scale, shift
+        self.addresses = (scale.ctypes.data, shift.ctypes.data)
+
+    @classmethod
+    def of(cls, scale: Any, shift: Any) -> Affine:
+        def values(v: Any) -> np.ndarray:
+            array = np.ascontiguousarray(np.asarray(v, np.float32).reshape(-1))
+            if array.shape != (3,):
+                raise ValueError("an affine needs 3 scales and 3 shifts")
+            return array
+
+        return cls(values(scale), values(shift))
 
 
 def default_decoder() -> str:
@@ -115,14 +137,15 @@ def decode_into(
     seed: int,
     *,
     flip: bool = False,
-    affine: tuple[np.ndarray, np.ndarray] | None = None,
+    affine: Affine | tuple[Any, Any] | None = None,
 ) -> None:
     """Decode one sample into `slot`, written in place.
 
     `slot` is planar (3, size, size) or interleaved (size, size, 3), its
     shape says which, and any strides. It is uint8, or float32 with
-    `affine` = (scale, shift), float32 arrays of 3: slot = pixel * scale +
-    shift per channel (conversion and normalisation in the same write).
+    `affine` = (scale, shift), three values each, or an `Affine`: slot =
+    pixel * scale + shift per channel (conversion and normalisation in the
+    same write).
     `flip` mirrors the result left-right.
 
     Raises:
@@ -131,8 +154,8 @@ def decode_into(
     rng = random.Random(seed) if spec.train else None
     if slot.dtype != np.uint8 and (slot.dtype != np.float32 or affine is None):
         raise ValueError("decode_into writes uint8 slots, or float32 slots with an affine")
-    if affine is not None:
-        affine = (np.ascontiguousarray(affine[0], np.float32).reshape(3), np.ascontiguousarray(affine[1], np.float32).reshape(3))
+    if affine is not None and not isinstance(affine, Affine):
+        affine = Affine.of(*affine)
     try:
         if extension == "npy":
             array = np.load(io.BytesIO(data), allow_pickle=False)
@@ -146,8 +169,17 @@ def decode_into(
             _pil_into(slot, data, rng, spec, flip, affine)
     except DecodeError:
         raise
-    except Exception as exc:  # any decoder failure is one bad sample, not a crashed epoch
+    except _DATA_ERRORS as exc:  # what bad bytes make decoders raise: one bad sample, not a crashed epoch
         raise DecodeError(f"cannot decode .{extension} sample: {str(exc)[:160] or type(exc).__name__}") from None
+
+
+# Bad bytes surface as these from Pillow (UnidentifiedImageError is an OSError;
+# DecompressionBombError, zlib and struct errors), simplejpeg, NumPy and the
+# region decoder; anything else is a bug and is not hidden as a bad sample.
+_DATA_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, ValueError, EOFError, SyntaxError, IndexError, KeyError, MemoryError, zlib.error, struct.error,
+    native.RegionError,
+)  # fmt: skip
 
 
 def _planar(slot: np.ndarray) -> bool:
@@ -192,9 +224,9 @@ def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: C
     # RGBX is PIL's own pixel layout, so the decoded buffer becomes an image
     # without a copy; the resize result is unpacked straight into the slot.
     array = simplejpeg.decode_jpeg(data, colorspace="RGBX", buffer=_decode_buffer(width * height * 4), **kwargs)
-    image = _pil().frombuffer("RGBX", (array.shape[1], array.shape[0]), array, "raw", "RGBX", 0, 1)
     sx, sy = array.shape[1] / width, array.shape[0] / height
-    _resize_box_into(slot, image, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), flip, affine)
+    box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
+    _rgbx_into(slot, array, array.shape[1], array.shape[0], box, flip, affine)
 
 
 def _region_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any) -> None:
@@ -226,11 +258,56 @@ def _region_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec:
             _pil_into(slot, data, rng, spec, flip, affine)
             return
         raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
-    image = _pil().frombuffer("RGBX", (decoded_width, y1 - y0), buffer, "raw", "RGBX", 0, 1)
-    _resize_box_into(slot, image, (box[0] - first, box[1] - y0, box[2] - first, box[3] - y0), flip, affine)
+    relative = (box[0] - first, box[1] - y0, box[2] - first, box[3] - y0)
+    _rgbx_into(slot, buffer, decoded_width, y1 - y0, relative, flip, affine)
+
+
+def _rgbx_into(
+    slot: np.ndarray,
+    pixels: np.ndarray,
+    width: int,
+    height: int,
+    box: tuple[float, float, float, float],
+    flip: bool,
+    affine: Affine | None,
+) -> None:
+    """Decoded RGBX pixels -> the slot: crop/resize `box` in Pillow's core, then one C pass to the slot's layout.
+
+    Works on Pillow's image cores directly: the decoded buffer is mapped, not
+    copied, and the resized image is pasted into a per-thread buffer that C
+    reads, so the GIL is held only for the calls themselves.
+    """
+    Image = _pil()
+    decoder = _region_decoder()
+    if decoder is None or not hasattr(Image.core, "map_buffer"):
+        image = Image.frombuffer("RGBX", (width, height), pixels, "raw", "RGBX", 0, 1)
+        _resize_box_into(slot, image, box, flip, affine)
+        return
+    source = Image.core.map_buffer(pixels, (width, height), "raw", 0, ("RGBX", 0, 1))
+    size = _slot_size(slot)
+    if _exact_crop(box, size):
+        resized = source.crop(tuple(int(v) for v in box))
+    else:
+        resized = source.resize(size, Image.Resampling.BILINEAR, box)
+    address, target = _rgbx_target(size)
+    target.paste(resized, (0, 0, *size))
+    decoder.store(address, size[0], size[1], flip, slot, affine.addresses if affine is not None else None)
 
 
 _LOCAL = threading.local()
+
+
+def _rgbx_target(size: tuple[int, int]) -> tuple[int, Any]:
+    """This thread's RGBX buffer of `size` and a Pillow core mapped onto it (made once per size)."""
+    targets = getattr(_LOCAL, "targets", None)
+    if targets is None:
+        targets = _LOCAL.targets = {}
+    found = targets.get(size)
+    if found is None:
+        array = np.empty((size[1], size[0], 4), np.uint8)
+        core = _pil().core.map_buffer(array, size, "raw", 0, ("RGBX", 0, 1))
+        found = targets[size] = (array.ctypes.data, core, array)
+    return found[0], found[1]
 
 
 def _region_decoder() -> native.RegionDecoder | None:
@@ -308,7 +385,9 @@ def _write_pixels(slot: np.ndarray, image: Any, flip: bool, affine: Any) -> None
     """An RGB/RGBX PIL image of the slot's size -> the slot, mirrored when `flip`."""
     decoder = _region_decoder()
     if decoder is not None:  # one C pass: unpack, flip, convert, any layout
-        decoder.store(image.tobytes("raw", "RGBX"), image.width, image.height, flip, slot, affine)
+        rgbx = np.frombuffer(image.tobytes("raw", "RGBX"), np.uint8)
+        addresses = affine.addresses if affine is not None else None
+        decoder.store(rgbx.ctypes.data, image.width, image.height, flip, slot, addresses)
         return
     if flip:
         image = image.transpose(_pil().Transpose.FLIP_LEFT_RIGHT)
@@ -329,6 +408,6 @@ def _finish_into(slot: np.ndarray, pixels: np.ndarray, affine: Any) -> None:
         np.copyto(slot, pixels)
         return
     shape = (3, 1, 1) if _planar(slot) else (3,)
-    scale, shift = (np.asarray(a, np.float32).reshape(shape) for a in affine)
+    scale, shift = affine.scale.reshape(shape), affine.shift.reshape(shape)
     np.multiply(pixels, scale, out=slot)
     np.add(slot, shift, out=slot)

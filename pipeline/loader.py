@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .crops import CropSpec, decode_into, default_decoder
+from .crops import Affine, CropSpec, decode_into, default_decoder
 from .errors import ConfigError, DecodeError
 from .reader import DatasetInfo, Record, pick_image, plan_epoch, read_segments, resolve_dataset, shuffle_buffer
 from .specs import LoaderSpec
@@ -122,7 +122,7 @@ class _CpuFinish:
 
     out: np.ndarray  # view of the batch's NCHW (or channels-last) output, float32 or uint8
     flips: np.ndarray | None
-    affine: tuple[np.ndarray, np.ndarray] | None  # (1/std, -mean/std) per channel in 0-255 units; None for uint8
+    affine: Affine | None  # (1/std, -mean/std) per channel in 0-255 units; None for uint8
 
     def flip(self, position: int) -> bool:
         return self.flips is not None and bool(self.flips[position])
@@ -230,6 +230,7 @@ class Loader:
         self._std = torch.tensor(spec.std, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
         self._dtype = getattr(torch, spec.dtype)
         self._affine_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._host_affine_cache: Affine | None = None
         self._out_pool: list[torch.Tensor] = []
         self._out_busy: set[int] = set()
         self._out_lock = threading.Lock()
@@ -355,7 +356,7 @@ class Loader:
         scale, shift = self._affine()
         flips = self._flip_mask(epoch, index, count)
         view = out.numpy() if not self.spec.channels_last else out.permute(0, 2, 3, 1).numpy().transpose(0, 3, 1, 2)
-        affine = None if out.dtype == torch.uint8 else (scale.reshape(3).numpy(), shift.reshape(3).numpy())
+        affine = None if out.dtype == torch.uint8 else self._host_affine()
         return out, _CpuFinish(view, flips, affine)
 
     # -- device side --------------------------------------------------------
@@ -384,6 +385,12 @@ class Loader:
         out.copy_(nchw)
         out.mul_(scale).add_(shift)
         return out if self._dtype == torch.float32 else out.to(self._dtype)
+
+    def _host_affine(self) -> Affine:
+        if self._host_affine_cache is None:
+            scale, shift = self._affine()
+            self._host_affine_cache = Affine.of(scale.cpu().reshape(3).numpy(), shift.cpu().reshape(3).numpy())
+        return self._host_affine_cache
 
     def _affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(1/std, -mean/std) per channel, in 0-255 units, cached on the device."""

@@ -98,12 +98,12 @@ def _load(path: Path) -> ctypes.CDLL:
     ]  # fmt: skip
     lib.gf_decode_region.restype = ctypes.c_int
     lib.gf_store_rgbx.argtypes = [
-        ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
         ctypes.c_long,
     ]  # fmt: skip
     lib.gf_store_rgbx.restype = None
     lib.gf_store_rgbx_f32.argtypes = [
-        ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
         ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
     ]  # fmt: skip
     lib.gf_store_rgbx_f32.restype = None
@@ -131,26 +131,26 @@ class RegionDecoder:
         self._message = ctypes.create_string_buffer(_MESSAGE_SIZE)
 
     def store(
-        self, rgbx: bytes, width: int, height: int, flip: bool, out: Any, affine: tuple[Any, Any] | None = None
+        self, address: int, width: int, height: int, flip: bool, out: Any, affine: tuple[int, int] | None = None
     ) -> None:
-        """Packed RGBX pixels -> `out`, 3 channels in any layout (see `channel_strides`).
+        """Packed RGBX pixels (width x height at `address`) -> `out`, 3 channels in any layout.
 
-        `out` is uint8, or float32 with `affine` = (scale, shift), float32
-        arrays of 3: out = pixel * scale + shift per channel.
+        `out` is uint8, or float32 with `affine` = the addresses of two
+        contiguous float32 arrays of 3, scale and shift: out = pixel * scale +
+        shift per channel. The caller keeps the pixels alive and sizes `out`
+        to match.
         """
-        if len(rgbx) != width * height * 4:
-            raise ValueError("pixel data does not match the size")
         stride_c, stride_y, stride_x = channel_strides(out)
-        if out.dtype.itemsize == 1:
-            self._lib.gf_store_rgbx(rgbx, width, height, int(flip), out.ctypes.data, stride_c, stride_y, stride_x)
-            return
-        if out.dtype.name != "float32" or affine is None:
+        kind = out.dtype.char
+        if kind == "B":
+            self._lib.gf_store_rgbx(address, width, height, int(flip), out.ctypes.data, stride_c, stride_y, stride_x)
+        elif kind == "f" and affine is not None:
+            self._lib.gf_store_rgbx_f32(
+                address, width, height, int(flip), out.ctypes.data, stride_c // 4, stride_y // 4, stride_x // 4,
+                affine[0], affine[1],
+            )  # fmt: skip
+        else:
             raise ValueError("store writes uint8, or float32 with an affine")
-        scale, shift = affine
-        self._lib.gf_store_rgbx_f32(
-            rgbx, width, height, int(flip), out.ctypes.data, stride_c // 4, stride_y // 4, stride_x // 4,
-            scale.ctypes.data, shift.ctypes.data,
-        )  # fmt: skip
 
     def header(self, data: bytes) -> tuple[int, int]:
         """(width, height) of a JPEG."""
