@@ -176,6 +176,35 @@ def _result(pending: Any) -> Any:
     return pending.result() if isinstance(pending, Future) else pending.get()
 
 
+class _RunSlots:
+    """A run's view of the loader's ring slots.
+
+    The slots are shared by every run of a loader, so the next epoch can
+    start decoding into slots the current one has given back while its last
+    batches are still being used. A run remembers the slots it holds and
+    returns them all when it is stopped.
+    """
+
+    def __init__(self, pool: queue.Queue[int]) -> None:
+        self._pool = pool
+        self._held: set[int] = set()
+
+    def get(self, stop: threading.Event) -> int | None:
+        slot = _get(self._pool, stop)
+        if slot is not None:
+            self._held.add(slot)
+        return slot
+
+    def put(self, slot: int) -> None:
+        """A batch was delivered: its slot may be refilled."""
+        self._held.discard(slot)
+        self._pool.put(slot)
+
+    def release_all(self) -> None:
+        while self._held:
+            self._pool.put(self._held.pop())
+
+
 @dataclasses.dataclass(eq=False)
 class _Run:
     """One pass over an epoch: its producer thread, queues and in-flight decodes."""
@@ -183,7 +212,7 @@ class _Run:
     epoch: int
     skip: int
     out: queue.Queue[Any]
-    free: queue.Queue[int]
+    free: _RunSlots
     stop: threading.Event
     inflight: list[Any]
     producer: threading.Thread | None = None
@@ -236,6 +265,9 @@ class Loader:
         self._out_lock = threading.Lock()
         self._next_run: _Run | None = None
         self._runs: set[_Run] = set()  # started and not yet stopped
+        self._run_lock = threading.Lock()
+        self._free_slots: queue.Queue[int] | None = None
+        self._closed = False
         self._warned: set[str] = set()
         _LIVE_LOADERS.add(self)
 
@@ -302,6 +334,10 @@ class Loader:
             self._executor = _ProcessExecutor(self._workers, ring.numpy())
         else:
             self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="gpufeed-decode")
+        self._closed = False
+        self._free_slots = queue.Queue()
+        for slot in range(self._ring_slots):
+            self._free_slots.put(slot)
         self._ring = ring
 
     def _records(self, epoch: int, errors: list[str]) -> Iterator[Record]:
@@ -443,9 +479,13 @@ class Loader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self._ensure_workers()
         epoch, skip = self.epoch, self._skip_batches
-        run = self._next_run if self._next_run is not None and self._next_run.matches(epoch, skip) else None
-        self._next_run = None if run is not None else self._discard_next_run()
-        run = run or self._start_run(epoch, skip)
+        with self._run_lock:
+            run = self._next_run if self._next_run is not None and self._next_run.matches(epoch, skip) else None
+            if run is not None:
+                self._next_run = None
+        if run is None:
+            self._discard_next_run()
+            run = self._start_run(epoch, skip)
         self._skip_batches = 0
         self._delivered = skip
         finished = False
@@ -457,14 +497,25 @@ class Loader:
             if finished:
                 self.epoch = epoch + 1  # a finished epoch moves on unless set_epoch says otherwise
                 self._delivered = 0
-                # Persistent workers: the next epoch starts decoding now, so its first
-                # batch is ready when the training loop comes back.
-                self._next_run = self._start_run(self.epoch, 0)
+                self._prestart(self.epoch)
+
+    def _prestart(self, epoch: int) -> None:
+        """Persistent workers: start decoding `epoch` (from its first batch) ahead of time.
+
+        Called by a run's producer once it has queued its last batch, so the
+        decode workers go straight on with the next epoch while the training
+        loop is still busy with this one; and when the epoch is over, in case
+        the producer could not (it was stopped). Set_epoch to anything else
+        discards this run.
+        """
+        with self._run_lock:
+            if self._next_run is None and not self._closed and self._ring is not None:
+                self._next_run = self._start_run(epoch, 0)
 
     def _start_run(self, epoch: int, skip: int) -> _Run:
-        run = _Run(epoch, skip, queue.Queue(maxsize=self.spec.prefetch), queue.Queue(), threading.Event(), [])
-        for slot in range(self._ring_slots):
-            run.free.put(slot)
+        assert self._free_slots is not None
+        out: queue.Queue[Any] = queue.Queue(maxsize=self.spec.prefetch)
+        run = _Run(epoch, skip, out, _RunSlots(self._free_slots), threading.Event(), [])
         run.producer = threading.Thread(target=_produce, args=(weakref.ref(self), run), daemon=True)
         self._runs.add(run)
         run.producer.start()
@@ -475,7 +526,7 @@ class Loader:
         run.stop.set()
         if run.producer is not None and run.producer is not threading.current_thread():
             run.producer.join(timeout=30)
-        for pending in run.inflight:  # no decode may still write into a slot the next run reuses
+        for pending in run.inflight:  # no decode may still write into a slot another run reuses
             with contextlib.suppress(Exception):
                 _result(pending)
         while True:  # batches never delivered give their output buffers back
@@ -486,11 +537,13 @@ class Loader:
             if isinstance(item, _HostBatch) and item.finished is not None:
                 with self._out_lock:
                     self._out_busy.discard(id(item.finished))
+        run.free.release_all()
 
     def _discard_next_run(self) -> None:
-        if self._next_run is not None:
-            self._stop_run(self._next_run)
-            self._next_run = None
+        with self._run_lock:
+            run, self._next_run = self._next_run, None
+        if run is not None:
+            self._stop_run(run)
 
     def _next_host_batch(self, out: queue.Queue[Any]) -> _HostBatch | None:
         while True:
@@ -602,6 +655,7 @@ class Loader:
 
     def close(self) -> None:
         """Stop the worker pool (also done when the loader is garbage collected or at exit)."""
+        self._closed = True
         self._discard_next_run()
         for run in list(self._runs):
             self._stop_run(run)
@@ -671,7 +725,7 @@ def _produce(loader_ref: Any, run: _Run) -> None:
             _flush_errors(errors, run)
             if not chunk or (len(chunk) < batch_size and drop_last):
                 break
-            slot = _get(run.free, run.stop)
+            slot = run.free.get(run.stop)
             loader = loader_ref()
             if slot is None or loader is None:
                 return
@@ -682,6 +736,10 @@ def _produce(loader_ref: Any, run: _Run) -> None:
             index += 1
         _flush_errors(errors, run)
         _put(run.out, _END, run.stop)
+        loader = loader_ref()
+        if loader is not None and not run.stop.is_set():
+            loader._prestart(run.epoch + 1)
+        del loader
     except BaseException as exc:  # surfaced in the training loop, never lost in a thread
         _put(run.out, exc, run.stop)
 

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -356,15 +357,53 @@ def test_next_epoch_is_prestarted_and_a_dropped_loader_stops_its_workers(dataset
     assert len(second) == len(loader) and loader.epoch == 2
     ref = weakref.ref(loader)
     del loader, second
-    gc.collect()
+    for _ in range(50):  # a producer holds it only for the moment it submits a batch
+        gc.collect()
+        if ref() is None:
+            break
+        time.sleep(0.1)
     assert ref() is None, "the pre-started producer must not keep the loader alive"
     for _ in range(50):
         if threading.active_count() <= baseline:
             break
-        import time
-
         time.sleep(0.1)
     assert threading.active_count() <= baseline
+
+
+def test_next_epoch_starts_while_the_last_batches_are_in_use(dataset: Path) -> None:
+    # Once the producer has queued an epoch's last batch, the next epoch is
+    # already decoding: the training loop does not wait at the epoch boundary.
+    # Its batches go into slots given back by this epoch, never into ones in use.
+    loader = loader_for(dataset, batch_size=8, drop_last=False)
+    epoch0, seen_ahead = [], False
+    for index, (images, labels) in enumerate(loader):
+        epoch0.append((images.clone(), labels.clone()))
+        if index == len(loader) - 1:  # still inside epoch 0: its producer has queued everything
+            for _ in range(100):
+                seen_ahead = loader._next_run is not None and loader._next_run.epoch == 1
+                if seen_ahead:
+                    break
+                time.sleep(0.05)
+    assert seen_ahead
+    epoch1 = [labels for _, labels in loader]
+    assert sorted(torch.cat(epoch1).tolist()) == list(range(N))
+    again = loader_for(dataset, batch_size=8, drop_last=False)
+    reference = [(images, labels) for images, labels in again]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(epoch0, reference))
+    again.set_epoch(1)
+    assert [labels.tolist() for _, labels in again] == [labels.tolist() for labels in epoch1]
+
+
+def test_set_epoch_elsewhere_discards_the_prestarted_epoch(dataset: Path) -> None:
+    loader = loader_for(dataset, batch_size=8, drop_last=False)
+    for _ in loader:
+        pass
+    loader.set_epoch(5)
+    got = [labels for _, labels in loader]
+    fresh = loader_for(dataset, batch_size=8, drop_last=False)
+    fresh.set_epoch(5)
+    assert [labels.tolist() for labels in got] == [labels.tolist() for _, labels in fresh]
+    assert sorted(torch.cat(got).tolist()) == list(range(N))
 
 
 def test_program_exits_cleanly_with_a_prestarted_epoch_running(dataset: Path) -> None:
