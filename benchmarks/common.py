@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
-CHUNK = 16  # tasks per pool message: the same batching gpufeed uses (CHUNK_ITEMS)
+CHUNK = 16  # tasks per pool message for the baseline loops (a common imap chunksize)
 SHARD_BYTES = 256 * 1024 * 1024  # gpufeed's default --shard-size, for the ShardWriter rows
 
 

@@ -39,7 +39,8 @@ from .storage import Output, device_info, faster_local_disk, free_bytes
 from .transforms import augment_image, required_scale, resize_image, variant_rng
 
 WORK_DIR = ".gpufeed"
-CHUNK_ITEMS = 16
+CHUNK_ITEMS = 64  # images per pool task while many remain: few round trips through the pool
+TAIL_CHUNK_ITEMS = 4  # near the end of a shard: small tasks, so no worker waits on another's last one
 ESTIMATE_SAMPLES = 16
 SHARD_FILL = 0.92  # plan shards to 92 % of --shard-size: the estimate is an estimate
 
@@ -798,10 +799,28 @@ def _remove_stale_temp_files(job: _Job) -> None:
                 os.unlink(os.path.join(directory, name))
 
 
-def _chunks(job: _Job, shard: int) -> Iterator[list[tuple[int, SourceItem]]]:
+def chunk_sizes(total: int, workers: int) -> list[int]:
+    """How a shard's `total` images are cut into pool tasks: large while plenty remain, small at the end.
+
+    Every task costs a round trip through the pool (pickling, a wake-up, the
+    results back), so most are CHUNK_ITEMS long; but a worker handed one of
+    those last would leave the others idle, so each task is at most a
+    quarter of what remains per worker, down to TAIL_CHUNK_ITEMS.
+    """
+    sizes, remaining, workers = [], total, max(1, workers)
+    while remaining > 0:
+        size = min(remaining, max(TAIL_CHUNK_ITEMS, min(CHUNK_ITEMS, remaining // (workers * 4))))
+        sizes.append(size)
+        remaining -= size
+    return sizes
+
+
+def _chunks(job: _Job, shard: int, workers: int) -> Iterator[list[tuple[int, SourceItem]]]:
     indices = job.plan.indices(shard)
-    for start in range(0, len(indices), CHUNK_ITEMS):
-        yield [(int(i), job.listing.get(int(i))) for i in indices[start : start + CHUNK_ITEMS]]
+    start = 0
+    for size in chunk_sizes(len(indices), workers):
+        yield [(int(i), job.listing.get(int(i))) for i in indices[start : start + size]]
+        start += size
 
 
 def _write_pending_shards(
@@ -837,7 +856,7 @@ def _write_one_shard(
     window = max(2, pool.workers * 3)  # chunks in flight: keeps every worker busy, bounds memory
     with _ExitAll(writers):
         in_flight: deque[tuple[Any, list[tuple[int, SourceItem]]]] = deque()
-        for chunk in _chunks(job, shard):
+        for chunk in _chunks(job, shard, pool.workers):
             in_flight.append((pool.submit(chunk, job.cache), chunk))
             if len(in_flight) >= window:
                 _drain(pool.result(*in_flight.popleft()), writers, rejected, state)

@@ -414,3 +414,15 @@ def test_step_api_plan_shards_finish_equals_local_prepare(raw: Path, tmp_path: P
     assert shard_bytes(tmp_path / "steps") == shard_bytes(tmp_path / "local")
     with pytest.raises(ConfigError, match="no planned prepare"):
         write_prepare_shard(spec_for(raw, tmp_path / "never"), 0)
+
+
+def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
+    from pipeline.prepare import CHUNK_ITEMS, TAIL_CHUNK_ITEMS, chunk_sizes
+
+    for total, workers in ((1000, 2), (12_345, 8), (7, 2), (1, 1), (300, 0)):
+        sizes = chunk_sizes(total, workers)
+        assert sum(sizes) == total and all(0 < size <= CHUNK_ITEMS for size in sizes)
+        assert sizes == sorted(sizes, reverse=True)  # never a big task after a small one
+        assert sizes[-1] <= TAIL_CHUNK_ITEMS
+    assert chunk_sizes(0, 2) == []
+    assert chunk_sizes(10_000, 2)[0] == CHUNK_ITEMS
