@@ -281,6 +281,9 @@ class _Workers:
         if workers == 0:
             _init_worker(*self._initargs)
         else:
+            from .decode import _pil
+
+            _pil()  # forked workers inherit Pillow imported and set up: their first image starts sooner
             self._executor = self._new_executor(workers)
 
     def _new_executor(self, workers: int) -> Any:
