@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import struct
-import zlib
 import math
 import random
+import struct
 import threading
+import zlib
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,7 @@ JPEG_DECODERS = ("region", "simplejpeg", "pil")
 class Affine:
     """Per-channel scale and shift to float32 (normalisation), kept ready for the C writer."""
 
-    __slots__ = ("scale", "shift", "addresses")
+    __slots__ = ("addresses", "scale", "shift")
 
     def __init__(self, scale: np.ndarray, shift: np.ndarray) -> None:
         self.scale, self.shift = scale, shift
@@ -91,7 +91,9 @@ def default_decoder() -> str:
     return "simplejpeg" if simplejpeg is not None else "pil"
 
 
-def random_resized_crop_box(rng: random.Random, width: int, height: int, spec: CropSpec) -> tuple[float, float, float, float]:
+def random_resized_crop_box(
+    rng: random.Random, width: int, height: int, spec: CropSpec
+) -> tuple[float, float, float, float]:
     """(left, top, width, height) like torchvision's RandomResizedCrop.get_params."""
     area = width * height
     log_low, log_high = math.log(spec.ratio[0]), math.log(spec.ratio[1])
@@ -118,7 +120,12 @@ def centre_crop_box(width: int, height: int, spec: CropSpec) -> tuple[float, flo
     side = spec.size * min(width, height) / resized_short
     if min(width, height) == resized_short:
         # Already prepared at the eval size: an exact, integer crop (no resampling).
-        return float(round((width - spec.size) / 2)), float(round((height - spec.size) / 2)), float(spec.size), float(spec.size)
+        return (
+            float(round((width - spec.size) / 2)),
+            float(round((height - spec.size) / 2)),
+            float(spec.size),
+            float(spec.size),
+        )
     return (width - side) / 2, (height - side) / 2, side, side
 
 
@@ -208,7 +215,9 @@ def _as_rgb_array(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any) -> None:
+def _jpeg_into(
+    slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any
+) -> None:
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     _check_pixels(width, height, spec)
     left, top, cw, ch = crop_box(rng, width, height, spec)
@@ -229,7 +238,9 @@ def _jpeg_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: C
     _rgbx_into(slot, array, array.shape[1], array.shape[0], box, flip, affine)
 
 
-def _region_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any) -> None:
+def _region_into(
+    slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any
+) -> None:
     decoder = _region_decoder()
     assert decoder is not None
     try:
@@ -329,7 +340,9 @@ def _decode_buffer(needed: int) -> np.ndarray:
     return buffer
 
 
-def _pil_into(slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any) -> None:
+def _pil_into(
+    slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any
+) -> None:
     Image = _pil()
     img = open_image(data, max_pixels=spec.max_pixels)
     width, height = img.size

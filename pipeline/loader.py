@@ -389,7 +389,6 @@ class Loader:
         if not (self.device.type == "cpu" and self.spec.worker_type == "thread" and not self._gpu_decode):
             return None, None
         out = self._output_buffer(count)
-        scale, shift = self._affine()
         flips = self._flip_mask(epoch, index, count)
         view = out.numpy() if not self.spec.channels_last else out.permute(0, 2, 3, 1).numpy().transpose(0, 3, 1, 2)
         affine = None if out.dtype == torch.uint8 else self._host_affine()
@@ -557,7 +556,7 @@ class Loader:
                 continue
             return item  # type: ignore[no-any-return]
 
-    def _deliver(self, epoch: int, out: queue.Queue[Any], free: queue.Queue[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _deliver(self, epoch: int, out: queue.Queue[Any], free: _RunSlots) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
         ready: deque[tuple[torch.Tensor, torch.Tensor, int, Any]] = deque()
@@ -592,7 +591,7 @@ class Loader:
             yield images, labels
 
     def _to_device(
-        self, epoch: int, batch: _HostBatch, free: queue.Queue[int], side: Any
+        self, epoch: int, batch: _HostBatch, free: _RunSlots, side: Any
     ) -> tuple[torch.Tensor, torch.Tensor, int, Any]:
         if self._gpu_decode:
             return self._gpu_decoded(epoch, batch, free, side)
@@ -618,7 +617,7 @@ class Loader:
         free.put(batch.slot)
         return images, labels, int(labels.shape[0]), done
 
-    def _cpu_finished(self, batch: _HostBatch, free: queue.Queue[int]) -> tuple[torch.Tensor, torch.Tensor, int, Any]:
+    def _cpu_finished(self, batch: _HostBatch, free: _RunSlots) -> tuple[torch.Tensor, torch.Tensor, int, Any]:
         _, labels, keep = self._host_tensors(batch)
         free.put(batch.slot)
         assert batch.finished is not None
@@ -630,7 +629,7 @@ class Loader:
         return images, labels, int(labels.shape[0]), None
 
     def _gpu_decoded(
-        self, epoch: int, batch: _HostBatch, free: queue.Queue[int], side: Any
+        self, epoch: int, batch: _HostBatch, free: _RunSlots, side: Any
     ) -> tuple[torch.Tensor, torch.Tensor, int, Any]:
         """nvjpeg: decode the batch's JPEGs on the GPU, crop and resize there too."""
         from .gpu_decode import decode_batch_on_gpu

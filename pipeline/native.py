@@ -76,11 +76,13 @@ def _build() -> Path:
     os.close(fd)
     try:
         command = [*compiler, "-O3", "-shared", "-fPIC", "-o", partial, str(SOURCE), "-ljpeg"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if result.returncode != 0:
             detail = (result.stderr or result.stdout).strip().splitlines()
             hint = " (install libjpeg62-turbo-dev or libjpeg-turbo8-dev)" if "jpeglib.h" in result.stderr else ""
-            raise RuntimeError(f"cannot build the region JPEG decoder{hint}: {detail[-1] if detail else result.returncode}")
+            raise RuntimeError(
+                f"cannot build the region JPEG decoder{hint}: {detail[-1] if detail else result.returncode}"
+            )
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
@@ -159,7 +161,13 @@ class RegionDecoder:
         return self._info[0], self._info[1]
 
     def decode(
-        self, data: bytes, scale_num: int, region: tuple[int, int, int, int], out_address: int, out_size: int, fast: bool
+        self,
+        data: bytes,
+        scale_num: int,
+        region: tuple[int, int, int, int],
+        out_address: int,
+        out_size: int,
+        fast: bool,
     ) -> tuple[int, int, int, int]:
         """Decode `region` (x, y, w, h of the image scaled by scale_num/8) as RGBX rows at out_address.
 

@@ -38,7 +38,9 @@ def jpeg(array: np.ndarray, **options: object) -> bytes:
 SAMPLES = [jpeg(photo(w, h, seed)) for seed, (w, h) in enumerate([(256, 341), (300, 256), (256, 256), (517, 389)])]
 
 
-def decoded(decoder: str, data: bytes, train: bool, seed: int, planar: bool = True, flip: bool = False, size: int = 224):
+def decoded(
+    decoder: str, data: bytes, train: bool, seed: int, planar: bool = True, flip: bool = False, size: int = 224
+):
     slot = np.zeros((3, size, size) if planar else (size, size, 3), np.uint8)
     decode_into(slot, "jpg", data, CropSpec(size, train, decoder=decoder), seed, flip=flip)
     return slot
@@ -53,7 +55,9 @@ def test_region_decoder_is_exact_in_eval_and_within_a_level_in_train():
         else:  # DCT-scaled: only rounding at the region's iMCU edges differs
             assert np.abs(decoded("region", data, False, index).astype(int) - reference).max() <= 1
         for seed in range(index * 10, index * 10 + 10):
-            difference = np.abs(decoded("region", data, True, seed).astype(int) - decoded("simplejpeg", data, True, seed))
+            difference = np.abs(
+                decoded("region", data, True, seed).astype(int) - decoded("simplejpeg", data, True, seed)
+            )
             assert difference.max() <= 2, seed
 
 
@@ -77,7 +81,9 @@ def test_layouts_and_flips_agree(decoder: str):
         interleaved = decoded(decoder, data, True, seed, planar=False, size=size)
         assert np.array_equal(planar, interleaved.transpose(2, 0, 1))
         assert np.array_equal(decoded(decoder, data, True, seed, flip=True, size=size), planar[:, :, ::-1])
-        assert np.array_equal(decoded(decoder, data, True, seed, planar=False, flip=True, size=size), interleaved[:, ::-1])
+        assert np.array_equal(
+            decoded(decoder, data, True, seed, planar=False, flip=True, size=size), interleaved[:, ::-1]
+        )
 
 
 def test_npy_samples_flip_and_lay_out_like_images():
@@ -121,13 +127,22 @@ def test_grayscale_and_progressive_jpegs_decode_by_region():
     progressive = jpeg(photo(260, 240, 12), progressive=True)
     for data in (gray, progressive):
         for seed in range(4):
-            difference = np.abs(decoded("region", data, True, seed).astype(int) - decoded("simplejpeg", data, True, seed))
+            difference = np.abs(
+                decoded("region", data, True, seed).astype(int) - decoded("simplejpeg", data, True, seed)
+            )
             assert difference.max() <= 2
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {**os.environ, "PYTHONPATH": str(REPO), **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environment, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_region_decoder_builds_once_into_the_cache(tmp_path: Path):
