@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -65,7 +66,7 @@ def problem() -> str | None:
 def _build() -> Path:
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source).hexdigest()[:16]
-    target = cache_dir() / f"jpegregion-{digest}.so"
+    target = cache_dir() / f"jpegregion-{platform.machine() or 'cpu'}-{digest}.so"
     if target.exists():
         return target
     compiler = os.environ.get("CC", "cc").split()
