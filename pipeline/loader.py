@@ -485,12 +485,15 @@ class Loader:
         if run is None:
             self._discard_next_run()
             run = self._start_run(epoch, skip)
+        for other in list(self._runs):  # one iteration at a time: a new one ends any earlier one
+            if other is not run and other is not self._next_run:
+                self._stop_run(other)
         self._skip_batches = 0
         self._delivered = skip
         finished = False
         try:
             yield from self._deliver(epoch, run.out, run.free)
-            finished = True
+            finished = not run.stop.is_set()  # else a newer iteration took over: this one moves nothing on
         finally:
             self._stop_run(run)
             if finished:
@@ -537,6 +540,8 @@ class Loader:
                 with self._out_lock:
                     self._out_busy.discard(id(item.finished))
         run.free.release_all()
+        with contextlib.suppress(queue.Full):  # an iterator still holding this run ends instead of waiting
+            run.out.put_nowait(_END)
 
     def _discard_next_run(self) -> None:
         with self._run_lock:

@@ -425,3 +425,18 @@ print("done")
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-2000:]
         assert "terminate called" not in result.stderr
+
+
+def test_a_new_iteration_ends_an_unfinished_one(dataset: Path) -> None:
+    # An iterator kept aside must neither starve the next iteration of batch
+    # buffers nor hang when it is used again later.
+    loader = loader_for(dataset, batch_size=8, drop_last=False)
+    kept = iter(loader)
+    next(kept)
+    labels = [labels for _, labels in loader]
+    assert sorted(torch.cat(labels).tolist()) == list(range(N))
+    for _ in loader:  # epoch 1
+        pass
+    assert loader.epoch == 2
+    assert list(kept) == []
+    assert loader.epoch == 2  # the stale iterator ending does not move the epoch back
