@@ -44,8 +44,6 @@ class CropSpec:
         ratio: random crop aspect range.
         eval_fraction: centre crop fraction in eval mode (0.875: 224 from 256).
         max_pixels: larger images are refused as decompression bombs.
-        fast_dct: the region decoder's fast integer IDCT and plain chroma
-            upsampling (faster, differs from the exact decode by a few levels).
         decoder: for JPEGs, "region" (only the crop's rows and iMCU columns,
             DCT-scaled, see native.py), "simplejpeg" (whole image, DCT-scaled)
             or "pil".
@@ -58,10 +56,6 @@ class CropSpec:
     eval_fraction: float = 0.875
     decoder: str = "simplejpeg"
     max_pixels: int = 89_478_485
-    fast_dct: bool = False
-
-
-JPEG_DECODERS = ("region", "simplejpeg", "pil")
 
 
 class Affine:
@@ -221,11 +215,6 @@ def _jpeg_into(
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     _check_pixels(width, height, spec)
     left, top, cw, ch = crop_box(rng, width, height, spec)
-    if not _planar(slot) and _exact_crop((left, top, left + cw, top + ch), _slot_size(slot)):
-        # Eval at the prepared size into interleaved pixels: decode RGB, copy the rows.
-        array = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=_decode_buffer(width * height * 3))
-        _resize_box_into(slot, array, (left, top, left + cw, top + ch), flip, affine)
-        return
     scale = min(1.0, max(spec.size / cw, spec.size / ch))
     kwargs = {}
     if scale < 1.0:
@@ -261,13 +250,13 @@ def _region_into(
     x1, y1 = min(scaled_width, math.ceil(box[2]) + margin), min(scaled_height, math.ceil(box[3]) + margin)
     buffer = _decode_buffer(scaled_width * (y1 - y0) * 4)
     try:
-        first, decoded_width, _, _ = decoder.decode(
-            data, eighths, (x0, y0, x1 - x0, y1 - y0), buffer.ctypes.data, buffer.nbytes, spec.fast_dct
+        first, decoded_width = decoder.decode(
+            data, eighths, (x0, y0, x1 - x0, y1 - y0), buffer.ctypes.data, buffer.nbytes
         )
+    except native.RegionUnsupported:  # CMYK: Pillow converts it
+        _pil_into(slot, data, rng, spec, flip, affine)
+        return
     except native.RegionError as exc:
-        if "CMYK" in str(exc):  # libjpeg-turbo has no CMYK to RGB: Pillow does it
-            _pil_into(slot, data, rng, spec, flip, affine)
-            return
         raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
     relative = (box[0] - first, box[1] - y0, box[2] - first, box[3] - y0)
     _rgbx_into(slot, buffer, decoded_width, y1 - y0, relative, flip, affine)

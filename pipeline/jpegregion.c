@@ -28,6 +28,7 @@
 #endif
 
 #define GF_ROWS 16
+#define GF_UNSUPPORTED -2
 
 struct gf_error {
     struct jpeg_error_mgr pub;
@@ -37,14 +38,19 @@ struct gf_error {
     int warned;
 };
 
-static void gf_error_exit(j_common_ptr cinfo) {
+/* Keep libjpeg's text for the message it is about to act on. */
+static void gf_keep_message(j_common_ptr cinfo) {
     struct gf_error *error = (struct gf_error *)cinfo->err;
     char text[JMSG_LENGTH_MAX];
     (*cinfo->err->format_message)(cinfo, text);
     if (error->message != NULL && error->message_size > 0) {
         snprintf(error->message, (size_t)error->message_size, "%s", text);
     }
-    longjmp(error->jump, 1);
+}
+
+static void gf_error_exit(j_common_ptr cinfo) {
+    gf_keep_message(cinfo);
+    longjmp(((struct gf_error *)cinfo->err)->jump, 1);
 }
 
 /* Warnings mean corrupt data that libjpeg would paper over with grey: the
@@ -53,11 +59,7 @@ static void gf_error_exit(j_common_ptr cinfo) {
 static void gf_emit_message(j_common_ptr cinfo, int level) {
     struct gf_error *error = (struct gf_error *)cinfo->err;
     if (level < 0 && !error->warned) {
-        char text[JMSG_LENGTH_MAX];
-        (*cinfo->err->format_message)(cinfo, text);
-        if (error->message != NULL && error->message_size > 0) {
-            snprintf(error->message, (size_t)error->message_size, "%s", text);
-        }
+        gf_keep_message(cinfo);
         error->warned = 1;
     }
 }
@@ -100,14 +102,13 @@ int gf_header(const unsigned char *data, unsigned long size, int *info, char *me
  * by scale_num/8 into `out` as RGBX rows of out_info[1] pixels each.
  *
  * out_info on success: [0] first decoded column (x rounded down to an iMCU
- * boundary), [1] decoded width (covers x + w), [2] scaled image width,
- * [3] scaled image height.
- * Returns 0, or -1 with `message` set (corrupt data, region outside the
- * scaled image, or `out_size` too small for the decoded rows).
+ * boundary), [1] decoded width (covers x + w).
+ * Returns 0; -1 with `message` set (corrupt data, region outside the scaled
+ * image, or `out_size` too small for the decoded rows); GF_UNSUPPORTED for a
+ * CMYK/YCCK JPEG, which libjpeg-turbo cannot convert to RGB.
  */
 int gf_decode_region(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
-                     int fast, unsigned char *out, unsigned long out_size, int *out_info, char *message,
-                     int message_size) {
+                     unsigned char *out, unsigned long out_size, int *out_info, char *message, int message_size) {
     struct jpeg_decompress_struct cinfo;
     struct gf_error error;
     JSAMPROW rows[GF_ROWS];
@@ -125,18 +126,12 @@ int gf_decode_region(const unsigned char *data, unsigned long size, int scale_nu
     if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
         snprintf(message, (size_t)message_size, "CMYK JPEG: not decoded by region");
         jpeg_destroy_decompress(&cinfo);
-        return -1;
+        return GF_UNSUPPORTED;
     }
     cinfo.out_color_space = JCS_EXT_RGBX;
     cinfo.scale_num = (unsigned int)(scale_num < 1 ? 1 : (scale_num > 16 ? 16 : scale_num));
     cinfo.scale_denom = 8;
-    if (fast) {
-        cinfo.dct_method = JDCT_IFAST;
-        cinfo.do_fancy_upsampling = FALSE;
-    }
     jpeg_start_decompress(&cinfo);
-    out_info[2] = (int)cinfo.output_width;
-    out_info[3] = (int)cinfo.output_height;
     if (x < 0 || y < 0 || w < 1 || h < 1 || (JDIMENSION)(x + w) > cinfo.output_width ||
         (JDIMENSION)(y + h) > cinfo.output_height) {
         snprintf(message, (size_t)message_size, "region %dx%d+%d+%d is outside the %ux%u scaled image", w, h, x, y,

@@ -479,15 +479,12 @@ class Loader:
         self._ensure_workers()
         epoch, skip = self.epoch, self._skip_batches
         with self._run_lock:
-            run = self._next_run if self._next_run is not None and self._next_run.matches(epoch, skip) else None
-            if run is not None:
-                self._next_run = None
-        if run is None:
-            self._discard_next_run()
-            run = self._start_run(epoch, skip)
-        for other in list(self._runs):  # one iteration at a time: a new one ends any earlier one
-            if other is not run and other is not self._next_run:
+            ahead, self._next_run = self._next_run, None
+        run = ahead if ahead is not None and ahead.matches(epoch, skip) else None
+        for other in list(self._runs):  # one iteration at a time: this one ends any earlier one, and a
+            if other is not run:  # run started ahead for another epoch
                 self._stop_run(other)
+        run = run or self._start_run(epoch, skip)
         self._skip_batches = 0
         self._delivered = skip
         finished = False

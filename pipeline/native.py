@@ -97,7 +97,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gf_header.restype = ctypes.c_int
     lib.gf_decode_region.argtypes = [
         ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
     ]  # fmt: skip
     lib.gf_decode_region.restype = ctypes.c_int
     lib.gf_store_rgbx.argtypes = [
@@ -122,7 +122,14 @@ def channel_strides(array: Any) -> tuple[int, int, int]:
 
 
 class RegionError(Exception):
-    """libjpeg refused the data (corrupt, truncated, CMYK, region outside the image)."""
+    """libjpeg refused the data (corrupt, truncated, region outside the image)."""
+
+
+class RegionUnsupported(RegionError):
+    """A JPEG the region decoder does not convert (CMYK/YCCK): another decoder must."""
+
+
+_UNSUPPORTED = -2  # GF_UNSUPPORTED in jpegregion.c
 
 
 class RegionDecoder:
@@ -168,17 +175,16 @@ class RegionDecoder:
         region: tuple[int, int, int, int],
         out_address: int,
         out_size: int,
-        fast: bool,
-    ) -> tuple[int, int, int, int]:
+    ) -> tuple[int, int]:
         """Decode `region` (x, y, w, h of the image scaled by scale_num/8) as RGBX rows at out_address.
 
-        Returns (first decoded column, decoded width, scaled width, scaled height).
+        Returns (first decoded column, decoded width): whole iMCU columns around the region.
         """
         x, y, w, h = region
         status = self._lib.gf_decode_region(
-            data, len(data), scale_num, x, y, w, h, int(fast), out_address, out_size, self._info,
-            self._message, _MESSAGE_SIZE,
-        )  # fmt: skip
+            data, len(data), scale_num, x, y, w, h, out_address, out_size, self._info, self._message, _MESSAGE_SIZE
+        )
         if status != 0:
-            raise RegionError(self._message.value.decode(errors="replace") or "cannot decode")
-        return self._info[0], self._info[1], self._info[2], self._info[3]
+            error = RegionUnsupported if status == _UNSUPPORTED else RegionError
+            raise error(self._message.value.decode(errors="replace") or "cannot decode")
+        return self._info[0], self._info[1]
