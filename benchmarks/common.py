@@ -127,6 +127,11 @@ def directory_bytes(path: str) -> int:
     return total
 
 
+def ratio_text(value: float | None) -> str:
+    """A speedup as the headline lines print it: "2.47x", or "n/a" when a row did not run."""
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
 def fresh_dir(path: str) -> str:
     """Remove `path` if it exists; its parent is created."""
     shutil.rmtree(path, ignore_errors=True)

@@ -791,10 +791,6 @@ def _print_stall(stall: StallResult, stalls: list[StallResult], best: str) -> No
     )
 
 
-def _times(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
-
-
 def _print_summary(ratios: dict[str, float | None], stall: StallResult | None) -> None:
     marks = []
     for key, goal in TARGETS.items():
@@ -805,15 +801,16 @@ def _print_summary(ratios: dict[str, float | None], stall: StallResult | None) -
     if stall is not None:
         marks.append(f"stall < {STALL_TARGET:.0%}: {'met' if stall.stall_fraction < STALL_TARGET else 'MISSED'}")
     print("targets: " + "; ".join(marks))
+    times = common.ratio_text
     print(
-        f"like for like: {_times(ratios['vs_ffcv_float'])} vs ffcv-float (both flipped, normalised float32 NCHW); "
-        f"gpufeed dtype=uint8 {_times(ratios['uint8_vs_ffcv'])} vs ffcv uint8 (NCHW vs NHWC uint8); "
+        f"like for like: {times(ratios['vs_ffcv_float'])} vs ffcv-float (both flipped, normalised float32 NCHW); "
+        f"gpufeed dtype=uint8 {times(ratios['uint8_vs_ffcv'])} vs ffcv uint8 (NCHW vs NHWC uint8); "
         "webdataset and imagefolder-raw deliver unnormalised float32 (ToTensor), no flips"
     )
     ceiling = "n/a" if ratios["of_ceiling"] is None else f"{ratios['of_ceiling']:.0%}"
     print(
-        f"loader speedup: {_times(ratios['vs_webdataset'])} vs webdataset, {_times(ratios['vs_imagefolder'])} vs "
-        f"imagefolder-raw, {_times(ratios['vs_ffcv'])} vs ffcv, {ceiling} of decode ceiling"
+        f"loader speedup: {times(ratios['vs_webdataset'])} vs webdataset, {times(ratios['vs_imagefolder'])} vs "
+        f"imagefolder-raw, {times(ratios['vs_ffcv'])} vs ffcv, {ceiling} of decode ceiling"
     )
 
 

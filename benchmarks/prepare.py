@@ -535,13 +535,10 @@ def print_report(header: dict[str, Any], rows: dict[str, Row], ratios: dict[str,
         marks.append(f"{shown}: {state}")
     print("targets: " + "; ".join(marks))
 
-    def times(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.2f}x"
-
     floor = "n/a" if ratios["of_floor"] is None else f"{ratios['of_floor']:.0%}"
     print(
-        f"prepare speedup: {times(ratios['vs_naive'])} vs naive, "
-        f"{times(ratios['vs_img2dataset'])} vs img2dataset, {floor} of floor"
+        f"prepare speedup: {common.ratio_text(ratios['vs_naive'])} vs naive, "
+        f"{common.ratio_text(ratios['vs_img2dataset'])} vs img2dataset, {floor} of floor"
     )
 
 
