@@ -8,11 +8,11 @@ row, --workers 2, CPU device) over the same demo images, measured in one run:
                        the headline row
   gpufeed dtype=uint8  informational: threads, uint8 output like FFCV's row
   webdataset           plain wds.WebDataset(...).decode("pil") + torchvision-style
-                       RandomResizedCrop + ToTensor + torch DataLoader, same shards
+                       RandomResizedCrop + ToTensor + torch DataLoader, same pixels
   imagefolder-raw      an ImageFolder-style Dataset over the raw (~1 MP) JPEGs: PIL
                        decode + RandomResizedCrop + ToTensor, torch DataLoader
   ffcv                 FFCV's Loader with RandomResizedCropRGBImageDecoder + ToTensor
-                       (uint8 NHWC) over a .beton holding the same 256 px JPEG bytes,
+                       (uint8 NHWC) over a .beton holding the same 256 px JPEGs,
                        run as a subprocess by .venv-ffcv's python (setup_ffcv.sh)
   ffcv-float           informational: FFCV with flip + NormalizeImage + ToTorchImage,
                        i.e. the flipped, normalised float32 NCHW batches gpufeed gives
@@ -38,6 +38,10 @@ Data, made with the CLI once and cached under --data (default
 benchmarks/results/loader-data):
     gpufeed demo-data DATA/raw --n 2000 --min-side 800 --max-side 1250
     gpufeed prepare DATA/raw DATA/prepared --size 256 --shard-count 250
+    gpufeed prepare DATA/raw DATA/prepared-plain --size 256 --shard-count 250 --jpeg-restart 0
+(gpufeed's rows and the ceiling read DATA/prepared, whose JPEGs carry a
+restart marker every MCU, gpufeed prepare's default; WebDataset and FFCV read
+DATA/prepared-plain: the same pixels without them, as their users have them.)
 (--shard-count gives 8 shards, so each of WebDataset's 2 workers gets some;
 gpufeed's loader does not need it.) The .beton goes to DATA/ffcv/.
 
@@ -78,6 +82,7 @@ BATCH = 64
 CROP = 224
 SIZE = 256  # prepared shorter side
 SHARD_COUNT = 250  # samples per shard
+RESTART = 1  # gpufeed prepare's default: a JPEG restart marker every MCU
 DEMO_SIDES = (800, 1250)
 SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults, in every row
 RATIO = (3 / 4, 4 / 3)
@@ -581,9 +586,15 @@ def ffcv_status(python: str) -> dict[str, Any] | None:
 # Data
 
 
-def ensure_data(data: str, n: int) -> tuple[str, str]:
-    """DATA/raw (n demo JPEGs) and DATA/prepared (256 px shards), made with the CLI once and cached."""
-    raw, prepared = os.path.join(data, "raw"), os.path.join(data, "prepared")
+def ensure_data(data: str, n: int) -> tuple[str, str, str]:
+    """DATA/raw (n demo JPEGs), DATA/prepared (256 px shards) and DATA/prepared-plain, made with the CLI once.
+
+    prepared-plain holds the same pixels coded without restart markers
+    (--jpeg-restart 0): the JPEGs a user of WebDataset or FFCV would have.
+    Restart markers only help a decoder that reads part of an image, and
+    make a whole-image decode a little slower, so those rows read these.
+    """
+    raw, prepared, plain = (os.path.join(data, name) for name in ("raw", "prepared", "prepared-plain"))
     marker = os.path.join(raw, DATA_MARKER)
     found = len(common.list_jpegs(raw)) if os.path.isdir(raw) else 0
     if found < n:
@@ -595,21 +606,27 @@ def ensure_data(data: str, n: int) -> tuple[str, str]:
         with open(marker, "w") as handle:
             json.dump({"n": n, "min_side": DEMO_SIDES[0], "max_side": DEMO_SIDES[1]}, handle)
         common.fresh_dir(prepared)
+        common.fresh_dir(plain)
     found = len(common.list_jpegs(raw))
-    if _prepared_samples(prepared) != found:
-        common.fresh_dir(prepared)
-        _gpufeed_cli("prepare", raw, prepared, "--size", str(SIZE), "--shard-count", str(SHARD_COUNT), "--quiet")
-    return raw, prepared
+    for out, restart in ((prepared, RESTART), (plain, 0)):
+        if _prepared_samples(out, restart) != found:
+            common.fresh_dir(out)
+            _gpufeed_cli(
+                "prepare", raw, out, "--size", str(SIZE), "--shard-count", str(SHARD_COUNT),
+                "--jpeg-restart", str(restart), "--quiet",
+            )  # fmt: skip
+    return raw, prepared, plain
 
 
-def _prepared_samples(prepared: str) -> int | None:
+def _prepared_samples(prepared: str, restart: int) -> int | None:
     try:
         with open(os.path.join(prepared, "manifest.json")) as handle:
             manifest = json.load(handle)
     except (OSError, ValueError):
         return None
     params = manifest.get("params", {})
-    if params.get("resize", {}).get("size") != SIZE or params.get("encode", {}).get("format") != "jpeg":
+    encode = params.get("encode", {})
+    if params.get("resize", {}).get("size") != SIZE or (encode.get("format"), encode.get("restart")) != ("jpeg", restart):
         return None
     return int(manifest["samples"])
 
@@ -859,8 +876,8 @@ def run_single_row(args: argparse.Namespace) -> int:
         common.print_json_line(ffcv_versions())
         return 0
     data = os.path.abspath(args.data)
-    prepared = os.path.join(data, "prepared")
-    common.print_json_line(run_ffcv_row(prepared, beton_path(data, prepared), args.workers, args.ffcv_output))
+    plain = os.path.join(data, "prepared-plain")
+    common.print_json_line(run_ffcv_row(plain, beton_path(data, plain), args.workers, args.ffcv_output))
     return 0
 
 
@@ -931,7 +948,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.row:
         return run_single_row(args)
     data = os.path.abspath(args.data)
-    raw, prepared = ensure_data(data, args.n)
+    raw, prepared, plain = ensure_data(data, args.n)
     blobs = read_prepared_jpegs(prepared)
     if len(blobs) < 2000:
         print(f"warning: {len(blobs)} images; the issue asks for at least 2,000", file=sys.stderr)
@@ -959,14 +976,14 @@ def main(argv: list[str] | None = None) -> int:
         "gpufeed-thread": lambda: run_gpufeed(prepared, "thread", workers),
         "gpufeed-process": lambda: run_gpufeed(prepared, "process", workers),
         "gpufeed-uint8": lambda: run_gpufeed(prepared, "thread", workers, dtype="uint8"),
-        "webdataset": lambda: run_dataloader(make_webdataset_loader(prepared, workers)),
+        "webdataset": lambda: run_dataloader(make_webdataset_loader(plain, workers)),
         "imagefolder": lambda: run_dataloader(make_imagefolder_loader(raw, workers)),
         "ffcv": lambda: run_ffcv_subprocess(python, data, workers, "uint8"),
         "ffcv-float": lambda: run_ffcv_subprocess(python, data, workers, "float"),
         "ceiling": lambda: run_ceiling(blobs, workers),
         "simplejpeg": lambda: run_simplejpeg(blobs, workers),
     }
-    files = shard_paths(prepared) + [path for path, _ in common.list_jpegs(raw)]
+    files = shard_paths(prepared) + shard_paths(plain) + [path for path, _ in common.list_jpegs(raw)]
     measure_rows(rows, runners, files, args)
     if not any(name in rows and rows[name].best for name in ("gpufeed-thread", "gpufeed-process")):
         raise SystemExit("no gpufeed row ran")

@@ -24,7 +24,9 @@ def encode_image(img: Any, spec: EncodeSpec) -> bytes:
         return buffer.getvalue()
     buffer = io.BytesIO()
     if spec.format == "jpeg":
-        img.save(buffer, format="JPEG", quality=spec.quality)
+        # Restart markers let the loader decode just a crop's blocks (see jpegregion.c).
+        extra = {"restart_marker_blocks": spec.restart} if spec.restart else {}
+        img.save(buffer, format="JPEG", quality=spec.quality, **extra)
     elif spec.format == "webp":
         img.save(buffer, format="WEBP", quality=spec.quality, method=4)
     else:

@@ -19,6 +19,7 @@
 #include <setjmp.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <jpeglib.h>
@@ -98,6 +99,164 @@ int gf_header(const unsigned char *data, unsigned long size, int *info, char *me
 }
 
 /*
+ * Restart markers make a crop's blocks reachable without entropy-decoding
+ * the rest of the image: with a restart every R MCUs (R dividing the MCUs in
+ * a row), each run of R MCUs is coded independently (DC prediction restarts
+ * at each marker). The runs covering the crop's MCU rectangle are copied,
+ * behind the original headers with the frame size patched, into a small
+ * JPEG of just that rectangle, with its restart markers renumbered; libjpeg
+ * then decodes only those blocks. gpufeed prepare writes JPEGs with a
+ * restart every MCU for this.
+ */
+struct gf_layout {
+    unsigned long sof;  /* offset of the frame header's height field */
+    unsigned long scan; /* first entropy-coded byte */
+    int width, height;
+    int mcu_width, mcu_height; /* in pixels */
+    int columns, rows;         /* MCUs */
+    int restart;               /* MCUs per restart interval; 0: none */
+};
+
+static unsigned gf_be16(const unsigned char *p) { return ((unsigned)p[0] << 8) | p[1]; }
+
+/* The layout of a baseline, single-scan JPEG with restart intervals that
+ * divide its MCU rows; 0 when it is anything else (the caller decodes it the
+ * ordinary way, which also reports any corruption). */
+static int gf_parse_layout(const unsigned char *data, unsigned long size, struct gf_layout *layout) {
+    unsigned long pos = 2;
+    int components = 0, hmax = 1, vmax = 1, have_frame = 0;
+
+    memset(layout, 0, sizeof(*layout));
+    if (size < 4 || data[0] != 0xFF || data[1] != 0xD8) {
+        return 0;
+    }
+    while (pos + 4 <= size) {
+        unsigned marker, length;
+        if (data[pos] != 0xFF) {
+            return 0;
+        }
+        marker = data[pos + 1];
+        if (marker == 0xFF) { /* fill byte */
+            pos++;
+            continue;
+        }
+        length = gf_be16(data + pos + 2);
+        if (length < 2 || pos + 2 + length > size) {
+            return 0;
+        }
+        if (marker == 0xC0 || marker == 0xC1) { /* baseline / extended sequential, Huffman */
+            int i;
+            if (length < 8) {
+                return 0;
+            }
+            layout->sof = pos + 5;
+            layout->height = (int)gf_be16(data + pos + 5);
+            layout->width = (int)gf_be16(data + pos + 7);
+            components = data[pos + 9];
+            if (components < 1 || length < 8 + 3u * (unsigned)components) {
+                return 0;
+            }
+            for (i = 0; i < components; i++) {
+                int h = data[pos + 11 + 3 * i] >> 4, v = data[pos + 11 + 3 * i] & 15;
+                hmax = h > hmax ? h : hmax;
+                vmax = v > vmax ? v : vmax;
+            }
+            have_frame = 1;
+        } else if ((marker >= 0xC2 && marker <= 0xCF && marker != 0xC4 && marker != 0xCC) || marker == 0xDC) {
+            return 0; /* progressive, lossless, arithmetic, hierarchical, DNL */
+        } else if (marker == 0xDD && length == 4) {
+            layout->restart = (int)gf_be16(data + pos + 4);
+        } else if (marker == 0xDA) {
+            if (!have_frame || length < 3 || data[pos + 4] != components || layout->height == 0) {
+                return 0; /* not one interleaved scan of every component */
+            }
+            layout->scan = pos + 2 + length;
+            break;
+        }
+        pos += 2 + length;
+    }
+    if (layout->scan == 0 || layout->restart <= 0) {
+        return 0;
+    }
+    layout->mcu_width = components == 1 ? 8 : 8 * hmax;
+    layout->mcu_height = components == 1 ? 8 : 8 * vmax;
+    layout->columns = (layout->width + layout->mcu_width - 1) / layout->mcu_width;
+    layout->rows = (layout->height + layout->mcu_height - 1) / layout->mcu_height;
+    return layout->columns % layout->restart == 0;
+}
+
+/*
+ * The JPEG of MCU columns [c0, c1) x rows [r0, r1) (c0, c1 multiples of the
+ * restart interval) in a malloc'd buffer, its size in *built_size; NULL when
+ * the entropy-coded data does not have the expected restart markers.
+ */
+static unsigned char *gf_build_rectangle(const unsigned char *data, unsigned long size,
+                                         const struct gf_layout *layout, int c0, int c1, int r0, int r1,
+                                         unsigned long *built_size) {
+    int per_row = layout->columns / layout->restart;
+    int first = (r0 * layout->columns + c0) / layout->restart, last = r1 * per_row; /* intervals [first, last) */
+    int wanted = (c1 - c0) / layout->restart, interval = 0, written = 0, full_width, full_height;
+    unsigned long pos = layout->scan, start = layout->scan, length = 0;
+    unsigned char *out = malloc(size + 2 * (unsigned long)(r1 - r0) * (unsigned long)wanted + 4);
+
+    if (out == NULL) {
+        return NULL;
+    }
+    memcpy(out, data, layout->scan);
+    length = layout->scan;
+    full_width = c1 * layout->mcu_width < layout->width ? c1 * layout->mcu_width : layout->width;
+    full_height = r1 * layout->mcu_height < layout->height ? r1 * layout->mcu_height : layout->height;
+    out[layout->sof] = (unsigned char)((full_height - r0 * layout->mcu_height) >> 8);
+    out[layout->sof + 1] = (unsigned char)(full_height - r0 * layout->mcu_height);
+    out[layout->sof + 2] = (unsigned char)((full_width - c0 * layout->mcu_width) >> 8);
+    out[layout->sof + 3] = (unsigned char)(full_width - c0 * layout->mcu_width);
+
+    /* Walk the intervals in order: interval k runs from `start` to its marker. */
+    while (interval < last) {
+        const unsigned char *hit = memchr(data + pos, 0xFF, size - pos);
+        unsigned next;
+        if (hit == NULL || (unsigned long)(hit - data) + 1 >= size) {
+            break;
+        }
+        pos = (unsigned long)(hit - data) + 1;
+        next = data[pos];
+        if (next == 0x00 || next == 0xFF) { /* stuffed byte, or fill before a marker */
+            if (next == 0x00) {
+                pos++;
+            }
+            continue;
+        }
+        if (next == 0xD9 ? interval != last - 1 : (next & 0xF8) != 0xD0 || (int)(next & 7) != interval % 8) {
+            break; /* early end, another marker, or restarts out of sequence */
+        }
+        if (interval >= first && (interval - first) % per_row < wanted) {
+            unsigned long end = (unsigned long)(hit - data);
+            while (end > start && data[end - 1] == 0xFF) { /* fill bytes belong to the marker */
+                end--;
+            }
+            if (written > 0) {
+                out[length++] = 0xFF;
+                out[length++] = (unsigned char)(0xD0 + (written - 1) % 8);
+            }
+            memcpy(out + length, data + start, end - start);
+            length += end - start;
+            written++;
+        }
+        pos++;
+        start = pos;
+        interval++;
+    }
+    if (interval < last) {
+        free(out);
+        return NULL;
+    }
+    out[length++] = 0xFF;
+    out[length++] = 0xD9;
+    *built_size = length;
+    return out;
+}
+
+/*
  * Decode rows [y, y + h) and at least columns [x, x + w) of the image scaled
  * by scale_num/8 into `out` as RGBX rows of out_info[1] pixels each.
  *
@@ -107,8 +266,8 @@ int gf_header(const unsigned char *data, unsigned long size, int *info, char *me
  * image, or `out_size` too small for the decoded rows); GF_UNSUPPORTED for a
  * CMYK/YCCK JPEG, which libjpeg-turbo cannot convert to RGB.
  */
-int gf_decode_region(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
-                     unsigned char *out, unsigned long out_size, int *out_info, char *message, int message_size) {
+static int gf_decode_rows(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
+                          unsigned char *out, unsigned long out_size, int *out_info, char *message, int message_size) {
     struct jpeg_decompress_struct cinfo;
     struct gf_error error;
     JSAMPROW rows[GF_ROWS];
@@ -174,6 +333,77 @@ int gf_decode_region(const unsigned char *data, unsigned long size, int scale_nu
     }
     jpeg_destroy_decompress(&cinfo);
     return error.warned ? -1 : 0;
+}
+
+/* The MCU rectangle [c0, c1) x [r0, r1) holding region (x, y, w, h) of the
+ * image scaled by scale/8, widened to whole restart intervals; 0 when a
+ * rectangle would not save anything or the JPEG has no usable restarts. */
+static int gf_plan_rectangle(const unsigned char *data, unsigned long size, int scale, int x, int y, int w, int h,
+                             struct gf_layout *layout, int *rectangle) {
+    int step_x, step_y, c0, c1, r0, r1;
+    if (x < 0 || y < 0 || w < 1 || h < 1 || !gf_parse_layout(data, size, layout)) {
+        return 0;
+    }
+    step_x = layout->mcu_width * scale / 8;
+    step_y = layout->mcu_height * scale / 8;
+    c0 = x / step_x;
+    c1 = (x + w + step_x - 1) / step_x;
+    r0 = y / step_y;
+    r1 = (y + h + step_y - 1) / step_y;
+    c0 -= c0 % layout->restart;
+    c1 = (c1 + layout->restart - 1) / layout->restart * layout->restart;
+    if (c1 > layout->columns || r1 > layout->rows || (c0 == 0 && c1 == layout->columns && r0 == 0)) {
+        return 0;
+    }
+    rectangle[0] = c0, rectangle[1] = c1, rectangle[2] = r0, rectangle[3] = r1;
+    rectangle[4] = c0 * step_x, rectangle[5] = r0 * step_y; /* its origin in the scaled image */
+    return 1;
+}
+
+int gf_decode_region(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
+                     unsigned char *out, unsigned long out_size, int *out_info, char *message, int message_size) {
+    struct gf_layout layout;
+    int scale = scale_num < 1 ? 1 : (scale_num > 16 ? 16 : scale_num), rectangle[6];
+    unsigned long built_size = 0;
+    unsigned char *built;
+
+    if (gf_plan_rectangle(data, size, scale, x, y, w, h, &layout, rectangle) &&
+        (built = gf_build_rectangle(data, size, &layout, rectangle[0], rectangle[1], rectangle[2], rectangle[3],
+                                    &built_size)) != NULL) {
+        int status = gf_decode_rows(built, built_size, scale, x - rectangle[4], y - rectangle[5], w, h, out,
+                                    out_size, out_info, message, message_size);
+        free(built);
+        out_info[0] += rectangle[4];
+        return status;
+    }
+    return gf_decode_rows(data, size, scale, x, y, w, h, out, out_size, out_info, message, message_size);
+}
+
+/*
+ * The JPEG that gf_decode_region would decode for this region, copied to
+ * `out`; its size, 0 when the whole JPEG is decoded instead, -1 when `out`
+ * is too small. origin: where its top-left pixel lies in the scaled image.
+ */
+long gf_region_jpeg(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
+                    unsigned char *out, unsigned long out_size, int *origin) {
+    struct gf_layout layout;
+    int scale = scale_num < 1 ? 1 : (scale_num > 16 ? 16 : scale_num), rectangle[6];
+    unsigned long built_size = 0;
+    unsigned char *built;
+    long result = 0;
+
+    if (gf_plan_rectangle(data, size, scale, x, y, w, h, &layout, rectangle) &&
+        (built = gf_build_rectangle(data, size, &layout, rectangle[0], rectangle[1], rectangle[2], rectangle[3],
+                                    &built_size)) != NULL) {
+        result = built_size <= out_size ? (long)built_size : -1;
+        if (result > 0) {
+            memcpy(out, built, built_size);
+            origin[0] = rectangle[4];
+            origin[1] = rectangle[5];
+        }
+        free(built);
+    }
+    return result;
 }
 
 /*

@@ -100,6 +100,11 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
     ]  # fmt: skip
     lib.gf_decode_region.restype = ctypes.c_int
+    lib.gf_region_jpeg.argtypes = [
+        ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p,
+    ]  # fmt: skip
+    lib.gf_region_jpeg.restype = ctypes.c_long
     lib.gf_store_rgbx.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
         ctypes.c_long,
@@ -188,3 +193,16 @@ class RegionDecoder:
             error = RegionUnsupported if status == _UNSUPPORTED else RegionError
             raise error(self._message.value.decode(errors="replace") or "cannot decode")
         return self._info[0], self._info[1]
+
+    def region_jpeg(self, data: bytes, scale_num: int, region: tuple[int, int, int, int]) -> tuple[bytes, int, int] | None:
+        """The smaller JPEG that `decode` reads for `region` when restart markers allow one.
+
+        Returns (its bytes, x, y of its top-left pixel in the scaled image), or
+        None when `decode` reads the whole JPEG (no usable restart markers,
+        or the region needs every block anyway).
+        """
+        out = ctypes.create_string_buffer(len(data) + 16)  # never larger than the source + EOI
+        size = self._lib.gf_region_jpeg(data, len(data), scale_num, *region, out, len(out), self._info)
+        if size <= 0:
+            return None
+        return out.raw[:size], self._info[0], self._info[1]

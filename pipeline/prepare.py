@@ -42,6 +42,7 @@ WORK_DIR = ".gpufeed"
 CHUNK_ITEMS = 64  # images per pool task while many remain: few round trips through the pool
 TAIL_CHUNK_ITEMS = 4  # near the end of a shard: small tasks, so no worker waits on another's last one
 ESTIMATE_SAMPLES = 16
+TERMINATE_GRACE_S = 10.0  # after an error, how long workers may take to finish the chunk in hand
 SHARD_FILL = 0.92  # plan shards to 92 % of --shard-size: the estimate is an estimate
 
 ProgressCallback = Callable[["PrepareProgress"], None]
@@ -334,11 +335,29 @@ class _Workers:
             self._executor = None
 
     def terminate(self) -> None:
-        if self._executor is not None:
-            for process in list(getattr(self._executor, "_processes", {}).values()):
+        """Stop the pool after an error: queued chunks are dropped, running ones may finish.
+
+        A worker killed while it sends its results leaves half a message in
+        the result pipe, and the executor's thread then waits forever for the
+        rest (so does interpreter exit, which joins that thread). So workers
+        get TERMINATE_GRACE_S to finish the chunk in hand and exit on their
+        own; only one still busy after that (stuck on a file) is killed.
+        """
+        if self._executor is None:
+            return
+        executor, self._executor = self._executor, None
+        processes = list(getattr(executor, "_processes", {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
                 process.terminate()
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+                process.join()
+        thread = getattr(executor, "_executor_manager_thread", None)
+        if thread is not None:
+            thread.join(TERMINATE_GRACE_S)
 
 
 class _WithKnown:

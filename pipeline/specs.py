@@ -127,15 +127,23 @@ class AugmentSpec(_Spec):
 
 @dataclasses.dataclass(frozen=True)
 class EncodeSpec(_Spec):
-    """Output encoding: jpeg (default, quality 90), webp, png, or raw uint8 npy."""
+    """Output encoding: jpeg (default, quality 90), webp, png, or raw uint8 npy.
+
+    `restart`: for JPEG, a restart marker every `restart` MCUs (0: none).
+    With 1, the default, each 16x16 block group is coded on its own, and the
+    loader decodes only the blocks a random crop covers instead of every row
+    down to its bottom edge (about 6 % larger files).
+    """
 
     format: str = "jpeg"
     quality: int = 90
+    restart: int = 1
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         _check_int("--quality", self.quality, 1, 100)
+        _check_int("--jpeg-restart", self.restart, 0, 65535)
 
     @property
     def extension(self) -> str:

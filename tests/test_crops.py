@@ -177,3 +177,83 @@ def test_without_a_compiler_the_loader_falls_back_and_doctor_says_why(tmp_path: 
     assert decoder in ("simplejpeg", "pil")
     assert "no C compiler" in reason
     assert default_decoder() in ("region", "simplejpeg", "pil")
+
+
+# Restart markers (gpufeed prepare writes one every MCU): the region decoder
+# then decodes only the MCUs a crop covers, from a smaller JPEG it builds.
+RESTART_IMAGES = [
+    (photo(256, 341, 20), {}),  # 4:2:0, 16x16 MCUs, 16 x 22 of them
+    (photo(341, 256, 21), {"subsampling": 0}),  # 4:4:4, 8x8 MCUs, a partial last column
+    (photo(250, 262, 22)[:, :, 0], {}),  # grayscale: one 8x8 block per MCU
+    (photo(517, 389, 23), {}),  # large enough for DCT scaling
+]
+
+
+def region(data: bytes, scale: int, box: tuple[int, int, int, int]) -> np.ndarray:
+    decoder = native.RegionDecoder(native.library())
+    buffer = np.zeros(4 << 20, np.uint8)
+    first, width = decoder.decode(data, scale, box, buffer.ctypes.data, buffer.nbytes)
+    rows = buffer[: width * 4 * box[3]].reshape(box[3], width, 4)
+    return rows[:, box[0] - first : box[0] - first + box[2], :3]
+
+
+@needs_region
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_restart_markers_give_the_same_pixels_from_less_data(interval: int):
+    for array, options in RESTART_IMAGES:
+        plain, restarts = jpeg(array, **options), jpeg(array, restart_marker_blocks=interval, **options)
+        decoder = native.RegionDecoder(native.library())
+        height, width = array.shape[:2]
+        rng = np.random.default_rng(interval)
+        for scale in (8, 5, 3):
+            scaled_width, scaled_height = -(-width * scale // 8), -(-height * scale // 8)
+            for _ in range(12):
+                w, h = (int(rng.integers(8, side + 1)) for side in (scaled_width, scaled_height))
+                x, y = int(rng.integers(0, scaled_width - w + 1)), int(rng.integers(0, scaled_height - h + 1))
+                box = (x, y, w, h)
+                ours = region(restarts, scale, box)
+                # Inside the box, identical to decoding the whole image (2 px in from
+                # the rectangle's edges, where chroma upsampling has no neighbours).
+                assert np.array_equal(ours[2:-2, 2:-2], region(plain, scale, box)[2:-2, 2:-2]), (scale, box)
+                built = decoder.region_jpeg(restarts, scale, box)
+                if built is not None:
+                    assert len(built[0]) < len(restarts)
+        # A small crop at the bottom right reads a JPEG of only its blocks, which any decoder opens.
+        scale = 8
+        box = (width - 40, height - 40, 24, 24)
+        built = decoder.region_jpeg(restarts, scale, box)
+        columns = -(-width // (8 if array.ndim == 2 or options else 16))
+        if columns % interval:
+            assert built is None  # intervals that do not divide a row: the whole JPEG is decoded
+            continue
+        assert built is not None
+        small, left, top = built
+        assert len(small) < len(restarts) / 4
+        opened = np.asarray(Image.open(io.BytesIO(small)).convert("RGB"))
+        full = np.asarray(Image.open(io.BytesIO(plain)).convert("RGB"))
+        assert left <= box[0] and top <= box[1]
+        assert left + opened.shape[1] >= box[0] + box[2] and top + opened.shape[0] >= box[1] + box[3]
+        window = full[top : top + opened.shape[0], left : left + opened.shape[1]]
+        assert np.array_equal(opened[2:-2, 2:-2], window[2:-2, 2:-2])
+
+
+@needs_region
+def test_restart_crops_match_the_plain_decode_in_train_and_eval():
+    for index, (array, options) in enumerate(RESTART_IMAGES):
+        plain, restarts = jpeg(array, **options), jpeg(array, restart_marker_blocks=1, **options)
+        assert np.array_equal(decoded("region", restarts, False, index), decoded("region", plain, False, index))
+        for seed in range(10):
+            assert np.array_equal(decoded("region", restarts, True, seed), decoded("region", plain, True, seed))
+
+
+@needs_region
+def test_damaged_restart_data_is_refused_not_misplaced():
+    array, _ = RESTART_IMAGES[0]
+    restarts = bytearray(jpeg(array, restart_marker_blocks=1))
+    markers = [i for i in range(len(restarts) - 1) if restarts[i] == 0xFF and 0xD0 <= restarts[i + 1] <= 0xD7]
+    restarts[markers[len(markers) // 2] + 1] ^= 0x01  # one restart marker out of sequence
+    with pytest.raises(DecodeError):
+        decoded("region", bytes(restarts), False, 0)  # eval: the centre crop crosses the damage
+    truncated = jpeg(array, restart_marker_blocks=1)[: len(restarts) // 2]
+    with pytest.raises(DecodeError):
+        decoded("region", truncated, False, 0)

@@ -75,6 +75,24 @@ def test_imagefolder_to_shards_round_trip(raw: Path, tmp_path: Path) -> None:
     assert verify_dataset(Output(str(out)), manifest).ok
 
 
+def test_jpeg_restart_markers_change_the_coding_not_the_pixels(raw: Path, tmp_path: Path) -> None:
+    """Default JPEGs carry a restart marker every MCU (DRI = 1); --jpeg-restart 0 writes none, same pixels."""
+    marked, plain = tmp_path / "marked", tmp_path / "plain"
+    prepare_dataset(spec_for(raw, marked), workers=0)
+    cli = [sys.executable, "-m", "pipeline", "prepare", str(raw), str(plain), "--size", "64", "--shard-count", "16"]
+    subprocess.run([*cli, "--quiet", "--jpeg-restart", "0"], check=True, capture_output=True)
+    urls = {name: sorted(str(p) for p in out.glob("shard-*.tar")) for name, out in (("m", marked), ("p", plain))}
+    coded = {name: {s["__key__"]: s["jpg"] for s in wds.WebDataset(u, shardshuffle=False)} for name, u in urls.items()}
+    assert coded["m"].keys() == coded["p"].keys() and len(coded["m"]) == 60
+    for key, data in coded["m"].items():
+        assert b"\xff\xdd\x00\x04\x00\x01" in data and b"\xff\xdd" not in coded["p"][key]
+        assert len(data) > len(coded["p"][key])
+        assert np.array_equal(np.asarray(wds.autodecode.imagehandler("rgb8")("jpg", data)),
+                              np.asarray(wds.autodecode.imagehandler("rgb8")("jpg", coded["p"][key])))
+    bad = subprocess.run([*cli[:5], str(tmp_path / "bad"), "--jpeg-restart", "-1"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--jpeg-restart" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_samples_are_shuffled_across_shards_by_seed(raw: Path, tmp_path: Path) -> None:
     first = [s["__key__"] for s in (prepare_dataset(spec_for(raw, tmp_path / "a"), workers=0) and read_samples(tmp_path / "a"))]
     other = [s["__key__"] for s in (prepare_dataset(spec_for(raw, tmp_path / "b", seed=7), workers=0) and read_samples(tmp_path / "b"))]
@@ -330,6 +348,33 @@ def test_sigkill_midway_then_rerun_completes_exactly(raw: Path, tmp_path: Path) 
     fresh = tmp_path / "fresh"
     subprocess.run(cmd[:5] + [str(fresh)] + cmd[6:], check=True, capture_output=True)
     assert shard_bytes(out) == shard_bytes(fresh)
+
+
+def test_error_mid_job_stops_the_pool_promptly(raw: Path, tmp_path: Path) -> None:
+    """An error while the worker processes are sending results (here: the progress callback) ends the job.
+
+    Killing a worker mid-send used to leave the pool's result pipe waiting
+    forever for the rest of a message: the job, and interpreter exit, hung.
+    """
+    out = tmp_path / "out"
+    script = f"""
+import sys
+from pipeline import PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
+def progress(state):
+    raise RuntimeError("callback failed")
+spec = PrepareSpec(source={str(raw)!r}, out={str(out)!r}, resize=ResizeSpec(size=64),
+                   shards=ShardSpec(max_bytes=None, max_samples=16))
+try:
+    prepare_dataset(spec, workers=2, progress=progress)
+except RuntimeError as exc:
+    print("raised:", exc)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "raised: callback failed" in result.stdout
+    assert not (out / "manifest.json").exists()
+    resumed = prepare_dataset(spec_for(raw, out), workers=2)
+    assert resumed.samples == 60 and verify_dataset(Output(str(out)), read_manifest(Output(str(out)))).ok
 
 
 def test_peak_memory_does_not_grow_with_image_count(tmp_path: Path) -> None:
