@@ -17,9 +17,10 @@ row, --workers 2, CPU device) over the same demo images, measured in one run:
   ffcv-float           informational: FFCV with flip + NormalizeImage + ToTorchImage,
                        i.e. the flipped, normalised float32 NCHW batches gpufeed gives
   ceiling              no I/O, no loader: the fastest decode + RandomResizedCrop
-                       (pipeline.crops.decode_into, each JPEG decoder present, into a
-                       preallocated batch) on the same JPEG bytes in memory, in as
-                       many threads as workers
+                       (pipeline.crops.decode_into with each JPEG decoder present, and
+                       decode_many in the loader's batch pieces, into a preallocated
+                       batch) on the same JPEG bytes in memory, in as many threads
+                       as workers
   simplejpeg           informational: a plain full decode alone, same threads
 
 Every row warms up first (page cache warm; a partial epoch, which also starts
@@ -390,11 +391,11 @@ def run_in_threads(blobs: list[bytes], threads: int, work: Callable[[int, list[b
 
 
 def ceiling_candidates() -> dict[str, Callable[[int, list[bytes]], None]]:
-    """decode_into with each JPEG decoder present, like the loader's workers run it."""
+    """decode_into with each JPEG decoder present, and decode_many in batch pieces as the loader's workers run it."""
     import numpy as np
 
     from pipeline import native
-    from pipeline.crops import CropSpec, decode_into, simplejpeg
+    from pipeline.crops import CropSpec, decode_into, decode_many, simplejpeg
 
     def decoding_with(spec: CropSpec) -> Callable[[int, list[bytes]], None]:
         def work(part: int, blobs: list[bytes]) -> None:
@@ -404,12 +405,26 @@ def ceiling_candidates() -> dict[str, Callable[[int, list[bytes]], None]]:
 
         return work
 
+    def decoding_many(spec: CropSpec) -> Callable[[int, list[bytes]], None]:
+        def work(part: int, blobs: list[bytes]) -> None:
+            batch = np.empty((BATCH, 3, CROP, CROP), np.uint8)
+            piece = BATCH // 2  # what each of 2 loader workers decodes per batch
+            for start in range(0, len(blobs), piece):
+                items = [("jpg", data, (part << 32) | (start + i)) for i, data in enumerate(blobs[start : start + piece])]
+                at = start % BATCH
+                decode_many(list(batch[at : at + len(items)]), items, spec)
+
+        return work
+
     decoders = ["region"] if native.library() is not None else []
     decoders += (["simplejpeg"] if simplejpeg is not None else []) + ["pil"]
-    return {
+    candidates = {
         f"decode_into ({decoder})": decoding_with(CropSpec(CROP, True, SCALE, RATIO, decoder=decoder))
         for decoder in decoders
     }
+    if native.library() is not None:
+        candidates["decode_many (region)"] = decoding_many(CropSpec(CROP, True, SCALE, RATIO, decoder="region"))
+    return candidates
 
 
 def run_ceiling(blobs: list[bytes], threads: int) -> Run:

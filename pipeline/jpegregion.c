@@ -507,3 +507,32 @@ void gf_store_rgbx_f32(const unsigned char *restrict src, int w, int h, int flip
     _mm_sfence(); /* the streamed rows are visible before the batch is handed on */
 #endif
 }
+
+/*
+ * Many images in one call, so a decode thread gives up and takes back
+ * Python's lock once per batch piece instead of twice per image: on a busy
+ * loader each hand-back waits for the producer or another decode thread.
+ */
+void gf_header_many(int n, const unsigned char *const *data, const unsigned long *sizes, int *info, int *status) {
+    int i;
+    char message[8];
+    for (i = 0; i < n; i++) {
+        status[i] = gf_header(data[i], sizes[i], info + 4 * i, message, (int)sizeof(message));
+    }
+}
+
+/* params per image: scale_num, x, y, w, h; info per image: first column, width. */
+void gf_decode_region_many(int n, const unsigned char *const *data, const unsigned long *sizes, const int *params,
+                           unsigned char *const *outs, const unsigned long *out_sizes, int *info, int *status,
+                           char *messages, int message_size) {
+    int i;
+    for (i = 0; i < n; i++) {
+        const int *p = params + 5 * i;
+        if (outs[i] == NULL) {
+            status[i] = 1; /* not asked */
+            continue;
+        }
+        status[i] = gf_decode_region(data[i], sizes[i], p[0], p[1], p[2], p[3], p[4], outs[i], out_sizes[i],
+                                     info + 2 * i, messages + (long)i * message_size, message_size);
+    }
+}

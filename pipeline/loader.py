@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .crops import Affine, CropSpec, decode_into, default_decoder
-from .errors import ConfigError, DecodeError
+from .crops import Affine, CropSpec, decode_many, default_decoder
+from .errors import ConfigError
 from .reader import DatasetInfo, Record, pick_image, plan_epoch, read_segments, resolve_dataset, shuffle_buffer
 from .specs import LoaderSpec
 
@@ -139,19 +139,13 @@ def _decode_chunk(
     """Decode items into ring[slot, start:...] (or the finished output); returns (position, reason) of failures."""
     target = ring if ring is not None else _SHARED_RING
     assert target is not None
-    failures = []
-    for offset, (extension, data, seed) in enumerate(items):
-        position = start + offset
-        try:
-            if finish is None:
-                decode_into(target[slot, position], extension, data, crop, seed)
-            else:
-                decode_into(
-                    finish.out[position], extension, data, crop, seed, flip=finish.flip(position), affine=finish.affine
-                )
-        except DecodeError as exc:
-            failures.append((position, exc.reason))
-    return failures
+    positions = range(start, start + len(items))
+    if finish is None:
+        failures = decode_many([target[slot, p] for p in positions], items, crop)
+    else:
+        slots = [finish.out[p] for p in positions]
+        failures = decode_many(slots, items, crop, flips=[finish.flip(p) for p in positions], affine=finish.affine)
+    return [(start + index, reason) for index, reason in failures]
 
 
 class _ProcessExecutor:

@@ -105,6 +105,13 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p,
     ]  # fmt: skip
     lib.gf_region_jpeg.restype = ctypes.c_long
+    lib.gf_header_many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.gf_header_many.restype = None
+    lib.gf_decode_region_many.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.gf_decode_region_many.restype = None
     lib.gf_store_rgbx.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
         ctypes.c_long,
@@ -134,7 +141,7 @@ class RegionUnsupported(RegionError):
     """A JPEG the region decoder does not convert (CMYK/YCCK): another decoder must."""
 
 
-_UNSUPPORTED = -2  # GF_UNSUPPORTED in jpegregion.c
+UNSUPPORTED = -2  # GF_UNSUPPORTED in jpegregion.c
 
 
 class RegionDecoder:
@@ -190,9 +197,49 @@ class RegionDecoder:
             data, len(data), scale_num, x, y, w, h, out_address, out_size, self._info, self._message, _MESSAGE_SIZE
         )
         if status != 0:
-            error = RegionUnsupported if status == _UNSUPPORTED else RegionError
+            error = RegionUnsupported if status == UNSUPPORTED else RegionError
             raise error(self._message.value.decode(errors="replace") or "cannot decode")
         return self._info[0], self._info[1]
+
+    def header_many(self, data: list[bytes]) -> tuple[Any, Any, Any]:
+        """(info, status, pointers) for several JPEGs in one call: info[i] = width, height, components,
+        colour space where status[i] == 0 (else `header` says why); pointers (to the bytes) are
+        reused by `decode_many`, and valid while `data` lives."""
+        import numpy as np
+
+        count = len(data)
+        pointers = (ctypes.c_char_p * count)(*data)
+        sizes = np.fromiter((len(d) for d in data), np.uint64, count)
+        info = np.zeros((count, 4), np.int32)
+        status = np.zeros(count, np.int32)
+        self._lib.gf_header_many(count, pointers, sizes.ctypes.data, info.ctypes.data, status.ctypes.data)
+        return info, status, (pointers, sizes)
+
+    def decode_many(self, pointers: tuple[Any, Any], params: Any, outs: Any, out_sizes: Any) -> tuple[Any, Any, list[str]]:
+        """`decode` for several JPEGs in one call.
+
+        params: int32 (n, 5) of scale_num, x, y, w, h; outs: uint64 addresses
+        (0 skips that image); out_sizes: uint64. Returns info (n, 2) = first
+        decoded column, decoded width; status (n,) as `decode`'s C status
+        (0 ok, -1 error, -2 unsupported, 1 skipped); and the messages.
+        """
+        import numpy as np
+
+        count = len(params)
+        info = np.zeros((count, 2), np.int32)
+        status = np.zeros(count, np.int32)
+        messages = ctypes.create_string_buffer(count * _MESSAGE_SIZE)
+        self._lib.gf_decode_region_many(
+            count, pointers[0], pointers[1].ctypes.data, params.ctypes.data, outs.ctypes.data, out_sizes.ctypes.data,
+            info.ctypes.data, status.ctypes.data, messages, _MESSAGE_SIZE,
+        )  # fmt: skip
+        raw = messages.raw
+        texts = [
+            raw[i * _MESSAGE_SIZE : (i + 1) * _MESSAGE_SIZE].split(b"\0", 1)[0].decode(errors="replace")
+            if status[i] < 0 else ""
+            for i in range(count)
+        ]  # fmt: skip
+        return info, status, texts
 
     def region_jpeg(self, data: bytes, scale_num: int, region: tuple[int, int, int, int]) -> tuple[bytes, int, int] | None:
         """The smaller JPEG that `decode` reads for `region` when restart markers allow one.

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from pipeline import native
-from pipeline.crops import CropSpec, decode_into, default_decoder
+from pipeline.crops import Affine, CropSpec, decode_into, decode_many, default_decoder
 from pipeline.errors import DecodeError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -257,3 +257,38 @@ def test_damaged_restart_data_is_refused_not_misplaced():
     truncated = jpeg(array, restart_marker_blocks=1)[: len(restarts) // 2]
     with pytest.raises(DecodeError):
         decoded("region", truncated, False, 0)
+
+
+@pytest.mark.parametrize("decoder", ["region", "simplejpeg"])
+def test_decode_many_equals_one_decode_into_per_sample(decoder: str):
+    if decoder == "region" and native.library() is None:
+        pytest.skip("region decoder unavailable")
+    cmyk = io.BytesIO()
+    Image.fromarray(photo(200, 180, 9)).convert("CMYK").save(cmyk, "JPEG", quality=90)
+    npy = io.BytesIO()
+    np.save(npy, photo(70, 90, 7))
+    items = [
+        ("jpg", SAMPLES[0], 1),
+        ("jpg", SAMPLES[0][: len(SAMPLES[0]) // 3], 2),  # truncated
+        ("jpg", jpeg(photo(256, 300, 30), restart_marker_blocks=1), 3),
+        ("jpeg", cmyk.getvalue(), 4),
+        ("npy", npy.getvalue(), 5),
+        ("jpg", b"not a jpeg", 6),
+        ("jpg", SAMPLES[3], 7),
+    ]
+    flips = [False, False, True, True, False, False, True]
+    affine = Affine.of([1 / 58.0, 1 / 57.0, 1 / 57.5], [-2.1, -2.0, -1.8])
+    for train in (True, False):
+        spec = CropSpec(64, train, decoder=decoder)
+        many = np.full((len(items), 3, 64, 64), np.nan, np.float32)
+        failures = decode_many(list(many), items, spec, flips=flips, affine=affine)
+        assert [index for index, _ in failures] == [1, 5]
+        assert all(reason for _, reason in failures)
+        for index, (extension, data, seed) in enumerate(items):
+            if index in (1, 5):
+                with pytest.raises(DecodeError):
+                    decode_into(np.empty((3, 64, 64), np.float32), extension, data, spec, seed, affine=affine)
+                continue
+            one = np.empty((3, 64, 64), np.float32)
+            decode_into(one, extension, data, spec, seed, flip=flips[index], affine=affine)
+            assert np.array_equal(many[index], one), (train, index)
