@@ -360,20 +360,34 @@ static int gf_plan_rectangle(const unsigned char *data, unsigned long size, int 
     return 1;
 }
 
+/* The small JPEG of the region's MCU rectangle (malloc'd; its size in
+ * *built_size, its top-left pixel in the scaled image in origin), or NULL
+ * when the whole JPEG is to be decoded. */
+static unsigned char *gf_rectangle_jpeg(const unsigned char *data, unsigned long size, int scale, int x, int y, int w,
+                                        int h, unsigned long *built_size, int *origin) {
+    struct gf_layout layout;
+    int rectangle[6];
+    if (!gf_plan_rectangle(data, size, scale, x, y, w, h, &layout, rectangle)) {
+        return NULL;
+    }
+    origin[0] = rectangle[4];
+    origin[1] = rectangle[5];
+    return gf_build_rectangle(data, size, &layout, rectangle[0], rectangle[1], rectangle[2], rectangle[3], built_size);
+}
+
+static int gf_clamp_scale(int scale_num) { return scale_num < 1 ? 1 : (scale_num > 16 ? 16 : scale_num); }
+
 int gf_decode_region(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
                      unsigned char *out, unsigned long out_size, int *out_info, char *message, int message_size) {
-    struct gf_layout layout;
-    int scale = scale_num < 1 ? 1 : (scale_num > 16 ? 16 : scale_num), rectangle[6];
+    int scale = gf_clamp_scale(scale_num), origin[2];
     unsigned long built_size = 0;
-    unsigned char *built;
+    unsigned char *built = gf_rectangle_jpeg(data, size, scale, x, y, w, h, &built_size, origin);
 
-    if (gf_plan_rectangle(data, size, scale, x, y, w, h, &layout, rectangle) &&
-        (built = gf_build_rectangle(data, size, &layout, rectangle[0], rectangle[1], rectangle[2], rectangle[3],
-                                    &built_size)) != NULL) {
-        int status = gf_decode_rows(built, built_size, scale, x - rectangle[4], y - rectangle[5], w, h, out,
-                                    out_size, out_info, message, message_size);
+    if (built != NULL) {
+        int status = gf_decode_rows(built, built_size, scale, x - origin[0], y - origin[1], w, h, out, out_size,
+                                    out_info, message, message_size);
         free(built);
-        out_info[0] += rectangle[4];
+        out_info[0] += origin[0];
         return status;
     }
     return gf_decode_rows(data, size, scale, x, y, w, h, out, out_size, out_info, message, message_size);
@@ -386,23 +400,18 @@ int gf_decode_region(const unsigned char *data, unsigned long size, int scale_nu
  */
 long gf_region_jpeg(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
                     unsigned char *out, unsigned long out_size, int *origin) {
-    struct gf_layout layout;
-    int scale = scale_num < 1 ? 1 : (scale_num > 16 ? 16 : scale_num), rectangle[6];
     unsigned long built_size = 0;
-    unsigned char *built;
-    long result = 0;
+    unsigned char *built = gf_rectangle_jpeg(data, size, gf_clamp_scale(scale_num), x, y, w, h, &built_size, origin);
+    long result;
 
-    if (gf_plan_rectangle(data, size, scale, x, y, w, h, &layout, rectangle) &&
-        (built = gf_build_rectangle(data, size, &layout, rectangle[0], rectangle[1], rectangle[2], rectangle[3],
-                                    &built_size)) != NULL) {
-        result = built_size <= out_size ? (long)built_size : -1;
-        if (result > 0) {
-            memcpy(out, built, built_size);
-            origin[0] = rectangle[4];
-            origin[1] = rectangle[5];
-        }
-        free(built);
+    if (built == NULL) {
+        return 0;
     }
+    result = built_size <= out_size ? (long)built_size : -1;
+    if (result > 0) {
+        memcpy(out, built, built_size);
+    }
+    free(built);
     return result;
 }
 
