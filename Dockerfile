@@ -15,9 +15,9 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN CC="cc ${SIMD_CFLAGS}" pip wheel --no-deps --no-cache-dir --no-binary pillow-simd \
       "pillow-simd==${PILLOW_SIMD_VERSION}" -w /wheels
-# The loader's region JPEG decoder, built here where the compiler and headers are: the
+# The loader's region JPEG decoder and resampler, built here where the compiler and headers are: the
 # runtime image finds it in GPUFEED_CACHE and needs neither.
-COPY pipeline/native.py pipeline/jpegregion.c /src/pipeline/
+COPY pipeline/native.py pipeline/jpegregion.c pipeline/resample.c /src/pipeline/
 RUN cd /src && GPUFEED_CACHE=/gpufeed-cache python -c \
       "from pipeline import native; assert native.library() is not None, native.problem()"
 

@@ -162,8 +162,10 @@ def decode_into(
             array = np.load(io.BytesIO(data), allow_pickle=False)
             _check_pixels(array.shape[1] if array.ndim > 1 else 0, array.shape[0], spec)
             _crop_array_into(slot, _as_rgb_array(array), rng, spec, flip, affine)
-        elif extension in ("jpg", "jpeg") and spec.decoder == "region" and _region_decoder() is not None:
-            _region_into(slot, data, rng, spec, flip, affine)
+        elif extension in ("jpg", "jpeg") and spec.decoder == "region" and (decoder := _region_decoder()) is not None:
+            failures = _region_many(decoder, [slot], [(extension, data, seed)], [0], spec, [flip], affine)
+            if failures:
+                raise DecodeError(failures[0][1])
         elif extension in ("jpg", "jpeg") and spec.decoder == "simplejpeg" and simplejpeg is not None:
             _jpeg_into(slot, data, rng, spec, flip, affine)
         else:
@@ -225,28 +227,6 @@ def _jpeg_into(
     sx, sy = array.shape[1] / width, array.shape[0] / height
     box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
     _rgbx_into(slot, array, array.shape[1], array.shape[0], box, flip, affine)
-
-
-def _region_into(
-    slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any
-) -> None:
-    decoder = _region_decoder()
-    assert decoder is not None
-    try:
-        width, height = decoder.header(data)
-    except native.RegionError as exc:
-        raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
-    box, eighths, region = _region_plan(slot, width, height, rng, spec)
-    buffer = _decode_buffer(region[4])
-    try:
-        first, decoded_width = decoder.decode(data, eighths, region[:4], buffer.ctypes.data, buffer.nbytes)
-    except native.RegionUnsupported:  # CMYK: Pillow converts it
-        _pil_into(slot, data, rng, spec, flip, affine)
-        return
-    except native.RegionError as exc:
-        raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
-    relative = (box[0] - first, box[1] - region[1], box[2] - first, box[3] - region[1])
-    _rgbx_into(slot, buffer, decoded_width, region[3], relative, flip, affine)
 
 
 def _region_plan(
@@ -315,6 +295,7 @@ def _region_many(
     count = len(batch)
     params = np.zeros((count, 5), np.int32)
     sizes = np.zeros(count, np.uint64)
+    boxes = np.zeros((count, 4), np.float64)
     plans: list[Any] = [None] * count
     for k, index in enumerate(batch):
         _, data, seed = items[index]
@@ -330,13 +311,23 @@ def _region_many(
             failures.append((index, exc.reason))
             continue
         plans[k] = (plan, rng)
+        boxes[k] = plan[0]
         params[k] = (plan[1], *plan[2][:4])
         sizes[k] = plan[2][4]
     buffer = _decode_buffer(int(sizes.sum()) + 64 * count)
     offsets = np.zeros(count, np.uint64)
     offsets[1:] = np.cumsum(sizes + 64)[:-1]  # 64-byte aligned starts for each image's rows
     outs = np.where(sizes > 0, buffer.ctypes.data + offsets, 0).astype(np.uint64)
-    decoded, done, messages = decoder.decode_many(pointers, params, outs, sizes)
+    targets = [slots[i] for i in batch]
+    mode = resample_mode()
+    decoded = None
+    if mode is not None and _same_layout(targets):  # decode, resize and store in C, one call
+        done, messages = decoder.decode_crop_many(
+            pointers, params, boxes, outs, sizes, targets, np.array([flips[i] for i in batch], np.uint8), mode,
+            affine.addresses if affine is not None else None,
+        )  # fmt: skip
+    else:
+        decoded, done, messages = decoder.decode_many(pointers, params, outs, sizes)
     for k, index in enumerate(batch):
         if plans[k] is None:
             continue
@@ -346,8 +337,12 @@ def _region_many(
             if done[k] == native.UNSUPPORTED:  # CMYK: Pillow converts it
                 _pil_into(slots[index], data, rng, spec, flips[index], affine)
                 continue
+            if done[k] == native.OUT_OF_MEMORY:
+                raise MemoryError("cannot allocate the resize buffers")
             if done[k] != 0:
                 failures.append((index, f"cannot decode .jpg sample: {messages[k] or 'cannot decode'}"))
+                continue
+            if decoded is None:
                 continue
             first = int(decoded[k, 0])
             pixels = buffer[int(offsets[k]) : int(offsets[k]) + int(sizes[k])]
@@ -355,9 +350,64 @@ def _region_many(
             _rgbx_into(slots[index], pixels, int(decoded[k, 1]), region[3], relative, flips[index], affine)
         except DecodeError as exc:
             failures.append((index, exc.reason))
+        except MemoryError:
+            raise
         except _DATA_ERRORS as exc:
             failures.append((index, f"cannot decode .jpg sample: {str(exc)[:160] or type(exc).__name__}"))
     return failures
+
+
+def _same_layout(slots: list[np.ndarray]) -> bool:
+    first = slots[0]
+    return all(s.shape == first.shape and s.strides == first.strides and s.dtype == first.dtype for s in slots)
+
+
+_MODE_UNKNOWN = -1
+_resample_mode = _MODE_UNKNOWN
+
+
+def resample_mode() -> int | None:
+    """How the PIL in use rounds a bilinear resize: native.PILLOW or PILLOW_SIMD, or None.
+
+    Found once per process by resizing a few random images with PIL and with
+    each of the C resampler's modes; the C path is used only where its pixels
+    equal PIL's exactly. None when the region library is missing or no mode
+    matches (then Pillow resizes).
+    """
+    global _resample_mode
+    if _resample_mode == _MODE_UNKNOWN:
+        with _MODE_LOCK:
+            if _resample_mode == _MODE_UNKNOWN:
+                _resample_mode = _find_resample_mode()
+    return None if _resample_mode is None else int(_resample_mode)
+
+
+_MODE_LOCK = threading.Lock()
+
+
+def _find_resample_mode() -> int | None:
+    decoder = _region_decoder()
+    if decoder is None:
+        return None
+    Image = _pil()
+    rs = np.random.RandomState(7)
+    # (source size, box, output size): up, down, and a height shrinking much more than the width
+    cases = [((37, 29), (0.6, 1.3, 30.2, 27.9), (50, 41)), ((64, 90), (2.5, 3.1, 60.7, 88.2), (23, 19)),
+             ((40, 200), (0.0, 0.0, 40.0, 200.0), (40, 31))]  # fmt: skip
+    sources = [rs.randint(0, 256, (h, w, 4)).astype(np.uint8) for (w, h), _, _ in cases]
+    wanted = [
+        np.asarray(Image.frombuffer("RGBX", size, src, "raw", "RGBX", 0, 1).resize(out, Image.Resampling.BILINEAR, box))
+        for src, (size, box, out) in zip(sources, cases)
+    ]  # fmt: skip
+    for mode in (native.PILLOW_SIMD, native.PILLOW):
+        matches = True
+        for src, want, (size, box, out) in zip(sources, wanted, cases):
+            ours = np.zeros((out[1], out[0], 3), np.uint8)
+            decoder.resize_store(src.ctypes.data, size, box, ours, mode)
+            matches = matches and np.array_equal(ours, want[:, :, :3])
+        if matches:
+            return mode
+    return None
 
 
 def _rgbx_into(
@@ -377,6 +427,11 @@ def _rgbx_into(
     """
     Image = _pil()
     decoder = _region_decoder()
+    mode = resample_mode()
+    if decoder is not None and mode is not None and pixels.flags.c_contiguous:  # resize and store in one C call
+        addresses = affine.addresses if affine is not None else None
+        decoder.resize_store(pixels.ctypes.data, (width, height), box, slot, mode, flip=flip, affine=addresses)
+        return
     if decoder is None or not hasattr(Image.core, "map_buffer"):
         image = Image.frombuffer("RGBX", (width, height), pixels, "raw", "RGBX", 0, 1)
         _resize_box_into(slot, image, box, flip, affine)

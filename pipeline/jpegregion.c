@@ -9,7 +9,7 @@
  * shrinks large crops during the IDCT. Pixels come out as RGBX, Pillow's own
  * layout, so Python wraps the buffer as an image without a copy.
  *
- * gf_store_rgbx then writes the resized pixels into the batch buffer's
+ * resample.c then resizes the crop and writes it into the batch buffer's
  * layout, flipped when asked, in one pass.
  *
  * Plain C with no Python API: gpufeed compiles it on first use and calls it
@@ -23,10 +23,6 @@
 #include <string.h>
 
 #include <jpeglib.h>
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #define GF_ROWS 16
 #define GF_UNSUPPORTED -2
@@ -413,108 +409,6 @@ long gf_region_jpeg(const unsigned char *data, unsigned long size, int scale_num
     }
     free(built);
     return result;
-}
-
-/*
- * RGBX pixels (w x h, rows packed) -> three uint8 channels addressed by
- * element strides (planar CHW, interleaved HWC...), mirrored left-right when
- * `flip`. One pass, replacing three Pillow band extractions and a transpose.
- */
-#define GF_MAX_ROW 4096
-
-void gf_store_rgbx(const unsigned char *restrict src, int w, int h, int flip, unsigned char *restrict out,
-                   long stride_c, long stride_y, long stride_x) {
-    int x, y, c;
-    for (y = 0; y < h; y++) {
-        const unsigned char *restrict row = src + (size_t)y * w * 4;
-        for (c = 0; c < 3; c++) {
-            unsigned char *restrict target = out + (long)y * stride_y + c * stride_c;
-            if (stride_x == 1 && !flip) { /* planar: contiguous rows, vectorised */
-                for (x = 0; x < w; x++) {
-                    target[x] = row[x * 4 + c];
-                }
-            } else if (stride_x == 1 && w <= GF_MAX_ROW) { /* mirrored: forward, then reversed 8 bytes at a time */
-                unsigned char forward[GF_MAX_ROW];
-                int words = w / 8, rest = w - words * 8;
-                for (x = 0; x < w; x++) {
-                    forward[x] = row[x * 4 + c];
-                }
-                for (x = 0; x < words; x++) {
-                    unsigned long long word;
-                    memcpy(&word, forward + w - 8 * (x + 1), 8);
-                    word = __builtin_bswap64(word);
-                    memcpy(target + 8 * x, &word, 8);
-                }
-                for (x = 0; x < rest; x++) {
-                    target[words * 8 + x] = forward[rest - 1 - x];
-                }
-            } else {
-                long step = flip ? -stride_x : stride_x;
-                target += flip ? (long)(w - 1) * stride_x : 0;
-                for (x = 0; x < w; x++) {
-                    target[x * step] = row[x * 4 + c];
-                }
-            }
-        }
-    }
-}
-
-/*
- * The same, to float32 with out = value * scale[c] + shift[c]: the CPU
- * device's conversion and normalisation fused into the one write of the
- * batch output (strides in floats).
- */
-/*
- * One channel of an RGBX row -> w floats, mirrored when `flip`. The batch
- * output is far larger than the caches and is not read again here, so whole
- * 16-byte groups go out with streaming stores: no read of the old contents
- * first, half the memory traffic.
- */
-static void gf_row_f32(const unsigned char *restrict row, int w, int flip, int c, float a, float b,
-                       float *restrict target) {
-    int x = 0;
-#if defined(__SSE2__)
-    const __m128 va = _mm_set1_ps(a), vb = _mm_set1_ps(b);
-    const __m128i byte = _mm_set1_epi32(255);
-    for (; x < w && ((uintptr_t)(target + x) & 15) != 0; x++) {
-        target[x] = row[(flip ? w - 1 - x : x) * 4 + c] * a + b;
-    }
-    for (; x + 4 <= w; x += 4) {
-        __m128i pixels = _mm_loadu_si128((const __m128i *)(row + (size_t)(flip ? w - 4 - x : x) * 4));
-        __m128i values = _mm_and_si128(_mm_srli_epi32(pixels, 8 * c), byte);
-        if (flip) {
-            values = _mm_shuffle_epi32(values, _MM_SHUFFLE(0, 1, 2, 3));
-        }
-        _mm_stream_ps(target + x, _mm_add_ps(_mm_mul_ps(_mm_cvtepi32_ps(values), va), vb));
-    }
-#endif
-    for (; x < w; x++) {
-        target[x] = row[(flip ? w - 1 - x : x) * 4 + c] * a + b;
-    }
-}
-
-void gf_store_rgbx_f32(const unsigned char *restrict src, int w, int h, int flip, float *restrict out, long stride_c,
-                       long stride_y, long stride_x, const float *scale, const float *shift) {
-    int x, y, c;
-    for (y = 0; y < h; y++) {
-        const unsigned char *restrict row = src + (size_t)y * w * 4;
-        for (c = 0; c < 3; c++) {
-            float *restrict target = out + (long)y * stride_y + c * stride_c;
-            float a = scale[c], b = shift[c];
-            if (stride_x == 1) {
-                gf_row_f32(row, w, flip, c, a, b, target);
-            } else {
-                long step = flip ? -stride_x : stride_x;
-                target += flip ? (long)(w - 1) * stride_x : 0;
-                for (x = 0; x < w; x++) {
-                    target[x * step] = row[x * 4 + c] * a + b;
-                }
-            }
-        }
-    }
-#if defined(__SSE2__)
-    _mm_sfence(); /* the streamed rows are visible before the batch is handed on */
-#endif
 }
 
 /*

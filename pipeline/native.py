@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-SOURCE = Path(__file__).with_name("jpegregion.c")
+SOURCES = (Path(__file__).with_name("jpegregion.c"), Path(__file__).with_name("resample.c"))
 _MESSAGE_SIZE = 200
 
 _lock = threading.Lock()
@@ -64,8 +64,7 @@ def problem() -> str | None:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
     target = cache_dir() / f"jpegregion-{platform.machine() or 'cpu'}-{digest}.so"
     if target.exists():
         return target
@@ -76,7 +75,7 @@ def _build() -> Path:
     fd, partial = tempfile.mkstemp(prefix=target.name, suffix=".part", dir=target.parent)
     os.close(fd)
     try:
-        command = [*compiler, "-O3", "-shared", "-fPIC", "-o", partial, str(SOURCE), "-ljpeg"]
+        command = [*compiler, "-O3", "-shared", "-fPIC", "-o", partial, *map(str, SOURCES), "-ljpeg", "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if result.returncode != 0:
             detail = (result.stderr or result.stdout).strip().splitlines()
@@ -122,15 +121,58 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
     ]  # fmt: skip
     lib.gf_store_rgbx_f32.restype = None
+    lib.gf_resize_store.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int,
+    ]  # fmt: skip
+    lib.gf_resize_store.restype = ctypes.c_int
+    lib.gf_decode_crop_many.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+        ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.gf_decode_crop_many.restype = None
     return lib
+
+
+def _planar(array: Any) -> bool:
+    return array.shape[0] == 3 and array.shape[2] != 3
+
+
+def _size(array: Any) -> tuple[int, int]:
+    """(width, height) of a 3xHxW or HxWx3 array."""
+    return (array.shape[2], array.shape[1]) if _planar(array) else (array.shape[1], array.shape[0])
 
 
 def channel_strides(array: Any) -> tuple[int, int, int]:
     """(channel, row, column) strides in bytes of a 3xHxW or HxWx3 array."""
-    planar = array.shape[0] == 3 and array.shape[2] != 3
-    if planar:
+    if _planar(array):
         return array.strides[0], array.strides[1], array.strides[2]
     return array.strides[2], array.strides[0], array.strides[1]
+
+
+PILLOW, PILLOW_SIMD = 0, 1  # resample arithmetic: GF_PILLOW, GF_PILLOW_SIMD in resample.c
+
+
+def _layout(out: Any, affine: tuple[int, int] | None) -> tuple[int, int, int, int | None, int | None]:
+    """(channel, row, column strides in elements, scale and shift addresses) of a uint8 or float32 output."""
+    stride_c, stride_y, stride_x = channel_strides(out)
+    kind = out.dtype.char
+    if kind == "B":
+        return stride_c, stride_y, stride_x, None, None
+    if kind == "f" and affine is not None:
+        return stride_c // 4, stride_y // 4, stride_x // 4, affine[0], affine[1]
+    raise ValueError("store writes uint8, or float32 with an affine")
+
+
+def _messages(raw: bytes, status: Any) -> list[str]:
+    """Each image's libjpeg message where its status is an error, else ''."""
+    return [
+        raw[i * _MESSAGE_SIZE : (i + 1) * _MESSAGE_SIZE].split(b"\0", 1)[0].decode(errors="replace")
+        if status[i] < 0 else ""
+        for i in range(len(status))
+    ]  # fmt: skip
 
 
 class RegionError(Exception):
@@ -142,6 +184,7 @@ class RegionUnsupported(RegionError):
 
 
 UNSUPPORTED = -2  # GF_UNSUPPORTED in jpegregion.c
+OUT_OF_MEMORY = -3  # gf_decode_crop_many: the resize buffers
 
 
 class RegionDecoder:
@@ -162,17 +205,75 @@ class RegionDecoder:
         shift per channel. The caller keeps the pixels alive and sizes `out`
         to match.
         """
-        stride_c, stride_y, stride_x = channel_strides(out)
-        kind = out.dtype.char
-        if kind == "B":
+        stride_c, stride_y, stride_x, scale, shift = _layout(out, affine)
+        if scale is None:
             self._lib.gf_store_rgbx(address, width, height, int(flip), out.ctypes.data, stride_c, stride_y, stride_x)
-        elif kind == "f" and affine is not None:
-            self._lib.gf_store_rgbx_f32(
-                address, width, height, int(flip), out.ctypes.data, stride_c // 4, stride_y // 4, stride_x // 4,
-                affine[0], affine[1],
-            )  # fmt: skip
         else:
-            raise ValueError("store writes uint8, or float32 with an affine")
+            self._lib.gf_store_rgbx_f32(
+                address, width, height, int(flip), out.ctypes.data, stride_c, stride_y, stride_x, scale, shift
+            )
+
+    def resize_store(
+        self,
+        address: int,
+        size: tuple[int, int],
+        box: tuple[float, float, float, float],
+        out: Any,
+        mode: int,
+        *,
+        flip: bool = False,
+        affine: tuple[int, int] | None = None,
+        simd: bool = True,
+    ) -> None:
+        """`box` of the packed RGBX image (size = width, height) at `address`, resized bilinearly into `out`.
+
+        The pixels equal PIL's `resize(out size, BILINEAR, box)` in `mode`
+        (PILLOW or PILLOW_SIMD arithmetic); `out` and `affine` as for
+        `store`. `simd=False` forces the scalar kernels (for tests).
+        """
+        stride_c, stride_y, stride_x, scale, shift = _layout(out, affine)
+        width, height = _size(out)
+        boxes = (ctypes.c_double * 4)(*box)
+        status = self._lib.gf_resize_store(
+            address, size[0], size[1], boxes, width, height, mode, int(flip), out.ctypes.data, stride_c, stride_y,
+            stride_x, scale, shift, int(simd),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("cannot allocate the resize buffers")
+
+    def decode_crop_many(
+        self,
+        pointers: tuple[Any, Any],
+        params: Any,
+        boxes: Any,
+        outs: Any,
+        out_sizes: Any,
+        targets: list[Any],
+        flips: Any,
+        mode: int,
+        affine: tuple[int, int] | None = None,
+    ) -> tuple[Any, list[str]]:
+        """`decode_many`, each region then resized into its target (same shape and layout for all).
+
+        boxes: float64 (n, 4), the crop box in the scaled image; flips: uint8
+        (n,). Returns status (n,): 0 done, 1 skipped, -1 error (with its
+        message), -2 unsupported, -3 out of memory.
+        """
+        import numpy as np
+
+        count = len(params)
+        first = targets[0]
+        stride_c, stride_y, stride_x, scale, shift = _layout(first, affine)
+        width, height = _size(first)
+        addresses = np.fromiter((t.ctypes.data for t in targets), np.uint64, count)
+        status = np.zeros(count, np.int32)
+        messages = ctypes.create_string_buffer(count * _MESSAGE_SIZE)
+        self._lib.gf_decode_crop_many(
+            count, pointers[0], pointers[1].ctypes.data, params.ctypes.data, boxes.ctypes.data, outs.ctypes.data,
+            out_sizes.ctypes.data, addresses.ctypes.data, flips.ctypes.data, width, height, mode, stride_c,
+            stride_y, stride_x, scale, shift, status.ctypes.data, messages, _MESSAGE_SIZE,
+        )  # fmt: skip
+        return status, _messages(messages.raw, status)
 
     def header(self, data: bytes) -> tuple[int, int]:
         """(width, height) of a JPEG."""
@@ -233,13 +334,7 @@ class RegionDecoder:
             count, pointers[0], pointers[1].ctypes.data, params.ctypes.data, outs.ctypes.data, out_sizes.ctypes.data,
             info.ctypes.data, status.ctypes.data, messages, _MESSAGE_SIZE,
         )  # fmt: skip
-        raw = messages.raw
-        texts = [
-            raw[i * _MESSAGE_SIZE : (i + 1) * _MESSAGE_SIZE].split(b"\0", 1)[0].decode(errors="replace")
-            if status[i] < 0 else ""
-            for i in range(count)
-        ]  # fmt: skip
-        return info, status, texts
+        return info, status, _messages(messages.raw, status)
 
     def region_jpeg(self, data: bytes, scale_num: int, region: tuple[int, int, int, int]) -> tuple[bytes, int, int] | None:
         """The smaller JPEG that `decode` reads for `region` when restart markers allow one.

@@ -1,0 +1,635 @@
+/*
+ * Crop, resize and store: a decoded RGBX region -> one sample of the batch.
+ *
+ * gf_resize_store resamples a box of an RGBX image bilinearly to the output
+ * size with exactly the arithmetic of the PIL in use (Pillow's 22-bit
+ * coefficients, or Pillow-SIMD's 16-bit ones: `mode`), so its pixels equal
+ * `Image.resize(size, BILINEAR, box)` bit for bit. Each output row goes
+ * straight from registers/L1 into the batch's layout (planar or interleaved,
+ * uint8 or normalised float32, mirrored when asked): no intermediate image,
+ * no paste, no second pass over memory. gf_decode_crop_many decodes the
+ * regions of a whole batch piece and does this for each, in one call that
+ * holds no Python lock.
+ *
+ * x86-64 machines with AVX2 take the vector kernels (chosen at run time);
+ * others the scalar ones, with identical results.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define GF_X86 1
+#endif
+
+#define GF_MAX_ROW 4096
+#define GF_PILLOW 0      /* Pillow: 22-bit int32 coefficients */
+#define GF_PILLOW_SIMD 1 /* Pillow-SIMD: int16 coefficients at the largest precision that fits */
+
+int gf_decode_region(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
+                     unsigned char *out, unsigned long out_size, int *info, char *message, int message_size);
+
+/* ------------------------------------------------------------------------ */
+/* Storing rows                                                             */
+
+/*
+ * One RGBX row -> three uint8 channels addressed by element strides (planar
+ * CHW, interleaved HWC...), mirrored left-right when `flip`.
+ */
+static void gf_row_u8(const unsigned char *restrict row, int w, int flip, unsigned char *restrict out, long stride_c,
+                      long stride_x) {
+    int x, c;
+    for (c = 0; c < 3; c++) {
+        unsigned char *restrict target = out + c * stride_c;
+        if (stride_x == 1 && !flip) { /* planar: contiguous rows, vectorised */
+            for (x = 0; x < w; x++) {
+                target[x] = row[x * 4 + c];
+            }
+        } else if (stride_x == 1 && w <= GF_MAX_ROW) { /* mirrored: forward, then reversed 8 bytes at a time */
+            unsigned char forward[GF_MAX_ROW];
+            int words = w / 8, rest = w - words * 8;
+            for (x = 0; x < w; x++) {
+                forward[x] = row[x * 4 + c];
+            }
+            for (x = 0; x < words; x++) {
+                unsigned long long word;
+                memcpy(&word, forward + w - 8 * (x + 1), 8);
+                word = __builtin_bswap64(word);
+                memcpy(target + 8 * x, &word, 8);
+            }
+            for (x = 0; x < rest; x++) {
+                target[words * 8 + x] = forward[rest - 1 - x];
+            }
+        } else {
+            long step = flip ? -stride_x : stride_x;
+            target += flip ? (long)(w - 1) * stride_x : 0;
+            for (x = 0; x < w; x++) {
+                target[x * step] = row[x * 4 + c];
+            }
+        }
+    }
+}
+
+/*
+ * The same to float32 with out = value * scale[c] + shift[c] (strides in
+ * floats): the CPU device's conversion and normalisation fused into the one
+ * write of the batch output. The batch is far larger than the caches and is
+ * not read again here, so whole 16-byte groups go out with streaming stores:
+ * no read of the old contents first, half the memory traffic.
+ */
+static void gf_row_f32(const unsigned char *restrict row, int w, int flip, float *restrict out, long stride_c,
+                       long stride_x, const float *scale, const float *shift) {
+    int x, c;
+    for (c = 0; c < 3; c++) {
+        float *restrict target = out + c * stride_c;
+        float a = scale[c], b = shift[c];
+        x = 0;
+        if (stride_x != 1) {
+            long step = flip ? -stride_x : stride_x;
+            target += flip ? (long)(w - 1) * stride_x : 0;
+            for (; x < w; x++) {
+                target[x * step] = row[x * 4 + c] * a + b;
+            }
+            continue;
+        }
+#if defined(__SSE2__)
+        {
+            const __m128 va = _mm_set1_ps(a), vb = _mm_set1_ps(b);
+            const __m128i byte = _mm_set1_epi32(255);
+            for (; x < w && ((uintptr_t)(target + x) & 15) != 0; x++) {
+                target[x] = row[(flip ? w - 1 - x : x) * 4 + c] * a + b;
+            }
+            for (; x + 4 <= w; x += 4) {
+                __m128i pixels = _mm_loadu_si128((const __m128i *)(row + (size_t)(flip ? w - 4 - x : x) * 4));
+                __m128i values = _mm_and_si128(_mm_srli_epi32(pixels, 8 * c), byte);
+                if (flip) {
+                    values = _mm_shuffle_epi32(values, _MM_SHUFFLE(0, 1, 2, 3));
+                }
+                _mm_stream_ps(target + x, _mm_add_ps(_mm_mul_ps(_mm_cvtepi32_ps(values), va), vb));
+            }
+        }
+#endif
+        for (; x < w; x++) {
+            target[x] = row[(flip ? w - 1 - x : x) * 4 + c] * a + b;
+        }
+    }
+}
+
+/* Where and how rows go: uint8 (scale == NULL) or float32 output, element strides. */
+struct gf_target {
+    void *out;
+    long stride_c, stride_y, stride_x;
+    int flip;
+    const float *scale, *shift;
+};
+
+static void gf_store_row(const struct gf_target *t, const unsigned char *row, int w, int y) {
+    if (t->scale == NULL) {
+        gf_row_u8(row, w, t->flip, (unsigned char *)t->out + y * t->stride_y, t->stride_c, t->stride_x);
+    } else {
+        gf_row_f32(row, w, t->flip, (float *)t->out + y * t->stride_y, t->stride_c, t->stride_x, t->scale, t->shift);
+    }
+}
+
+static void gf_store_done(const struct gf_target *t) {
+#if defined(__SSE2__)
+    if (t->scale != NULL) {
+        _mm_sfence(); /* the streamed rows are visible before the batch is handed on */
+    }
+#else
+    (void)t;
+#endif
+}
+
+/* RGBX pixels (w x h, rows packed) -> the output, uint8. */
+void gf_store_rgbx(const unsigned char *restrict src, int w, int h, int flip, unsigned char *restrict out,
+                   long stride_c, long stride_y, long stride_x) {
+    struct gf_target t = {out, stride_c, stride_y, stride_x, flip, NULL, NULL};
+    int y;
+    for (y = 0; y < h; y++) {
+        gf_store_row(&t, src + (size_t)y * w * 4, w, y);
+    }
+}
+
+/* The same to float32, out = value * scale[c] + shift[c] (strides in floats). */
+void gf_store_rgbx_f32(const unsigned char *restrict src, int w, int h, int flip, float *restrict out, long stride_c,
+                       long stride_y, long stride_x, const float *scale, const float *shift) {
+    struct gf_target t = {out, stride_c, stride_y, stride_x, flip, scale, shift};
+    int y;
+    for (y = 0; y < h; y++) {
+        gf_store_row(&t, src + (size_t)y * w * 4, w, y);
+    }
+    gf_store_done(&t);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Bilinear coefficients, as PIL's Resample.c computes them                 */
+
+struct gf_axis {
+    int ksize;     /* coefficients per output pixel (the rest zero) */
+    int precision; /* fixed-point bits */
+    int *first;    /* per output pixel: first input pixel */
+    int *count;    /* per output pixel: input pixels read */
+    int32_t *k;    /* out x ksize fixed-point weights */
+};
+
+static double gf_triangle(double x) {
+    x = x < 0.0 ? -x : x;
+    return x < 1.0 ? 1.0 - x : 0.0;
+}
+
+static void gf_axis_free(struct gf_axis *axis) {
+    free(axis->first);
+    free(axis->k);
+    axis->first = NULL;
+    axis->k = NULL;
+}
+
+/* Weights for out_size pixels over [in0, in1) of in_size; 0, or -1 when out of memory. */
+static int gf_axis_make(struct gf_axis *axis, int in_size, float in0, float in1, int out_size, int mode) {
+    double scale = (double)(in1 - in0) / out_size, filterscale = scale < 1.0 ? 1.0 : scale; /* PIL's box is float */
+    double support = filterscale, maxkk = 0.0;
+    int ksize = (int)ceil(support) * 2 + 1, xx, x, precision;
+    double *weights = malloc(sizeof(double) * (size_t)out_size * ksize);
+
+    axis->first = malloc(sizeof(int) * 2 * (size_t)out_size);
+    axis->k = malloc(sizeof(int32_t) * (size_t)out_size * ksize);
+    if (weights == NULL || axis->first == NULL || axis->k == NULL) {
+        free(weights);
+        gf_axis_free(axis);
+        return -1;
+    }
+    axis->count = axis->first + out_size;
+    axis->ksize = ksize;
+    for (xx = 0; xx < out_size; xx++) {
+        double center = in0 + (xx + 0.5) * scale, total = 0.0, *w = weights + (size_t)xx * ksize;
+        int xmin = (int)(center - support + 0.5), xmax = (int)(center + support + 0.5);
+        xmin = xmin < 0 ? 0 : xmin;
+        xmax = (xmax > in_size ? in_size : xmax) - xmin;
+        for (x = 0; x < xmax; x++) {
+            w[x] = gf_triangle((x + xmin - center + 0.5) / filterscale);
+            total += w[x];
+        }
+        for (x = 0; x < xmax; x++) {
+            w[x] = total != 0.0 ? w[x] / total : w[x];
+            maxkk = w[x] > maxkk ? w[x] : maxkk;
+        }
+        for (; x < ksize; x++) {
+            w[x] = 0.0;
+        }
+        axis->first[xx] = xmin;
+        axis->count[xx] = xmax < 0 ? 0 : xmax;
+    }
+    precision = 22;
+    if (mode == GF_PILLOW_SIMD) { /* the most bits that keep every weight under 2^15 */
+        for (precision = 0; precision < 22; precision++) {
+            if ((int)(0.5 + maxkk * (1 << (precision + 1))) >= (1 << 15)) {
+                break;
+            }
+        }
+    }
+    axis->precision = precision;
+    for (x = 0; x < out_size * ksize; x++) {
+        double v = weights[x] * (1 << precision);
+        axis->k[x] = (int32_t)(weights[x] < 0 ? v - 0.5 : v + 0.5);
+    }
+    free(weights);
+    return 0;
+}
+
+static unsigned char gf_clip8(int32_t v, int precision) {
+    v >>= precision;
+    return (unsigned char)(v < 0 ? 0 : (v > 255 ? 255 : v));
+}
+
+/* ------------------------------------------------------------------------ */
+/* The two passes, scalar                                                   */
+
+static void gf_horizontal_row(const unsigned char *in, unsigned char *out, int out_w, const struct gf_axis *a) {
+    int xx, x, c;
+    const int32_t half = 1 << (a->precision - 1);
+    for (xx = 0; xx < out_w; xx++) {
+        const unsigned char *p = in + (size_t)a->first[xx] * 4;
+        const int32_t *k = a->k + (size_t)xx * a->ksize;
+        for (c = 0; c < 4; c++) {
+            int32_t sum = half;
+            for (x = 0; x < a->count[xx]; x++) {
+                sum += p[x * 4 + c] * k[x];
+            }
+            out[xx * 4 + c] = gf_clip8(sum, a->precision);
+        }
+    }
+}
+
+static void gf_vertical_row(const unsigned char *in, long in_stride, unsigned char *out, int bytes,
+                            const struct gf_axis *a, int yy) {
+    int x, y;
+    const int32_t half = 1 << (a->precision - 1);
+    const unsigned char *rows = in + (size_t)a->first[yy] * in_stride;
+    const int32_t *k = a->k + (size_t)yy * a->ksize;
+    for (x = 0; x < bytes; x++) {
+        int32_t sum = half;
+        for (y = 0; y < a->count[yy]; y++) {
+            sum += rows[y * in_stride + x] * k[y];
+        }
+        out[x] = gf_clip8(sum, a->precision);
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* The two passes, AVX2 (Pillow-SIMD's 16-bit weights only: pmaddwd)        */
+
+#ifdef GF_X86
+/* Per output pixel: its weights in 16-bit pairs (lo = k[t], hi = k[t + 1], zero past its count). */
+static int32_t *gf_pairs(const struct gf_axis *a, int out_size) {
+    int pairs = (a->ksize + 1) / 2, xx, t;
+    int32_t *packed = malloc(sizeof(int32_t) * (size_t)out_size * pairs);
+    if (packed == NULL) {
+        return NULL;
+    }
+    for (xx = 0; xx < out_size; xx++) {
+        const int32_t *k = a->k + (size_t)xx * a->ksize;
+        for (t = 0; t < pairs; t++) {
+            int32_t lo = k[2 * t], hi = 2 * t + 1 < a->count[xx] ? k[2 * t + 1] : 0;
+            packed[(size_t)xx * pairs + t] = (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16));
+        }
+    }
+    return packed;
+}
+
+/* Pixels first+t and first+t+1 of two rows, one row per 128-bit lane, as 16-bit channel pairs. */
+__attribute__((target("avx2"))) static inline __m256i gf_pixel_pairs(const unsigned char *a, const unsigned char *b,
+                                                                      int at, int two) {
+    const __m256i spread = _mm256_setr_epi8(0, -1, 4, -1, 1, -1, 5, -1, 2, -1, 6, -1, 3, -1, 7, -1, 0, -1, 4, -1, 1,
+                                            -1, 5, -1, 2, -1, 6, -1, 3, -1, 7, -1);
+    __m128i lo, hi;
+    if (two) {
+        lo = _mm_loadl_epi64((const __m128i *)(a + (size_t)at * 4));
+        hi = _mm_loadl_epi64((const __m128i *)(b + (size_t)at * 4));
+    } else { /* the last pixel of the row alone: never read past it */
+        int32_t p0, p1;
+        memcpy(&p0, a + (size_t)at * 4, 4);
+        memcpy(&p1, b + (size_t)at * 4, 4);
+        lo = _mm_cvtsi32_si128(p0);
+        hi = _mm_cvtsi32_si128(p1);
+    }
+    return _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1), spread);
+}
+
+/*
+ * Four input rows at once (two per register, one per lane), sharing each
+ * output pixel's weights; the output is written mirrored when `flip`.
+ */
+__attribute__((target("avx2"))) static void gf_horizontal4_avx2(const unsigned char *const *in, unsigned char *const *out,
+                                                                 int in_w, int out_w, const struct gf_axis *a,
+                                                                 const int32_t *pairs, int flip) {
+    const int npairs = (a->ksize + 1) / 2;
+    const __m256i half = _mm256_set1_epi32(1 << (a->precision - 1));
+    int xx, t;
+    for (xx = 0; xx < out_w; xx++) {
+        const int first = a->first[xx], count = a->count[xx];
+        const int32_t *k = pairs + (size_t)xx * npairs;
+        const size_t at = (size_t)(flip ? out_w - 1 - xx : xx) * 4;
+        __m256i s01 = half, s23 = half, packed;
+        for (t = 0; t < count; t += 2) {
+            const int two = first + t + 2 <= in_w;
+            const __m256i w = _mm256_set1_epi32(k[t / 2]);
+            s01 = _mm256_add_epi32(s01, _mm256_madd_epi16(gf_pixel_pairs(in[0], in[1], first + t, two), w));
+            s23 = _mm256_add_epi32(s23, _mm256_madd_epi16(gf_pixel_pairs(in[2], in[3], first + t, two), w));
+        }
+        /* lane 0: row 0 | row 2, lane 1: row 1 | row 3 */
+        packed = _mm256_packs_epi32(_mm256_srai_epi32(s01, a->precision), _mm256_srai_epi32(s23, a->precision));
+        packed = _mm256_packus_epi16(packed, packed);
+        *(int32_t *)(out[0] + at) = _mm256_extract_epi32(packed, 0);
+        *(int32_t *)(out[2] + at) = _mm256_extract_epi32(packed, 1);
+        *(int32_t *)(out[1] + at) = _mm256_extract_epi32(packed, 4);
+        *(int32_t *)(out[3] + at) = _mm256_extract_epi32(packed, 5);
+    }
+}
+
+/* Eight RGBX pixels -> R0..7 | G0..7 | B0..7 | X0..7 as 64-bit quarters. */
+__attribute__((target("avx2"))) static inline __m256i gf_planes8(__m256i rgbx) {
+    const __m256i gather = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5, 9,
+                                            13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(rgbx, gather), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Eight output pixels (RGBX in a register) into planar rows at x: uint8, or float32 value * scale + shift. */
+__attribute__((target("avx2"))) static inline void gf_put8(const struct gf_target *t, int y, int x, __m256i rgbx) {
+    __m256i planes = gf_planes8(rgbx);
+    __m128i rg = _mm256_castsi256_si128(planes), bx = _mm256_extracti128_si256(planes, 1);
+    if (t->scale == NULL) {
+        unsigned char *base = (unsigned char *)t->out + y * t->stride_y + x;
+        _mm_storel_epi64((__m128i *)base, rg);
+        _mm_storel_epi64((__m128i *)(base + t->stride_c), _mm_unpackhi_epi64(rg, rg));
+        _mm_storel_epi64((__m128i *)(base + 2 * t->stride_c), bx);
+    } else {
+        float *base = (float *)t->out + y * t->stride_y + x;
+        __m128i channel[3];
+        int c;
+        channel[0] = rg;
+        channel[1] = _mm_unpackhi_epi64(rg, rg);
+        channel[2] = bx;
+        for (c = 0; c < 3; c++) {
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(channel[c]));
+            v = _mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(t->scale[c])), _mm256_set1_ps(t->shift[c]));
+            if (((uintptr_t)(base + c * t->stride_c) & 31) == 0) {
+                _mm256_stream_ps(base + c * t->stride_c, v);
+            } else {
+                _mm256_storeu_ps(base + c * t->stride_c, v);
+            }
+        }
+    }
+}
+
+/*
+ * Output row yy from `count` rows of the horizontal pass, 32 bytes (eight
+ * pixels) at a time: byte pairs of two rows -> pmaddwd. With `direct`, each
+ * group of eight goes straight into the planar target; the rest (and every
+ * group without `direct`) into `row` for gf_store_row.
+ */
+__attribute__((target("avx2"))) static int gf_vertical_avx2(const unsigned char *in, long in_stride,
+                                                             unsigned char *row, int out_w, const struct gf_axis *a,
+                                                             int yy, const struct gf_target *t, int direct) {
+    const int count = a->count[yy], bytes = out_w * 4;
+    const unsigned char *rows = in + (size_t)a->first[yy] * in_stride;
+    const int32_t *k = a->k + (size_t)yy * a->ksize;
+    const __m256i half = _mm256_set1_epi32(1 << (a->precision - 1)), zero = _mm256_setzero_si256();
+    int x, y;
+    for (x = 0; x + 32 <= bytes; x += 32) {
+        __m256i s0 = half, s1 = half, s2 = half, s3 = half, packed;
+        for (y = 0; y < count; y += 2) {
+            __m256i r0 = _mm256_loadu_si256((const __m256i *)(rows + (size_t)y * in_stride + x));
+            __m256i r1 = y + 1 < count ? _mm256_loadu_si256((const __m256i *)(rows + (size_t)(y + 1) * in_stride + x))
+                                       : zero;
+            int32_t hi = y + 1 < count ? k[y + 1] : 0;
+            __m256i w = _mm256_set1_epi32((int32_t)((uint32_t)(uint16_t)k[y] | ((uint32_t)(uint16_t)hi << 16)));
+            __m256i lo = _mm256_unpacklo_epi8(r0, r1), up = _mm256_unpackhi_epi8(r0, r1);
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), w));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), w));
+            s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_unpacklo_epi8(up, zero), w));
+            s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_unpackhi_epi8(up, zero), w));
+        }
+        s0 = _mm256_packs_epi32(_mm256_srai_epi32(s0, a->precision), _mm256_srai_epi32(s1, a->precision));
+        s2 = _mm256_packs_epi32(_mm256_srai_epi32(s2, a->precision), _mm256_srai_epi32(s3, a->precision));
+        packed = _mm256_packus_epi16(s0, s2);
+        if (direct) {
+            gf_put8(t, yy, x / 4, packed);
+        } else {
+            _mm256_storeu_si256((__m256i *)(row + x), packed);
+        }
+    }
+    for (; x < bytes; x++) {
+        int32_t sum = 1 << (a->precision - 1);
+        for (y = 0; y < count; y++) {
+            sum += rows[(size_t)y * in_stride + x] * k[y];
+        }
+        row[x] = gf_clip8(sum, a->precision);
+    }
+    return direct ? (bytes / 32) * 8 : 0; /* pixels already stored */
+}
+
+static int gf_has_avx2(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return known;
+}
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Resize and store                                                         */
+
+/* Pixels [from, w) of an RGBX row into row y of the target. */
+static void gf_store_tail(const struct gf_target *t, const unsigned char *row, int w, int y, int from) {
+    struct gf_target rest = *t;
+    if (from >= w) {
+        return;
+    }
+    if (rest.scale == NULL) {
+        rest.out = (unsigned char *)t->out + from * t->stride_x;
+    } else {
+        rest.out = (float *)t->out + from * t->stride_x;
+    }
+    gf_store_row(&rest, row + (size_t)from * 4, w - from, y);
+}
+
+/* Pillow's order when the height shrinks much more than the width: vertical pass first (scalar). */
+static int gf_vertical_first(const unsigned char *src, int w, const struct gf_axis *across,
+                             const struct gf_axis *down, int out_w, int out_h, const struct gf_target *t) {
+    unsigned char *temp = malloc((size_t)w * 4 * out_h), *row = malloc((size_t)out_w * 4);
+    int y, result = -1;
+    if (temp != NULL && row != NULL) {
+        for (y = 0; y < out_h; y++) {
+            gf_vertical_row(src, (long)w * 4, temp + (size_t)y * w * 4, w * 4, down, y);
+        }
+        for (y = 0; y < out_h; y++) {
+            gf_horizontal_row(temp + (size_t)y * w * 4, row, out_w, across);
+            gf_store_row(t, row, out_w, y);
+        }
+        result = 0;
+    }
+    free(temp);
+    free(row);
+    return result;
+}
+
+/* Horizontal pass into temp (rows x out_w RGBX), mirrored when `flip` on the vector path. */
+static int gf_horizontal_pass(const unsigned char *src, int w, int first_row, int rows, unsigned char *temp,
+                              unsigned char *scratch, int out_w, const struct gf_axis *across, int simd, int flip) {
+    long stride = (long)out_w * 4;
+    int y;
+#ifdef GF_X86
+    if (simd) {
+        int32_t *pairs = gf_pairs(across, out_w);
+        if (pairs == NULL) {
+            return -1;
+        }
+        for (y = 0; y < rows; y += 4) {
+            const unsigned char *in[4];
+            unsigned char *out[4];
+            int r;
+            for (r = 0; r < 4; r++) { /* past the last row: repeat it into the scratch row */
+                int yr = y + r < rows ? y + r : rows - 1;
+                in[r] = src + (size_t)(first_row + yr) * w * 4;
+                out[r] = y + r < rows ? temp + (size_t)(y + r) * stride : scratch;
+            }
+            gf_horizontal4_avx2(in, out, w, out_w, across, pairs, flip);
+        }
+        free(pairs);
+        return 0;
+    }
+#else
+    (void)simd;
+    (void)scratch;
+    (void)flip;
+#endif
+    for (y = 0; y < rows; y++) {
+        gf_horizontal_row(src + (size_t)(first_row + y) * w * 4, temp + (size_t)y * stride, out_w, across);
+    }
+    return 0;
+}
+
+/*
+ * box (x0, y0, x1, y1) of the RGBX image src (w x h, rows packed) -> out_w x
+ * out_h, bilinear as PIL computes it in `mode`, each finished row stored into
+ * `t`. Returns 0, or -1 when out of memory.
+ */
+static int gf_resize_into(const unsigned char *src, int w, int h, const double *box, int out_w, int out_h, int mode,
+                          const struct gf_target *t, int allow_simd) {
+    struct gf_axis across = {0}, down = {0};
+    struct gf_target unflipped = *t;
+    unsigned char *temp = NULL, *row = NULL;
+    int result = -1, first_row, rows, y, simd = 0, direct = 0;
+    long stride = (long)out_w * 4;
+
+    if (box[0] == floor(box[0]) && box[1] == floor(box[1]) && box[2] - box[0] == out_w && box[3] - box[1] == out_h &&
+        box[0] >= 0 && box[1] >= 0 && box[2] <= w && box[3] <= h) { /* an exact crop: PIL copies, so do we */
+        for (y = 0; y < out_h; y++) {
+            gf_store_row(t, src + ((size_t)((int)box[1] + y) * w + (int)box[0]) * 4, out_w, y);
+        }
+        gf_store_done(t);
+        return 0;
+    }
+    if (gf_axis_make(&across, w, box[0], box[2], out_w, mode) != 0 ||
+        gf_axis_make(&down, h, box[1], box[3], out_h, mode) != 0) {
+        goto done;
+    }
+    if (mode == GF_PILLOW && h - out_h > 0 && h - out_h > (w - out_w) * 2) {
+        result = gf_vertical_first(src, w, &across, &down, out_w, out_h, t);
+        goto finish;
+    }
+    first_row = down.first[0];
+    rows = down.first[out_h - 1] + down.count[out_h - 1] - first_row;
+    for (y = 0; y < out_h; y++) {
+        down.first[y] -= first_row;
+    }
+#ifdef GF_X86
+    simd = allow_simd && mode == GF_PILLOW_SIMD && gf_has_avx2();
+    direct = simd && t->stride_x == 1;
+#else
+    (void)allow_simd;
+#endif
+    temp = malloc((size_t)stride * (rows > 0 ? rows : 1));
+    row = malloc((size_t)stride + 32);
+    if (temp == NULL || row == NULL ||
+        gf_horizontal_pass(src, w, first_row, rows, temp, row, out_w, &across, simd, t->flip) != 0) {
+        goto done;
+    }
+    if (simd) {
+        unflipped.flip = 0; /* the horizontal pass mirrored the rows */
+    }
+    for (y = 0; y < out_h; y++) {
+        int stored = 0;
+#ifdef GF_X86
+        if (simd) {
+            stored = gf_vertical_avx2(temp, stride, row, out_w, &down, y, &unflipped, direct);
+        } else
+#endif
+        {
+            gf_vertical_row(temp, stride, row, out_w * 4, &down, y);
+        }
+        gf_store_tail(&unflipped, row, out_w, y, stored);
+    }
+    result = 0;
+finish:
+    gf_store_done(t);
+done:
+    free(temp);
+    free(row);
+    gf_axis_free(&across);
+    gf_axis_free(&down);
+    return result;
+}
+
+/* One image: exposed for tests, which compare it with PIL (allow_simd 0 forces the scalar kernels). */
+int gf_resize_store(const unsigned char *src, int w, int h, const double *box, int out_w, int out_h, int mode,
+                    int flip, void *out, long stride_c, long stride_y, long stride_x, const float *scale,
+                    const float *shift, int allow_simd) {
+    struct gf_target t = {out, stride_c, stride_y, stride_x, flip, scale, shift};
+    return gf_resize_into(src, w, h, box, out_w, out_h, mode, &t, allow_simd);
+}
+
+/*
+ * A batch piece in one call: decode each JPEG's region (params: scale_num,
+ * x, y, w, h) into its buffer (outs), then resize its box (boxes: x0, y0,
+ * x1, y1 in the scaled image) to out_w x out_h straight into its sample of
+ * the batch (targets: addresses, all with the same layout and strides),
+ * mirrored where flips[i]. status[i]: 0 done, 1 not asked (outs[i] == 0),
+ * -1 error (message in messages + i * message_size), -2 unsupported
+ * (CMYK: Python decodes it another way), -3 out of memory.
+ */
+void gf_decode_crop_many(int n, const unsigned char *const *data, const unsigned long *sizes, const int *params,
+                         const double *boxes, unsigned char *const *outs, const unsigned long *out_sizes,
+                         void *const *targets, const unsigned char *flips, int out_w, int out_h, int mode,
+                         long stride_c, long stride_y, long stride_x, const float *scale, const float *shift,
+                         int *status, char *messages, int message_size) {
+    int i;
+    for (i = 0; i < n; i++) {
+        const int *p = params + 5 * i;
+        int info[2];
+        double box[4];
+        struct gf_target t = {targets[i], stride_c, stride_y, stride_x, flips[i], scale, shift};
+        if (outs[i] == NULL) {
+            status[i] = 1;
+            continue;
+        }
+        status[i] = gf_decode_region(data[i], sizes[i], p[0], p[1], p[2], p[3], p[4], outs[i], out_sizes[i], info,
+                                     messages + (long)i * message_size, message_size);
+        if (status[i] != 0) {
+            continue;
+        }
+        box[0] = boxes[4 * i] - info[0];
+        box[1] = boxes[4 * i + 1] - p[2];
+        box[2] = boxes[4 * i + 2] - info[0];
+        box[3] = boxes[4 * i + 3] - p[2];
+        if (gf_resize_into(outs[i], info[1], p[4], box, out_w, out_h, mode, &t, 1) != 0) {
+            status[i] = -3;
+        }
+    }
+}
