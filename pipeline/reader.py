@@ -11,6 +11,7 @@ replaying the order and skipping what was already delivered.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 import os
 import re
 from collections.abc import Iterator
@@ -124,6 +125,19 @@ def _octal(field: bytes) -> int:
     return int(text, 8)
 
 
+_CHUNK = 1 << 22  # read shards 4 MB at a time: one call per several hundred members, not three per member
+
+
+def _header_checksum_ok(header: bytes, stored: int) -> bool:
+    """The tar checksum (byte sum with the checksum field as spaces), compared modulo 65521.
+
+    zlib's Adler-32 sums the bytes in C (its low half is 1 + the byte sum mod
+    65521), where a Python sum over the 512 bytes costs microseconds per member.
+    """
+    byte_sum = (zlib.adler32(header) & 0xFFFF) - 1
+    return (byte_sum - sum(header[148:156]) + 256 - stored) % 65521 == 0
+
+
 def iter_tar_members(handle: Any, url: str = "") -> Iterator[tuple[str, bytes]]:
     """Yield (member name, data) of regular files, reading sequentially.
 
@@ -133,19 +147,25 @@ def iter_tar_members(handle: Any, url: str = "") -> Iterator[tuple[str, bytes]]:
         TarFormatError: on a header with a bad checksum or a truncated member.
     """
     long_name: str | None = None
+    buffer, at = b"", 0
     while True:
-        header = handle.read(512)
-        if len(header) < 512 or header == bytes(512):
+        if len(buffer) - at < 512:
+            buffer, at = buffer[at:] + handle.read(_CHUNK), 0
+        header = buffer[at : at + 512]
+        if len(header) < 512 or header == _ZERO_BLOCK:
             return
         stored = _octal(header[148:156])
-        if stored != sum(header[:148]) + 256 + sum(header[156:]):
+        if not _header_checksum_ok(header, stored):
             raise TarFormatError(f"{url}: corrupt tar header (checksum mismatch)")
         size = _octal(header[124:136])
         kind = header[156:157]
-        data = handle.read(size)
+        padded = size + (-size % 512)
+        if len(buffer) - at - 512 < padded:  # the member runs past what is read: read the rest (at least a chunk)
+            buffer, at = buffer[at:] + handle.read(max(_CHUNK, padded + 512 - (len(buffer) - at))), 0
+        data = buffer[at + 512 : at + 512 + size]
         if len(data) < size:
             raise TarFormatError(f"{url}: truncated tar member")
-        handle.read(-size % 512)
+        at += 512 + padded
         if kind == b"L":
             long_name = data.rstrip(b"\0").decode("utf-8", "replace")
             continue
@@ -165,6 +185,9 @@ def iter_tar_members(handle: Any, url: str = "") -> Iterator[tuple[str, bytes]]:
             if prefix and header[257:262] == b"ustar":
                 name = prefix.decode("utf-8", "replace") + "/" + name
         yield name, data
+
+
+_ZERO_BLOCK = bytes(512)
 
 
 def iter_tar_samples(handle: Any, url: str = "") -> Iterator[tuple[str, dict[str, bytes]]]:

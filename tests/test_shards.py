@@ -433,3 +433,41 @@ def test_iter_tar_samples_groups_members_by_key(tmp_path):
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     assert list(iter_tar_samples(path)) == [("a", {"jpg": b"1", "cls": b"0"}), ("b", {"jpg": b"2", "seg.png": b"3"})]
+
+
+# ---------------------------------------------------------------------------
+# The loader's streaming tar reader (pipeline.reader): what tarfile reads, or a clear error
+
+
+def _tar_bytes(members: list[tuple[str, bytes]], fmt: int = tarfile.GNU_FORMAT) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+@pytest.mark.parametrize("chunk", [512, 1536, 1 << 22])
+def test_reader_reads_what_tarfile_reads(monkeypatch, fmt, chunk):
+    from pipeline import reader
+
+    monkeypatch.setattr(reader, "_CHUNK", chunk)  # members and headers across every chunk boundary
+    long_name = "deep/" * 30 + "long.jpg" if fmt != tarfile.USTAR_FORMAT else "deep/long.jpg"
+    members = [("a.jpg", os.urandom(1000)), ("a.cls", b"3"), (long_name, os.urandom(5000)), ("e.json", b"")]
+    members += [(f"k{i}.jpg", os.urandom(i * 37)) for i in range(20)]
+    read = list(reader.iter_tar_members(io.BytesIO(_tar_bytes(members, fmt))))
+    assert read == members
+
+
+def test_reader_refuses_a_damaged_header_and_a_truncated_member():
+    from pipeline import reader
+
+    data = bytearray(_tar_bytes([("a.jpg", b"x" * 3000), ("b.jpg", b"y" * 100)]))
+    damaged = bytes(data[:100]) + bytes([data[100] ^ 0x20]) + bytes(data[101:])  # a flipped bit in the mode field
+    with pytest.raises(reader.TarFormatError, match="checksum"):
+        list(reader.iter_tar_members(io.BytesIO(damaged)))
+    with pytest.raises(reader.TarFormatError, match="truncated"):
+        list(reader.iter_tar_members(io.BytesIO(bytes(data[:2048]))))
