@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import random
 import struct
 import threading
 import zlib
@@ -85,8 +84,40 @@ def default_decoder() -> str:
     return "simplejpeg" if simplejpeg is not None else "pil"
 
 
+_MASK = (1 << 64) - 1
+
+
+class CropRandom:
+    """A sample's crop randomness: splitmix64 from its seed.
+
+    The C planner (resample.c, gf_plan_many) runs the same generator, so a
+    crop is the same whether C or Python plans it, for any decoder.
+    """
+
+    __slots__ = ("_state",)
+
+    def __init__(self, seed: int) -> None:
+        self._state = seed & _MASK
+
+    def _next(self) -> int:
+        self._state = z = (self._state + 0x9E3779B97F4A7C15) & _MASK
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        return z ^ (z >> 31)
+
+    def random(self) -> float:
+        return (self._next() >> 11) * (1.0 / 9007199254740992.0)
+
+    def uniform(self, a: float, b: float) -> float:
+        return a + (b - a) * self.random()
+
+    def randint(self, a: int, b: int) -> int:
+        """a..b inclusive."""
+        return a + self._next() % (b - a + 1)
+
+
 def random_resized_crop_box(
-    rng: random.Random, width: int, height: int, spec: CropSpec
+    rng: CropRandom, width: int, height: int, spec: CropSpec
 ) -> tuple[float, float, float, float]:
     """(left, top, width, height) like torchvision's RandomResizedCrop.get_params."""
     area = width * height
@@ -123,7 +154,7 @@ def centre_crop_box(width: int, height: int, spec: CropSpec) -> tuple[float, flo
     return (width - side) / 2, (height - side) / 2, side, side
 
 
-def crop_box(rng: random.Random | None, width: int, height: int, spec: CropSpec) -> tuple[float, float, float, float]:
+def crop_box(rng: CropRandom | None, width: int, height: int, spec: CropSpec) -> tuple[float, float, float, float]:
     if spec.train:
         assert rng is not None
         return random_resized_crop_box(rng, width, height, spec)
@@ -152,7 +183,7 @@ def decode_into(
     Raises:
         DecodeError: the sample is corrupt or not an image.
     """
-    rng = random.Random(seed) if spec.train else None
+    rng = CropRandom(seed) if spec.train else None
     if slot.dtype != np.uint8 and (slot.dtype != np.float32 or affine is None):
         raise ValueError("decode_into writes uint8 slots, or float32 slots with an affine")
     if affine is not None and not isinstance(affine, Affine):
@@ -212,7 +243,7 @@ def _as_rgb_array(array: np.ndarray) -> np.ndarray:
 
 
 def _jpeg_into(
-    slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any
+    slot: np.ndarray, data: bytes, rng: CropRandom | None, spec: CropSpec, flip: bool, affine: Any
 ) -> None:
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     _check_pixels(width, height, spec)
@@ -230,7 +261,7 @@ def _jpeg_into(
 
 
 def _region_plan(
-    slot: np.ndarray, width: int, height: int, rng: random.Random | None, spec: CropSpec
+    slot: np.ndarray, width: int, height: int, rng: CropRandom | None, spec: CropSpec
 ) -> tuple[tuple[float, float, float, float], int, tuple[int, int, int, int, int]]:
     """(crop box in the scaled image, M of the M/8 scaling, region x, y, w, h to decode + its RGBX bytes)."""
     _check_pixels(width, height, spec)
@@ -290,64 +321,69 @@ def _region_many(
     flips: list[bool],
     affine: Affine | None,
 ) -> list[tuple[int, str]]:
-    failures: list[tuple[int, str]] = []
+    """The region decoder over items[batch]: headers, crop plans, and (when the slots share one layout
+    and C resizes like this PIL) decoding, resizing and storing, one C call each for the lot."""
+    targets = [slots[i] for i in batch]
+    mode = resample_mode()
+    if mode is not None and _same_layout(targets):
+        return _crop_many(decoder, mode, targets, items, batch, spec, flips, affine)
     info, status, pointers = decoder.header_many([items[i][1] for i in batch])
     count = len(batch)
-    params = np.zeros((count, 5), np.int32)
-    sizes = np.zeros(count, np.uint64)
-    boxes = np.zeros((count, 4), np.float64)
-    plans: list[Any] = [None] * count
-    for k, index in enumerate(batch):
-        _, data, seed = items[index]
-        rng = random.Random(seed) if spec.train else None
+    usable = status == 0
+    pixels = info[:, 0].astype(np.int64) * info[:, 1]
+    usable &= (pixels <= spec.max_pixels) & (info[:, 0] > 0) & (info[:, 1] > 0)
+    same = _same_layout(targets)
+    if same:  # every crop planned in C
+        width, height = _slot_size(targets[0])
+        seeds = np.fromiter((items[i][2] & _MASK for i in batch), np.uint64, count)
+        params, boxes, sizes = decoder.plan_many(info, usable, seeds, (spec.train, width, height, spec.size), _plan_spec(spec))
+    else:
+        params, boxes, sizes = np.zeros((count, 5), np.int32), np.zeros((count, 4)), np.zeros(count, np.uint64)
+        for k in np.flatnonzero(usable):
+            rng = CropRandom(items[batch[k]][2]) if spec.train else None
+            box, eighths, region = _region_plan(targets[k], int(info[k, 0]), int(info[k, 1]), rng, spec)
+            boxes[k], params[k], sizes[k] = box, (eighths, *region[:4]), region[4]
+    failures: list[tuple[int, str]] = []
+    for k in np.flatnonzero(~usable):  # why: libjpeg's reason, or the pixel checks'
+        index = batch[k]
         try:
-            if status[k] != 0:
-                decoder.header(data)  # raises with libjpeg's reason
-            plan = _region_plan(slots[index], int(info[k, 0]), int(info[k, 1]), rng, spec)
+            decoder.header(items[index][1])
+            _check_pixels(int(info[k, 0]), int(info[k, 1]), spec)
         except native.RegionError as exc:
             failures.append((index, f"cannot decode .jpg sample: {exc}"))
-            continue
         except DecodeError as exc:
             failures.append((index, exc.reason))
-            continue
-        plans[k] = (plan, rng)
-        boxes[k] = plan[0]
-        params[k] = (plan[1], *plan[2][:4])
-        sizes[k] = plan[2][4]
     buffer = _decode_buffer(int(sizes.sum()) + 64 * count)
     offsets = np.zeros(count, np.uint64)
     offsets[1:] = np.cumsum(sizes + 64)[:-1]  # 64-byte aligned starts for each image's rows
-    outs = np.where(sizes > 0, buffer.ctypes.data + offsets, 0).astype(np.uint64)
-    targets = [slots[i] for i in batch]
+    outs = np.where(usable, buffer.ctypes.data + offsets, 0).astype(np.uint64)
     mode = resample_mode()
     decoded = None
-    if mode is not None and _same_layout(targets):  # decode, resize and store in C, one call
+    if mode is not None and same:  # decode, resize and store in C, one call
         done, messages = decoder.decode_crop_many(
             pointers, params, boxes, outs, sizes, targets, np.array([flips[i] for i in batch], np.uint8), mode,
             affine.addresses if affine is not None else None,
         )  # fmt: skip
     else:
         decoded, done, messages = decoder.decode_many(pointers, params, outs, sizes)
-    for k, index in enumerate(batch):
-        if plans[k] is None:
-            continue
-        (box, _, region), rng = plans[k]
-        _, data, _ = items[index]
+    for k in np.flatnonzero(usable & ((done != 0) | (decoded is not None))):
+        index = batch[k]
+        data, seed = items[index][1], items[index][2]
         try:
             if done[k] == native.UNSUPPORTED:  # CMYK: Pillow converts it
-                _pil_into(slots[index], data, rng, spec, flips[index], affine)
+                _pil_into(slots[index], data, CropRandom(seed) if spec.train else None, spec, flips[index], affine)
                 continue
             if done[k] == native.OUT_OF_MEMORY:
                 raise MemoryError("cannot allocate the resize buffers")
             if done[k] != 0:
                 failures.append((index, f"cannot decode .jpg sample: {messages[k] or 'cannot decode'}"))
                 continue
-            if decoded is None:
-                continue
-            first = int(decoded[k, 0])
-            pixels = buffer[int(offsets[k]) : int(offsets[k]) + int(sizes[k])]
-            relative = (box[0] - first, box[1] - region[1], box[2] - first, box[3] - region[1])
-            _rgbx_into(slots[index], pixels, int(decoded[k, 1]), region[3], relative, flips[index], affine)
+            assert decoded is not None
+            first, y = int(decoded[k, 0]), int(params[k, 2])
+            box = boxes[k]
+            region = buffer[int(offsets[k]) : int(offsets[k]) + int(sizes[k])]
+            relative = (box[0] - first, box[1] - y, box[2] - first, box[3] - y)
+            _rgbx_into(slots[index], region, int(decoded[k, 1]), int(params[k, 4]), relative, flips[index], affine)
         except DecodeError as exc:
             failures.append((index, exc.reason))
         except MemoryError:
@@ -355,6 +391,55 @@ def _region_many(
         except _DATA_ERRORS as exc:
             failures.append((index, f"cannot decode .jpg sample: {str(exc)[:160] or type(exc).__name__}"))
     return failures
+
+
+def _crop_many(
+    decoder: native.RegionDecoder,
+    mode: int,
+    targets: list[np.ndarray],
+    items: list[tuple[str, bytes, int]],
+    batch: list[int],
+    spec: CropSpec,
+    flips: list[bool],
+    affine: Affine | None,
+) -> list[tuple[int, str]]:
+    """Every step for items[batch] in one C call; Python only for the samples it hands back."""
+    count = len(batch)
+    width, height = _slot_size(targets[0])
+    done, messages = decoder.crop_many(
+        [items[i][1] for i in batch], np.fromiter((items[i][2] & _MASK for i in batch), np.uint64, count),
+        (spec.train, width, height, spec.size), _plan_spec(spec), spec.max_pixels, targets,
+        np.fromiter((flips[i] for i in batch), np.uint8, count), mode, affine.addresses if affine is not None else None,
+    )  # fmt: skip
+    failures: list[tuple[int, str]] = []
+    for k in np.flatnonzero(done):
+        index = batch[k]
+        data, seed = items[index][1], items[index][2]
+        try:
+            if done[k] == 2:
+                width, height = decoder.header(data)
+                _check_pixels(width, height, spec)
+            elif done[k] == native.UNSUPPORTED:  # CMYK: Pillow converts it
+                _pil_into(targets[k], data, CropRandom(seed) if spec.train else None, spec, flips[index], affine)
+            elif done[k] == native.OUT_OF_MEMORY:
+                raise MemoryError("cannot allocate the decode and resize buffers")
+            else:
+                failures.append((index, f"cannot decode .jpg sample: {messages[k] or 'cannot decode'}"))
+        except DecodeError as exc:
+            failures.append((index, exc.reason))
+        except MemoryError:
+            raise
+        except _DATA_ERRORS as exc:
+            failures.append((index, f"cannot decode .jpg sample: {str(exc)[:160] or type(exc).__name__}"))
+    return failures
+
+
+def _plan_spec(spec: CropSpec) -> tuple[float, ...]:
+    """The crop spec's numbers as the C planner reads them."""
+    return (
+        spec.scale[0], spec.scale[1], math.log(spec.ratio[0]), math.log(spec.ratio[1]), spec.ratio[0], spec.ratio[1],
+        spec.eval_fraction,
+    )  # fmt: skip
 
 
 def _same_layout(slots: list[np.ndarray]) -> bool:
@@ -483,7 +568,7 @@ def _decode_buffer(needed: int) -> np.ndarray:
 
 
 def _pil_into(
-    slot: np.ndarray, data: bytes, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any
+    slot: np.ndarray, data: bytes, rng: CropRandom | None, spec: CropSpec, flip: bool, affine: Any
 ) -> None:
     Image = _pil()
     img = open_image(data, max_pixels=spec.max_pixels)
@@ -501,7 +586,7 @@ def _pil_into(
 
 
 def _crop_array_into(
-    slot: np.ndarray, array: np.ndarray, rng: random.Random | None, spec: CropSpec, flip: bool, affine: Any
+    slot: np.ndarray, array: np.ndarray, rng: CropRandom | None, spec: CropSpec, flip: bool, affine: Any
 ) -> None:
     height, width = array.shape[:2]
     left, top, cw, ch = crop_box(rng, width, height, spec)

@@ -8,13 +8,12 @@ that nvjpeg refuses, are decoded on the CPU and uploaded.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import numpy as np
 import torch
 
-from .crops import CropSpec, crop_box, decode_into
+from .crops import CropRandom, CropSpec, crop_box, decode_into
 from .errors import ConfigError, DecodeError
 
 
@@ -63,7 +62,7 @@ def decode_batch_on_gpu(
             cpu_side.append(position)
             continue
         _, height, width = image.shape
-        rng = random.Random(items[position][2]) if crop.train else None
+        rng = CropRandom(items[position][2]) if crop.train else None
         left, top, cw, ch = crop_box(rng, width, height, crop)
         region = image[:, round(top) : round(top + ch), round(left) : round(left + cw)]
         out[position] = F.interpolate(

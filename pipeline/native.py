@@ -133,6 +133,14 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
     ]  # fmt: skip
     lib.gf_decode_crop_many.restype = None
+    lib.gf_crop_many.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.gf_crop_many.restype = None
+    lib.gf_plan_many.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8
+    lib.gf_plan_many.restype = None
     return lib
 
 
@@ -240,6 +248,65 @@ class RegionDecoder:
         )  # fmt: skip
         if status != 0:
             raise MemoryError("cannot allocate the resize buffers")
+
+    def crop_many(
+        self,
+        data: list[bytes],
+        seeds: Any,
+        shape: tuple[int, int, int, int],
+        spec: tuple[float, ...],
+        max_pixels: int,
+        targets: list[Any],
+        flips: Any,
+        mode: int,
+        affine: tuple[int, int] | None = None,
+    ) -> tuple[Any, list[str]]:
+        """header_many, plan_many and decode_crop_many in one call (one release of the GIL).
+
+        Returns status (n,): as decode_crop_many's, plus 2 where an image
+        is over `max_pixels` or empty (`header` and the caller's checks say
+        which).
+        """
+        import numpy as np
+
+        count = len(data)
+        first = targets[0]
+        stride_c, stride_y, stride_x, scale, shift = _layout(first, affine)
+        pointers = (ctypes.c_char_p * count)(*data)
+        sizes = np.fromiter((len(d) for d in data), np.uint64, count)
+        addresses = np.fromiter((t.ctypes.data for t in targets), np.uint64, count)
+        status = np.zeros(count, np.int32)
+        messages = ctypes.create_string_buffer(count * _MESSAGE_SIZE)
+        self._lib.gf_crop_many(
+            count, pointers, sizes.ctypes.data, seeds.ctypes.data, (ctypes.c_int * 4)(*map(int, shape)),
+            (ctypes.c_double * 7)(*spec), float(max_pixels), addresses.ctypes.data, flips.ctypes.data, mode,
+            stride_c, stride_y, stride_x, scale, shift, status.ctypes.data, messages, _MESSAGE_SIZE,
+        )  # fmt: skip
+        return status, _messages(messages.raw, status)
+
+    def plan_many(
+        self, info: Any, usable: Any, seeds: Any, shape: tuple[int, int, int, int], spec: tuple[float, ...]
+    ) -> tuple[Any, Any, Any]:
+        """Crop plans for many images (crops._region_plan in C, with crops.CropRandom's numbers).
+
+        info: header_many's (n, 4); usable: bool (n,), the images to plan;
+        seeds: uint64 (n,); shape: train, output width, height, the spec's
+        size; spec: scale lo/hi, log ratio lo/hi, ratio lo/hi, eval fraction.
+        Returns params (n, 5) for decode_many, boxes (n, 4) and the RGBX
+        bytes each region needs (0 where not planned).
+        """
+        import numpy as np
+
+        count = len(seeds)
+        params = np.zeros((count, 5), np.int32)
+        boxes = np.zeros((count, 4), np.float64)
+        sizes = np.zeros(count, np.uint64)
+        status = np.where(usable, 0, 1).astype(np.int32)
+        self._lib.gf_plan_many(
+            count, info.ctypes.data, status.ctypes.data, seeds.ctypes.data, (ctypes.c_int * 4)(*map(int, shape)),
+            (ctypes.c_double * 7)(*spec), params.ctypes.data, boxes.ctypes.data, sizes.ctypes.data,
+        )  # fmt: skip
+        return params, boxes, sizes
 
     def decode_crop_many(
         self,

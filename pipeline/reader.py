@@ -14,6 +14,7 @@ import dataclasses
 import zlib
 import os
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,7 +126,7 @@ def _octal(field: bytes) -> int:
     return int(text, 8)
 
 
-_CHUNK = 1 << 22  # read shards 4 MB at a time: one call per several hundred members, not three per member
+_CHUNK = 1 << 22  # read shards 4 MB at a time into one reused buffer: no fresh pages per read
 
 
 def _header_checksum_ok(header: bytes, stored: int) -> bool:
@@ -138,6 +139,24 @@ def _header_checksum_ok(header: bytes, stored: int) -> bool:
     return (byte_sum - sum(header[148:156]) + 256 - stored) % 65521 == 0
 
 
+def _refill(handle: Any, buffer: bytearray, start: int, end: int, need: int) -> tuple[int, int]:
+    """Move buffer[start:end] to the front and read until `need` bytes are there (or the file ends)."""
+    kept = end - start
+    view = memoryview(buffer)
+    if start:
+        view[:kept] = view[start:end]
+    while kept < need:
+        got = handle.readinto(view[kept:]) if hasattr(handle, "readinto") else None
+        if got is None:  # no readinto: read() into the buffer
+            chunk = handle.read(len(buffer) - kept)
+            got = len(chunk)
+            view[kept : kept + got] = chunk
+        if not got:
+            break
+        kept += got
+    return 0, kept
+
+
 def iter_tar_members(handle: Any, url: str = "") -> Iterator[tuple[str, bytes]]:
     """Yield (member name, data) of regular files, reading sequentially.
 
@@ -146,12 +165,39 @@ def iter_tar_members(handle: Any, url: str = "") -> Iterator[tuple[str, bytes]]:
     Raises:
         TarFormatError: on a header with a bad checksum or a truncated member.
     """
+    buffer = _take_buffer()
+    try:
+        yield from _members(handle, url, buffer)
+    finally:
+        _give_back(buffer)
+
+
+_spare_buffers: list[bytearray] = []
+_spare_lock = threading.Lock()
+
+
+def _take_buffer() -> bytearray:
+    """A read buffer: a spare one, whose pages are already mapped, else a new one."""
+    with _spare_lock:
+        if _spare_buffers and len(_spare_buffers[-1]) == _CHUNK:
+            return _spare_buffers.pop()
+    return bytearray(_CHUNK)
+
+
+def _give_back(buffer: bytearray) -> None:
+    with _spare_lock:
+        if len(_spare_buffers) < 8:
+            _spare_buffers.append(buffer)
+
+
+def _members(handle: Any, url: str, buffer: bytearray) -> Iterator[tuple[str, bytes]]:
     long_name: str | None = None
-    buffer, at = b"", 0
+    view = memoryview(buffer)
+    start = end = 0  # buffer[start:end] is read and not yet parsed
     while True:
-        if len(buffer) - at < 512:
-            buffer, at = buffer[at:] + handle.read(_CHUNK), 0
-        header = buffer[at : at + 512]
+        if end - start < 512:
+            start, end = _refill(handle, buffer, start, end, 512)
+        header = bytes(view[start : start + 512])
         if len(header) < 512 or header == _ZERO_BLOCK:
             return
         stored = _octal(header[148:156])
@@ -160,12 +206,17 @@ def iter_tar_members(handle: Any, url: str = "") -> Iterator[tuple[str, bytes]]:
         size = _octal(header[124:136])
         kind = header[156:157]
         padded = size + (-size % 512)
-        if len(buffer) - at - 512 < padded:  # the member runs past what is read: read the rest (at least a chunk)
-            buffer, at = buffer[at:] + handle.read(max(_CHUNK, padded + 512 - (len(buffer) - at))), 0
-        data = buffer[at + 512 : at + 512 + size]
+        if end - start < 512 + padded and 512 + padded <= len(buffer):
+            start, end = _refill(handle, buffer, start, end, 512 + padded)
+        if end - start >= 512 + size:
+            data = bytes(view[start + 512 : start + 512 + size])
+            start = min(end, start + 512 + padded)
+        else:  # larger than the buffer: what is here, then the rest straight from the file
+            data = bytes(view[start + 512 : end]) + handle.read(size - (end - start - 512))
+            handle.read(padded - size)
+            start = end = 0
         if len(data) < size:
             raise TarFormatError(f"{url}: truncated tar member")
-        at += 512 + padded
         if kind == b"L":
             long_name = data.rstrip(b"\0").decode("utf-8", "replace")
             continue

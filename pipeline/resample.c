@@ -633,3 +633,212 @@ void gf_decode_crop_many(int n, const unsigned char *const *data, const unsigned
         }
     }
 }
+
+/* ------------------------------------------------------------------------ */
+/* Crop plans: where each sample's crop lies and what region to decode      */
+
+/*
+ * The crop's random numbers: splitmix64 seeded with the sample's seed.
+ * crops.CropRandom is the same generator in Python (for the decoders that
+ * run there), so every decoder picks the same crop for the same seed.
+ */
+static uint64_t gf_next(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static double gf_uniform(uint64_t *state, double a, double b) {
+    return a + (b - a) * ((double)(gf_next(state) >> 11) * (1.0 / 9007199254740992.0));
+}
+
+static long gf_randint(uint64_t *state, long a, long b) { /* a..b inclusive */
+    return a + (long)(gf_next(state) % (uint64_t)(b - a + 1));
+}
+
+/* What the crop spec says, the same for every image of a call. */
+struct gf_crop_spec {
+    int train, out_w, out_h, size; /* output width, height; the spec's size (the eval crop's side) */
+    double scale_lo, scale_hi, log_ratio_lo, log_ratio_hi, ratio_lo, ratio_hi, eval_fraction;
+};
+
+/* (left, top, width, height) like torchvision's RandomResizedCrop.get_params; crops.random_resized_crop_box. */
+static void gf_random_crop(uint64_t seed, int width, int height, const struct gf_crop_spec *s, double *crop) {
+    uint64_t state = seed;
+    double area = (double)width * height, in_ratio;
+    long w, h;
+    int attempt;
+    for (attempt = 0; attempt < 10; attempt++) {
+        double target = area * gf_uniform(&state, s->scale_lo, s->scale_hi);
+        double aspect = exp(gf_uniform(&state, s->log_ratio_lo, s->log_ratio_hi));
+        w = (long)nearbyint(sqrt(target * aspect));
+        h = (long)nearbyint(sqrt(target / aspect));
+        if (0 < w && w <= width && 0 < h && h <= height) {
+            crop[0] = (double)gf_randint(&state, 0, width - w);
+            crop[1] = (double)gf_randint(&state, 0, height - h);
+            crop[2] = (double)w;
+            crop[3] = (double)h;
+            return;
+        }
+    }
+    in_ratio = (double)width / height;
+    if (in_ratio < s->ratio_lo) {
+        w = width;
+        h = (long)nearbyint(width / s->ratio_lo);
+    } else if (in_ratio > s->ratio_hi) {
+        h = height;
+        w = (long)nearbyint(height * s->ratio_hi);
+    } else {
+        w = width;
+        h = height;
+    }
+    crop[0] = (double)((width - w) / 2);
+    crop[1] = (double)((height - h) / 2);
+    crop[2] = (double)w;
+    crop[3] = (double)h;
+}
+
+/* Resize the shorter side to out / eval_fraction, centre-crop out; crops.centre_crop_box. */
+static void gf_centre_crop(int width, int height, const struct gf_crop_spec *s, double *crop) {
+    long resized_short = (long)nearbyint(s->size / s->eval_fraction);
+    int shorter = width < height ? width : height;
+    double side = (double)s->size * shorter / resized_short;
+    if (shorter == resized_short) { /* already prepared at the eval size: an exact, integer crop */
+        crop[0] = nearbyint((width - s->size) / 2.0);
+        crop[1] = nearbyint((height - s->size) / 2.0);
+        crop[2] = crop[3] = s->size;
+        return;
+    }
+    crop[0] = (width - side) / 2;
+    crop[1] = (height - side) / 2;
+    crop[2] = crop[3] = side;
+}
+
+/*
+ * One image's plan (crops._region_plan): the crop box in the image scaled by
+ * the smallest M/8 that keeps the crop at least the output size, and the
+ * region of that scaled image to decode (the box plus the margin the
+ * resampling filter reads). params: scale_num, x, y, w, h; box: x0, y0, x1,
+ * y1; returns the RGBX bytes the region needs.
+ */
+static unsigned long gf_plan(int width, int height, uint64_t seed, const struct gf_crop_spec *s, int *params,
+                             double *box) {
+    double crop[4], sx, sy;
+    long scaled_w, scaled_h, x0, y0, x1, y1, eighths, margin;
+    if (s->train) {
+        gf_random_crop(seed, width, height, s, crop);
+    } else {
+        gf_centre_crop(width, height, s, crop);
+    }
+    {
+        double need = s->out_w / crop[2] > s->out_h / crop[3] ? s->out_w / crop[2] : s->out_h / crop[3];
+        eighths = (long)ceil(8 * need - 1e-9);
+        eighths = eighths < 1 ? 1 : (eighths > 8 ? 8 : eighths);
+    }
+    scaled_w = (width * eighths + 7) / 8;
+    scaled_h = (height * eighths + 7) / 8;
+    sx = (double)scaled_w / width;
+    sy = (double)scaled_h / height;
+    box[0] = crop[0] * sx;
+    box[1] = crop[1] * sy;
+    box[2] = (crop[0] + crop[2]) * sx;
+    box[3] = (crop[1] + crop[3]) * sy;
+    {
+        double across = (box[2] - box[0]) / s->out_w, down = (box[3] - box[1]) / s->out_h;
+        margin = 3 + (long)ceil(across > down ? across : down);
+    }
+    x0 = (long)floor(box[0]) - margin;
+    y0 = (long)floor(box[1]) - margin;
+    x1 = (long)ceil(box[2]) + margin;
+    y1 = (long)ceil(box[3]) + margin;
+    x0 = x0 < 0 ? 0 : x0;
+    y0 = y0 < 0 ? 0 : y0;
+    x1 = x1 > scaled_w ? scaled_w : x1;
+    y1 = y1 > scaled_h ? scaled_h : y1;
+    params[0] = (int)eighths;
+    params[1] = (int)x0;
+    params[2] = (int)y0;
+    params[3] = (int)(x1 - x0);
+    params[4] = (int)(y1 - y0);
+    return (unsigned long)(scaled_w * (y1 - y0) * 4);
+}
+
+/*
+ * Plans for many images (info: width, height per image, as gf_header_many
+ * gives; shape: train, out_w, out_h, size; spec: scale lo/hi, log-ratio
+ * lo/hi, ratio lo/hi, eval_fraction). Images whose status is not 0 are
+ * skipped.
+ */
+void gf_plan_many(int n, const int *info, const int *status, const uint64_t *seeds, const int *shape,
+                  const double *spec, int *params, double *boxes, unsigned long *sizes) {
+    struct gf_crop_spec s = {shape[0], shape[1], shape[2], shape[3], spec[0], spec[1], spec[2],
+                             spec[3], spec[4], spec[5], spec[6]};
+    int i;
+    for (i = 0; i < n; i++) {
+        sizes[i] = 0;
+        if (status[i] == 0) {
+            sizes[i] = gf_plan(info[4 * i], info[4 * i + 1], seeds[i], &s, params + 5 * i, boxes + 4 * i);
+        }
+    }
+}
+
+int gf_header(const unsigned char *data, unsigned long size, int *info, char *message, int message_size);
+
+/*
+ * The loader's whole per-sample work for a batch piece in one call, so the
+ * decode thread takes Python's lock back once per piece: for each JPEG, its
+ * header, the pixel limits (max_pixels), the crop plan (gf_plan_many's
+ * shape and spec, seeds[i]), the region decode and the resize into its
+ * target. status[i]: 0 done, -1 libjpeg refused it (message), -2
+ * unsupported (CMYK), -3 out of memory, 2 over the pixel limits or empty
+ * (Python says which).
+ */
+void gf_crop_many(int n, const unsigned char *const *data, const unsigned long *sizes, const uint64_t *seeds,
+                  const int *shape, const double *spec, double max_pixels, void *const *targets,
+                  const unsigned char *flips, int mode, long stride_c, long stride_y, long stride_x, const float *scale,
+                  const float *shift, int *status, char *messages, int message_size) {
+    struct gf_crop_spec s = {shape[0], shape[1], shape[2], shape[3], spec[0], spec[1], spec[2],
+                             spec[3], spec[4], spec[5], spec[6]};
+    unsigned char *buffer = NULL;
+    unsigned long capacity = 0;
+    int i;
+    for (i = 0; i < n; i++) {
+        char *message = messages + (long)i * message_size;
+        struct gf_target t = {targets[i], stride_c, stride_y, stride_x, flips[i], scale, shift};
+        int info[4], params[5], decoded[2];
+        double box[4];
+        unsigned long needed;
+        status[i] = gf_header(data[i], sizes[i], info, message, message_size);
+        if (status[i] != 0) {
+            continue;
+        }
+        if (info[0] < 1 || info[1] < 1 || (double)info[0] * info[1] > max_pixels) {
+            status[i] = 2;
+            continue;
+        }
+        needed = gf_plan(info[0], info[1], seeds[i], &s, params, box);
+        if (needed > capacity) {
+            unsigned char *grown = realloc(buffer, needed + 64);
+            if (grown == NULL) {
+                status[i] = -3;
+                continue;
+            }
+            buffer = grown;
+            capacity = needed;
+        }
+        status[i] = gf_decode_region(data[i], sizes[i], params[0], params[1], params[2], params[3], params[4], buffer,
+                                     capacity, decoded, message, message_size);
+        if (status[i] != 0) {
+            continue;
+        }
+        box[0] -= decoded[0];
+        box[1] -= params[2];
+        box[2] -= decoded[0];
+        box[3] -= params[2];
+        if (gf_resize_into(buffer, decoded[1], params[4], box, s.out_w, s.out_h, mode, &t, 1) != 0) {
+            status[i] = -3;
+        }
+    }
+    free(buffer);
+}

@@ -129,3 +129,59 @@ def test_loader_decode_path_equals_decode_then_pil_resize(mode: int, dtype, monk
         assert decode_many(list(pillow), items, spec, flips=flips, affine=affine) == []
         monkeypatch.setattr(crops, "_resample_mode", mode)
         assert np.array_equal(fused, pillow), train
+
+
+@needs_native
+def test_c_crop_plans_equal_python_plans():
+    # The loader plans crops in C; the other decoders plan them in Python: the same crop for the same seed.
+    decoder = crops._region_decoder()
+    rs = np.random.RandomState(11)
+    specs = [CropSpec(224, True), CropSpec(112, True, scale=(0.35, 1.0), ratio=(0.5, 2.0)), CropSpec(224, False),
+             CropSpec(13, False), CropSpec(61, True, scale=(0.9, 1.0))]  # fmt: skip
+    sizes = [(256, 341), (341, 256), (256, 256), (517, 389), (3, 900), (1200, 800), (1, 1), (97, 130)]
+    sizes += [(int(rs.randint(1, 2000)), int(rs.randint(1, 2000))) for _ in range(40)]
+    for spec in specs:
+        count = len(sizes)
+        info = np.zeros((count, 4), np.int32)
+        info[:, :2] = sizes
+        seeds = rs.randint(0, 2**63, count, dtype=np.uint64) * 2 + rs.randint(0, 2, count, dtype=np.uint64)
+        usable = np.ones(count, bool)
+        shape = (spec.train, spec.size, spec.size, spec.size)
+        params, boxes, needed = decoder.plan_many(info, usable, seeds, shape, crops._plan_spec(spec))
+        slot = np.empty((3, spec.size, spec.size), np.uint8)
+        for k, (w, h) in enumerate(sizes):
+            rng = crops.CropRandom(int(seeds[k])) if spec.train else None
+            box, eighths, region = crops._region_plan(slot, w, h, rng, spec)
+            assert tuple(boxes[k]) == box, (spec, w, h)
+            assert tuple(params[k]) == (eighths, *region[:4]), (spec, w, h)
+            assert needed[k] == region[4]
+
+
+def test_crop_random_draws_in_range_and_spreads():
+    rng = crops.CropRandom(2**64 - 1)
+    values = [rng.random() for _ in range(4000)]
+    assert 0.0 <= min(values) < 0.01 and 0.99 < max(values) < 1.0
+    assert abs(sum(values) / len(values) - 0.5) < 0.02
+    draws = [rng.randint(3, 7) for _ in range(2000)]
+    assert set(draws) == {3, 4, 5, 6, 7}
+    boxes = {crops.random_resized_crop_box(crops.CropRandom(seed), 256, 341, CropSpec(224)) for seed in range(200)}
+    assert len(boxes) > 190  # different seeds, different crops
+    areas = [w * h / (256 * 341) for _, _, w, h in boxes]
+    assert min(areas) < 0.2 and max(areas) > 0.8  # the scale range (0.08, 1) is covered
+
+
+@needs_native
+def test_one_call_piece_reports_each_bad_sample_and_decodes_the_rest():
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (120, 90), (10, 200, 30, 5)).save(cmyk, "JPEG", quality=90)
+    big = jpeg(1, 400, 300)
+    items = [("jpg", jpeg(0, 256, 300), 1), ("jpg", big, 2), ("jpg", big[:200], 3), ("jpg", cmyk.getvalue(), 4),
+             ("jpg", b"\xff\xd8 not really", 5), ("jpg", jpeg(2, 256, 256, restart_marker_blocks=1), 6)]  # fmt: skip
+    spec = CropSpec(64, True, decoder="region", max_pixels=100_000)
+    out = np.zeros((len(items), 3, 64, 64), np.uint8)
+    failures = dict(decode_many(list(out), items, spec))
+    assert sorted(failures) == [1, 2, 4]
+    assert "decompression bomb" in failures[1] and "400x300" in failures[1]
+    assert failures[2].startswith("cannot decode .jpg sample: ") and failures[4].startswith("cannot decode .jpg")
+    for index in (0, 3, 5):  # decoded (CMYK through Pillow): real pixels, not the zeros they started as
+        assert out[index].std() > 0 or index == 3 and out[index].mean() > 0
