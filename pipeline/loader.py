@@ -728,6 +728,7 @@ def _produce(loader_ref: Any, run: _Run) -> None:
             del loader
             run.inflight.extend(batch.pending)
             _put(run.out, batch, run.stop)
+            time.sleep(0)  # let go of the GIL: the decode threads start on this batch now, not at the next switch
             index += 1
         _flush_errors(errors, run)
         _put(run.out, _END, run.stop)

@@ -126,7 +126,7 @@ def _octal(field: bytes) -> int:
     return int(text, 8)
 
 
-_CHUNK = 1 << 22  # read shards 4 MB at a time into one reused buffer: no fresh pages per read
+_CHUNK = 1 << 20  # read shards 1 MB at a time into one reused buffer: no fresh pages per read
 
 
 def _header_checksum_ok(header: bytes, stored: int) -> bool:
