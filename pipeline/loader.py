@@ -199,6 +199,40 @@ class _RunSlots:
             self._pool.put(self._held.pop())
 
 
+class _Backlog:
+    """Batch pieces handed to the decode threads that none has started yet.
+
+    The producer reads the next batch only while fewer than a batch's worth
+    of pieces wait. Otherwise, at the start of an epoch, it reads several
+    batches ahead on the same cores while the first batch is still being
+    decoded, and the first batch arrives late; in steady state the decode
+    threads still always find a piece waiting.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting = 0
+
+    def add(self, count: int) -> None:
+        with self._cond:
+            self._waiting += count
+
+    def started(self) -> None:
+        with self._cond:
+            self._waiting -= 1
+            self._cond.notify_all()
+
+    def wait_below(self, limit: int, stop: threading.Event) -> None:
+        with self._cond:
+            while self._waiting >= limit and not stop.is_set():
+                self._cond.wait(0.1)
+
+
+def _run_piece(backlog: _Backlog, *args: Any) -> list[tuple[int, str]]:
+    backlog.started()
+    return _decode_chunk(*args)
+
+
 @dataclasses.dataclass(eq=False)
 class _Run:
     """One pass over an epoch: its producer thread, queues and in-flight decodes."""
@@ -210,6 +244,7 @@ class _Run:
     stop: threading.Event
     inflight: list[Any]
     producer: threading.Thread | None = None
+    backlog: _Backlog | None = None  # thread workers only
 
     def matches(self, epoch: int, skip: int) -> bool:
         return self.epoch == epoch and self.skip == skip
@@ -342,7 +377,9 @@ class Loader:
     def _sample_seed(self, epoch: int, ordinal: int) -> int:
         return (self.spec.seed * 0x9E3779B97F4A7C15 ^ (epoch << 40) ^ (self.rank << 32) ^ ordinal) & (2**64 - 1)
 
-    def _submit(self, index: int, slot: int, chunk: list[Record], epoch: int) -> _HostBatch:
+    def _submit(
+        self, index: int, slot: int, chunk: list[Record], epoch: int, backlog: _Backlog | None = None
+    ) -> _HostBatch:
         assert self._ring is not None
         ring = self._ring.numpy() if self.spec.worker_type == "thread" else None
         items = [(r.extension, r.data, self._sample_seed(epoch, r.ordinal)) for r in chunk]
@@ -351,7 +388,13 @@ class Loader:
         pending = []
         for start in range(0, 0 if self._gpu_decode else len(items), per_worker):
             piece = items[start : start + per_worker]
-            pending.append(self._executor.submit(_decode_chunk, ring, slot, start, piece, self._crop, finish))
+            if backlog is not None:
+                backlog.add(1)
+                pending.append(
+                    self._executor.submit(_run_piece, backlog, ring, slot, start, piece, self._crop, finish)
+                )
+            else:
+                pending.append(self._executor.submit(_decode_chunk, ring, slot, start, piece, self._crop, finish))
         labels = np.array([r.label for r in chunk], dtype=np.int64)
         keys = [r.key for r in chunk]
         return _HostBatch(index, slot, len(chunk), labels, pending, keys, items, finished)
@@ -509,6 +552,7 @@ class Loader:
         assert self._free_slots is not None
         out: queue.Queue[Any] = queue.Queue(maxsize=self.spec.prefetch)
         run = _Run(epoch, skip, out, _RunSlots(self._free_slots), threading.Event(), [])
+        run.backlog = _Backlog() if self.spec.worker_type == "thread" else None
         run.producer = threading.Thread(target=_produce, args=(weakref.ref(self), run), daemon=True)
         self._runs.add(run)
         run.producer.start()
@@ -710,12 +754,15 @@ def _produce(loader_ref: Any, run: _Run) -> None:
             return
         records = loader._records(run.epoch, errors)
         batch_size, drop_last = loader.spec.batch_size, loader.spec.effective_drop_last
+        pieces = loader.num_workers
         del loader
         for _ in range(run.skip * batch_size):  # resume: replay the order without decoding
             if next(records, None) is None:
                 break
         index = run.skip
         while not run.stop.is_set():
+            if run.backlog is not None:
+                run.backlog.wait_below(pieces, run.stop)
             chunk = [r for _, r in zip(range(batch_size), records)]
             _flush_errors(errors, run)
             if not chunk or (len(chunk) < batch_size and drop_last):
@@ -724,7 +771,7 @@ def _produce(loader_ref: Any, run: _Run) -> None:
             loader = loader_ref()
             if slot is None or loader is None:
                 return
-            batch = loader._submit(index, slot, chunk, run.epoch)
+            batch = loader._submit(index, slot, chunk, run.epoch, run.backlog)
             del loader
             run.inflight.extend(batch.pending)
             _put(run.out, batch, run.stop)
