@@ -319,34 +319,92 @@ __attribute__((target("avx2"))) static inline __m256i gf_pixel_pairs(const unsig
     return _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1), spread);
 }
 
+/* One output pixel of four rows (two per register, one per lane), any number of weights. */
+__attribute__((target("avx2"))) static inline void gf_horizontal4_one(const unsigned char *const *in,
+                                                                       unsigned char *const *out, int in_w,
+                                                                       const struct gf_axis *a, const int32_t *k,
+                                                                       int xx, size_t at) {
+    const __m256i half = _mm256_set1_epi32(1 << (a->precision - 1));
+    const int first = a->first[xx], count = a->count[xx];
+    __m256i s01 = half, s23 = half, packed;
+    int t;
+    for (t = 0; t < count; t += 2) {
+        const int two = first + t + 2 <= in_w;
+        const __m256i w = _mm256_set1_epi32(k[t / 2]);
+        s01 = _mm256_add_epi32(s01, _mm256_madd_epi16(gf_pixel_pairs(in[0], in[1], first + t, two), w));
+        s23 = _mm256_add_epi32(s23, _mm256_madd_epi16(gf_pixel_pairs(in[2], in[3], first + t, two), w));
+    }
+    /* lane 0: row 0 | row 2, lane 1: row 1 | row 3 */
+    packed = _mm256_packs_epi32(_mm256_srai_epi32(s01, a->precision), _mm256_srai_epi32(s23, a->precision));
+    packed = _mm256_packus_epi16(packed, packed);
+    *(int32_t *)(out[0] + at) = _mm256_extract_epi32(packed, 0);
+    *(int32_t *)(out[2] + at) = _mm256_extract_epi32(packed, 1);
+    *(int32_t *)(out[1] + at) = _mm256_extract_epi32(packed, 4);
+    *(int32_t *)(out[3] + at) = _mm256_extract_epi32(packed, 5);
+}
+
+/* Four pixels from `at` of two rows (one per lane). */
+__attribute__((target("avx2"))) static inline __m256i gf_load4(const unsigned char *a, const unsigned char *b,
+                                                                size_t at) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + at))),
+                                   _mm_loadu_si128((const __m128i *)(b + at)), 1);
+}
+
 /*
  * Four input rows at once (two per register, one per lane), sharing each
- * output pixel's weights; the output is written mirrored when `flip`.
+ * output pixel's weights; the output is written mirrored when `flip`. Where
+ * two neighbouring output pixels each read at most two input pixels within
+ * four of the first (upscaling and mild downscaling: nearly every pixel of a
+ * training crop), one load of four pixels per row serves both.
  */
 __attribute__((target("avx2"))) static void gf_horizontal4_avx2(const unsigned char *const *in, unsigned char *const *out,
                                                                  int in_w, int out_w, const struct gf_axis *a,
                                                                  const int32_t *pairs, int flip) {
     const int npairs = (a->ksize + 1) / 2;
     const __m256i half = _mm256_set1_epi32(1 << (a->precision - 1));
-    int xx, t;
-    for (xx = 0; xx < out_w; xx++) {
-        const int first = a->first[xx], count = a->count[xx];
-        const int32_t *k = pairs + (size_t)xx * npairs;
-        const size_t at = (size_t)(flip ? out_w - 1 - xx : xx) * 4;
-        __m256i s01 = half, s23 = half, packed;
-        for (t = 0; t < count; t += 2) {
-            const int two = first + t + 2 <= in_w;
-            const __m256i w = _mm256_set1_epi32(k[t / 2]);
-            s01 = _mm256_add_epi32(s01, _mm256_madd_epi16(gf_pixel_pairs(in[0], in[1], first + t, two), w));
-            s23 = _mm256_add_epi32(s23, _mm256_madd_epi16(gf_pixel_pairs(in[2], in[3], first + t, two), w));
+    /* pixels d, d + 1 of four loaded -> 16-bit channel pairs, for d = 0, 1, 2 */
+    const __m256i spread[3] = {
+        _mm256_setr_epi8(0, -1, 4, -1, 1, -1, 5, -1, 2, -1, 6, -1, 3, -1, 7, -1, 0, -1, 4, -1, 1, -1, 5, -1, 2, -1, 6,
+                         -1, 3, -1, 7, -1),
+        _mm256_setr_epi8(4, -1, 8, -1, 5, -1, 9, -1, 6, -1, 10, -1, 7, -1, 11, -1, 4, -1, 8, -1, 5, -1, 9, -1, 6, -1,
+                         10, -1, 7, -1, 11, -1),
+        _mm256_setr_epi8(8, -1, 12, -1, 9, -1, 13, -1, 10, -1, 14, -1, 11, -1, 15, -1, 8, -1, 12, -1, 9, -1, 13, -1,
+                         10, -1, 14, -1, 11, -1, 15, -1),
+    };
+    int xx = 0;
+    while (xx < out_w) {
+        const int first = a->first[xx], d = xx + 1 < out_w ? a->first[xx + 1] - first : -1;
+        if (d >= 0 && d <= 2 && a->count[xx] <= 2 && a->count[xx + 1] <= 2 && first + 4 <= in_w) {
+            const size_t at = (size_t)first * 4;
+            const __m256i w0 = _mm256_set1_epi32(pairs[(size_t)xx * npairs]);
+            const __m256i w1 = _mm256_set1_epi32(pairs[(size_t)(xx + 1) * npairs]);
+            const __m256i v01 = gf_load4(in[0], in[1], at), v23 = gf_load4(in[2], in[3], at);
+            __m256i a01 = _mm256_add_epi32(half, _mm256_madd_epi16(_mm256_shuffle_epi8(v01, spread[0]), w0));
+            __m256i b01 = _mm256_add_epi32(half, _mm256_madd_epi16(_mm256_shuffle_epi8(v01, spread[d]), w1));
+            __m256i a23 = _mm256_add_epi32(half, _mm256_madd_epi16(_mm256_shuffle_epi8(v23, spread[0]), w0));
+            __m256i b23 = _mm256_add_epi32(half, _mm256_madd_epi16(_mm256_shuffle_epi8(v23, spread[d]), w1));
+            /* lane 0: row 0 (xx, xx + 1) | row 2 (xx, xx + 1); lane 1: rows 1 | 3 */
+            __m256i packed = _mm256_packus_epi16(
+                _mm256_packs_epi32(_mm256_srai_epi32(a01, a->precision), _mm256_srai_epi32(b01, a->precision)),
+                _mm256_packs_epi32(_mm256_srai_epi32(a23, a->precision), _mm256_srai_epi32(b23, a->precision)));
+            __m128i lo, hi;
+            size_t to = (size_t)xx * 4;
+            if (flip) { /* the pair lands mirrored: swap it */
+                packed = _mm256_shuffle_epi32(packed, _MM_SHUFFLE(2, 3, 0, 1));
+                to = (size_t)(out_w - 2 - xx) * 4;
+            }
+            lo = _mm256_castsi256_si128(packed);
+            hi = _mm256_extracti128_si256(packed, 1);
+            _mm_storel_epi64((__m128i *)(out[0] + to), lo);
+            _mm_storel_epi64((__m128i *)(out[2] + to), _mm_unpackhi_epi64(lo, lo));
+            _mm_storel_epi64((__m128i *)(out[1] + to), hi);
+            _mm_storel_epi64((__m128i *)(out[3] + to), _mm_unpackhi_epi64(hi, hi));
+            xx += 2;
+            continue;
         }
-        /* lane 0: row 0 | row 2, lane 1: row 1 | row 3 */
-        packed = _mm256_packs_epi32(_mm256_srai_epi32(s01, a->precision), _mm256_srai_epi32(s23, a->precision));
-        packed = _mm256_packus_epi16(packed, packed);
-        *(int32_t *)(out[0] + at) = _mm256_extract_epi32(packed, 0);
-        *(int32_t *)(out[2] + at) = _mm256_extract_epi32(packed, 1);
-        *(int32_t *)(out[1] + at) = _mm256_extract_epi32(packed, 4);
-        *(int32_t *)(out[3] + at) = _mm256_extract_epi32(packed, 5);
+        gf_horizontal4_one(in, out, in_w, a, pairs + (size_t)xx * npairs, xx,
+                           (size_t)(flip ? out_w - 1 - xx : xx) * 4);
+        xx++;
     }
 }
 
