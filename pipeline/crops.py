@@ -290,10 +290,10 @@ def decode_many(
     """`decode_into` for several samples (extension, data, seed) into their slots.
 
     Returns (index, reason) for each sample that could not be decoded. The
-    same pixels as one `decode_into` per sample; with the region decoder,
-    the JPEGs' headers are read in one C call and their regions decoded in
-    another, so the thread lets go of Python's lock twice for the lot
-    instead of twice per image.
+    same pixels as one `decode_into` per sample; with the region decoder
+    and slots of one layout, one C call reads the JPEGs' headers, plans
+    their crops, decodes the regions and resizes them into the slots, so
+    the thread lets go of Python's lock once for the lot.
     """
     flips = flips if flips is not None else [False] * len(items)
     decoder = _region_decoder() if spec.decoder == "region" else None

@@ -168,7 +168,12 @@ def probe_region_decoder() -> dict[str, Any]:
     info["installed"] = True
     try:
         native.RegionDecoder(lib).header(_tiny_jpeg())
-        info["version"] = "(libjpeg-turbo, built here; the loader's JPEG decoder)"
+        from .crops import resample_mode
+
+        mode = resample_mode()
+        resize = {native.PILLOW: "Pillow's", native.PILLOW_SIMD: "Pillow-SIMD's"}.get(mode) if mode is not None else None
+        info["resize"] = f"in C, with {resize} arithmetic" if resize else "in PIL (no C mode matches its arithmetic)"
+        info["version"] = f"(libjpeg-turbo, built here; the loader's JPEG decoder; resizes {info['resize']})"
     except Exception as exc:  # a broken build is reported, not raised
         info["error"] = str(exc)[:200]
     return info

@@ -185,3 +185,13 @@ def test_one_call_piece_reports_each_bad_sample_and_decodes_the_rest():
     assert failures[2].startswith("cannot decode .jpg sample: ") and failures[4].startswith("cannot decode .jpg")
     for index in (0, 3, 5):  # decoded (CMYK through Pillow): real pixels, not the zeros they started as
         assert out[index].std() > 0 or index == 3 and out[index].mean() > 0
+
+
+@needs_native
+def test_doctor_reports_how_the_loader_resizes(mode: int):
+    from pipeline.doctor import probe_region_decoder
+
+    info = probe_region_decoder()
+    assert info["resize"].startswith("in C, with")
+    assert ("Pillow-SIMD" in info["resize"]) == (mode == native.PILLOW_SIMD)
+    assert info["resize"] in info["version"]
