@@ -11,12 +11,14 @@ libjpeg-turbo and Pillow release the GIL, so threads scale across cores.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
 import struct
 import threading
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -368,15 +370,9 @@ def _region_many(
         decoded, done, messages = decoder.decode_many(pointers, params, outs, sizes)
     for k in np.flatnonzero(usable & ((done != 0) | (decoded is not None))):
         index = batch[k]
-        data, seed = items[index][1], items[index][2]
-        try:
-            if done[k] == native.UNSUPPORTED:  # CMYK: Pillow converts it
-                _pil_into(slots[index], data, CropRandom(seed) if spec.train else None, spec, flips[index], affine)
-                continue
-            if done[k] == native.OUT_OF_MEMORY:
-                raise MemoryError("cannot allocate the resize buffers")
+        with _reason_into(failures, index):
             if done[k] != 0:
-                failures.append((index, f"cannot decode .jpg sample: {messages[k] or 'cannot decode'}"))
+                _handed_back(decoder, int(done[k]), messages[k], slots[index], items[index], spec, flips[index], affine)
                 continue
             assert decoded is not None
             first, y = int(decoded[k, 0]), int(params[k, 2])
@@ -384,13 +380,45 @@ def _region_many(
             region = buffer[int(offsets[k]) : int(offsets[k]) + int(sizes[k])]
             relative = (box[0] - first, box[1] - y, box[2] - first, box[3] - y)
             _rgbx_into(slots[index], region, int(decoded[k, 1]), int(params[k, 4]), relative, flips[index], affine)
-        except DecodeError as exc:
-            failures.append((index, exc.reason))
-        except MemoryError:
-            raise
-        except _DATA_ERRORS as exc:
-            failures.append((index, f"cannot decode .jpg sample: {str(exc)[:160] or type(exc).__name__}"))
     return failures
+
+
+@contextlib.contextmanager
+def _reason_into(failures: list[tuple[int, str]], index: int) -> Iterator[None]:
+    """Bad data in the block becomes (index, reason) in `failures`; anything else propagates."""
+    try:
+        yield
+    except DecodeError as exc:
+        failures.append((index, exc.reason))
+    except MemoryError:
+        raise
+    except _DATA_ERRORS as exc:
+        failures.append((index, f"cannot decode .jpg sample: {str(exc)[:160] or type(exc).__name__}"))
+
+
+_OVER_LIMITS = 2  # gf_crop_many: the image is empty or over max_pixels
+
+
+def _handed_back(
+    decoder: native.RegionDecoder,
+    status: int,
+    message: str,
+    slot: np.ndarray,
+    item: tuple[str, bytes, int],
+    spec: CropSpec,
+    flip: bool,
+    affine: Affine | None,
+) -> None:
+    """A sample the C call did not finish (its non-zero status): Pillow decodes a CMYK one, else DecodeError says why."""
+    _, data, seed = item
+    if status == native.UNSUPPORTED:  # CMYK: Pillow converts it
+        _pil_into(slot, data, CropRandom(seed) if spec.train else None, spec, flip, affine)
+    elif status == native.OUT_OF_MEMORY:
+        raise MemoryError("cannot allocate the decode and resize buffers")
+    elif status == _OVER_LIMITS:
+        _check_pixels(*decoder.header(data), spec)
+    else:
+        raise DecodeError(f"cannot decode .jpg sample: {message or 'cannot decode'}")
 
 
 def _crop_many(
@@ -414,23 +442,8 @@ def _crop_many(
     failures: list[tuple[int, str]] = []
     for k in np.flatnonzero(done):
         index = batch[k]
-        data, seed = items[index][1], items[index][2]
-        try:
-            if done[k] == 2:
-                width, height = decoder.header(data)
-                _check_pixels(width, height, spec)
-            elif done[k] == native.UNSUPPORTED:  # CMYK: Pillow converts it
-                _pil_into(targets[k], data, CropRandom(seed) if spec.train else None, spec, flips[index], affine)
-            elif done[k] == native.OUT_OF_MEMORY:
-                raise MemoryError("cannot allocate the decode and resize buffers")
-            else:
-                failures.append((index, f"cannot decode .jpg sample: {messages[k] or 'cannot decode'}"))
-        except DecodeError as exc:
-            failures.append((index, exc.reason))
-        except MemoryError:
-            raise
-        except _DATA_ERRORS as exc:
-            failures.append((index, f"cannot decode .jpg sample: {str(exc)[:160] or type(exc).__name__}"))
+        with _reason_into(failures, index):
+            _handed_back(decoder, int(done[k]), messages[k], targets[k], items[index], spec, flips[index], affine)
     return failures
 
 
