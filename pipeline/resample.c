@@ -20,9 +20,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(GF_NO_SIMD) /* -DGF_NO_SIMD: the portable build */
 #include <immintrin.h>
 #define GF_X86 1
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #define GF_MAX_ROW 4096
@@ -612,6 +614,7 @@ static int gf_resize_into(const unsigned char *src, int w, int h, const double *
     direct = simd && t->stride_x == 1;
 #else
     (void)allow_simd;
+    (void)direct;
 #endif
     temp = malloc((size_t)stride * (rows > 0 ? rows : 1));
     row = malloc((size_t)stride + 32);

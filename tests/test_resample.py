@@ -195,3 +195,28 @@ def test_doctor_reports_how_the_loader_resizes(mode: int):
     assert info["resize"].startswith("in C, with")
     assert ("Pillow-SIMD" in info["resize"]) == (mode == native.PILLOW_SIMD)
     assert info["resize"] in info["version"]
+
+
+@needs_native
+def test_portable_build_without_simd_gives_the_same_pixels(tmp_path, mode: int):
+    # What a machine without x86 SIMD compiles (-DGF_NO_SIMD): the scalar kernels only, the same pixels.
+    import shutil
+    import subprocess
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    built = tmp_path / "portable.so"
+    command = ["cc", "-O2", "-DGF_NO_SIMD", "-shared", "-fPIC", "-o", str(built), *map(str, native.SOURCES)]
+    subprocess.run([*command, "-ljpeg", "-lm"], check=True, capture_output=True)
+    portable = native.RegionDecoder(native._load(built))
+    scale = np.array([0.5, 1.0, 2.0], np.float32)
+    shift = np.array([1.0, 0.0, -1.0], np.float32)
+    for source, box, size in cases(40, 13):
+        if size[0] == 3:
+            continue  # a 3-pixel-wide planar slot reads as interleaved
+        reference = pil_resize(source, box, size)[:, ::-1].transpose(2, 0, 1)
+        out = np.zeros((3, size[1], size[0]), np.float32)
+        portable.resize_store(
+            source.ctypes.data, source.shape[1::-1], box, out, mode, flip=True, affine=(scale.ctypes.data, shift.ctypes.data)
+        )
+        assert np.array_equal(out, reference * scale[:, None, None] + shift[:, None, None])
