@@ -19,6 +19,7 @@ from PIL import Image
 
 from pipeline import AugmentSpec, ConfigError, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
 from pipeline.demo import make_demo_dataset
+import pipeline.loader as loader_module
 from pipeline.loader import make_loader
 from pipeline.manifest import read_manifest, write_manifest
 from pipeline.shards import ShardInfo, TarShardWriter
@@ -273,6 +274,7 @@ DDP_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
 dist.init_process_group("gloo")
+import pipeline.loader as loader_module
 from pipeline.loader import make_loader
 loader = make_loader(sys.argv[1], 16, device="cpu", crop=56, num_workers=1, drop_last=sys.argv[3] == "drop")
 loader.set_epoch(1)
@@ -412,6 +414,7 @@ def test_program_exits_cleanly_with_a_prestarted_epoch_running(dataset: Path) ->
     script = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+import pipeline.loader as loader_module
 from pipeline.loader import make_loader
 loader = make_loader({str(dataset)!r}, 8, device="cpu", crop={CROP}, num_workers=2, dtype="float32")
 for epoch in range(2):
@@ -440,3 +443,32 @@ def test_a_new_iteration_ends_an_unfinished_one(dataset: Path) -> None:
     assert loader.epoch == 2
     assert list(kept) == []
     assert loader.epoch == 2  # the stale iterator ending does not move the epoch back
+
+
+def test_producer_reads_ahead_only_a_batch_beyond_what_threads_decode(dataset: Path, monkeypatch) -> None:
+    # Slow decoding: without pacing the producer would fill every ring slot before the
+    # first batch is done; with it, at most one batch waits beyond the ones being decoded.
+    submitted: list[int] = []
+    original_submit, original_chunk = loader_module.Loader._submit, loader_module._decode_chunk
+
+    def submit(self, index, *args, **kwargs):
+        submitted.append(index)
+        return original_submit(self, index, *args, **kwargs)
+
+    def slow_chunk(*args, **kwargs):
+        time.sleep(0.2)
+        return original_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(loader_module.Loader, "_submit", submit)
+    monkeypatch.setattr(loader_module, "_decode_chunk", slow_chunk)
+    loader = loader_for(dataset, batch_size=8, num_workers=2, prefetch=2)
+    try:
+        assert loader._ring_slots >= 4
+        iterator = iter(loader)
+        next(iterator)
+        time.sleep(0.1)  # the producer had time to run ahead, if it would
+        assert len(submitted) <= 3, submitted  # batch 0 decoding, batch 1 waiting, batch 2 at most
+        labels = [int(v) for v in next(iterator)[1]] + [int(v) for _, lab in iterator for v in lab]
+        assert len(labels) + 8 == loader.spec.batch_size * len(loader)  # and the epoch still completes
+    finally:
+        loader.close()
