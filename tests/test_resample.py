@@ -220,3 +220,39 @@ def test_portable_build_without_simd_gives_the_same_pixels(tmp_path, mode: int):
             source.ctypes.data, source.shape[1::-1], box, out, mode, flip=True, affine=(scale.ctypes.data, shift.ctypes.data)
         )
         assert np.array_equal(out, reference * scale[:, None, None] + shift[:, None, None])
+
+
+@needs_native
+def test_damaged_jpegs_are_refused_with_reasons_never_crash():
+    # Flipped bits, cut files, scribbled headers and spliced halves through the one-call path:
+    # every sample either decodes or comes back with a reason; the process survives.
+    import random
+
+    rng = random.Random(3)
+    sources = [jpeg(i, w, h, restart_marker_blocks=i % 2) for i, (w, h) in enumerate([(256, 300), (300, 256), (97, 130)])]
+    out = np.zeros((16, 3, 64, 64), np.float32)
+    affine = Affine.of([1 / 58.0, 1 / 57.0, 1 / 57.5], [-2.1, -2.0, -1.8])
+    refused = 0
+    for round_ in range(40):
+        items = []
+        for i in range(16):
+            data = bytearray(rng.choice(sources))
+            kind = (round_ * 16 + i) % 4
+            if kind == 0:
+                for _ in range(rng.randint(1, 8)):
+                    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            elif kind == 1:
+                data = data[: rng.randrange(len(data))]
+            elif kind == 2:
+                for _ in range(rng.randint(1, 4)):
+                    data[rng.randrange(min(len(data), 600))] = rng.randrange(256)
+            else:
+                other = rng.choice(sources)
+                data = data[: rng.randrange(len(data))] + other[rng.randrange(len(other)) :]
+            items.append(("jpg", bytes(data), rng.getrandbits(64)))
+        spec = CropSpec(64, round_ % 2 == 0, decoder="region")
+        failures = decode_many(list(out), items, spec, flips=[i % 2 == 0 for i in range(16)], affine=affine)
+        assert all(reason and reason.strip() for _, reason in failures)
+        assert np.isfinite(out).all()
+        refused += len(failures)
+    assert 0 < refused < 40 * 16  # some damage is fatal, some is not
