@@ -92,7 +92,7 @@ _MASK = (1 << 64) - 1
 class CropRandom:
     """A sample's crop randomness: splitmix64 from its seed.
 
-    The C planner (resample.c, gf_plan_many) runs the same generator, so a
+    The C planner (resample.c, gf_plan) runs the same generator, so a
     crop is the same whether C or Python plans it, for any decoder.
     """
 
@@ -323,58 +323,39 @@ def _region_many(
     flips: list[bool],
     affine: Affine | None,
 ) -> list[tuple[int, str]]:
-    """The region decoder over items[batch]: headers, crop plans, and (when the slots share one layout
-    and C resizes like this PIL) decoding, resizing and storing, one C call each for the lot."""
+    """The region decoder over items[batch]: one C call for everything (`_crop_many`) when the slots
+    share one layout and C resizes like this PIL; else headers and regions in C, crops planned and
+    resized in Python."""
     targets = [slots[i] for i in batch]
     mode = resample_mode()
     if mode is not None and _same_layout(targets):
         return _crop_many(decoder, mode, targets, items, batch, spec, flips, affine)
+    # The fallback: C decodes the regions, Pillow resizes them.
     info, status, pointers = decoder.header_many([items[i][1] for i in batch])
     count = len(batch)
     usable = status == 0
     pixels = info[:, 0].astype(np.int64) * info[:, 1]
     usable &= (pixels <= spec.max_pixels) & (info[:, 0] > 0) & (info[:, 1] > 0)
-    same = _same_layout(targets)
-    if same:  # every crop planned in C
-        width, height = _slot_size(targets[0])
-        seeds = np.fromiter((items[i][2] & _MASK for i in batch), np.uint64, count)
-        params, boxes, sizes = decoder.plan_many(info, usable, seeds, (spec.train, width, height, spec.size), _plan_spec(spec))
-    else:
-        params, boxes, sizes = np.zeros((count, 5), np.int32), np.zeros((count, 4)), np.zeros(count, np.uint64)
-        for k in np.flatnonzero(usable):
-            rng = CropRandom(items[batch[k]][2]) if spec.train else None
-            box, eighths, region = _region_plan(targets[k], int(info[k, 0]), int(info[k, 1]), rng, spec)
-            boxes[k], params[k], sizes[k] = box, (eighths, *region[:4]), region[4]
+    params, boxes, sizes = np.zeros((count, 5), np.int32), np.zeros((count, 4)), np.zeros(count, np.uint64)
+    for k in np.flatnonzero(usable):
+        rng = CropRandom(items[batch[k]][2]) if spec.train else None
+        box, eighths, region = _region_plan(targets[k], int(info[k, 0]), int(info[k, 1]), rng, spec)
+        boxes[k], params[k], sizes[k] = box, (eighths, *region[:4]), region[4]
     failures: list[tuple[int, str]] = []
     for k in np.flatnonzero(~usable):  # why: libjpeg's reason, or the pixel checks'
-        index = batch[k]
-        try:
-            decoder.header(items[index][1])
-            _check_pixels(int(info[k, 0]), int(info[k, 1]), spec)
-        except native.RegionError as exc:
-            failures.append((index, f"cannot decode .jpg sample: {exc}"))
-        except DecodeError as exc:
-            failures.append((index, exc.reason))
+        with _reason_into(failures, batch[k]):
+            _check_pixels(*decoder.header(items[batch[k]][1]), spec)
     buffer = _decode_buffer(int(sizes.sum()) + 64 * count)
     offsets = np.zeros(count, np.uint64)
     offsets[1:] = np.cumsum(sizes + 64)[:-1]  # 64-byte aligned starts for each image's rows
     outs = np.where(usable, buffer.ctypes.data + offsets, 0).astype(np.uint64)
-    mode = resample_mode()
-    decoded = None
-    if mode is not None and same:  # decode, resize and store in C, one call
-        done, messages = decoder.decode_crop_many(
-            pointers, params, boxes, outs, sizes, targets, np.array([flips[i] for i in batch], np.uint8), mode,
-            affine.addresses if affine is not None else None,
-        )  # fmt: skip
-    else:
-        decoded, done, messages = decoder.decode_many(pointers, params, outs, sizes)
-    for k in np.flatnonzero(usable & ((done != 0) | (decoded is not None))):
+    decoded, done, messages = decoder.decode_many(pointers, params, outs, sizes)
+    for k in np.flatnonzero(usable):
         index = batch[k]
         with _reason_into(failures, index):
             if done[k] != 0:
                 _handed_back(decoder, int(done[k]), messages[k], slots[index], items[index], spec, flips[index], affine)
                 continue
-            assert decoded is not None
             first, y = int(decoded[k, 0]), int(params[k, 2])
             box = boxes[k]
             region = buffer[int(offsets[k]) : int(offsets[k]) + int(sizes[k])]
@@ -396,9 +377,6 @@ def _reason_into(failures: list[tuple[int, str]], index: int) -> Iterator[None]:
         failures.append((index, f"cannot decode .jpg sample: {str(exc)[:160] or type(exc).__name__}"))
 
 
-_OVER_LIMITS = 2  # gf_crop_many: the image is empty or over max_pixels
-
-
 def _handed_back(
     decoder: native.RegionDecoder,
     status: int,
@@ -415,7 +393,7 @@ def _handed_back(
         _pil_into(slot, data, CropRandom(seed) if spec.train else None, spec, flip, affine)
     elif status == native.OUT_OF_MEMORY:
         raise MemoryError("cannot allocate the decode and resize buffers")
-    elif status == _OVER_LIMITS:
+    elif status == native.OVER_LIMITS:
         _check_pixels(*decoder.header(data), spec)
     else:
         raise DecodeError(f"cannot decode .jpg sample: {message or 'cannot decode'}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -386,15 +387,12 @@ class Loader:
         per_worker = max(1, math.ceil(len(items) / self._workers))
         finished, finish = self._cpu_finish(epoch, index, len(items))
         pending = []
+        decode = _decode_chunk if backlog is None else functools.partial(_run_piece, backlog)
         for start in range(0, 0 if self._gpu_decode else len(items), per_worker):
-            piece = items[start : start + per_worker]
             if backlog is not None:
                 backlog.add(1)
-                pending.append(
-                    self._executor.submit(_run_piece, backlog, ring, slot, start, piece, self._crop, finish)
-                )
-            else:
-                pending.append(self._executor.submit(_decode_chunk, ring, slot, start, piece, self._crop, finish))
+            piece = items[start : start + per_worker]
+            pending.append(self._executor.submit(decode, ring, slot, start, piece, self._crop, finish))
         labels = np.array([r.label for r in chunk], dtype=np.int64)
         keys = [r.key for r in chunk]
         return _HostBatch(index, slot, len(chunk), labels, pending, keys, items, finished)

@@ -127,12 +127,6 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]  # fmt: skip
     lib.gf_resize_store.restype = ctypes.c_int
-    lib.gf_decode_crop_many.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
-        ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
-    ]  # fmt: skip
-    lib.gf_decode_crop_many.restype = None
     lib.gf_crop_many.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long,
@@ -192,7 +186,8 @@ class RegionUnsupported(RegionError):
 
 
 UNSUPPORTED = -2  # GF_UNSUPPORTED in jpegregion.c
-OUT_OF_MEMORY = -3  # gf_decode_crop_many: the resize buffers
+OUT_OF_MEMORY = -3  # gf_crop_many: the decode or resize buffers
+OVER_LIMITS = 2  # gf_crop_many: the image is empty or over max_pixels
 
 
 class RegionDecoder:
@@ -261,11 +256,13 @@ class RegionDecoder:
         mode: int,
         affine: tuple[int, int] | None = None,
     ) -> tuple[Any, list[str]]:
-        """header_many, plan_many and decode_crop_many in one call (one release of the GIL).
+        """For each JPEG: header, crop plan (as `plan_many`), region decode, and the
+        crop resized into its target (all targets of one shape and layout), in
+        one call (one release of the GIL).
 
-        Returns status (n,): as decode_crop_many's, plus 2 where an image
-        is over `max_pixels` or empty (`header` and the caller's checks say
-        which).
+        Returns status (n,) and the messages: 0 done, -1 libjpeg refused it
+        (its message), UNSUPPORTED (CMYK), OUT_OF_MEMORY, OVER_LIMITS (empty
+        or over `max_pixels`: `header` and the caller's checks say which).
         """
         import numpy as np
 
@@ -287,7 +284,8 @@ class RegionDecoder:
     def plan_many(
         self, info: Any, usable: Any, seeds: Any, shape: tuple[int, int, int, int], spec: tuple[float, ...]
     ) -> tuple[Any, Any, Any]:
-        """Crop plans for many images (crops._region_plan in C, with crops.CropRandom's numbers).
+        """Crop plans for many images (crops._region_plan in C, with crops.CropRandom's numbers):
+        what `crop_many` plans, exposed so tests hold the C and Python planners to one answer.
 
         info: header_many's (n, 4); usable: bool (n,), the images to plan;
         seeds: uint64 (n,); shape: train, output width, height, the spec's
@@ -307,40 +305,6 @@ class RegionDecoder:
             (ctypes.c_double * 7)(*spec), params.ctypes.data, boxes.ctypes.data, sizes.ctypes.data,
         )  # fmt: skip
         return params, boxes, sizes
-
-    def decode_crop_many(
-        self,
-        pointers: tuple[Any, Any],
-        params: Any,
-        boxes: Any,
-        outs: Any,
-        out_sizes: Any,
-        targets: list[Any],
-        flips: Any,
-        mode: int,
-        affine: tuple[int, int] | None = None,
-    ) -> tuple[Any, list[str]]:
-        """`decode_many`, each region then resized into its target (same shape and layout for all).
-
-        boxes: float64 (n, 4), the crop box in the scaled image; flips: uint8
-        (n,). Returns status (n,): 0 done, 1 skipped, -1 error (with its
-        message), -2 unsupported, -3 out of memory.
-        """
-        import numpy as np
-
-        count = len(params)
-        first = targets[0]
-        stride_c, stride_y, stride_x, scale, shift = _layout(first, affine)
-        width, height = _size(first)
-        addresses = np.fromiter((t.ctypes.data for t in targets), np.uint64, count)
-        status = np.zeros(count, np.int32)
-        messages = ctypes.create_string_buffer(count * _MESSAGE_SIZE)
-        self._lib.gf_decode_crop_many(
-            count, pointers[0], pointers[1].ctypes.data, params.ctypes.data, boxes.ctypes.data, outs.ctypes.data,
-            out_sizes.ctypes.data, addresses.ctypes.data, flips.ctypes.data, width, height, mode, stride_c,
-            stride_y, stride_x, scale, shift, status.ctypes.data, messages, _MESSAGE_SIZE,
-        )  # fmt: skip
-        return status, _messages(messages.raw, status)
 
     def header(self, data: bytes) -> tuple[int, int]:
         """(width, height) of a JPEG."""

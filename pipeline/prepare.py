@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .decode import decode_image
+from .decode import _pil, decode_image
 from .encode import encode_image
 from .errors import ConfigError, DecodeError, JobConflictError, ManifestError, SourceError, StorageError, write_failure
 from .manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, write_manifest
@@ -275,8 +275,6 @@ def _warm_codecs(spec: PrepareSpec) -> None:
     every forked worker inherits it. Measured: the first image in a fresh
     worker took 35 ms instead of 5.
     """
-    from .decode import _pil
-
     Image = _pil()
     sample = io.BytesIO()
     Image.new("RGB", (48, 32), (90, 120, 150)).save(sample, "JPEG", quality=90)

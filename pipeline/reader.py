@@ -11,10 +11,10 @@ replaying the order and skipping what was already delivered.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 import os
 import re
 import threading
+import zlib
 from collections.abc import Iterator
 from typing import Any
 

@@ -7,9 +7,8 @@
  * `Image.resize(size, BILINEAR, box)` bit for bit. Each output row goes
  * straight from registers/L1 into the batch's layout (planar or interleaved,
  * uint8 or normalised float32, mirrored when asked): no intermediate image,
- * no paste, no second pass over memory. gf_decode_crop_many decodes the
- * regions of a whole batch piece and does this for each, in one call that
- * holds no Python lock.
+ * no paste, no second pass over memory. gf_crop_many plans, decodes and
+ * resizes a whole batch piece in one call that holds no Python lock.
  *
  * x86-64 machines with AVX2 take the vector kernels (chosen at run time);
  * others the scalar ones, with identical results.
@@ -31,6 +30,7 @@
 #define GF_PILLOW 0      /* Pillow: 22-bit int32 coefficients */
 #define GF_PILLOW_SIMD 1 /* Pillow-SIMD: int16 coefficients at the largest precision that fits */
 
+int gf_header(const unsigned char *data, unsigned long size, int *info, char *message, int message_size);
 int gf_decode_region(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
                      unsigned char *out, unsigned long out_size, int *info, char *message, int message_size);
 
@@ -656,45 +656,6 @@ int gf_resize_store(const unsigned char *src, int w, int h, const double *box, i
     return gf_resize_into(src, w, h, box, out_w, out_h, mode, &t, allow_simd);
 }
 
-/*
- * A batch piece in one call: decode each JPEG's region (params: scale_num,
- * x, y, w, h) into its buffer (outs), then resize its box (boxes: x0, y0,
- * x1, y1 in the scaled image) to out_w x out_h straight into its sample of
- * the batch (targets: addresses, all with the same layout and strides),
- * mirrored where flips[i]. status[i]: 0 done, 1 not asked (outs[i] == 0),
- * -1 error (message in messages + i * message_size), -2 unsupported
- * (CMYK: Python decodes it another way), -3 out of memory.
- */
-void gf_decode_crop_many(int n, const unsigned char *const *data, const unsigned long *sizes, const int *params,
-                         const double *boxes, unsigned char *const *outs, const unsigned long *out_sizes,
-                         void *const *targets, const unsigned char *flips, int out_w, int out_h, int mode,
-                         long stride_c, long stride_y, long stride_x, const float *scale, const float *shift,
-                         int *status, char *messages, int message_size) {
-    int i;
-    for (i = 0; i < n; i++) {
-        const int *p = params + 5 * i;
-        int info[2];
-        double box[4];
-        struct gf_target t = {targets[i], stride_c, stride_y, stride_x, flips[i], scale, shift};
-        if (outs[i] == NULL) {
-            status[i] = 1;
-            continue;
-        }
-        status[i] = gf_decode_region(data[i], sizes[i], p[0], p[1], p[2], p[3], p[4], outs[i], out_sizes[i], info,
-                                     messages + (long)i * message_size, message_size);
-        if (status[i] != 0) {
-            continue;
-        }
-        box[0] = boxes[4 * i] - info[0];
-        box[1] = boxes[4 * i + 1] - p[2];
-        box[2] = boxes[4 * i + 2] - info[0];
-        box[3] = boxes[4 * i + 3] - p[2];
-        if (gf_resize_into(outs[i], info[1], p[4], box, out_w, out_h, mode, &t, 1) != 0) {
-            status[i] = -3;
-        }
-    }
-}
-
 /* ------------------------------------------------------------------------ */
 /* Crop plans: where each sample's crop lies and what region to decode      */
 
@@ -843,8 +804,6 @@ void gf_plan_many(int n, const int *info, const int *status, const uint64_t *see
         }
     }
 }
-
-int gf_header(const unsigned char *data, unsigned long size, int *info, char *message, int message_size);
 
 /*
  * The loader's whole per-sample work for a batch piece in one call, so the
