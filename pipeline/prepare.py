@@ -38,7 +38,8 @@ from .shards import ShardInfo, ShardPlan, TarShardWriter, file_sha256, plan_shar
 from .sources import ListingInfo, SourceItem, list_images, read_source_bytes
 from .specs import PrepareSpec
 from .storage import Output, device_info, faster_local_disk, free_bytes
-from .transforms import augment_image, required_scale, resize_image, variant_rng
+from .transcode import transcoder
+from .transforms import augment_image, required_scale, resize_image, resize_op, variant_rng
 
 WORK_DIR = ".gpufeed"
 CHUNK_ITEMS = 64  # images per pool task while many remain: few round trips through the pool
@@ -136,6 +137,13 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
     except (OSError, ValueError) as exc:
         outcome.reason = f"cannot read file: {getattr(exc, 'strerror', None) or exc}"
         return outcome
+    fast = transcoder(spec)
+    made = fast(data) if fast is not None else None
+    if made is not None:  # the same bytes as below, in one C call
+        payload, original_size, size = made
+        ops = [resize_op(spec.resize)]
+        outcome.tars = [sample_tar_bytes(key, _members(key, item, spec, classes, original_size, size, None, ops, payload))]
+        return outcome
     try:
         decoded = decode_image(
             data,
@@ -155,7 +163,6 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
 def _render_variants(
     decoded: Any, key: str, item: SourceItem, spec: PrepareSpec, classes: dict[str, int]
 ) -> list[dict[str, bytes]]:
-    label = classes.get(item.label) if item.label is not None else None
     if spec.augment.variants and decoded.image.mode != "RGB":
         decoded.image = decoded.image.convert("RGB")  # the augmentations work on RGB
     members_per_set = []
@@ -167,24 +174,43 @@ def _render_variants(
         else:
             rng = variant_rng(spec.seed, key, variant)
             image, ops = augment_image(decoded.image, decoded.original_size, spec.resize, spec.augment, rng)
-        meta = {
-            "key": key,
-            "source": item.url,
-            "label": item.label,
-            "original_size": list(decoded.original_size),
-            "size": list(image.size),
-            "variant": variant,
-            "seed": spec.seed,
-            "ops": ops,
-        }
-        members = {
-            spec.encode.extension: encode_image(image, spec.encode),
-            "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode("ascii"),
-        }
-        if label is not None:
-            members["cls"] = str(label).encode("ascii")
-        members_per_set.append(members)
+        payload = encode_image(image, spec.encode)
+        members_per_set.append(
+            _members(key, item, spec, classes, decoded.original_size, image.size, variant, ops, payload)
+        )
     return members_per_set
+
+
+def _members(
+    key: str,
+    item: SourceItem,
+    spec: PrepareSpec,
+    classes: dict[str, int],
+    original_size: tuple[int, int],
+    size: tuple[int, int],
+    variant: int | None,
+    ops: list[dict[str, Any]],
+    payload: bytes,
+) -> dict[str, bytes]:
+    """One sample's tar members: the image, its provenance `.json` and, when labelled, its `.cls`."""
+    meta = {
+        "key": key,
+        "source": item.url,
+        "label": item.label,
+        "original_size": list(original_size),
+        "size": list(size),
+        "variant": variant,
+        "seed": spec.seed,
+        "ops": ops,
+    }
+    members = {
+        spec.encode.extension: payload,
+        "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode("ascii"),
+    }
+    label = classes.get(item.label) if item.label is not None else None
+    if label is not None:
+        members["cls"] = str(label).encode("ascii")
+    return members
 
 
 # ---------------------------------------------------------------------------
@@ -278,6 +304,7 @@ def _warm_codecs(spec: PrepareSpec) -> None:
     Image = _pil()
     sample = io.BytesIO()
     Image.new("RGB", (48, 32), (90, 120, 150)).save(sample, "JPEG", quality=90)
+    transcoder(spec)  # checks the one-call JPEG path once, for every worker
     # A warm-up only: a codec that fails here fails with its reason on the first real image.
     with contextlib.suppress(Exception):
         decoded = decode_image(sample.getvalue(), scale_for=lambda width, height: 1.0, padded=True)
