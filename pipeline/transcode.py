@@ -10,8 +10,9 @@ JPEG settings in one more call.
 
 Its bytes are the general path's bytes. `transcoder()` checks that once per
 process on probe images for the job's settings, and leaves every image to
-the general path where they differ (another PIL or libjpeg build). Images
-the fast path does not take (not JPEG, CMYK, EXIF-rotated, over the pixel
+the general path where they differ (another PIL or libjpeg build). EXIF-rotated
+JPEGs are turned upright as PIL turns them. Images the fast path does not
+take (not JPEG, CMYK, an orientation PIL may read from XMP, over the pixel
 limit, corrupt) return None: the general path handles them and gives the
 reasons.
 """
@@ -52,7 +53,7 @@ class Transcoder:
         if info is None:
             return None
         width, height, _, colour_space, orientation = info
-        if orientation != 1 or colour_space not in (_JCS_GRAYSCALE, _JCS_YCBCR):
+        if orientation == native.ORIENTATION_UNKNOWN or colour_space not in (_JCS_GRAYSCALE, _JCS_YCBCR):
             return None
         if width < 1 or height < 1 or width * height > self.spec.max_pixels:
             return None
@@ -60,6 +61,9 @@ class Transcoder:
         pixels = _decode(data, width, height, scale)
         if pixels is None:
             return None
+        if orientation != 1:
+            pixels = _upright(pixels, orientation)
+            width, height = (height, width) if orientation >= 5 else (width, height)
         decoded = (pixels.shape[1], pixels.shape[0])
         size, box = resize_box(decoded, (width, height), self.spec.resize)
         try:
@@ -73,6 +77,23 @@ class Transcoder:
 
 
 _buffers = threading.local()
+
+
+def _upright(pixels: Any, orientation: int) -> Any:
+    """RGBX pixels turned as PIL turns them for EXIF `orientation` 2..8 (decode._apply_orientation), contiguous."""
+    import numpy as np
+
+    grid = pixels.view(np.uint32)[:, :, 0]  # one 32-bit word per pixel: the turns move whole pixels
+    turned = {
+        2: grid[:, ::-1],  # FLIP_LEFT_RIGHT
+        3: grid[::-1, ::-1],  # ROTATE_180
+        4: grid[::-1, :],  # FLIP_TOP_BOTTOM
+        5: grid.T,  # TRANSPOSE
+        6: grid[::-1, :].T,  # ROTATE_270
+        7: grid[::-1, ::-1].T,  # TRANSVERSE
+        8: grid[:, ::-1].T,  # ROTATE_90
+    }[orientation]
+    return np.ascontiguousarray(turned).view(np.uint8).reshape(turned.shape[0], turned.shape[1], 4)
 
 
 def _decode(data: bytes, width: int, height: int, scale: float) -> Any:
