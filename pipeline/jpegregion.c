@@ -74,8 +74,12 @@ static void gf_setup(struct jpeg_decompress_struct *cinfo, struct gf_error *erro
     }
 }
 
-/* info: width, height, components, colour space (J_COLOR_SPACE). 0 or -1. */
-int gf_header(const unsigned char *data, unsigned long size, int *info, char *message, int message_size) {
+static int gf_orientation(struct jpeg_decompress_struct *cinfo);
+
+/* info: width, height, components, colour space (J_COLOR_SPACE), and with
+ * `orientation` the EXIF orientation (see gf_orientation). 0 or -1. */
+static int gf_read_info(const unsigned char *data, unsigned long size, int *info, int orientation, char *message,
+                        int message_size) {
     struct jpeg_decompress_struct cinfo;
     struct gf_error error;
 
@@ -86,13 +90,24 @@ int gf_header(const unsigned char *data, unsigned long size, int *info, char *me
     }
     jpeg_create_decompress(&cinfo);
     jpeg_mem_src(&cinfo, data, size);
+    if (orientation) {
+        jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 0xFFFF);
+    }
     jpeg_read_header(&cinfo, TRUE);
     info[0] = (int)cinfo.image_width;
     info[1] = (int)cinfo.image_height;
     info[2] = cinfo.num_components;
     info[3] = (int)cinfo.jpeg_color_space;
+    if (orientation) {
+        info[4] = gf_orientation(&cinfo);
+    }
     jpeg_destroy_decompress(&cinfo);
     return 0;
+}
+
+/* info: width, height, components, colour space (J_COLOR_SPACE). 0 or -1. */
+int gf_header(const unsigned char *data, unsigned long size, int *info, char *message, int message_size) {
+    return gf_read_info(data, size, info, 0, message, message_size);
 }
 
 /*
@@ -524,25 +539,7 @@ static int gf_orientation(struct jpeg_decompress_struct *cinfo) {
 
 /* info: width, height, components, colour space (J_COLOR_SPACE), EXIF orientation (see gf_orientation). 0 or -1. */
 int gf_jpeg_info(const unsigned char *data, unsigned long size, int *info, char *message, int message_size) {
-    struct jpeg_decompress_struct cinfo;
-    struct gf_error error;
-
-    gf_setup(&cinfo, &error, message, message_size);
-    if (setjmp(error.jump)) {
-        jpeg_destroy_decompress(&cinfo);
-        return -1;
-    }
-    jpeg_create_decompress(&cinfo);
-    jpeg_mem_src(&cinfo, data, size);
-    jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 0xFFFF);
-    jpeg_read_header(&cinfo, TRUE);
-    info[0] = (int)cinfo.image_width;
-    info[1] = (int)cinfo.image_height;
-    info[2] = cinfo.num_components;
-    info[3] = (int)cinfo.jpeg_color_space;
-    info[4] = gf_orientation(&cinfo);
-    jpeg_destroy_decompress(&cinfo);
-    return 0;
+    return gf_read_info(data, size, info, 1, message, message_size);
 }
 
 /* Writes the compressed stream into the caller's buffer; a full buffer ends the encode. */

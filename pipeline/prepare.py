@@ -38,8 +38,8 @@ from .shards import ShardInfo, ShardPlan, TarShardWriter, file_sha256, plan_shar
 from .sources import ListingInfo, SourceItem, list_images, read_source_bytes
 from .specs import PrepareSpec
 from .storage import Output, device_info, faster_local_disk, free_bytes
-from .transcode import transcoder
-from .transforms import augment_image, required_scale, resize_image, resize_op, variant_rng
+from .transcode import decode_source, transcoder
+from .transforms import augment_image, resize_image, resize_op, variant_rng
 
 WORK_DIR = ".gpufeed"
 CHUNK_ITEMS = 64  # images per pool task while many remain: few round trips through the pool
@@ -141,17 +141,11 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
     made = fast(data) if fast is not None else None
     if made is not None:  # the same bytes as below, in one C call
         payload, original_size, size = made
-        ops = [resize_op(spec.resize)]
-        outcome.tars = [sample_tar_bytes(key, _members(key, item, spec, classes, original_size, size, None, ops, payload))]
+        members = _members(key, item, spec, classes, original_size, size, None, [resize_op(spec.resize)], payload)
+        outcome.tars = [sample_tar_bytes(key, members)]
         return outcome
     try:
-        decoded = decode_image(
-            data,
-            scale_for=lambda w, h: required_scale(spec.resize, spec.augment, w, h),
-            max_pixels=spec.max_pixels,
-            background=spec.background,
-            padded=True,
-        )
+        decoded = decode_source(data, spec)
         outcome.tars = [sample_tar_bytes(key, m) for m in _render_variants(decoded, key, item, spec, classes)]
     except DecodeError as exc:
         outcome.reason = exc.reason

@@ -370,7 +370,7 @@ __attribute__((target("avx2"))) static inline void gf_horizontal4_one(const unsi
     const int first = a->first[xx], count = a->count[xx];
     __m256i s01 = half, s23 = half, packed;
     int t;
-    for (t = 0; t + 4 <= count && first + t + 4 <= in_w; t += 4) { /* four weights from one load per row */
+    for (t = 0; t + 4 <= count; t += 4) { /* four weights from one load per row (first + count <= in_w) */
         const size_t from = (size_t)(first + t) * 4;
         const __m256i w0 = _mm256_set1_epi32(k[t / 2]), w1 = _mm256_set1_epi32(k[t / 2 + 1]);
         const __m256i v01 = gf_load4(in[0], in[1], from), v23 = gf_load4(in[2], in[3], from);
@@ -394,49 +394,14 @@ __attribute__((target("avx2"))) static inline void gf_horizontal4_one(const unsi
     *(int32_t *)(out[3] + at) = _mm256_extract_epi32(packed, 5);
 }
 
-/*
- * The same for a wide filter (downscaling, Lanczos, bicubic): every output
- * pixel sums four weights per load of four input pixels per row, with the
- * shuffles and rounding term kept in registers across the row.
- */
+/* A wide filter (downscaling, Lanczos, bicubic): each output pixel on its own. */
 __attribute__((target("avx2"))) static void gf_horizontal4_wide(const unsigned char *const *in, unsigned char *const *out,
                                                                  int in_w, int out_w, const struct gf_axis *a,
                                                                  const int32_t *pairs, int flip) {
-    const __m256i low = _mm256_setr_epi8(0, -1, 4, -1, 1, -1, 5, -1, 2, -1, 6, -1, 3, -1, 7, -1, 0, -1, 4, -1, 1, -1,
-                                         5, -1, 2, -1, 6, -1, 3, -1, 7, -1);
-    const __m256i high = _mm256_setr_epi8(8, -1, 12, -1, 9, -1, 13, -1, 10, -1, 14, -1, 11, -1, 15, -1, 8, -1, 12, -1,
-                                          9, -1, 13, -1, 10, -1, 14, -1, 11, -1, 15, -1);
-    const __m256i half = _mm256_set1_epi32(1 << (a->precision - 1));
     const int npairs = (a->ksize + 1) / 2;
     int xx;
     for (xx = 0; xx < out_w; xx++) {
-        const int first = a->first[xx], count = a->count[xx];
-        const int32_t *k = pairs + (size_t)xx * npairs;
-        const unsigned char *r0 = in[0] + (size_t)first * 4, *r1 = in[1] + (size_t)first * 4;
-        const unsigned char *r2 = in[2] + (size_t)first * 4, *r3 = in[3] + (size_t)first * 4;
-        __m256i s01 = half, s23 = half, packed;
-        size_t at = (size_t)(flip ? out_w - 1 - xx : xx) * 4;
-        int t = 0;
-        for (; t + 4 <= count; t += 4) { /* first + count <= in_w: the loads stay in the row */
-            const __m256i w0 = _mm256_set1_epi32(k[t / 2]), w1 = _mm256_set1_epi32(k[t / 2 + 1]);
-            const __m256i v01 = gf_load4(r0, r1, (size_t)t * 4), v23 = gf_load4(r2, r3, (size_t)t * 4);
-            s01 = _mm256_add_epi32(s01, _mm256_madd_epi16(_mm256_shuffle_epi8(v01, low), w0));
-            s23 = _mm256_add_epi32(s23, _mm256_madd_epi16(_mm256_shuffle_epi8(v23, low), w0));
-            s01 = _mm256_add_epi32(s01, _mm256_madd_epi16(_mm256_shuffle_epi8(v01, high), w1));
-            s23 = _mm256_add_epi32(s23, _mm256_madd_epi16(_mm256_shuffle_epi8(v23, high), w1));
-        }
-        for (; t < count; t += 2) {
-            const int two = first + t + 2 <= in_w;
-            const __m256i w = _mm256_set1_epi32(k[t / 2]);
-            s01 = _mm256_add_epi32(s01, _mm256_madd_epi16(gf_pixel_pairs(in[0], in[1], first + t, two), w));
-            s23 = _mm256_add_epi32(s23, _mm256_madd_epi16(gf_pixel_pairs(in[2], in[3], first + t, two), w));
-        }
-        packed = _mm256_packs_epi32(_mm256_srai_epi32(s01, a->precision), _mm256_srai_epi32(s23, a->precision));
-        packed = _mm256_packus_epi16(packed, packed);
-        *(int32_t *)(out[0] + at) = _mm256_extract_epi32(packed, 0);
-        *(int32_t *)(out[2] + at) = _mm256_extract_epi32(packed, 1);
-        *(int32_t *)(out[1] + at) = _mm256_extract_epi32(packed, 4);
-        *(int32_t *)(out[3] + at) = _mm256_extract_epi32(packed, 5);
+        gf_horizontal4_one(in, out, in_w, a, pairs + (size_t)xx * npairs, xx, (size_t)(flip ? out_w - 1 - xx : xx) * 4);
     }
 }
 

@@ -167,19 +167,25 @@ def _checked_transcoder(spec: PrepareSpec) -> Transcoder | None:
     return candidate
 
 
-def general_path(data: bytes, spec: PrepareSpec) -> bytes:
-    """The stored bytes of one sample as prepare's general path makes them (no variants)."""
+def decode_source(data: bytes, spec: PrepareSpec) -> Any:
+    """A source file decoded as prepare's general path decodes it (a DecodedImage; raises DecodeError)."""
     from .decode import decode_image
-    from .encode import encode_image
-    from .transforms import resize_image
 
-    decoded = decode_image(
+    return decode_image(
         data,
         scale_for=lambda w, h: required_scale(spec.resize, spec.augment, w, h),
         max_pixels=spec.max_pixels,
         background=spec.background,
         padded=True,
     )
+
+
+def general_path(data: bytes, spec: PrepareSpec) -> bytes:
+    """The stored bytes of one sample as prepare's general path makes them (no variants)."""
+    from .encode import encode_image
+    from .transforms import resize_image
+
+    decoded = decode_source(data, spec)
     image, _ = resize_image(decoded.image, decoded.original_size, spec.resize)
     return encode_image(image, spec.encode)
 
