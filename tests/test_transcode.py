@@ -235,3 +235,23 @@ def test_doctor_says_how_prepare_transcodes(monkeypatch: pytest.MonkeyPatch):
     assert info["prepare"] in info["version"]
     monkeypatch.setattr(transcode, "transcoder", lambda job: None)
     assert probe_region_decoder()["prepare"].startswith("through PIL")
+
+
+@needs_native
+def test_damaged_exif_never_crashes_the_header_reader():
+    # Random bytes and damaged copies of a real Exif block: an orientation PIL would also find, or "unknown".
+    rng = np.random.default_rng(11)
+    base = photo((64, 48))
+    real = exif_with_orientation(6)  # "Exif\0\0" + a big-endian TIFF block
+    decoder = crops._region_decoder()
+    assert decoder is not None
+    for trial in range(400):
+        if trial % 2:
+            block = bytearray(real)
+            for _ in range(int(rng.integers(1, 6))):
+                block[int(rng.integers(6, len(block)))] = int(rng.integers(0, 256))
+            block = bytes(block[: int(rng.integers(6, len(block) + 1))])
+        else:
+            block = b"Exif\0\0" + (b"II*\0" if trial % 4 == 0 else b"MM\0*") + rng.bytes(int(rng.integers(0, 80)))
+        info = decoder.jpeg_info(with_app1(base, block))
+        assert info is not None and info[4] in (native.ORIENTATION_UNKNOWN, *range(1, 9)), block
