@@ -276,27 +276,13 @@ def floor_candidates() -> dict[str, Callable[[bytes], tuple[int, int]]]:
         encode_image(img, encode_spec)
         return img.size  # type: ignore[no-any-return]
 
-    candidates = {
+    return {
         "simplejpeg scaled decode + PIL resize + save": simplejpeg_scaled,
         "simplejpeg scaled decode to RGBX (no copy) + PIL resize + save": simplejpeg_rgbx,
         "PIL draft + resize + save": pil_draft,
         "gpufeed decode_image + resize_image + encode_image": gpufeed_functions,
         "PIL full decode + resize + save": pil_full,
     }
-    from pipeline.specs import PrepareSpec
-    from pipeline.transcode import transcoder
-
-    fast = transcoder(PrepareSpec(source=".", out=".", resize=resize_spec, encode=encode_spec))
-    if fast is not None:  # prepare's own JPEG path: C header, simplejpeg decode, C resize + encode
-
-        def gpufeed_one_call(data: bytes) -> tuple[int, int]:
-            made = fast(data)
-            if made is None:
-                raise RuntimeError("the one-call JPEG path declined a benchmark image")
-            return made[2]
-
-        candidates["gpufeed one-call JPEG path (header, decode, resize + encode)"] = gpufeed_one_call
-    return candidates
 
 
 def run_floor(paths: list[str], processes: int) -> Run:

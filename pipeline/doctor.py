@@ -173,24 +173,10 @@ def probe_region_decoder() -> dict[str, Any]:
         mode = resample_mode()
         resize = {native.PILLOW: "Pillow's", native.PILLOW_SIMD: "Pillow-SIMD's"}.get(mode) if mode is not None else None
         info["resize"] = f"in C, with {resize} arithmetic" if resize else "in PIL (no C mode matches its arithmetic)"
-        info["prepare"] = _prepare_path()
-        info["version"] = (
-            f"(libjpeg-turbo, built here; the loader's JPEG decoder; resizes {info['resize']};"
-            f" prepare's JPEG to JPEG: {info['prepare']})"
-        )
+        info["version"] = f"(libjpeg-turbo, built here; the loader's JPEG decoder; resizes {info['resize']})"
     except Exception as exc:  # a broken build is reported, not raised
         info["error"] = str(exc)[:200]
     return info
-
-
-def _prepare_path() -> str:
-    """How `gpufeed prepare` turns a JPEG into a resized JPEG with the default settings here."""
-    from .specs import PrepareSpec
-    from .transcode import transcoder
-
-    if transcoder(PrepareSpec(source="doctor", out="doctor-out")) is not None:
-        return "one C call, the same bytes as PIL's"
-    return "through PIL (the one-call path does not write PIL's bytes with this build)"
 
 
 def probe_cpu() -> dict[str, Any]:

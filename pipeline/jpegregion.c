@@ -23,7 +23,6 @@
 #include <string.h>
 
 #include <jpeglib.h>
-#include <jerror.h>
 
 #define GF_ROWS 16
 #define GF_UNSUPPORTED -2
@@ -74,12 +73,8 @@ static void gf_setup(struct jpeg_decompress_struct *cinfo, struct gf_error *erro
     }
 }
 
-static int gf_orientation(struct jpeg_decompress_struct *cinfo);
-
-/* info: width, height, components, colour space (J_COLOR_SPACE), and with
- * `orientation` the EXIF orientation (see gf_orientation). 0 or -1. */
-static int gf_read_info(const unsigned char *data, unsigned long size, int *info, int orientation, char *message,
-                        int message_size) {
+/* info: width, height, components, colour space (J_COLOR_SPACE). 0 or -1. */
+int gf_header(const unsigned char *data, unsigned long size, int *info, char *message, int message_size) {
     struct jpeg_decompress_struct cinfo;
     struct gf_error error;
 
@@ -90,24 +85,13 @@ static int gf_read_info(const unsigned char *data, unsigned long size, int *info
     }
     jpeg_create_decompress(&cinfo);
     jpeg_mem_src(&cinfo, data, size);
-    if (orientation) {
-        jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 0xFFFF);
-    }
     jpeg_read_header(&cinfo, TRUE);
     info[0] = (int)cinfo.image_width;
     info[1] = (int)cinfo.image_height;
     info[2] = cinfo.num_components;
     info[3] = (int)cinfo.jpeg_color_space;
-    if (orientation) {
-        info[4] = gf_orientation(&cinfo);
-    }
     jpeg_destroy_decompress(&cinfo);
     return 0;
-}
-
-/* info: width, height, components, colour space (J_COLOR_SPACE). 0 or -1. */
-int gf_header(const unsigned char *data, unsigned long size, int *info, char *message, int message_size) {
-    return gf_read_info(data, size, info, 0, message, message_size);
 }
 
 /*
@@ -454,166 +438,4 @@ void gf_decode_region_many(int n, const unsigned char *const *data, const unsign
         status[i] = gf_decode_region(data[i], sizes[i], p[0], p[1], p[2], p[3], p[4], outs[i], out_sizes[i],
                                      info + 2 * i, messages + (long)i * message_size, message_size);
     }
-}
-
-/* ------------------------------------------------------------------------ */
-/* prepare's JPEG -> JPEG path: header, decode, resize and encode in one call */
-
-int gf_resize_rgbx(const unsigned char *src, int w, int h, const double *box, int out_w, int out_h, int mode,
-                   int filter, unsigned char *out);
-
-#define GF_ORIENTATION_UNKNOWN -1
-#define GF_OUT_OF_MEMORY -3
-#define GF_OUT_TOO_SMALL -4
-
-static unsigned gf_exif16(const unsigned char *p, int big) { return big ? gf_be16(p) : p[0] | ((unsigned)p[1] << 8); }
-
-static unsigned long gf_exif32(const unsigned char *p, int big) {
-    return big ? ((unsigned long)gf_be16(p) << 16) | gf_be16(p + 2)
-               : (unsigned long)gf_exif16(p, 0) | ((unsigned long)gf_exif16(p + 2, 0) << 16);
-}
-
-/* The orientation tag of IFD0 in an Exif block ("Exif\0\0" + TIFF): 1..8,
- * 0 when IFD0 has none, GF_ORIENTATION_UNKNOWN when the block is damaged or
- * the tag is not one plain SHORT. */
-static int gf_exif_orientation(const unsigned char *p, unsigned long size) {
-    unsigned long ifd, entries, i;
-    int big;
-    if (size < 14) {
-        return GF_ORIENTATION_UNKNOWN;
-    }
-    p += 6, size -= 6;
-    if (p[0] == 'M' && p[1] == 'M') {
-        big = 1;
-    } else if (p[0] == 'I' && p[1] == 'I') {
-        big = 0;
-    } else {
-        return GF_ORIENTATION_UNKNOWN;
-    }
-    ifd = gf_exif32(p + 4, big);
-    if (gf_exif16(p + 2, big) != 42 || ifd < 8 || ifd + 2 > size) {
-        return GF_ORIENTATION_UNKNOWN;
-    }
-    entries = gf_exif16(p + ifd, big);
-    if (ifd + 2 + 12 * entries > size) {
-        return GF_ORIENTATION_UNKNOWN;
-    }
-    for (i = 0; i < entries; i++) {
-        const unsigned char *entry = p + ifd + 2 + 12 * i;
-        if (gf_exif16(entry, big) == 0x0112) {
-            unsigned value = gf_exif16(entry + 8, big);
-            if (gf_exif16(entry + 2, big) != 3 || gf_exif32(entry + 4, big) != 1) {
-                return GF_ORIENTATION_UNKNOWN;
-            }
-            return value >= 1 && value <= 8 ? (int)value : 1; /* PIL's readers take other values as upright */
-        }
-    }
-    return 0;
-}
-
-/* The image's EXIF orientation as PIL's getexif() finds it: the first Exif
- * APP1's, else 1. GF_ORIENTATION_UNKNOWN where PIL could read something else
- * (XMP, which PIL also consults, or a second Exif block, or a damaged one). */
-static int gf_orientation(struct jpeg_decompress_struct *cinfo) {
-    static const char xmp[] = "http://ns.adobe.com/xap/1.0/";
-    jpeg_saved_marker_ptr marker;
-    int found = 0, exif = 0, has_xmp = 0;
-    for (marker = cinfo->marker_list; marker != NULL; marker = marker->next) {
-        if (marker->marker != JPEG_APP0 + 1) {
-            continue;
-        }
-        if (marker->data_length >= 6 && memcmp(marker->data, "Exif\0\0", 6) == 0) {
-            if (exif++) {
-                return GF_ORIENTATION_UNKNOWN;
-            }
-            found = gf_exif_orientation(marker->data, marker->data_length);
-        } else if (marker->data_length >= sizeof(xmp) - 1 && memcmp(marker->data, xmp, sizeof(xmp) - 1) == 0) {
-            has_xmp = 1;
-        }
-    }
-    if (found == 0) {
-        return has_xmp ? GF_ORIENTATION_UNKNOWN : 1;
-    }
-    return found;
-}
-
-/* info: width, height, components, colour space (J_COLOR_SPACE), EXIF orientation (see gf_orientation). 0 or -1. */
-int gf_jpeg_info(const unsigned char *data, unsigned long size, int *info, char *message, int message_size) {
-    return gf_read_info(data, size, info, 1, message, message_size);
-}
-
-/* Writes the compressed stream into the caller's buffer; a full buffer ends the encode. */
-struct gf_destination {
-    struct jpeg_destination_mgr pub;
-    int full;
-};
-
-static void gf_destination_init(j_compress_ptr cinfo) { (void)cinfo; }
-
-static boolean gf_destination_full(j_compress_ptr cinfo) {
-    ((struct gf_destination *)cinfo->dest)->full = 1;
-    ERREXIT(cinfo, JERR_BUFFER_SIZE);
-    return FALSE;
-}
-
-static void gf_destination_term(j_compress_ptr cinfo) { (void)cinfo; }
-
-/* Packed RGBX rows -> a baseline JPEG as PIL's encoder writes it by default
- * (JFIF, 4:2:0, `quality`, a restart marker every `restart` MCUs). Returns
- * its size, -1 (message) or GF_OUT_TOO_SMALL. */
-static long gf_encode_rgbx(const unsigned char *rgbx, int w, int h, int quality, int restart, unsigned char *out,
-                          unsigned long capacity, char *message, int message_size) {
-    struct jpeg_compress_struct cinfo;
-    struct gf_destination destination;
-    struct gf_error error;
-
-    cinfo.err = jpeg_std_error(&error.pub);
-    error.pub.error_exit = gf_error_exit;
-    error.message = message;
-    error.message_size = message_size;
-    destination.full = 0;
-    if (setjmp(error.jump)) {
-        jpeg_destroy_compress(&cinfo);
-        return destination.full ? GF_OUT_TOO_SMALL : -1;
-    }
-    jpeg_create_compress(&cinfo);
-    destination.pub.next_output_byte = out;
-    destination.pub.free_in_buffer = capacity;
-    destination.pub.init_destination = gf_destination_init;
-    destination.pub.empty_output_buffer = gf_destination_full;
-    destination.pub.term_destination = gf_destination_term;
-    cinfo.dest = &destination.pub;
-    cinfo.image_width = (JDIMENSION)w;
-    cinfo.image_height = (JDIMENSION)h;
-    cinfo.input_components = 4;
-    cinfo.in_color_space = JCS_EXT_RGBX;
-    jpeg_set_defaults(&cinfo);
-    jpeg_set_quality(&cinfo, quality, TRUE);
-    cinfo.restart_interval = (unsigned int)restart;
-    jpeg_start_compress(&cinfo, TRUE);
-    while (cinfo.next_scanline < cinfo.image_height) {
-        JSAMPROW row = (JSAMPROW)(rgbx + (size_t)cinfo.next_scanline * w * 4);
-        jpeg_write_scanlines(&cinfo, &row, 1);
-    }
-    jpeg_finish_compress(&cinfo);
-    jpeg_destroy_compress(&cinfo);
-    return (long)(capacity - destination.pub.free_in_buffer);
-}
-
-/*
- * Decoded RGBX pixels (w x h, rows packed) -> the JPEG prepare stores: `box`
- * resized to out_w x out_h with `filter` in PIL's arithmetic `mode` (a box of
- * the whole image at the same size is a copy), then gf_encode_rgbx. Returns
- * the JPEG's size in `out`, -1 (message), GF_OUT_OF_MEMORY or GF_OUT_TOO_SMALL.
- */
-long gf_resize_encode(const unsigned char *pixels, int w, int h, const double *box, int out_w, int out_h, int mode,
-                      int filter, int quality, int restart, unsigned char *out, unsigned long capacity, char *message,
-                      int message_size) {
-    unsigned char *rgbx = malloc((size_t)out_w * out_h * 4 + 64);
-    long result = GF_OUT_OF_MEMORY;
-    if (rgbx != NULL && gf_resize_rgbx(pixels, w, h, box, out_w, out_h, mode, filter, rgbx) == 0) {
-        result = gf_encode_rgbx(rgbx, out_w, out_h, quality, restart, out, capacity, message, message_size);
-    }
-    free(rgbx);
-    return result;
 }

@@ -123,7 +123,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gf_store_rgbx_f32.restype = None
     lib.gf_resize_store.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int,
     ]  # fmt: skip
     lib.gf_resize_store.restype = ctypes.c_int
@@ -135,13 +135,6 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gf_crop_many.restype = None
     lib.gf_plan_many.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8
     lib.gf_plan_many.restype = None
-    lib.gf_jpeg_info.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
-    lib.gf_jpeg_info.restype = ctypes.c_int
-    lib.gf_resize_encode.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_int,
-    ]  # fmt: skip
-    lib.gf_resize_encode.restype = ctypes.c_long
     return lib
 
 
@@ -162,7 +155,6 @@ def channel_strides(array: Any) -> tuple[int, int, int]:
 
 
 PILLOW, PILLOW_SIMD = 0, 1  # resample arithmetic: GF_PILLOW, GF_PILLOW_SIMD in resample.c
-FILTERS = {"bilinear": 0, "bicubic": 1, "lanczos": 2}  # GF_BILINEAR, GF_BICUBIC, GF_LANCZOS
 
 
 def _layout(out: Any, affine: tuple[int, int] | None) -> tuple[int, int, int, int | None, int | None]:
@@ -194,10 +186,8 @@ class RegionUnsupported(RegionError):
 
 
 UNSUPPORTED = -2  # GF_UNSUPPORTED in jpegregion.c
-OUT_OF_MEMORY = -3  # gf_crop_many, gf_resize_encode: the decode or resize buffers
-OUT_TOO_SMALL = -4  # gf_resize_encode: the encoded JPEG does not fit the output buffer
+OUT_OF_MEMORY = -3  # gf_crop_many: the decode or resize buffers
 OVER_LIMITS = 2  # gf_crop_many: the image is empty or over max_pixels
-ORIENTATION_UNKNOWN = -1  # gf_jpeg_info: PIL may read an orientation the C parser does not (XMP, damaged Exif)
 
 
 class RegionDecoder:
@@ -205,9 +195,8 @@ class RegionDecoder:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._info = (ctypes.c_int * 5)()
+        self._info = (ctypes.c_int * 4)()
         self._message = ctypes.create_string_buffer(_MESSAGE_SIZE)
-        self._encoded = bytearray()
 
     def store(
         self, address: int, width: int, height: int, flip: bool, out: Any, affine: tuple[int, int] | None = None
@@ -238,20 +227,19 @@ class RegionDecoder:
         flip: bool = False,
         affine: tuple[int, int] | None = None,
         simd: bool = True,
-        resample: str = "bilinear",
     ) -> None:
-        """`box` of the packed RGBX image (size = width, height) at `address`, resized into `out`.
+        """`box` of the packed RGBX image (size = width, height) at `address`, resized bilinearly into `out`.
 
-        The pixels equal PIL's `resize(out size, resample, box)` in `mode`
-        (PILLOW or PILLOW_SIMD arithmetic) for the FILTERS; `out` and
-        `affine` as for `store`. `simd=False` forces the scalar kernels (for tests).
+        The pixels equal PIL's `resize(out size, BILINEAR, box)` in `mode`
+        (PILLOW or PILLOW_SIMD arithmetic); `out` and `affine` as for
+        `store`. `simd=False` forces the scalar kernels (for tests).
         """
         stride_c, stride_y, stride_x, scale, shift = _layout(out, affine)
         width, height = _size(out)
         boxes = (ctypes.c_double * 4)(*box)
         status = self._lib.gf_resize_store(
-            address, size[0], size[1], boxes, width, height, mode, FILTERS[resample], int(flip), out.ctypes.data,
-            stride_c, stride_y, stride_x, scale, shift, int(simd),
+            address, size[0], size[1], boxes, width, height, mode, int(flip), out.ctypes.data, stride_c, stride_y,
+            stride_x, scale, shift, int(simd),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("cannot allocate the resize buffers")
@@ -317,47 +305,6 @@ class RegionDecoder:
             (ctypes.c_double * 7)(*spec), params.ctypes.data, boxes.ctypes.data, sizes.ctypes.data,
         )  # fmt: skip
         return params, boxes, sizes
-
-    def jpeg_info(self, data: bytes) -> tuple[int, int, int, int, int] | None:
-        """(width, height, components, colour space, EXIF orientation) of a JPEG, None when libjpeg refuses
-        its header. The orientation is PIL's reading of it, or ORIENTATION_UNKNOWN."""
-        if self._lib.gf_jpeg_info(data, len(data), self._info, self._message, _MESSAGE_SIZE) != 0:
-            return None
-        return self._info[0], self._info[1], self._info[2], self._info[3], self._info[4]
-
-    def resize_encode(
-        self,
-        address: int,
-        decoded: tuple[int, int],
-        box: tuple[float, float, float, float],
-        size: tuple[int, int],
-        mode: int,
-        resample: str,
-        quality: int,
-        restart: int,
-    ) -> bytes:
-        """`box` of the packed RGBX image (decoded = width, height) at `address`, resized to `size` with
-        `resample` in PIL's arithmetic `mode` and encoded as PIL saves a JPEG with this quality and restart
-        interval: the JPEG's bytes. Raises MemoryError when the buffers cannot be had.
-        """
-        # A JPEG is rarely larger than its raw pixels; the buffer grows once if this one is.
-        capacity = size[0] * size[1] * 3 + 65536
-        for _ in range(2):
-            if len(self._encoded) < capacity:
-                self._encoded = bytearray(capacity)
-            out = (ctypes.c_char * len(self._encoded)).from_buffer(self._encoded)
-            result = self._lib.gf_resize_encode(
-                address, decoded[0], decoded[1], (ctypes.c_double * 4)(*box), size[0], size[1], mode,
-                FILTERS[resample], quality, restart, ctypes.addressof(out), len(self._encoded), self._message,
-                _MESSAGE_SIZE,
-            )  # fmt: skip
-            del out  # the bytearray may be resized only without a view on it
-            if result >= 0:
-                return bytes(memoryview(self._encoded)[:result])
-            if result != OUT_TOO_SMALL:
-                break
-            capacity *= 4
-        raise MemoryError(f"cannot resize and encode: {self._message.value.decode(errors='replace') or result}")
 
     def header(self, data: bytes) -> tuple[int, int]:
         """(width, height) of a JPEG."""

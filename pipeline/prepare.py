@@ -38,8 +38,7 @@ from .shards import ShardInfo, ShardPlan, TarShardWriter, file_sha256, plan_shar
 from .sources import ListingInfo, SourceItem, list_images, read_source_bytes
 from .specs import PrepareSpec
 from .storage import Output, device_info, faster_local_disk, free_bytes
-from .transcode import decode_source, transcoder
-from .transforms import augment_image, resize_image, resize_op, variant_rng
+from .transforms import augment_image, required_scale, resize_image, variant_rng
 
 WORK_DIR = ".gpufeed"
 CHUNK_ITEMS = 64  # images per pool task while many remain: few round trips through the pool
@@ -137,15 +136,14 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
     except (OSError, ValueError) as exc:
         outcome.reason = f"cannot read file: {getattr(exc, 'strerror', None) or exc}"
         return outcome
-    fast = transcoder(spec)
-    made = fast(data) if fast is not None else None
-    if made is not None:  # the same bytes as below, in one C call
-        payload, original_size, size = made
-        members = _members(key, item, spec, classes, original_size, size, None, [resize_op(spec.resize)], payload)
-        outcome.tars = [sample_tar_bytes(key, members)]
-        return outcome
     try:
-        decoded = decode_source(data, spec)
+        decoded = decode_image(
+            data,
+            scale_for=lambda w, h: required_scale(spec.resize, spec.augment, w, h),
+            max_pixels=spec.max_pixels,
+            background=spec.background,
+            padded=True,
+        )
         outcome.tars = [sample_tar_bytes(key, m) for m in _render_variants(decoded, key, item, spec, classes)]
     except DecodeError as exc:
         outcome.reason = exc.reason
@@ -157,6 +155,7 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
 def _render_variants(
     decoded: Any, key: str, item: SourceItem, spec: PrepareSpec, classes: dict[str, int]
 ) -> list[dict[str, bytes]]:
+    label = classes.get(item.label) if item.label is not None else None
     if spec.augment.variants and decoded.image.mode != "RGB":
         decoded.image = decoded.image.convert("RGB")  # the augmentations work on RGB
     members_per_set = []
@@ -168,43 +167,24 @@ def _render_variants(
         else:
             rng = variant_rng(spec.seed, key, variant)
             image, ops = augment_image(decoded.image, decoded.original_size, spec.resize, spec.augment, rng)
-        payload = encode_image(image, spec.encode)
-        members_per_set.append(
-            _members(key, item, spec, classes, decoded.original_size, image.size, variant, ops, payload)
-        )
+        meta = {
+            "key": key,
+            "source": item.url,
+            "label": item.label,
+            "original_size": list(decoded.original_size),
+            "size": list(image.size),
+            "variant": variant,
+            "seed": spec.seed,
+            "ops": ops,
+        }
+        members = {
+            spec.encode.extension: encode_image(image, spec.encode),
+            "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode("ascii"),
+        }
+        if label is not None:
+            members["cls"] = str(label).encode("ascii")
+        members_per_set.append(members)
     return members_per_set
-
-
-def _members(
-    key: str,
-    item: SourceItem,
-    spec: PrepareSpec,
-    classes: dict[str, int],
-    original_size: tuple[int, int],
-    size: tuple[int, int],
-    variant: int | None,
-    ops: list[dict[str, Any]],
-    payload: bytes,
-) -> dict[str, bytes]:
-    """One sample's tar members: the image, its provenance `.json` and, when labelled, its `.cls`."""
-    meta = {
-        "key": key,
-        "source": item.url,
-        "label": item.label,
-        "original_size": list(original_size),
-        "size": list(size),
-        "variant": variant,
-        "seed": spec.seed,
-        "ops": ops,
-    }
-    members = {
-        spec.encode.extension: payload,
-        "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode("ascii"),
-    }
-    label = classes.get(item.label) if item.label is not None else None
-    if label is not None:
-        members["cls"] = str(label).encode("ascii")
-    return members
 
 
 # ---------------------------------------------------------------------------
@@ -298,7 +278,6 @@ def _warm_codecs(spec: PrepareSpec) -> None:
     Image = _pil()
     sample = io.BytesIO()
     Image.new("RGB", (48, 32), (90, 120, 150)).save(sample, "JPEG", quality=90)
-    transcoder(spec)  # checks the one-call JPEG path once, for every worker
     # A warm-up only: a codec that fails here fails with its reason on the first real image.
     with contextlib.suppress(Exception):
         decoded = decode_image(sample.getvalue(), scale_for=lambda width, height: 1.0, padded=True)

@@ -1,10 +1,10 @@
 /*
  * Crop, resize and store: a decoded RGBX region -> one sample of the batch.
  *
- * gf_resize_store resamples a box of an RGBX image to the output size
- * (bilinear, bicubic or Lanczos) with exactly the arithmetic of the PIL in
- * use (Pillow's 22-bit coefficients, or Pillow-SIMD's 16-bit ones: `mode`),
- * so its pixels equal `Image.resize(size, filter, box)` bit for bit. Each output row goes
+ * gf_resize_store resamples a box of an RGBX image bilinearly to the output
+ * size with exactly the arithmetic of the PIL in use (Pillow's 22-bit
+ * coefficients, or Pillow-SIMD's 16-bit ones: `mode`), so its pixels equal
+ * `Image.resize(size, BILINEAR, box)` bit for bit. Each output row goes
  * straight from registers/L1 into the batch's layout (planar or interleaved,
  * uint8 or normalised float32, mirrored when asked): no intermediate image,
  * no paste, no second pass over memory. gf_crop_many plans, decodes and
@@ -120,20 +120,16 @@ static void gf_row_f32(const unsigned char *restrict row, int w, int flip, float
     }
 }
 
-/* Where and how rows go: uint8 (scale == NULL) or float32 output, element
- * strides; or, with `packed`, RGBX rows of stride_y bytes as they are (no flip). */
+/* Where and how rows go: uint8 (scale == NULL) or float32 output, element strides. */
 struct gf_target {
     void *out;
     long stride_c, stride_y, stride_x;
     int flip;
     const float *scale, *shift;
-    int packed;
 };
 
 static void gf_store_row(const struct gf_target *t, const unsigned char *row, int w, int y) {
-    if (t->packed) {
-        memcpy((unsigned char *)t->out + y * t->stride_y, row, (size_t)w * 4);
-    } else if (t->scale == NULL) {
+    if (t->scale == NULL) {
         gf_row_u8(row, w, t->flip, (unsigned char *)t->out + y * t->stride_y, t->stride_c, t->stride_x);
     } else {
         gf_row_f32(row, w, t->flip, (float *)t->out + y * t->stride_y, t->stride_c, t->stride_x, t->scale, t->shift);
@@ -153,7 +149,7 @@ static void gf_store_done(const struct gf_target *t) {
 /* RGBX pixels (w x h, rows packed) -> the output, uint8. */
 void gf_store_rgbx(const unsigned char *restrict src, int w, int h, int flip, unsigned char *restrict out,
                    long stride_c, long stride_y, long stride_x) {
-    struct gf_target t = {out, stride_c, stride_y, stride_x, flip, NULL, NULL, 0};
+    struct gf_target t = {out, stride_c, stride_y, stride_x, flip, NULL, NULL};
     int y;
     for (y = 0; y < h; y++) {
         gf_store_row(&t, src + (size_t)y * w * 4, w, y);
@@ -163,7 +159,7 @@ void gf_store_rgbx(const unsigned char *restrict src, int w, int h, int flip, un
 /* The same to float32, out = value * scale[c] + shift[c] (strides in floats). */
 void gf_store_rgbx_f32(const unsigned char *restrict src, int w, int h, int flip, float *restrict out, long stride_c,
                        long stride_y, long stride_x, const float *scale, const float *shift) {
-    struct gf_target t = {out, stride_c, stride_y, stride_x, flip, scale, shift, 0};
+    struct gf_target t = {out, stride_c, stride_y, stride_x, flip, scale, shift};
     int y;
     for (y = 0; y < h; y++) {
         gf_store_row(&t, src + (size_t)y * w * 4, w, y);
@@ -172,11 +168,7 @@ void gf_store_rgbx_f32(const unsigned char *restrict src, int w, int h, int flip
 }
 
 /* ------------------------------------------------------------------------ */
-/* Resampling coefficients, as PIL's Resample.c computes them               */
-
-#define GF_BILINEAR 0
-#define GF_BICUBIC 1
-#define GF_LANCZOS 2
+/* Bilinear coefficients, as PIL's Resample.c computes them                 */
 
 struct gf_axis {
     int ksize;     /* coefficients per output pixel (the rest zero) */
@@ -191,24 +183,6 @@ static double gf_triangle(double x) {
     return x < 1.0 ? 1.0 - x : 0.0;
 }
 
-static double gf_cubic(double x) { /* Keys, a = -0.5 */
-    x = x < 0.0 ? -x : x;
-    if (x < 1.0) {
-        return (1.5 * x - 2.5) * x * x + 1;
-    }
-    return x < 2.0 ? (((x - 5) * x + 8) * x - 4) * -0.5 : 0.0;
-}
-
-static double gf_sinc(double x) {
-    if (x == 0.0) {
-        return 1.0;
-    }
-    x = x * 3.14159265358979323846; /* M_PI */
-    return sin(x) / x;
-}
-
-static double gf_lanczos3(double x) { return -3.0 <= x && x < 3.0 ? gf_sinc(x) * gf_sinc(x / 3) : 0.0; }
-
 static void gf_axis_free(struct gf_axis *axis) {
     free(axis->first);
     free(axis->k);
@@ -217,11 +191,9 @@ static void gf_axis_free(struct gf_axis *axis) {
 }
 
 /* Weights for out_size pixels over [in0, in1) of in_size; 0, or -1 when out of memory. */
-static int gf_axis_make(struct gf_axis *axis, int in_size, float in0, float in1, int out_size, int mode, int filter) {
-    double (*kernel)(double) = filter == GF_LANCZOS ? gf_lanczos3 : (filter == GF_BICUBIC ? gf_cubic : gf_triangle);
-    double reach = filter == GF_LANCZOS ? 3.0 : (filter == GF_BICUBIC ? 2.0 : 1.0);
+static int gf_axis_make(struct gf_axis *axis, int in_size, float in0, float in1, int out_size, int mode) {
     double scale = (double)(in1 - in0) / out_size, filterscale = scale < 1.0 ? 1.0 : scale; /* PIL's box is float */
-    double support = reach * filterscale, ss = 1.0 / filterscale, maxkk = 0.0;
+    double support = filterscale, maxkk = 0.0;
     int ksize = (int)ceil(support) * 2 + 1, xx, x, precision;
     double *weights = malloc(sizeof(double) * (size_t)out_size * ksize);
 
@@ -240,7 +212,7 @@ static int gf_axis_make(struct gf_axis *axis, int in_size, float in0, float in1,
         xmin = xmin < 0 ? 0 : xmin;
         xmax = (xmax > in_size ? in_size : xmax) - xmin;
         for (x = 0; x < xmax; x++) {
-            w[x] = kernel((x + xmin - center + 0.5) * ss);
+            w[x] = gf_triangle((x + xmin - center + 0.5) / filterscale);
             total += w[x];
         }
         for (x = 0; x < xmax; x++) {
@@ -349,37 +321,16 @@ __attribute__((target("avx2"))) static inline __m256i gf_pixel_pairs(const unsig
     return _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1), spread);
 }
 
-/* Four pixels from `at` of two rows (one per lane). */
-__attribute__((target("avx2"))) static inline __m256i gf_load4(const unsigned char *a, const unsigned char *b,
-                                                                size_t at) {
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + at))),
-                                   _mm_loadu_si128((const __m128i *)(b + at)), 1);
-}
-
 /* One output pixel of four rows (two per register, one per lane), any number of weights. */
 __attribute__((target("avx2"))) static inline void gf_horizontal4_one(const unsigned char *const *in,
                                                                        unsigned char *const *out, int in_w,
                                                                        const struct gf_axis *a, const int32_t *k,
                                                                        int xx, size_t at) {
-    /* pixels 0, 1 and 2, 3 of four loaded -> 16-bit channel pairs */
-    const __m256i low = _mm256_setr_epi8(0, -1, 4, -1, 1, -1, 5, -1, 2, -1, 6, -1, 3, -1, 7, -1, 0, -1, 4, -1, 1, -1,
-                                         5, -1, 2, -1, 6, -1, 3, -1, 7, -1);
-    const __m256i high = _mm256_setr_epi8(8, -1, 12, -1, 9, -1, 13, -1, 10, -1, 14, -1, 11, -1, 15, -1, 8, -1, 12, -1,
-                                          9, -1, 13, -1, 10, -1, 14, -1, 11, -1, 15, -1);
     const __m256i half = _mm256_set1_epi32(1 << (a->precision - 1));
     const int first = a->first[xx], count = a->count[xx];
     __m256i s01 = half, s23 = half, packed;
     int t;
-    for (t = 0; t + 4 <= count; t += 4) { /* four weights from one load per row (first + count <= in_w) */
-        const size_t from = (size_t)(first + t) * 4;
-        const __m256i w0 = _mm256_set1_epi32(k[t / 2]), w1 = _mm256_set1_epi32(k[t / 2 + 1]);
-        const __m256i v01 = gf_load4(in[0], in[1], from), v23 = gf_load4(in[2], in[3], from);
-        s01 = _mm256_add_epi32(s01, _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(v01, low), w0),
-                                                     _mm256_madd_epi16(_mm256_shuffle_epi8(v01, high), w1)));
-        s23 = _mm256_add_epi32(s23, _mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(v23, low), w0),
-                                                     _mm256_madd_epi16(_mm256_shuffle_epi8(v23, high), w1)));
-    }
-    for (; t < count; t += 2) {
+    for (t = 0; t < count; t += 2) {
         const int two = first + t + 2 <= in_w;
         const __m256i w = _mm256_set1_epi32(k[t / 2]);
         s01 = _mm256_add_epi32(s01, _mm256_madd_epi16(gf_pixel_pairs(in[0], in[1], first + t, two), w));
@@ -394,15 +345,11 @@ __attribute__((target("avx2"))) static inline void gf_horizontal4_one(const unsi
     *(int32_t *)(out[3] + at) = _mm256_extract_epi32(packed, 5);
 }
 
-/* A wide filter (downscaling, Lanczos, bicubic): each output pixel on its own. */
-__attribute__((target("avx2"))) static void gf_horizontal4_wide(const unsigned char *const *in, unsigned char *const *out,
-                                                                 int in_w, int out_w, const struct gf_axis *a,
-                                                                 const int32_t *pairs, int flip) {
-    const int npairs = (a->ksize + 1) / 2;
-    int xx;
-    for (xx = 0; xx < out_w; xx++) {
-        gf_horizontal4_one(in, out, in_w, a, pairs + (size_t)xx * npairs, xx, (size_t)(flip ? out_w - 1 - xx : xx) * 4);
-    }
+/* Four pixels from `at` of two rows (one per lane). */
+__attribute__((target("avx2"))) static inline __m256i gf_load4(const unsigned char *a, const unsigned char *b,
+                                                                size_t at) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + at))),
+                                   _mm_loadu_si128((const __m128i *)(b + at)), 1);
 }
 
 /*
@@ -612,11 +559,7 @@ static int gf_horizontal_pass(const unsigned char *src, int w, int first_row, in
                 in[r] = src + (size_t)(first_row + yr) * w * 4;
                 out[r] = y + r < rows ? temp + (size_t)(y + r) * stride : scratch;
             }
-            if (across->ksize > 5) {
-                gf_horizontal4_wide(in, out, w, out_w, across, pairs, flip);
-            } else {
-                gf_horizontal4_avx2(in, out, w, out_w, across, pairs, flip);
-            }
+            gf_horizontal4_avx2(in, out, w, out_w, across, pairs, flip);
         }
         free(pairs);
         return 0;
@@ -634,11 +577,11 @@ static int gf_horizontal_pass(const unsigned char *src, int w, int first_row, in
 
 /*
  * box (x0, y0, x1, y1) of the RGBX image src (w x h, rows packed) -> out_w x
- * out_h with `filter` as PIL computes it in `mode`, each finished row stored
- * into `t`. Returns 0, or -1 when out of memory.
+ * out_h, bilinear as PIL computes it in `mode`, each finished row stored into
+ * `t`. Returns 0, or -1 when out of memory.
  */
 static int gf_resize_into(const unsigned char *src, int w, int h, const double *box, int out_w, int out_h, int mode,
-                          int filter, const struct gf_target *t, int allow_simd) {
+                          const struct gf_target *t, int allow_simd) {
     struct gf_axis across = {0}, down = {0};
     struct gf_target unflipped = *t;
     unsigned char *temp = NULL, *row = NULL;
@@ -653,8 +596,8 @@ static int gf_resize_into(const unsigned char *src, int w, int h, const double *
         gf_store_done(t);
         return 0;
     }
-    if (gf_axis_make(&across, w, box[0], box[2], out_w, mode, filter) != 0 ||
-        gf_axis_make(&down, h, box[1], box[3], out_h, mode, filter) != 0) {
+    if (gf_axis_make(&across, w, box[0], box[2], out_w, mode) != 0 ||
+        gf_axis_make(&down, h, box[1], box[3], out_h, mode) != 0) {
         goto done;
     }
     if (mode == GF_PILLOW && h - out_h > 0 && h - out_h > (w - out_w) * 2) {
@@ -683,19 +626,16 @@ static int gf_resize_into(const unsigned char *src, int w, int h, const double *
         unflipped.flip = 0; /* the horizontal pass mirrored the rows */
     }
     for (y = 0; y < out_h; y++) {
-        unsigned char *to = t->packed ? (unsigned char *)t->out + y * t->stride_y : row; /* packed: in place */
         int stored = 0;
 #ifdef GF_X86
         if (simd) {
-            stored = gf_vertical_avx2(temp, stride, to, out_w, &down, y, &unflipped, direct);
+            stored = gf_vertical_avx2(temp, stride, row, out_w, &down, y, &unflipped, direct);
         } else
 #endif
         {
-            gf_vertical_row(temp, stride, to, out_w * 4, &down, y);
+            gf_vertical_row(temp, stride, row, out_w * 4, &down, y);
         }
-        if (!t->packed) {
-            gf_store_tail(&unflipped, row, out_w, y, stored);
-        }
+        gf_store_tail(&unflipped, row, out_w, y, stored);
     }
     result = 0;
 finish:
@@ -708,19 +648,12 @@ done:
     return result;
 }
 
-/* box of the RGBX image src -> out_w x out_h packed RGBX rows at out (prepare's transcode). 0 or -1. */
-int gf_resize_rgbx(const unsigned char *src, int w, int h, const double *box, int out_w, int out_h, int mode,
-                   int filter, unsigned char *out) {
-    struct gf_target t = {out, 1, (long)out_w * 4, 4, 0, NULL, NULL, 1};
-    return gf_resize_into(src, w, h, box, out_w, out_h, mode, filter, &t, 1);
-}
-
 /* One image: exposed for tests, which compare it with PIL (allow_simd 0 forces the scalar kernels). */
 int gf_resize_store(const unsigned char *src, int w, int h, const double *box, int out_w, int out_h, int mode,
-                    int filter, int flip, void *out, long stride_c, long stride_y, long stride_x, const float *scale,
+                    int flip, void *out, long stride_c, long stride_y, long stride_x, const float *scale,
                     const float *shift, int allow_simd) {
-    struct gf_target t = {out, stride_c, stride_y, stride_x, flip, scale, shift, 0};
-    return gf_resize_into(src, w, h, box, out_w, out_h, mode, filter, &t, allow_simd);
+    struct gf_target t = {out, stride_c, stride_y, stride_x, flip, scale, shift};
+    return gf_resize_into(src, w, h, box, out_w, out_h, mode, &t, allow_simd);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -892,7 +825,7 @@ void gf_crop_many(int n, const unsigned char *const *data, const unsigned long *
     int i;
     for (i = 0; i < n; i++) {
         char *message = messages + (long)i * message_size;
-        struct gf_target t = {targets[i], stride_c, stride_y, stride_x, flips[i], scale, shift, 0};
+        struct gf_target t = {targets[i], stride_c, stride_y, stride_x, flips[i], scale, shift};
         int info[4], params[5], decoded[2];
         double box[4];
         unsigned long needed;
@@ -923,7 +856,7 @@ void gf_crop_many(int n, const unsigned char *const *data, const unsigned long *
         box[1] -= params[2];
         box[2] -= decoded[0];
         box[3] -= params[2];
-        if (gf_resize_into(buffer, decoded[1], params[4], box, s.out_w, s.out_h, mode, GF_BILINEAR, &t, 1) != 0) {
+        if (gf_resize_into(buffer, decoded[1], params[4], box, s.out_w, s.out_h, mode, &t, 1) != 0) {
             status[i] = -3;
         }
     }

@@ -49,32 +49,6 @@ def output_size(resize: ResizeSpec, width: int, height: int) -> tuple[int, int]:
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 
-def resize_box(
-    decoded_size: tuple[int, int], original_size: tuple[int, int], resize: ResizeSpec
-) -> tuple[tuple[int, int], tuple[float, float, float, float] | None]:
-    """What `resize_image` resamples: (output size, box of the decoded image), box None when it keeps the pixels.
-
-    `pad` is not applied here (it adds a border after the resize).
-    """
-    width, height = original_size
-    target_w, target_h = output_size(resize, width, height)
-    if resize.mode == "center-crop":
-        side = min(target_w, target_h)
-        # The square box in the decoded image's own coordinates.
-        box_side = min(decoded_size) * side / min(target_w, target_h)
-        left = (decoded_size[0] - box_side) / 2
-        top = (decoded_size[1] - box_side) / 2
-        return (side, side), (left, top, left + box_side, top + box_side)
-    if decoded_size == (target_w, target_h):
-        return decoded_size, None
-    return (target_w, target_h), (0.0, 0.0, float(decoded_size[0]), float(decoded_size[1]))
-
-
-def resize_op(resize: ResizeSpec) -> dict[str, Any]:
-    """The provenance record of a resize, as stored in each sample's `.json` ops."""
-    return {"op": "resize", "mode": resize.mode, "size": resize.size}
-
-
 def resize_image(img: Any, original_size: tuple[int, int], resize: ResizeSpec) -> tuple[Any, dict[str, Any]]:
     """Apply `resize.mode` to a decoded image.
 
@@ -86,10 +60,19 @@ def resize_image(img: Any, original_size: tuple[int, int], resize: ResizeSpec) -
     Returns:
         (image, op) where op records what was done, for provenance.
     """
-    op = resize_op(resize)
-    size, box = resize_box(img.size, original_size, resize)
-    if box is not None:
-        img = img.resize(size, _filter(resize), box=box)
+    width, height = original_size
+    target_w, target_h = output_size(resize, width, height)
+    op: dict[str, Any] = {"op": "resize", "mode": resize.mode, "size": resize.size}
+    if resize.mode == "center-crop":
+        side = min(target_w, target_h)
+        # The square box in the decoded image's own coordinates.
+        box_side = min(img.width, img.height) * side / min(target_w, target_h)
+        left = (img.width - box_side) / 2
+        top = (img.height - box_side) / 2
+        box = (left, top, left + box_side, top + box_side)
+        return img.resize((side, side), _filter(resize), box=box), op
+    if img.size != (target_w, target_h):
+        img = img.resize((target_w, target_h), _filter(resize))
     if resize.mode == "pad":
         img = _pad(img, resize.size)
     return img, op

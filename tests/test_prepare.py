@@ -415,24 +415,17 @@ def test_peak_memory_does_not_grow_with_image_count(tmp_path: Path) -> None:
 
 def test_a_decoder_crash_rejects_only_that_file(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker killed inside a C decoder (segfault, OOM kill) must not hang or fail the job."""
-    import pipeline.transcode
+    import pipeline.decode
 
     victim = sorted(raw.rglob("*.jpg"))[7]
-    real_decode, real_transcoder = pipeline.transcode.decode_source, pipeline.transcode.transcoder
+    real = pipeline.decode.decode_image
 
-    def crashing_decode(data: bytes, spec):
+    def crashing_decode(data: bytes, **kwargs: object):
         if data == victim.read_bytes():
             os._exit(139)
-        return real_decode(data, spec)
+        return real(data, **kwargs)
 
-    def crashing_transcoder(spec):  # the one-call JPEG path crashes on it too
-        fast = real_transcoder(spec)
-        if fast is None:
-            return None
-        return lambda data: crashing_decode(data, spec) if data == victim.read_bytes() else fast(data)
-
-    monkeypatch.setattr("pipeline.prepare.decode_source", crashing_decode)
-    monkeypatch.setattr("pipeline.prepare.transcoder", crashing_transcoder)
+    monkeypatch.setattr("pipeline.prepare.decode_image", crashing_decode)
     out = tmp_path / "out"
     result = prepare_dataset(spec_for(raw, out), workers=2)
     assert (result.samples, result.rejected) == (59, 1)

@@ -24,9 +24,9 @@ def cases(count: int, seed: int):
         yield rs.randint(0, 256, (h, w, 4)).astype(np.uint8), box, (int(rs.randint(1, 260)), int(rs.randint(1, 260)))
 
 
-def pil_resize(source: np.ndarray, box, size, resample: str = "bilinear") -> np.ndarray:
+def pil_resize(source: np.ndarray, box, size) -> np.ndarray:
     image = Image.frombuffer("RGBX", (source.shape[1], source.shape[0]), source, "raw", "RGBX", 0, 1)
-    return np.asarray(image.resize(size, getattr(Image.Resampling, resample.upper()), box))[:, :, :3]
+    return np.asarray(image.resize(size, Image.Resampling.BILINEAR, box))[:, :, :3]
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,12 @@ def test_the_pil_in_use_has_a_matching_mode():
 
 @needs_native
 @pytest.mark.parametrize("simd", [True, False])
-@pytest.mark.parametrize("resample", sorted(native.FILTERS))
-def test_resize_equals_pil_bit_for_bit(mode: int, simd: bool, resample: str):
-    # Lanczos and bicubic have negative weights: results below 0 and above 255 must clip as PIL's do.
+def test_resize_equals_pil_bit_for_bit(mode: int, simd: bool):
     decoder = crops._region_decoder()
     for source, box, size in cases(120, 3):
         ours = np.zeros((size[1], size[0], 3), np.uint8)
-        decoder.resize_store(source.ctypes.data, source.shape[1::-1], box, ours, mode, simd=simd, resample=resample)
-        assert np.array_equal(ours, pil_resize(source, box, size, resample)), (source.shape, box, size)
+        decoder.resize_store(source.ctypes.data, source.shape[1::-1], box, ours, mode, simd=simd)
+        assert np.array_equal(ours, pil_resize(source, box, size)), (source.shape, box, size)
 
 
 @needs_native
