@@ -14,7 +14,9 @@ warm) with the same number of processes:
                baselines venv's python (benchmarks/setup_baselines.sh).
   floor        no I/O, no tar, bytes in memory: one process's per-image cost of
                the fastest decode + resize + encode path among the candidates
-               below, times N. No prepare can beat it on this machine.
+               (floor_candidates: simplejpeg or PIL decodes + PIL resize + save,
+               and gpufeed's own two paths), times N. No prepare can beat it
+               on this machine.
 
 Every row runs --rounds times (>= 2), alternating, and the best run counts:
 the machine is shared and noisy, and noise only ever slows a run down.
@@ -219,7 +221,8 @@ def floor_candidates() -> dict[str, Callable[[bytes], tuple[int, int]]]:
 
     from pipeline.decode import decode_image
     from pipeline.encode import encode_image
-    from pipeline.specs import AugmentSpec, EncodeSpec, ResizeSpec
+    from pipeline.specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec
+    from pipeline.transcode import applies, transcode_jpeg
     from pipeline.transforms import required_scale, resize_image
 
     lanczos = Image.Resampling.LANCZOS
@@ -276,13 +279,26 @@ def floor_candidates() -> dict[str, Callable[[bytes], tuple[int, int]]]:
         encode_image(img, encode_spec)
         return img.size  # type: ignore[no-any-return]
 
-    return {
+    prepare_spec = PrepareSpec(source="-", out="-", resize=resize_spec, encode=encode_spec)
+
+    def gpufeed_ycc(data: bytes) -> tuple[int, int]:
+        made = transcode_jpeg(data, prepare_spec)
+        if made is None:
+            raise RuntimeError("pipeline.transcode did not take a demo JPEG")
+        return made[2]
+
+    candidates = {
         "simplejpeg scaled decode + PIL resize + save": simplejpeg_scaled,
         "simplejpeg scaled decode to RGBX (no copy) + PIL resize + save": simplejpeg_rgbx,
         "PIL draft + resize + save": pil_draft,
         "gpufeed decode_image + resize_image + encode_image": gpufeed_functions,
         "PIL full decode + resize + save": pil_full,
     }
+    if applies(prepare_spec):  # it needs the native library (a C compiler and libjpeg headers)
+        candidates["gpufeed YCbCr path: 4:2:0 planes decoded, resized and encoded in C (pipeline.transcode)"] = (
+            gpufeed_ycc
+        )
+    return candidates
 
 
 def run_floor(paths: list[str], processes: int) -> Run:

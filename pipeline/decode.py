@@ -103,7 +103,7 @@ class DecodedImage:
     format: str
 
 
-def open_image(data: bytes, *, max_pixels: int = 89_478_485) -> Any:
+def open_image(data: bytes, *, max_pixels: int = 89_478_485, formats: tuple[str, ...] | None = None) -> Any:
     """Open image bytes with PIL after the checks every decoder needs, without decoding pixels.
 
     Only DECODE_FORMATS are tried, and images over `max_pixels` are refused
@@ -113,6 +113,8 @@ def open_image(data: bytes, *, max_pixels: int = 89_478_485) -> Any:
     Args:
         data: the whole file.
         max_pixels: refuse images with more pixels than this (bombs).
+        formats: try only these PIL formats (default: every one gpufeed
+            decodes, which imports all of Pillow's plugins on first use).
 
     Returns:
         A lazily loaded PIL image (call ``load()`` to decode).
@@ -124,7 +126,7 @@ def open_image(data: bytes, *, max_pixels: int = 89_478_485) -> Any:
         raise DecodeError("empty file (0 bytes)")
     Image = _pil()
     try:
-        img = Image.open(io.BytesIO(data), formats=_decode_formats(Image))
+        img = Image.open(io.BytesIO(data), formats=formats or _decode_formats(Image))
     except Image.UnidentifiedImageError:
         raise DecodeError(_unidentified_reason(data, Image)) from None
     except Exception as exc:  # PIL raises many types for broken headers
@@ -313,7 +315,14 @@ def _high_depth_to_rgb(img: Any, Image: Any) -> Any:
     return Image.fromarray(gray).convert("RGB")
 
 
+# Where Pillow's getexif() finds an orientation besides a TIFF's own tags: an
+# Exif block (PNG: as hex text), else XMP.
+_ORIENTATION_SOURCES = ("exif", "Raw profile type exif", "xmp", "XML:com.adobe.xmp")
+
+
 def _orientation(img: Any) -> int:
+    if not hasattr(img, "tag_v2") and not any(key in img.info for key in _ORIENTATION_SOURCES):
+        return 1  # nothing to read: skips getexif(), whose first call imports Pillow's TIFF code (~20 ms)
     try:
         value = img.getexif().get(_ORIENTATION_TAG, 1)
     except Exception:  # broken EXIF must not lose an otherwise good image

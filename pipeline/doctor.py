@@ -173,7 +173,11 @@ def probe_region_decoder() -> dict[str, Any]:
         mode = resample_mode()
         resize = {native.PILLOW: "Pillow's", native.PILLOW_SIMD: "Pillow-SIMD's"}.get(mode) if mode is not None else None
         info["resize"] = f"in C, with {resize} arithmetic" if resize else "in PIL (no C mode matches its arithmetic)"
-        info["version"] = f"(libjpeg-turbo, built here; the loader's JPEG decoder; resizes {info['resize']})"
+        info["prepare"] = _probe_ycc_path()
+        info["version"] = (
+            f"(libjpeg-turbo, built here; the loader's JPEG decoder, resizing {info['resize']}; "
+            f"prepare's JPEG-to-JPEG path: {info['prepare']})"
+        )
     except Exception as exc:  # a broken build is reported, not raised
         info["error"] = str(exc)[:200]
     return info
@@ -486,6 +490,15 @@ def _probe_torchvision(cuda_available: bool) -> dict[str, Any]:
             info["nvjpeg"] = False
             info["nvjpeg_error"] = _describe(exc)
     return info
+
+
+def _probe_ycc_path() -> str:
+    """Whether prepare's YCbCr path (transcode.py) turns a 4:2:0 JPEG into one here."""
+    from .specs import PrepareSpec, ResizeSpec
+    from .transcode import transcode_jpeg
+
+    made = transcode_jpeg(_tiny_jpeg(), PrepareSpec(source="-", out="-", resize=ResizeSpec(size=8)))
+    return "YCbCr planes in C" if made is not None and made[2] == (8, 8) else "RGB through PIL (the C path failed)"
 
 
 def _tiny_jpeg() -> bytes:

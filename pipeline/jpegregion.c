@@ -24,53 +24,13 @@
 
 #include <jpeglib.h>
 
+#include "jpegcommon.h"
+
 #define GF_ROWS 16
 #define GF_UNSUPPORTED -2
 
-struct gf_error {
-    struct jpeg_error_mgr pub;
-    jmp_buf jump;
-    char *message;
-    int message_size;
-    int warned;
-};
-
-/* Keep libjpeg's text for the message it is about to act on. */
-static void gf_keep_message(j_common_ptr cinfo) {
-    struct gf_error *error = (struct gf_error *)cinfo->err;
-    char text[JMSG_LENGTH_MAX];
-    (*cinfo->err->format_message)(cinfo, text);
-    if (error->message != NULL && error->message_size > 0) {
-        snprintf(error->message, (size_t)error->message_size, "%s", text);
-    }
-}
-
-static void gf_error_exit(j_common_ptr cinfo) {
-    gf_keep_message(cinfo);
-    longjmp(((struct gf_error *)cinfo->err)->jump, 1);
-}
-
-/* Warnings mean corrupt data that libjpeg would paper over with grey: the
- * first one is kept and the decode reported as failed. Trace messages are
- * dropped. */
-static void gf_emit_message(j_common_ptr cinfo, int level) {
-    struct gf_error *error = (struct gf_error *)cinfo->err;
-    if (level < 0 && !error->warned) {
-        gf_keep_message(cinfo);
-        error->warned = 1;
-    }
-}
-
 static void gf_setup(struct jpeg_decompress_struct *cinfo, struct gf_error *error, char *message, int size) {
-    cinfo->err = jpeg_std_error(&error->pub);
-    error->pub.error_exit = gf_error_exit;
-    error->pub.emit_message = gf_emit_message;
-    error->message = message;
-    error->message_size = size;
-    error->warned = 0;
-    if (message != NULL && size > 0) {
-        message[0] = '\0';
-    }
+    cinfo->err = gf_error_init(error, message, size);
 }
 
 /* info: width, height, components, colour space (J_COLOR_SPACE). 0 or -1. */

@@ -1,4 +1,6 @@
-"""The region JPEG decoder (`jpegregion.c`), compiled on first use and called through ctypes.
+"""The native code, compiled on first use and called through ctypes: the loader's
+region JPEG decoder (`jpegregion.c`, `resample.c`) and prepare's YCbCr JPEG
+path (`ycc.c`).
 
 It needs a C compiler and libjpeg-turbo's headers (`libjpeg62-turbo-dev` or
 `libjpeg-turbo8-dev`, which setup also installs to build Pillow-SIMD). The
@@ -6,8 +8,9 @@ library is built once per source version into the user cache
 ($GPUFEED_CACHE, else $XDG_CACHE_HOME/gpufeed, else ~/.cache/gpufeed), under
 a name holding the source hash, and renamed into place atomically, so
 concurrent first uses do not clash. Without a compiler or headers the loader
-keeps decoding whole images with simplejpeg or Pillow; `gpufeed doctor`
-says which is in use and why.
+keeps decoding whole images with simplejpeg or Pillow and prepare takes its
+ordinary decode, resize and encode path; `gpufeed doctor` says which is in
+use and why.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-SOURCES = (Path(__file__).with_name("jpegregion.c"), Path(__file__).with_name("resample.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("jpegregion.c", "resample.c", "ycc.c"))
+HEADERS = (Path(__file__).with_name("jpegcommon.h"),)
 _MESSAGE_SIZE = 200
 
 _lock = threading.Lock()
@@ -64,7 +68,7 @@ def problem() -> str | None:
 
 
 def _build() -> Path:
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:16]
     target = cache_dir() / f"jpegregion-{platform.machine() or 'cpu'}-{digest}.so"
     if target.exists():
         return target
@@ -135,6 +139,21 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gf_crop_many.restype = None
     lib.gf_plan_many.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8
     lib.gf_plan_many.restype = None
+    lib.gf_plane_resize.argtypes = [
+        ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    lib.gf_plane_resize.restype = ctypes.c_int
+    lib.gf_plane_orient.argtypes = [
+        ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
+    ]  # fmt: skip
+    lib.gf_plane_orient.restype = ctypes.c_int
+    lib.gf_ycc_transcode.argtypes = [
+        ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_char_p,
+        ctypes.c_int,
+    ]  # fmt: skip
+    lib.gf_ycc_transcode.restype = ctypes.c_long
     return lib
 
 

@@ -168,7 +168,11 @@ void gf_store_rgbx_f32(const unsigned char *restrict src, int w, int h, int flip
 }
 
 /* ------------------------------------------------------------------------ */
-/* Bilinear coefficients, as PIL's Resample.c computes them                 */
+/* Filter coefficients, as PIL's Resample.c computes them                  */
+
+#define GF_BILINEAR 0
+#define GF_BICUBIC 1
+#define GF_LANCZOS 2
 
 struct gf_axis {
     int ksize;     /* coefficients per output pixel (the rest zero) */
@@ -183,6 +187,46 @@ static double gf_triangle(double x) {
     return x < 1.0 ? 1.0 - x : 0.0;
 }
 
+static double gf_cubic(double x) { /* Keys, a = -0.5 */
+    x = x < 0.0 ? -x : x;
+    if (x < 1.0) {
+        return (1.5 * x - 2.5) * x * x + 1;
+    }
+    return x < 2.0 ? (((x - 5) * x + 8) * x - 4) * -0.5 : 0.0;
+}
+
+static double gf_sinc(double x) {
+    if (x == 0.0) {
+        return 1.0;
+    }
+    x = x * 3.14159265358979323846; /* M_PI */
+    return sin(x) / x;
+}
+
+/* Lanczos-3 from a table of 1024 steps per unit, linearly interpolated (error
+ * under 2e-6, far below the 16-bit weights): two sin() per tap cost more than
+ * the plane resize itself. Filled when the library loads. */
+#define GF_LANCZOS_STEPS 1024
+static double gf_lanczos_table[3 * GF_LANCZOS_STEPS + 2];
+
+__attribute__((constructor)) static void gf_lanczos_fill(void) {
+    for (int i = 0; i <= 3 * GF_LANCZOS_STEPS + 1; i++) {
+        double x = (double)i / GF_LANCZOS_STEPS;
+        gf_lanczos_table[i] = x < 3.0 ? gf_sinc(x) * gf_sinc(x / 3) : 0.0;
+    }
+}
+
+static double gf_lanczos3(double x) {
+    x = x < 0.0 ? -x : x;
+    if (x >= 3.0) {
+        return 0.0;
+    }
+    double position = x * GF_LANCZOS_STEPS;
+    int i = (int)position;
+    double fraction = position - i;
+    return gf_lanczos_table[i] + (gf_lanczos_table[i + 1] - gf_lanczos_table[i]) * fraction;
+}
+
 static void gf_axis_free(struct gf_axis *axis) {
     free(axis->first);
     free(axis->k);
@@ -191,9 +235,11 @@ static void gf_axis_free(struct gf_axis *axis) {
 }
 
 /* Weights for out_size pixels over [in0, in1) of in_size; 0, or -1 when out of memory. */
-static int gf_axis_make(struct gf_axis *axis, int in_size, float in0, float in1, int out_size, int mode) {
+static int gf_axis_make(struct gf_axis *axis, int in_size, float in0, float in1, int out_size, int mode, int filter) {
+    double (*kernel)(double) = filter == GF_LANCZOS ? gf_lanczos3 : (filter == GF_BICUBIC ? gf_cubic : gf_triangle);
+    double reach = filter == GF_LANCZOS ? 3.0 : (filter == GF_BICUBIC ? 2.0 : 1.0);
     double scale = (double)(in1 - in0) / out_size, filterscale = scale < 1.0 ? 1.0 : scale; /* PIL's box is float */
-    double support = filterscale, maxkk = 0.0;
+    double support = reach * filterscale, ss = 1.0 / filterscale, maxkk = 0.0;
     int ksize = (int)ceil(support) * 2 + 1, xx, x, precision;
     double *weights = malloc(sizeof(double) * (size_t)out_size * ksize);
 
@@ -212,7 +258,7 @@ static int gf_axis_make(struct gf_axis *axis, int in_size, float in0, float in1,
         xmin = xmin < 0 ? 0 : xmin;
         xmax = (xmax > in_size ? in_size : xmax) - xmin;
         for (x = 0; x < xmax; x++) {
-            w[x] = gf_triangle((x + xmin - center + 0.5) / filterscale);
+            w[x] = kernel((x + xmin - center + 0.5) * ss);
             total += w[x];
         }
         for (x = 0; x < xmax; x++) {
@@ -596,8 +642,8 @@ static int gf_resize_into(const unsigned char *src, int w, int h, const double *
         gf_store_done(t);
         return 0;
     }
-    if (gf_axis_make(&across, w, box[0], box[2], out_w, mode) != 0 ||
-        gf_axis_make(&down, h, box[1], box[3], out_h, mode) != 0) {
+    if (gf_axis_make(&across, w, box[0], box[2], out_w, mode, GF_BILINEAR) != 0 ||
+        gf_axis_make(&down, h, box[1], box[3], out_h, mode, GF_BILINEAR) != 0) {
         goto done;
     }
     if (mode == GF_PILLOW && h - out_h > 0 && h - out_h > (w - out_w) * 2) {
@@ -654,6 +700,276 @@ int gf_resize_store(const unsigned char *src, int w, int h, const double *box, i
                     const float *shift, int allow_simd) {
     struct gf_target t = {out, stride_c, stride_y, stride_x, flip, scale, shift};
     return gf_resize_into(src, w, h, box, out_w, out_h, mode, &t, allow_simd);
+}
+
+/* ------------------------------------------------------------------------ */
+/* One 8-bit plane (prepare's YCbCr path, ycc.c)                            */
+/*
+ * Pillow-SIMD resizes 8-bit planes ("L") with scalar code, about 3.5 times
+ * slower per pixel than RGBX. Here both passes run down columns, where every
+ * output row is a weighted sum of whole input rows and the compiler
+ * vectorises the inner loop: the vertical pass directly, the horizontal one
+ * between two transposes. Weights are Pillow-SIMD's (16-bit), and the
+ * intermediate rows are rounded to 8 bits between the passes, as in Pillow.
+ */
+
+/* out row yy = the weighted sum of in rows a->first[yy] .. + a->count[yy], `bytes` columns. */
+static inline __attribute__((always_inline)) void gf_rows_body(const unsigned char *in, long in_stride,
+                                                               unsigned char *out, long out_stride, int bytes,
+                                                               int out_rows, const struct gf_axis *a, int32_t *acc) {
+    const int32_t half = 1 << (a->precision - 1);
+    for (int yy = 0; yy < out_rows; yy++) {
+        const int32_t *k = a->k + (size_t)yy * a->ksize;
+        const unsigned char *rows = in + (size_t)a->first[yy] * in_stride;
+        unsigned char *target = out + (size_t)yy * out_stride;
+        for (int x = 0; x < bytes; x++) {
+            acc[x] = half;
+        }
+        for (int t = 0; t < a->count[yy]; t++) {
+            const unsigned char *row = rows + (size_t)t * in_stride;
+            const int32_t weight = k[t];
+            for (int x = 0; x < bytes; x++) {
+                acc[x] += row[x] * weight;
+            }
+        }
+        for (int x = 0; x < bytes; x++) {
+            int32_t v = acc[x] >> a->precision;
+            target[x] = (unsigned char)(v < 0 ? 0 : (v > 255 ? 255 : v));
+        }
+    }
+}
+
+static void gf_rows_plain(const unsigned char *in, long in_stride, unsigned char *out, long out_stride, int bytes,
+                          int out_rows, const struct gf_axis *a, int32_t *acc) {
+    gf_rows_body(in, in_stride, out, out_stride, bytes, out_rows, a, acc);
+}
+
+#ifdef GF_X86
+/*
+ * The same, 32 columns at a time in registers: two input rows' bytes are
+ * interleaved as 16-bit pairs and multiplied by the two rows' weights in one
+ * vpmaddwd (exact in 32 bits). The unpacks work within 128-bit lanes and the
+ * packs undo their order, so the 32 bytes come out in place.
+ */
+__attribute__((target("avx2"))) static void gf_rows_avx2(const unsigned char *in, long in_stride, unsigned char *out,
+                                                        long out_stride, int bytes, int out_rows,
+                                                        const struct gf_axis *a, int32_t *acc) {
+    const __m256i zero = _mm256_setzero_si256();
+    const int32_t half = 1 << (a->precision - 1);
+    for (int yy = 0; yy < out_rows; yy++) {
+        const int32_t *k = a->k + (size_t)yy * a->ksize;
+        const unsigned char *rows = in + (size_t)a->first[yy] * in_stride;
+        unsigned char *target = out + (size_t)yy * out_stride;
+        const int count = a->count[yy];
+        int x = 0;
+        for (; x + 32 <= bytes; x += 32) {
+            __m256i s0 = _mm256_set1_epi32(half), s1 = s0, s2 = s0, s3 = s0;
+            for (int t = 0; t < count; t += 2) {
+                const __m256i p = _mm256_loadu_si256((const __m256i *)(rows + (size_t)t * in_stride + x));
+                __m256i q = zero;
+                uint32_t pair = (uint16_t)k[t];
+                if (t + 1 < count) {
+                    q = _mm256_loadu_si256((const __m256i *)(rows + (size_t)(t + 1) * in_stride + x));
+                    pair |= (uint32_t)(uint16_t)k[t + 1] << 16;
+                }
+                const __m256i w = _mm256_set1_epi32((int32_t)pair);
+                const __m256i p_lo = _mm256_unpacklo_epi8(p, zero), p_hi = _mm256_unpackhi_epi8(p, zero);
+                const __m256i q_lo = _mm256_unpacklo_epi8(q, zero), q_hi = _mm256_unpackhi_epi8(q, zero);
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi16(p_lo, q_lo), w));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi16(p_lo, q_lo), w));
+                s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_unpacklo_epi16(p_hi, q_hi), w));
+                s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_unpackhi_epi16(p_hi, q_hi), w));
+            }
+            const __m128i shift = _mm_cvtsi32_si128(a->precision);
+            s0 = _mm256_sra_epi32(s0, shift);
+            s1 = _mm256_sra_epi32(s1, shift);
+            s2 = _mm256_sra_epi32(s2, shift);
+            s3 = _mm256_sra_epi32(s3, shift);
+            const __m256i packed = _mm256_packus_epi16(_mm256_packs_epi32(s0, s1), _mm256_packs_epi32(s2, s3));
+            _mm256_storeu_si256((__m256i *)(target + x), packed);
+        }
+        for (; x < bytes; x++) {
+            int32_t sum = half;
+            for (int t = 0; t < count; t++) {
+                sum += rows[(size_t)t * in_stride + x] * k[t];
+            }
+            target[x] = gf_clip8(sum, a->precision);
+        }
+    }
+    (void)acc;
+}
+#endif
+
+static void gf_rows(const unsigned char *in, long in_stride, unsigned char *out, long out_stride, int bytes,
+                    int out_rows, const struct gf_axis *a, int32_t *acc, int allow_simd) {
+#ifdef GF_X86
+    if (allow_simd && gf_has_avx2()) {
+        gf_rows_avx2(in, in_stride, out, out_stride, bytes, out_rows, a, acc);
+        return;
+    }
+#else
+    (void)allow_simd;
+#endif
+    gf_rows_plain(in, in_stride, out, out_stride, bytes, out_rows, a, acc);
+}
+
+#if defined(GF_X86) || defined(__SSE2__)
+/* One 16 x 16 tile, four rounds of interleaving (SSE2, in every x86-64). */
+static void gf_transpose_tile(const unsigned char *in, long in_stride, unsigned char *out, long out_stride) {
+    __m128i r[16], t[16];
+    for (int i = 0; i < 16; i++) {
+        r[i] = _mm_loadu_si128((const __m128i *)(in + (size_t)i * in_stride));
+    }
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm_unpacklo_epi8(r[i], r[i + 8]);
+        t[2 * i + 1] = _mm_unpackhi_epi8(r[i], r[i + 8]);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[2 * i] = _mm_unpacklo_epi8(t[i], t[i + 8]);
+        r[2 * i + 1] = _mm_unpackhi_epi8(t[i], t[i + 8]);
+    }
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm_unpacklo_epi8(r[i], r[i + 8]);
+        t[2 * i + 1] = _mm_unpackhi_epi8(r[i], r[i + 8]);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[2 * i] = _mm_unpacklo_epi8(t[i], t[i + 8]);
+        r[2 * i + 1] = _mm_unpackhi_epi8(t[i], t[i + 8]);
+    }
+    for (int i = 0; i < 16; i++) {
+        _mm_storeu_si128((__m128i *)(out + (size_t)i * out_stride), r[i]);
+    }
+}
+#endif
+
+/* out (w rows of h) = in (h rows of w) transposed, in 16 x 16 tiles. */
+static void gf_transpose(const unsigned char *in, long in_stride, int w, int h, unsigned char *out, long out_stride) {
+    for (int y0 = 0; y0 < h; y0 += 16) {
+        int y1 = y0 + 16 < h ? y0 + 16 : h;
+        for (int x0 = 0; x0 < w; x0 += 16) {
+            int x1 = x0 + 16 < w ? x0 + 16 : w;
+#if defined(GF_X86) || defined(__SSE2__)
+            if (y1 - y0 == 16 && x1 - x0 == 16) {
+                gf_transpose_tile(in + (size_t)y0 * in_stride + x0, in_stride, out + (size_t)x0 * out_stride + y0,
+                                  out_stride);
+                continue;
+            }
+#endif
+            for (int x = x0; x < x1; x++) {
+                unsigned char *target = out + (size_t)x * out_stride;
+                for (int y = y0; y < y1; y++) {
+                    target[y] = in[(size_t)y * in_stride + x];
+                }
+            }
+        }
+    }
+}
+
+/*
+ * box (x0, y0, x1, y1) of the 8-bit plane src (w x h) -> out (out_w x
+ * out_h) with `filter` (GF_BILINEAR, GF_BICUBIC, GF_LANCZOS); the box may
+ * reach past the plane, whose edge pixels then weigh more, as in Pillow.
+ * Returns 0, or -1 when out of memory or the sizes are not positive.
+ */
+int gf_plane_resize(const unsigned char *src, long src_stride, int w, int h, const double *box, unsigned char *out,
+                    long out_stride, int out_w, int out_h, int filter, int allow_simd) {
+    struct gf_axis across = {0}, down = {0};
+    unsigned char *rows = NULL, *columns = NULL, *resized = NULL;
+    int32_t *acc = NULL;
+    int result = -1;
+
+    if (w < 1 || h < 1 || out_w < 1 || out_h < 1) {
+        return -1;
+    }
+    if (box[0] == floor(box[0]) && box[1] == floor(box[1]) && box[2] - box[0] == out_w && box[3] - box[1] == out_h &&
+        box[0] >= 0 && box[1] >= 0 && box[2] <= w && box[3] <= h) { /* an exact crop: copy, as Pillow does */
+        for (int y = 0; y < out_h; y++) {
+            memcpy(out + (size_t)y * out_stride, src + (size_t)((int)box[1] + y) * src_stride + (int)box[0],
+                   (size_t)out_w);
+        }
+        return 0;
+    }
+    if (gf_axis_make(&across, w, (float)box[0], (float)box[2], out_w, GF_PILLOW_SIMD, filter) != 0 ||
+        gf_axis_make(&down, h, (float)box[1], (float)box[3], out_h, GF_PILLOW_SIMD, filter) != 0) {
+        goto done;
+    }
+    /* Only the columns the horizontal pass reads go through the vertical one. */
+    int left = w, right = 0;
+    for (int x = 0; x < out_w; x++) {
+        if (across.count[x] > 0) {
+            left = across.first[x] < left ? across.first[x] : left;
+            right = across.first[x] + across.count[x] > right ? across.first[x] + across.count[x] : right;
+        }
+    }
+    if (right <= left) {
+        left = 0;
+        right = 1;
+    }
+    for (int x = 0; x < out_w; x++) {
+        across.first[x] = across.count[x] > 0 ? across.first[x] - left : 0;
+    }
+    int span = right - left, longest = span > out_w ? span : out_w;
+    rows = malloc((size_t)out_h * span);
+    columns = malloc((size_t)span * out_h);
+    resized = malloc((size_t)out_w * out_h);
+    acc = malloc(sizeof(int32_t) * (size_t)(longest > out_h ? longest : out_h));
+    if (rows == NULL || columns == NULL || resized == NULL || acc == NULL) {
+        goto done;
+    }
+    gf_rows(src + left, src_stride, rows, span, span, out_h, &down, acc, allow_simd);
+    gf_transpose(rows, span, span, out_h, columns, out_h);
+    gf_rows(columns, out_h, resized, out_h, out_h, out_w, &across, acc, allow_simd);
+    gf_transpose(resized, out_h, out_h, out_w, out, out_stride);
+    result = 0;
+done:
+    free(rows);
+    free(columns);
+    free(resized);
+    free(acc);
+    gf_axis_free(&across);
+    gf_axis_free(&down);
+    return result;
+}
+
+/*
+ * The w x h plane src turned upright for EXIF orientation 1..8, into out
+ * (h x w for 5..8), as Pillow's transpose methods do: 2 mirror, 3 rotate
+ * 180, 4 flip, 5 transpose, 6 rotate 90 clockwise, 7 transverse, 8 rotate
+ * 90 counter-clockwise. Returns 0, or -1 when out of memory.
+ */
+int gf_plane_orient(const unsigned char *src, long src_stride, int w, int h, int orientation, unsigned char *out,
+                    long out_stride) {
+    const unsigned char *from = src;
+    unsigned char *turned = NULL;
+    long from_stride = src_stride;
+    int ow = w, oh = h;
+    if (orientation >= 5 && orientation <= 8) {
+        turned = malloc((size_t)w * h);
+        if (turned == NULL) {
+            return -1;
+        }
+        gf_transpose(src, src_stride, w, h, turned, h);
+        from = turned;
+        from_stride = h;
+        ow = h;
+        oh = w;
+    }
+    /* After the transpose: 6 mirrors, 7 mirrors and flips, 8 flips. */
+    int mirror = orientation == 2 || orientation == 3 || orientation == 6 || orientation == 7;
+    int flip = orientation == 3 || orientation == 4 || orientation == 7 || orientation == 8;
+    for (int y = 0; y < oh; y++) {
+        const unsigned char *row = from + (size_t)(flip ? oh - 1 - y : y) * from_stride;
+        unsigned char *target = out + (size_t)y * out_stride;
+        if (mirror) {
+            for (int x = 0; x < ow; x++) {
+                target[x] = row[ow - 1 - x];
+            }
+        } else {
+            memcpy(target, row, (size_t)ow);
+        }
+    }
+    free(turned);
+    return 0;
 }
 
 /* ------------------------------------------------------------------------ */

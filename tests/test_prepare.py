@@ -416,16 +416,20 @@ def test_peak_memory_does_not_grow_with_image_count(tmp_path: Path) -> None:
 def test_a_decoder_crash_rejects_only_that_file(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker killed inside a C decoder (segfault, OOM kill) must not hang or fail the job."""
     import pipeline.decode
+    import pipeline.transcode
 
     victim = sorted(raw.rglob("*.jpg"))[7]
-    real = pipeline.decode.decode_image
 
-    def crashing_decode(data: bytes, **kwargs: object):
-        if data == victim.read_bytes():
-            os._exit(139)
-        return real(data, **kwargs)
+    def crashing(real):  # both decode paths: the YCbCr one (JPEGs) and the ordinary one
+        def decode(data: bytes, *args: object, **kwargs: object):
+            if data == victim.read_bytes():
+                os._exit(139)
+            return real(data, *args, **kwargs)
 
-    monkeypatch.setattr("pipeline.prepare.decode_image", crashing_decode)
+        return decode
+
+    monkeypatch.setattr("pipeline.prepare.decode_image", crashing(pipeline.decode.decode_image))
+    monkeypatch.setattr("pipeline.prepare.transcode_jpeg", crashing(pipeline.transcode.transcode_jpeg))
     out = tmp_path / "out"
     result = prepare_dataset(spec_for(raw, out), workers=2)
     assert (result.samples, result.rejected) == (59, 1)
