@@ -80,18 +80,36 @@ static void gf_ycc_basis(struct gf_ycc_state *state, int m) {
 }
 
 /*
- * The M-point IDCT of a block's lowest M x M coefficients, in 64-bit fixed
- * point (corrupt data can hold any 16-bit coefficient). Output goes to
- * rows 0..M-1 of the 2M-row cell, at column output_col / 2.
+ * The M-point IDCT of a block's lowest M x M coefficients, in fixed point
+ * (64-bit products: corrupt data can hold any 16-bit coefficient). Output
+ * goes to rows 0..M-1 of the 2M-row cell, at column output_col / 2. Inlined
+ * for each M so that the loops unroll; a block with only a DC term (most
+ * chroma blocks) takes the same arithmetic without the zero terms.
  */
-static void gf_idct_compact(j_decompress_ptr cinfo, jpeg_component_info *compptr, JCOEFPTR coef,
-                            JSAMPARRAY output_buf, JDIMENSION output_col) {
-    const struct gf_ycc_state *state = (const struct gf_ycc_state *)cinfo->client_data;
-    const UINT16 *quant = compptr->quant_table->quantval;
-    const int m = state->m;
+static inline __attribute__((always_inline)) void gf_idct_m(const int32_t (*basis)[8], const UINT16 *quant,
+                                                            JCOEFPTR coef, JSAMPARRAY output_buf, JDIMENSION col,
+                                                            const int m) {
     int64_t workspace[8][8]; /* [v][x] */
-    JDIMENSION col = output_col / 2;
-
+    const int64_t round1 = 1 << (GF_CONST_BITS - GF_PASS1_BITS - 1);
+    const int64_t round2 = (int64_t)1 << (GF_CONST_BITS + GF_PASS1_BITS - 1);
+    int ac = 0;
+    for (int v = 0; v < m; v++) {
+        for (int u = 0; u < m; u++) {
+            ac |= (u | v) != 0 && coef[v * DCTSIZE + u] != 0;
+        }
+    }
+    if (!ac) {
+        int64_t dc = (int64_t)coef[0] * quant[0];
+        int64_t first = (dc * basis[0][0] + round1) >> (GF_CONST_BITS - GF_PASS1_BITS);
+        int64_t value = ((first * basis[0][0] + round2) >> (GF_CONST_BITS + GF_PASS1_BITS)) + CENTERJSAMPLE;
+        JSAMPLE sample = (JSAMPLE)(value < 0 ? 0 : value > MAXJSAMPLE ? MAXJSAMPLE : value);
+        for (int y = 0; y < m; y++) {
+            for (int x = 0; x < m; x++) {
+                output_buf[y][col + x] = sample;
+            }
+        }
+        return;
+    }
     for (int v = 0; v < m; v++) {
         int64_t row[8];
         for (int u = 0; u < m; u++) {
@@ -100,9 +118,9 @@ static void gf_idct_compact(j_decompress_ptr cinfo, jpeg_component_info *compptr
         for (int x = 0; x < m; x++) {
             int64_t sum = 0;
             for (int u = 0; u < m; u++) {
-                sum += row[u] * state->basis[x][u];
+                sum += row[u] * basis[x][u];
             }
-            workspace[v][x] = (sum + (1 << (GF_CONST_BITS - GF_PASS1_BITS - 1))) >> (GF_CONST_BITS - GF_PASS1_BITS);
+            workspace[v][x] = (sum + round1) >> (GF_CONST_BITS - GF_PASS1_BITS);
         }
     }
     for (int y = 0; y < m; y++) {
@@ -110,12 +128,57 @@ static void gf_idct_compact(j_decompress_ptr cinfo, jpeg_component_info *compptr
         for (int x = 0; x < m; x++) {
             int64_t sum = 0;
             for (int v = 0; v < m; v++) {
-                sum += workspace[v][x] * state->basis[y][v];
+                sum += workspace[v][x] * basis[y][v];
             }
-            int64_t value = ((sum + ((int64_t)1 << (GF_CONST_BITS + GF_PASS1_BITS - 1))) >>
-                             (GF_CONST_BITS + GF_PASS1_BITS)) + CENTERJSAMPLE;
+            int64_t value = ((sum + round2) >> (GF_CONST_BITS + GF_PASS1_BITS)) + CENTERJSAMPLE;
             out[x] = (JSAMPLE)(value < 0 ? 0 : value > MAXJSAMPLE ? MAXJSAMPLE : value);
         }
+    }
+}
+
+/* gf_ycc_basis's values for the two common scales (shorter side 256 from
+ * 0.7-1.6 MP photos) as constants, so that the compiler drops the zero terms
+ * and folds the rest: the same sums, fewer multiplications. */
+static const int32_t gf_basis2[8][8] = {{2896, 2896}, {2896, -2896}};
+static const int32_t gf_basis3[8][8] = {{2896, 3547, 2048}, {2896, 0, -4096}, {2896, -3547, 2048}};
+
+/* The constant tables above must be what gf_ycc_basis computes; a test checks it. */
+int gf_ycc_basis_check(void) {
+    struct gf_ycc_state state;
+    gf_ycc_basis(&state, 2);
+    int same = memcmp(state.basis, gf_basis2, sizeof(state.basis)) == 0;
+    gf_ycc_basis(&state, 3);
+    return same && memcmp(state.basis, gf_basis3, sizeof(state.basis)) == 0;
+}
+
+static void gf_idct_compact(j_decompress_ptr cinfo, jpeg_component_info *compptr, JCOEFPTR coef,
+                            JSAMPARRAY output_buf, JDIMENSION output_col) {
+    const struct gf_ycc_state *state = (const struct gf_ycc_state *)cinfo->client_data;
+    const int32_t(*basis)[8] = state->basis;
+    const UINT16 *quant = compptr->quant_table->quantval;
+    JDIMENSION col = output_col / 2;
+    switch (state->m) {
+    case 1:
+        gf_idct_m(basis, quant, coef, output_buf, col, 1);
+        break;
+    case 2:
+        gf_idct_m(gf_basis2, quant, coef, output_buf, col, 2);
+        break;
+    case 3:
+        gf_idct_m(gf_basis3, quant, coef, output_buf, col, 3);
+        break;
+    case 4:
+        gf_idct_m(basis, quant, coef, output_buf, col, 4);
+        break;
+    case 5:
+        gf_idct_m(basis, quant, coef, output_buf, col, 5);
+        break;
+    case 6:
+        gf_idct_m(basis, quant, coef, output_buf, col, 6);
+        break;
+    default:
+        gf_idct_m(basis, quant, coef, output_buf, col, 7);
+        break;
     }
 }
 

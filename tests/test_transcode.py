@@ -239,3 +239,9 @@ def test_plane_orient_is_pils_transpose(orientation: int):
     if orientation != 1:
         expected = expected.transpose(TRANSPOSE[orientation])
     assert np.array_equal(out, np.asarray(expected))
+
+
+@needs_native
+def test_the_constant_idct_tables_are_the_computed_ones():
+    # ycc.c keeps the 2- and 3-point IDCT bases as constants for speed; they must equal its formula's.
+    assert native.library().gf_ycc_basis_check() == 1
