@@ -182,6 +182,15 @@ static void gf_idct_compact(j_decompress_ptr cinfo, jpeg_component_info *compptr
     }
 }
 
+/* Output samples per block side of a component (libjpeg 7+ has one per axis). */
+static int gf_scaled_size(const jpeg_component_info *component) {
+#if JPEG_LIB_VERSION >= 70
+    return component->DCT_h_scaled_size == component->DCT_v_scaled_size ? component->DCT_h_scaled_size : -1;
+#else
+    return component->DCT_scaled_size;
+#endif
+}
+
 static int gf_div_up(long a, long b) { return (int)((a + b - 1) / b); }
 
 /*
@@ -258,8 +267,10 @@ static int gf_ycc_decode(const unsigned char *data, unsigned long size, int m, s
     cinfo.scale_num = (unsigned int)m;
     cinfo.scale_denom = 8;
     jpeg_start_decompress(&cinfo);
-    if ((int)cinfo.output_width != g[0] || (int)cinfo.output_height != g[1]) {
-        status = GF_YCC_NOT_420; /* a libjpeg that scales differently */
+    if ((int)cinfo.output_width != g[0] || (int)cinfo.output_height != g[1] ||
+        gf_scaled_size(&cinfo.comp_info[0]) != m || gf_scaled_size(&cinfo.comp_info[1]) != (m < 8 ? 2 * m : 8) ||
+        gf_scaled_size(&cinfo.comp_info[2]) != (m < 8 ? 2 * m : 8)) {
+        status = GF_YCC_NOT_420; /* a libjpeg that scales differently than the layout here assumes */
     } else {
         if (m < 8) {
             gf_ycc_basis(&state, m);
