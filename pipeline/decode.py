@@ -330,11 +330,10 @@ def _orientation(img: Any) -> int:
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
-def _apply_orientation(img: Any, orientation: int) -> Any:
-    if orientation == 1:
-        return img
+def transpose_method(orientation: int) -> Any:
+    """The PIL transpose that turns a picture stored with EXIF `orientation` (2..8) upright."""
     Image = _pil()
-    method = {
+    return {
         2: Image.Transpose.FLIP_LEFT_RIGHT,
         3: Image.Transpose.ROTATE_180,
         4: Image.Transpose.FLIP_TOP_BOTTOM,
@@ -343,5 +342,10 @@ def _apply_orientation(img: Any, orientation: int) -> Any:
         7: Image.Transpose.TRANSVERSE,
         8: Image.Transpose.ROTATE_90,
     }[orientation]
-    return img.transpose(method)
+
+
+def _apply_orientation(img: Any, orientation: int) -> Any:
+    if orientation == 1:
+        return img
+    return img.transpose(transpose_method(orientation))
 

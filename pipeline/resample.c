@@ -816,28 +816,19 @@ static void gf_rows(const unsigned char *in, long in_stride, unsigned char *out,
 #if defined(GF_X86) || defined(__SSE2__)
 /* One 16 x 16 tile, four rounds of interleaving (SSE2, in every x86-64). */
 static void gf_transpose_tile(const unsigned char *in, long in_stride, unsigned char *out, long out_stride) {
-    __m128i r[16], t[16];
+    __m128i a[16], b[16];
     for (int i = 0; i < 16; i++) {
-        r[i] = _mm_loadu_si128((const __m128i *)(in + (size_t)i * in_stride));
+        a[i] = _mm_loadu_si128((const __m128i *)(in + (size_t)i * in_stride));
     }
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm_unpacklo_epi8(r[i], r[i + 8]);
-        t[2 * i + 1] = _mm_unpackhi_epi8(r[i], r[i + 8]);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[2 * i] = _mm_unpacklo_epi8(t[i], t[i + 8]);
-        r[2 * i + 1] = _mm_unpackhi_epi8(t[i], t[i + 8]);
-    }
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm_unpacklo_epi8(r[i], r[i + 8]);
-        t[2 * i + 1] = _mm_unpackhi_epi8(r[i], r[i + 8]);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[2 * i] = _mm_unpacklo_epi8(t[i], t[i + 8]);
-        r[2 * i + 1] = _mm_unpackhi_epi8(t[i], t[i + 8]);
+    for (int round = 0; round < 4; round++) { /* rows i and i + 8 interleaved, four times: a transpose */
+        __m128i *from = round % 2 ? b : a, *to = round % 2 ? a : b;
+        for (int i = 0; i < 8; i++) {
+            to[2 * i] = _mm_unpacklo_epi8(from[i], from[i + 8]);
+            to[2 * i + 1] = _mm_unpackhi_epi8(from[i], from[i + 8]);
+        }
     }
     for (int i = 0; i < 16; i++) {
-        _mm_storeu_si128((__m128i *)(out + (size_t)i * out_stride), r[i]);
+        _mm_storeu_si128((__m128i *)(out + (size_t)i * out_stride), a[i]);
     }
 }
 #endif

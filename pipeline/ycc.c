@@ -83,8 +83,8 @@ static void gf_ycc_basis(struct gf_ycc_state *state, int m) {
  * The M-point IDCT of a block's lowest M x M coefficients, in fixed point
  * (64-bit products: corrupt data can hold any 16-bit coefficient). Output
  * goes to rows 0..M-1 of the 2M-row cell, at column output_col / 2. Inlined
- * for each M so that the loops unroll; a block with only a DC term (most
- * chroma blocks) takes the same arithmetic without the zero terms.
+ * for the common M so that the loops unroll; a block with only a DC term
+ * (most chroma blocks) takes the same arithmetic without the zero terms.
  */
 static inline __attribute__((always_inline)) void gf_idct_m(const int32_t (*basis)[8], const UINT16 *quant,
                                                             JCOEFPTR coef, JSAMPARRAY output_buf, JDIMENSION col,
@@ -151,34 +151,23 @@ int gf_ycc_basis_check(void) {
     return same && memcmp(state.basis, gf_basis3, sizeof(state.basis)) == 0;
 }
 
+/* Any other scale: the loops keep m as a variable. */
+static void gf_idct_any(const int32_t (*basis)[8], const UINT16 *quant, JCOEFPTR coef, JSAMPARRAY output_buf,
+                        JDIMENSION col, int m) {
+    gf_idct_m(basis, quant, coef, output_buf, col, m);
+}
+
 static void gf_idct_compact(j_decompress_ptr cinfo, jpeg_component_info *compptr, JCOEFPTR coef,
                             JSAMPARRAY output_buf, JDIMENSION output_col) {
     const struct gf_ycc_state *state = (const struct gf_ycc_state *)cinfo->client_data;
-    const int32_t(*basis)[8] = state->basis;
     const UINT16 *quant = compptr->quant_table->quantval;
     JDIMENSION col = output_col / 2;
-    switch (state->m) {
-    case 1:
-        gf_idct_m(basis, quant, coef, output_buf, col, 1);
-        break;
-    case 2:
-        gf_idct_m(gf_basis2, quant, coef, output_buf, col, 2);
-        break;
-    case 3:
+    if (state->m == 3) {
         gf_idct_m(gf_basis3, quant, coef, output_buf, col, 3);
-        break;
-    case 4:
-        gf_idct_m(basis, quant, coef, output_buf, col, 4);
-        break;
-    case 5:
-        gf_idct_m(basis, quant, coef, output_buf, col, 5);
-        break;
-    case 6:
-        gf_idct_m(basis, quant, coef, output_buf, col, 6);
-        break;
-    default:
-        gf_idct_m(basis, quant, coef, output_buf, col, 7);
-        break;
+    } else if (state->m == 2) {
+        gf_idct_m(gf_basis2, quant, coef, output_buf, col, 2);
+    } else {
+        gf_idct_any(state->basis, quant, coef, output_buf, col, state->m);
     }
 }
 

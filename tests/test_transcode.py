@@ -12,7 +12,7 @@ from hostile_data import exif_with_orientation
 from PIL import Image
 
 from pipeline import EncodeSpec, PrepareSpec, ResizeSpec, native, transcode
-from pipeline.decode import decode_image
+from pipeline.decode import decode_image, transpose_method
 from pipeline.demo import render_photo_like
 from pipeline.encode import encode_image
 from pipeline.prepare import process_item
@@ -26,15 +26,7 @@ FILTERS = {
     "bicubic": Image.Resampling.BICUBIC,
     "lanczos": Image.Resampling.LANCZOS,
 }
-TRANSPOSE = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
+TRANSPOSE = {orientation: transpose_method(orientation) for orientation in range(2, 9)}
 # Stored pixels whose upright view (EXIF orientation applied) is the original picture.
 TO_STORED = {1: None, **{o: TRANSPOSE[{6: 8, 8: 6}.get(o, o)] for o in TRANSPOSE}}
 
