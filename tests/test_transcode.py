@@ -47,10 +47,14 @@ def jpeg(img: Image.Image, **options: object) -> bytes:
     return buffer.getvalue()
 
 
-def ordinary(data: bytes, job: PrepareSpec) -> Image.Image:
+def ordinary_bytes(data: bytes, job: PrepareSpec) -> bytes:
     decoded = decode_image(data, scale_for=lambda w, h: required_scale(job.resize, AugmentSpec(), w, h), padded=True)
     image, _ = resize_image(decoded.image, decoded.original_size, job.resize)
-    return Image.open(io.BytesIO(encode_image(image, job.encode)))
+    return encode_image(image, job.encode)
+
+
+def ordinary(data: bytes, job: PrepareSpec) -> Image.Image:
+    return Image.open(io.BytesIO(ordinary_bytes(data, job)))
 
 
 def psnr(a: Image.Image, b: Image.Image) -> float:
@@ -237,3 +241,15 @@ def test_plane_orient_is_pils_transpose(orientation: int):
 def test_the_constant_idct_tables_are_the_computed_ones():
     # ycc.c keeps the 2- and 3-point IDCT bases as constants for speed; they must equal its formula's.
     assert native.library().gf_ycc_basis_check() == 1
+
+
+def test_without_the_native_library_prepare_takes_the_rgb_path(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    # A machine without a C compiler or libjpeg headers: the same samples, through Pillow.
+    path = tmp_path / "a.jpg"
+    path.write_bytes(jpeg(photo(6), exif=exif_with_orientation(8)))
+    item = SourceItem(url=str(path), rel="a.jpg", label=None)
+    monkeypatch.setattr(native, "library", lambda: None)
+    assert not transcode.applies(spec())
+    assert transcode.transcode_jpeg(path.read_bytes(), spec()) is None
+    outcome = process_item(item, 0, spec(), {})
+    assert outcome.tars is not None and ordinary_bytes(path.read_bytes(), spec()) in outcome.tars[0]
