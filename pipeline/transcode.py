@@ -1,21 +1,21 @@
-"""prepare's fast path for its most common job: a 4:2:0 JPEG in, a smaller JPEG out.
+"""prepare's fast path for its most common job: a YCbCr JPEG in, a smaller JPEG out.
 
-The ordinary path decodes to RGB, resizes and encodes (`decode_image`,
-`resize_image`, `encode_image`). For an 8-bit YCbCr 4:2:0 source and JPEG
-output, `ycc.c` does the same job without leaving the planes the two JPEGs
-share: luma decoded at M/8 and chroma at M/16 (no chroma upsampling, no
-colour conversion), each plane resized with the same filter (luma to the
-output size, chroma straight to the output's chroma size, which the encoder
-would otherwise average down 2x2), turned upright, and encoded with Pillow's
-settings. No RGB image exists at any point, so there is nothing to convert
-back and forth.
+The RGB path decodes to RGB, resizes and encodes (`decode_image`,
+`resize_image`, `encode_image`). For an 8-bit YCbCr source (4:2:0, 4:2:2 or
+4:4:4 chroma) and JPEG output, `ycc.c` does the same job without leaving the
+planes the two JPEGs share: luma decoded at M/8 and chroma at M/8 of its own
+resolution (no chroma upsampling, no colour conversion), each plane resized
+with the same filter (luma to the output size, chroma straight to the
+output's 4:2:0 chroma size, which the encoder would otherwise average down
+2x2), turned upright, and encoded with Pillow's settings. No RGB image exists
+at any point, so there is nothing to convert back and forth.
 
-The pixels are not bit-identical to the ordinary path's but the same picture
-(about 40-47 dB PSNR between the two on demo photos, the difference of two
+The pixels are not bit-identical to the RGB path's but the same picture
+(37-47 dB PSNR between the two on demo photos, the difference of two
 equally valid resamplings); the output's size, orientation and metadata are
-the same. Everything else (other formats and layouts, pad mode, variants,
-WebP/PNG/npy output, a missing C compiler) takes the ordinary path, and so
-does any file libjpeg finds corrupt, which then gets the ordinary path's
+the same. Everything else (other formats, grey and CMYK JPEGs, pad mode,
+variants, WebP/PNG/npy output, a missing C compiler) takes the RGB path, and
+so does any file libjpeg finds corrupt, which then gets the RGB path's
 reason.
 """
 
@@ -86,21 +86,21 @@ def regions(
 
 
 def transcode_jpeg(data: bytes, spec: PrepareSpec) -> tuple[bytes, tuple[int, int], tuple[int, int]] | None:
-    """(JPEG bytes, upright original size, upright output size), or None for the ordinary path.
+    """(JPEG bytes, upright original size, upright output size), or None for the RGB path.
 
     Never raises for a bad file: anything that is not a good 4:2:0 JPEG
-    within the job's limits returns None, so that the ordinary path decides
+    within the job's limits returns None, so that the RGB path decides
     and words the reason.
     """
     if not data.startswith(b"\xff\xd8\xff"):
         return None
     try:
-        # JPEG only: the ordinary path's open tries every format, importing all of Pillow's plugins.
+        # JPEG only: the RGB path's open tries every format, importing all of Pillow's plugins.
         img = open_image(data, max_pixels=spec.max_pixels, formats=("JPEG",))
     except DecodeError:
-        return None  # the ordinary path words the reason
-    if img.mode != "RGB" or [layer[1:3] for layer in img.layer] != [(2, 2), (1, 1), (1, 1)]:
-        return None
+        return None  # the RGB path words the reason
+    if img.mode != "RGB" or [layer[1:3] for layer in img.layer][1:] != [(1, 1), (1, 1)]:
+        return None  # grey, CMYK, or chroma sampled unlike 4:2:0, 4:2:2, 4:4:4 (ycc.c checks the luma)
     lib = native.library()
     if lib is None:
         return None

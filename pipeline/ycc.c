@@ -2,17 +2,18 @@
  * JPEG to smaller JPEG without leaving YCbCr: prepare's fast path.
  *
  * A 4:2:0 JPEG stores chroma at half the luma resolution, and the JPEG that
- * prepare writes stores it at half resolution again. The ordinary path
- * (decode to RGB, resize, encode) makes libjpeg rebuild chroma at full
- * resolution (at M/8 scaling it runs a 2M-point IDCT per chroma block, in
- * plain C), convert to RGB, resize three channels at full resolution, then
- * convert back and average chroma down 2x2 in the encoder.
+ * prepare writes stores it at half resolution again. The RGB path (decode to
+ * RGB, resize, encode) makes libjpeg rebuild chroma at full resolution (at
+ * M/8 scaling it runs a 2M-point IDCT per chroma block, in plain C), convert
+ * to RGB, resize three channels at full resolution, then convert back and
+ * average chroma down 2x2 in the encoder.
  *
  * gf_ycc_transcode keeps the image in its planes, in one call:
- *   decode   luma at M/8 and chroma at M/16 of the stored size (each chroma
- *            block through an M-point IDCT of its lowest M x M coefficients,
+ *   decode   luma at M/8 of the stored size and chroma at M/8 of its own
+ *            (M/16 of the stored size for 4:2:0, where each chroma block
+ *            goes through an M-point IDCT of its lowest M x M coefficients,
  *            the same reduction libjpeg applies to luma), as raw planes
- *            without colour conversion;
+ *            without colour conversion; 4:2:2 and 4:4:4 sources too;
  *   resize   each plane on its own (resample.c): luma to the output size,
  *            chroma straight to the output's own chroma size;
  *   orient   each plane turned upright for the EXIF orientation;
@@ -20,13 +21,14 @@
  *            Pillow uses (jpeg_set_quality, restart interval), again
  *            without colour conversion.
  *
- * The chroma IDCT is installed over libjpeg's own after jpeg_start_decompress
- * through the public jpeg_inverse_dct layout (a start_pass pointer followed
- * by one method pointer per component), which every libjpeg since 6b shares.
- * It writes each chroma block's M x M samples into the top-left quarter of
- * the 2M x 2M cell libjpeg reserved for it, at half the column: the caller
- * hands libjpeg chroma row pointers laid out so that those quarters form a
- * contiguous plane.
+ * The 4:2:0 chroma IDCT is installed over libjpeg's own after
+ * jpeg_start_decompress through the public jpeg_inverse_dct layout (a
+ * start_pass pointer followed by one method pointer per component), which
+ * every libjpeg since 6b shares. It writes each chroma block's M x M samples
+ * into the top-left quarter of the 2M x 2M cell libjpeg reserved for it, at
+ * half the column: the caller hands libjpeg chroma row pointers laid out so
+ * that those quarters form a contiguous plane. Where libjpeg scaled the
+ * components otherwise than this assumes, the image takes the RGB path.
  *
  * Plain C with no Python API, compiled with jpegregion.c and called through
  * ctypes.
@@ -42,7 +44,7 @@
 
 #include "jpegcommon.h"
 
-#define GF_YCC_NOT_420 -2 /* not an 8-bit YCbCr 4:2:0 JPEG: the caller takes the ordinary path */
+#define GF_YCC_OTHER -2 /* not an 8-bit YCbCr 4:2:0, 4:2:2 or 4:4:4 JPEG: the caller takes the RGB path */
 #define GF_YCC_NO_MEMORY -3
 
 int gf_plane_resize(const unsigned char *src, long src_stride, int w, int h, const double *box, unsigned char *out,
@@ -183,31 +185,33 @@ static int gf_scaled_size(const jpeg_component_info *component) {
 static int gf_div_up(long a, long b) { return (int)((a + b - 1) / b); }
 
 /*
- * The plane geometry for a width x height image decoded at scale_num/8:
- * luma w, h, stride, rows; chroma w, h, stride, rows (each of Cb and Cr).
+ * The plane geometry for a width x height image decoded at scale m/8 with
+ * luma sampling hy x vy (chroma 1 x 1): luma w, h, stride, rows; chroma w,
+ * h, stride, rows (each of Cb and Cr), chroma at m/8 of its own resolution.
  * Strides and rows cover every block libjpeg writes, whole iMCU rows.
  */
-void gf_ycc_geometry(int width, int height, int m, int *g) {
-    int imcu_rows = gf_div_up(height, 16);
+static void gf_ycc_geometry(int width, int height, int m, int hy, int vy, int *g) {
+    int imcu_rows = gf_div_up(height, 8 * vy);
     g[0] = gf_div_up((long)width * m, 8);
     g[1] = gf_div_up((long)height * m, 8);
     g[2] = gf_div_up(width, 8) * m;
-    g[3] = imcu_rows * 2 * m;
-    g[4] = gf_div_up((long)width * m, 16);
-    g[5] = gf_div_up((long)height * m, 16);
-    g[6] = gf_div_up(gf_div_up(width, 2), 8) * m;
+    g[3] = imcu_rows * vy * m;
+    g[4] = gf_div_up((long)width * m, 8 * hy);
+    g[5] = gf_div_up((long)height * m, 8 * vy);
+    g[6] = gf_div_up(gf_div_up(width, hy), 8) * m;
     g[7] = imcu_rows * m;
 }
 
 /* Decoded planes: luma, then Cb and Cr, with gf_ycc_geometry's layout. */
 struct gf_planes {
     int g[8];
+    int hy, vy; /* the luma's sampling factors: chroma is 1/hy x 1/vy of it */
     unsigned char *luma, *cb, *cr;
 };
 
 /*
  * Decode at scale m/8 into planes (allocated here: free planes->luma).
- * Returns 0, GF_YCC_NOT_420 (nothing decoded), GF_YCC_NO_MEMORY, or -1 with
+ * Returns 0, GF_YCC_OTHER (nothing decoded), GF_YCC_NO_MEMORY, or -1 with
  * libjpeg's message for corrupt data (warnings count: libjpeg would fill
  * the rest with grey).
  */
@@ -231,16 +235,20 @@ static int gf_ycc_decode(const unsigned char *data, unsigned long size, int m, s
     jpeg_create_decompress(&cinfo);
     jpeg_mem_src(&cinfo, data, size);
     jpeg_read_header(&cinfo, TRUE);
-    if (cinfo.num_components != 3 || cinfo.jpeg_color_space != JCS_YCbCr ||
-        cinfo.comp_info[0].h_samp_factor != 2 || cinfo.comp_info[0].v_samp_factor != 2 ||
-        cinfo.comp_info[1].h_samp_factor != 1 || cinfo.comp_info[1].v_samp_factor != 1 ||
+    /* 4:2:0 (2x2), 4:2:2 (2x1) or 4:4:4 (1x1) luma, 1x1 chroma. */
+    const int hy = cinfo.num_components == 3 ? cinfo.comp_info[0].h_samp_factor : 0;
+    const int vy = cinfo.num_components == 3 ? cinfo.comp_info[0].v_samp_factor : 0;
+    if (cinfo.num_components != 3 || cinfo.jpeg_color_space != JCS_YCbCr || !(hy == 2 || (hy == 1 && vy == 1)) ||
+        vy < 1 || vy > 2 || cinfo.comp_info[1].h_samp_factor != 1 || cinfo.comp_info[1].v_samp_factor != 1 ||
         cinfo.comp_info[2].h_samp_factor != 1 || cinfo.comp_info[2].v_samp_factor != 1 ||
         cinfo.data_precision != 8) {
         jpeg_destroy_decompress(&cinfo);
-        return GF_YCC_NOT_420;
+        return GF_YCC_OTHER;
     }
     int *g = planes->g;
-    gf_ycc_geometry((int)cinfo.image_width, (int)cinfo.image_height, m, g);
+    planes->hy = hy;
+    planes->vy = vy;
+    gf_ycc_geometry((int)cinfo.image_width, (int)cinfo.image_height, m, hy, vy, g);
     size_t luma_bytes = (size_t)g[2] * (size_t)g[3], chroma_bytes = (size_t)g[6] * (size_t)g[7];
     buffer = malloc(luma_bytes + 2 * chroma_bytes);
     scratch = malloc((size_t)g[6] * 2 + 64);
@@ -256,21 +264,24 @@ static int gf_ycc_decode(const unsigned char *data, unsigned long size, int m, s
     cinfo.scale_num = (unsigned int)m;
     cinfo.scale_denom = 8;
     jpeg_start_decompress(&cinfo);
+    /* libjpeg-turbo gives 4:2:0 chroma a 2M-point IDCT (M < 8), so that it
+     * comes out at the luma's size; 4:2:2 and 4:4:4 chroma an M-point one. */
+    const int cell = gf_scaled_size(&cinfo.comp_info[1]), compact = hy == 2 && vy == 2 && m < 8 && cell == 2 * m;
     if ((int)cinfo.output_width != g[0] || (int)cinfo.output_height != g[1] ||
-        gf_scaled_size(&cinfo.comp_info[0]) != m || gf_scaled_size(&cinfo.comp_info[1]) != (m < 8 ? 2 * m : 8) ||
-        gf_scaled_size(&cinfo.comp_info[2]) != (m < 8 ? 2 * m : 8)) {
-        status = GF_YCC_NOT_420; /* a libjpeg that scales differently than the layout here assumes */
+        gf_scaled_size(&cinfo.comp_info[0]) != m || gf_scaled_size(&cinfo.comp_info[2]) != cell ||
+        (cell != m && !compact)) {
+        status = GF_YCC_OTHER; /* a libjpeg that scales differently than the layout here assumes */
     } else {
-        if (m < 8) {
+        if (compact) {
             gf_ycc_basis(&state, m);
             cinfo.client_data = &state;
             struct gf_inverse_dct *idct = (struct gf_inverse_dct *)cinfo.idct;
             idct->inverse_DCT[1] = gf_idct_compact;
             idct->inverse_DCT[2] = gf_idct_compact;
         }
-        /* Per call libjpeg fills one iMCU row: 2M luma rows and, per chroma
-         * component, 8 rows (M = 8) or 2M rows of which the first M are ours. */
-        int luma_rows = 2 * m, chroma_rows = m < 8 ? 2 * m : m;
+        /* Per call libjpeg fills one iMCU row: vy * M luma rows and, per
+         * chroma component, M rows, or 2M of which the first M are ours. */
+        int luma_rows = vy * m, chroma_rows = compact ? 2 * m : m;
         JSAMPARRAY out[3] = {rows, rows + luma_rows, rows + luma_rows + chroma_rows};
         unsigned char *luma = buffer, *cb = buffer + luma_bytes, *cr = cb + chroma_bytes;
         for (int imcu = 0; cinfo.output_scanline < cinfo.output_height; imcu++) {
@@ -410,7 +421,7 @@ static long gf_ycc_encode(const unsigned char *luma, int luma_stride, const unsi
  * for an odd size it reaches half a chroma pixel past the edge that ends up
  * right or bottom once upright. `filter`: resample.c's GF_BILINEAR,
  * GF_BICUBIC or GF_LANCZOS. Returns the JPEG's length in out, 0 when
- * capacity was too small, -1 for corrupt data (message), GF_YCC_NOT_420 or
+ * capacity was too small, -1 for corrupt data (message), GF_YCC_OTHER or
  * GF_YCC_NO_MEMORY.
  */
 long gf_ycc_transcode(const unsigned char *data, unsigned long size, int m, const double *box,
@@ -436,7 +447,7 @@ long gf_ycc_transcode(const unsigned char *data, unsigned long size, int m, cons
         double luma_box[4], scaled_chroma[4];
         for (int i = 0; i < 4; i++) {
             luma_box[i] = box[i] * m / 8.0;
-            scaled_chroma[i] = chroma_box[i] * m / 16.0;
+            scaled_chroma[i] = chroma_box[i] * m / (8.0 * (i % 2 == 0 ? planes.hy : planes.vy));
         }
         if (gf_plane_resize(planes.luma, g[2], g[0], g[1], luma_box, luma, out_w, out_w, out_h, filter, 1) == 0 &&
             gf_plane_resize(planes.cb, g[6], g[4], g[5], scaled_chroma, cb, cw, cw, ch, filter, 1) == 0 &&
