@@ -88,7 +88,7 @@ def regions(
 def transcode_jpeg(data: bytes, spec: PrepareSpec) -> tuple[bytes, tuple[int, int], tuple[int, int]] | None:
     """(JPEG bytes, upright original size, upright output size), or None for the RGB path.
 
-    Never raises for a bad file: anything that is not a good 4:2:0 JPEG
+    Never raises for a bad file: anything that is not a good YCbCr JPEG
     within the job's limits returns None, so that the RGB path decides
     and words the reason.
     """
@@ -109,8 +109,8 @@ def transcode_jpeg(data: bytes, spec: PrepareSpec) -> tuple[bytes, tuple[int, in
     m = dct_scale(width, height, required_scale(spec.resize, spec.augment, width, height))
     box, chroma_box, out_w, out_h = regions(spec, width, height, orientation)
     message = _scratch()
-    capacity = 4 * out_w * out_h + 65536
-    while True:
+    capacity = int(_BYTES_PER_PIXEL * out_w * out_h) + 65536
+    for _ in range(3):
         out = _buffer(capacity)
         length = lib.gf_ycc_transcode(
             data, len(data), m, (ctypes.c_double * 4)(*box), (ctypes.c_double * 4)(*chroma_box), out_w, out_h,
@@ -119,8 +119,8 @@ def transcode_jpeg(data: bytes, spec: PrepareSpec) -> tuple[bytes, tuple[int, in
         )  # fmt: skip
         if length != 0:
             break
-        capacity *= 4  # incompressible pixels at a high quality: rare
-    if length < 0:
+        capacity *= 4  # the buffer was too small
+    if length <= 0:
         return None
     turned = orientation >= 5
     original = (height, width) if turned else (width, height)
@@ -128,10 +128,19 @@ def transcode_jpeg(data: bytes, spec: PrepareSpec) -> tuple[bytes, tuple[int, in
     return ctypes.string_at(out, length), original, size
 
 
+# 4:2:0 is 1.5 bytes a pixel raw; a JPEG of noise at quality 100 takes about 2.
+_BYTES_PER_PIXEL = 2.0
+_KEPT_BUFFER = 16 << 20  # a larger output buffer (a huge image with --mode none) is not kept
+
+
 def _buffer(size: int) -> Any:
+    """An output buffer of at least `size` bytes, reused by the thread's next image when small."""
     buffer = getattr(_local, "buffer", None)
-    if buffer is None or len(buffer) < size:
-        buffer = _local.buffer = ctypes.create_string_buffer(size)
+    if buffer is not None and len(buffer) >= size:
+        return buffer
+    buffer = ctypes.create_string_buffer(size)
+    if size <= _KEPT_BUFFER:
+        _local.buffer = buffer
     return buffer
 
 

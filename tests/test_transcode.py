@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import io
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -254,3 +255,19 @@ def test_without_the_native_library_prepare_takes_the_rgb_path(tmp_path, monkeyp
     assert transcode.transcode_jpeg(path.read_bytes(), spec()) is None
     outcome = process_item(item, 0, spec(), {})
     assert outcome.tars is not None and ordinary_bytes(path.read_bytes(), spec()) in outcome.tars[0]
+
+
+@needs_native
+def test_an_output_over_the_first_buffer_gets_a_larger_one(monkeypatch: pytest.MonkeyPatch):
+    # Incompressible pixels: when the first output buffer is too small, C says so and a larger one takes it.
+    noise = Image.fromarray(np.random.default_rng(9).integers(0, 256, (400, 600, 3), dtype=np.uint8))
+    job = spec(resize=ResizeSpec(mode="none"), encode=EncodeSpec(quality=100, restart=0))
+    sizes: list[int] = []
+    real = transcode._buffer
+    monkeypatch.setattr(transcode, "_buffer", lambda size: (sizes.append(size), real(size))[1])
+    monkeypatch.setattr(transcode, "_local", threading.local())
+    monkeypatch.setattr(transcode, "_BYTES_PER_PIXEL", 0.1)  # about a twentieth of what it needs
+    made = transcode.transcode_jpeg(jpeg(noise, quality=100), job)
+    assert made is not None and made[2] == (600, 400) and len(sizes) == 3
+    assert Image.open(io.BytesIO(made[0])).size == (600, 400)
+    assert sizes[1] < len(made[0]) <= sizes[2]
