@@ -9,8 +9,8 @@ library is built once per source version into the user cache
 a name holding the source hash, and renamed into place atomically, so
 concurrent first uses do not clash. Without a compiler or headers the loader
 keeps decoding whole images with simplejpeg or Pillow and prepare takes its
-ordinary decode, resize and encode path; `gpufeed doctor` says which is in
-use and why.
+RGB path (Pillow decodes, resizes and encodes); `gpufeed doctor` says which
+is in use and why.
 """
 
 from __future__ import annotations

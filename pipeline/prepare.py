@@ -40,7 +40,7 @@ from .specs import PrepareSpec
 from .storage import Output, device_info, faster_local_disk, free_bytes
 from .transcode import applies as transcode_applies
 from .transcode import transcode_jpeg
-from .transforms import augment_image, required_scale, resize_image, variant_rng
+from .transforms import augment_image, required_scale, resize_image, resize_op, variant_rng
 
 WORK_DIR = ".gpufeed"
 CHUNK_ITEMS = 64  # images per pool task while many remain: few round trips through the pool
@@ -143,10 +143,8 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
         fast = transcode_jpeg(data, spec) if transcode_applies(spec) else None
         if fast is not None:
             payload, original_size, size = fast
-            op = {"op": "resize", "mode": spec.resize.mode, "size": spec.resize.size}
-            outcome.tars = [
-                sample_tar_bytes(key, _members(key, item, spec, label, original_size, size, None, [op], payload))
-            ]
+            members = _members(key, item, spec, label, original_size, size, None, [resize_op(spec.resize)], payload)
+            outcome.tars = [sample_tar_bytes(key, members)]
         else:
             decoded = decode_image(
                 data,

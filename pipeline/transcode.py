@@ -34,7 +34,6 @@ from .transforms import output_size, required_scale
 
 _FILTERS = {"bilinear": 0, "bicubic": 1, "lanczos": 2}  # GF_BILINEAR, GF_BICUBIC, GF_LANCZOS in resample.c
 _MODES = ("shorter", "longer", "center-crop", "none")
-_MESSAGE_SIZE = 200
 # Stored axes that end up reversed once the image is upright (see gf_plane_orient).
 _REVERSED_X = (2, 3, 7, 8)
 _REVERSED_Y = (3, 4, 6, 7)
@@ -108,14 +107,13 @@ def transcode_jpeg(data: bytes, spec: PrepareSpec) -> tuple[bytes, tuple[int, in
     orientation = _orientation(img)
     m = dct_scale(width, height, required_scale(spec.resize, spec.augment, width, height))
     box, chroma_box, out_w, out_h = regions(spec, width, height, orientation)
-    message = _scratch()
     capacity = int(_BYTES_PER_PIXEL * out_w * out_h) + 65536
     for _ in range(3):
         out = _buffer(capacity)
         length = lib.gf_ycc_transcode(
             data, len(data), m, (ctypes.c_double * 4)(*box), (ctypes.c_double * 4)(*chroma_box), out_w, out_h,
             _FILTERS[spec.resize.resample], orientation, spec.encode.quality, spec.encode.restart, out, capacity,
-            message, _MESSAGE_SIZE,
+            None, 0,  # no message: a file this path refuses gets its reason from the RGB path
         )  # fmt: skip
         if length != 0:
             break
@@ -142,10 +140,3 @@ def _buffer(size: int) -> Any:
     if size <= _KEPT_BUFFER:
         _local.buffer = buffer
     return buffer
-
-
-def _scratch() -> Any:
-    message = getattr(_local, "message", None)
-    if message is None:
-        message = _local.message = ctypes.create_string_buffer(_MESSAGE_SIZE)
-    return message

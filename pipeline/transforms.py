@@ -49,6 +49,11 @@ def output_size(resize: ResizeSpec, width: int, height: int) -> tuple[int, int]:
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 
+def resize_op(resize: ResizeSpec) -> dict[str, Any]:
+    """The provenance record of a resize, as a sample's json lists it in `ops`."""
+    return {"op": "resize", "mode": resize.mode, "size": resize.size}
+
+
 def resize_image(img: Any, original_size: tuple[int, int], resize: ResizeSpec) -> tuple[Any, dict[str, Any]]:
     """Apply `resize.mode` to a decoded image.
 
@@ -62,7 +67,7 @@ def resize_image(img: Any, original_size: tuple[int, int], resize: ResizeSpec) -
     """
     width, height = original_size
     target_w, target_h = output_size(resize, width, height)
-    op: dict[str, Any] = {"op": "resize", "mode": resize.mode, "size": resize.size}
+    op = resize_op(resize)
     if resize.mode == "center-crop":
         side = min(target_w, target_h)
         # The square box in the decoded image's own coordinates.

@@ -421,8 +421,8 @@ static long gf_ycc_encode(const unsigned char *luma, int luma_stride, const unsi
  * for an odd size it reaches half a chroma pixel past the edge that ends up
  * right or bottom once upright. `filter`: resample.c's GF_BILINEAR,
  * GF_BICUBIC or GF_LANCZOS. Returns the JPEG's length in out, 0 when
- * capacity was too small, -1 for corrupt data (message), GF_YCC_OTHER or
- * GF_YCC_NO_MEMORY.
+ * capacity was too small, -1 for corrupt data (libjpeg's text in message,
+ * unless that is NULL), GF_YCC_OTHER or GF_YCC_NO_MEMORY.
  */
 long gf_ycc_transcode(const unsigned char *data, unsigned long size, int m, const double *box,
                       const double *chroma_box, int out_w, int out_h, int filter, int orientation, int quality,
