@@ -17,7 +17,7 @@ row, --workers 2, CPU device) over the same demo images, measured in one run:
   ffcv-float           informational: FFCV with flip + NormalizeImage + ToTorchImage,
                        i.e. the flipped, normalised float32 NCHW batches gpufeed gives
   ceiling              no I/O, no loader: the fastest decode + RandomResizedCrop
-                       (pipeline.crops.decode_into with each JPEG decoder present, and
+                       (pipeline.loader.crops.decode_into with each JPEG decoder present, and
                        decode_many in the loader's batch pieces, into a preallocated
                        batch) on the same JPEG bytes in memory, in as many threads
                        as workers
@@ -146,7 +146,7 @@ def warm_up(batches: Iterable[Any], count: int) -> None:
 
 
 def make_gpufeed_loader(prepared: str, worker_type: str, workers: int, **options: Any) -> Any:
-    from pipeline.loader import make_loader
+    from pipeline.loader.loader import make_loader
 
     return make_loader(
         prepared,
@@ -162,7 +162,7 @@ def make_gpufeed_loader(prepared: str, worker_type: str, workers: int, **options
 
 
 def run_gpufeed(prepared: str, worker_type: str, workers: int, **options: Any) -> Run:
-    from pipeline.loader import LoaderStats
+    from pipeline.loader.loader import LoaderStats
 
     loader = make_gpufeed_loader(prepared, worker_type, workers, **options)
     try:
@@ -209,7 +209,7 @@ def run_stall(prepared: str, worker_type: str, workers: int) -> StallResult:
     Both epochs run on the same loader in the same minute, so a noisy
     machine slows the measurement and the consumer alike.
     """
-    from pipeline.loader import LoaderStats
+    from pipeline.loader.loader import LoaderStats
 
     loader = make_gpufeed_loader(prepared, worker_type, workers)
     try:
@@ -395,7 +395,7 @@ def ceiling_candidates() -> dict[str, Callable[[int, list[bytes]], None]]:
     import numpy as np
 
     from pipeline import native
-    from pipeline.crops import CropSpec, decode_into, decode_many, simplejpeg
+    from pipeline.loader.crops import CropSpec, decode_into, decode_many, simplejpeg
 
     def decoding_with(spec: CropSpec) -> Callable[[int, list[bytes]], None]:
         def work(part: int, blobs: list[bytes]) -> None:

@@ -102,7 +102,7 @@ def _gpufeed_prepare() -> Callable[..., Any]:
 
     function = getattr(pipeline, "prepare_dataset", None)
     if function is None:  # older layouts: pipeline.prepare.prepare
-        function = importlib.import_module("pipeline.prepare").prepare
+        function = importlib.import_module("pipeline.prepare").prepare_dataset
     return function  # type: ignore[no-any-return]
 
 
@@ -220,10 +220,10 @@ def floor_candidates() -> dict[str, Callable[[bytes], tuple[int, int]]]:
     from PIL import Image
 
     from pipeline.decode import decode_image
-    from pipeline.encode import encode_image
+    from pipeline.prepare.encode import encode_image
     from pipeline.specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec
-    from pipeline.transcode import applies, transcode_jpeg
-    from pipeline.transforms import required_scale, resize_image
+    from pipeline.prepare.transcode import applies, transcode_jpeg
+    from pipeline.prepare.transforms import required_scale, resize_image
 
     lanczos = Image.Resampling.LANCZOS
 
@@ -284,7 +284,7 @@ def floor_candidates() -> dict[str, Callable[[bytes], tuple[int, int]]]:
     def gpufeed_ycc(data: bytes) -> tuple[int, int]:
         made = transcode_jpeg(data, prepare_spec)
         if made is None:
-            raise RuntimeError("pipeline.transcode did not take a demo JPEG")
+            raise RuntimeError("pipeline.prepare.transcode did not take a demo JPEG")
         return made[2]
 
     candidates = {
@@ -295,7 +295,7 @@ def floor_candidates() -> dict[str, Callable[[bytes], tuple[int, int]]]:
         "PIL full decode + resize + save": pil_full,
     }
     if applies(prepare_spec):  # it needs the native library (a C compiler and libjpeg headers)
-        candidates["gpufeed YCbCr path: 4:2:0 planes decoded, resized and encoded in C (pipeline.transcode)"] = (
+        candidates["gpufeed YCbCr path: 4:2:0 planes decoded, resized and encoded in C (pipeline.prepare.transcode)"] = (
             gpufeed_ycc
         )
     return candidates

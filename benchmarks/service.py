@@ -148,7 +148,7 @@ def make_spec(src: str, out: str, shard_count: int) -> Any:
 
 
 def run_local(spec: Any, processes: int) -> float:
-    from pipeline.prepare import prepare_dataset
+    from pipeline.prepare.job import prepare_dataset
 
     started = time.perf_counter()
     result = prepare_dataset(spec, workers=processes)

@@ -19,18 +19,18 @@ from .errors import (
     StorageError,
 )
 from .manifest import Manifest, VerifyResult, read_manifest, verify_dataset
-from .prepare import PrepareResult, prepare_dataset
+from .prepare.job import PrepareResult, prepare_dataset
 from .specs import AugmentSpec, EncodeSpec, LoaderSpec, PrepareSpec, ResizeSpec, ShardSpec
 
 
 def __getattr__(name: str) -> Any:
     # make_loader and estimate_memory need torch: import them on first use so `import pipeline` stays light.
     if name == "make_loader":
-        from .loader import make_loader
+        from .loader.loader import make_loader
 
         return make_loader
     if name == "estimate_memory":
-        from .memory import estimate_memory
+        from .measure.memory import estimate_memory
 
         return estimate_memory
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

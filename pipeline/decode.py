@@ -70,7 +70,7 @@ _SIGNATURES: tuple[tuple[int, bytes, str], ...] = (
 )
 
 
-def _pil() -> Any:
+def pil_image() -> Any:
     """Import PIL once per process with gpufeed's safety settings."""
     global _PIL_READY
     from PIL import Image, ImageFile
@@ -124,7 +124,7 @@ def open_image(data: bytes, *, max_pixels: int = 89_478_485, formats: tuple[str,
     """
     if not data:
         raise DecodeError("empty file (0 bytes)")
-    Image = _pil()
+    Image = pil_image()
     try:
         img = Image.open(io.BytesIO(data), formats=formats or _decode_formats(Image))
     except Image.UnidentifiedImageError:
@@ -171,12 +171,12 @@ def decode_image(
             or otherwise unusable; ``reason`` says which.
     """
     img = open_image(data, max_pixels=max_pixels)
-    Image = _pil()
+    Image = pil_image()
     width, height = img.size
     scale = min(1.0, scale_for(width, height)) if scale_for else 1.0
     try:
         if img.format in _DCT_FORMATS and simplejpeg is not None and img.mode in ("RGB", "L"):
-            orientation = _orientation(img)
+            orientation = exif_orientation(img)
             array = _decode_jpeg_scaled(data, width, height, scale, "RGBX" if padded else "RGB")
             if padded:
                 # The decoder's RGBX buffer becomes the image itself: no copy.
@@ -187,7 +187,7 @@ def decode_image(
             img = _load_with_pil(img, scale)
             # Read after loading: some PIL loaders (TIFF in current Pillow) apply the
             # orientation themselves, report the upright size and drop the tag.
-            orientation = _orientation(img)
+            orientation = exif_orientation(img)
             rgb = to_rgb(img, background, Image)
     except DecodeError:
         raise
@@ -275,7 +275,7 @@ def _load_with_pil(img: Any, scale: float) -> Any:
 
 def to_rgb(img: Any, background: tuple[int, int, int], Image: Any = None) -> Any:
     """Convert any PIL mode to RGB; alpha is composited onto `background`."""
-    Image = Image or _pil()
+    Image = Image or pil_image()
     mode = img.mode
     if mode == "RGB":
         return img
@@ -320,7 +320,7 @@ def _high_depth_to_rgb(img: Any, Image: Any) -> Any:
 _ORIENTATION_SOURCES = ("exif", "Raw profile type exif", "xmp", "XML:com.adobe.xmp")
 
 
-def _orientation(img: Any) -> int:
+def exif_orientation(img: Any) -> int:
     if not hasattr(img, "tag_v2") and not any(key in img.info for key in _ORIENTATION_SOURCES):
         return 1  # nothing to read: skips getexif(), whose first call imports Pillow's TIFF code (~20 ms)
     try:
@@ -332,7 +332,7 @@ def _orientation(img: Any) -> int:
 
 def transpose_method(orientation: int) -> Any:
     """The PIL transpose that turns a picture stored with EXIF `orientation` (2..8) upright."""
-    Image = _pil()
+    Image = pil_image()
     return {
         2: Image.Transpose.FLIP_LEFT_RIGHT,
         3: Image.Transpose.ROTATE_180,

@@ -15,8 +15,8 @@ import tarfile
 from typing import Any
 
 from .errors import ManifestError
-from .shards import ShardInfo
-from .storage import Output
+from .io.output import Output
+from .io.tar import ShardInfo
 
 MANIFEST_FORMAT = "gpufeed-manifest/1"
 MANIFEST_NAME = "manifest.json"
@@ -89,7 +89,9 @@ def read_manifest(output: Output) -> Manifest:
         ManifestError: missing, not JSON, or not a gpufeed manifest.
     """
     if not output.exists(MANIFEST_NAME):
-        raise ManifestError(f"no {MANIFEST_NAME} in {output.url}: not a prepared dataset (or its prepare did not finish)")
+        raise ManifestError(
+            f"no {MANIFEST_NAME} in {output.url}: not a prepared dataset (or its prepare did not finish)"
+        )
     try:
         data = json.loads(output.read_bytes(MANIFEST_NAME))
     except (OSError, ValueError) as exc:

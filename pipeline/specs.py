@@ -8,7 +8,6 @@ through plain JSON (`to_dict` / `from_dict`) so the same object drives a local
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, TypeVar
 
 from .errors import ConfigError
@@ -19,10 +18,10 @@ FORMAT_EXTENSIONS = {"jpeg": "jpg", "webp": "webp", "png": "png", "npy": "npy"}
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own bomb threshold: 0.25 GiB of RGBA
 
-_SpecT = TypeVar("_SpecT", bound="_Spec")
+_SpecT = TypeVar("_SpecT", bound="Spec")
 
 
-class _Spec:
+class Spec:
     """to_dict/from_dict for the flat frozen dataclasses below."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -47,7 +46,7 @@ class _Spec:
             raise ConfigError(f"{cls.__name__}: {exc}") from exc
 
 
-def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+def check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
     if value < low or (high is not None and value > high):
@@ -63,14 +62,14 @@ def _is_number_pair(pair: Any) -> bool:
     )
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be a whole number, got {value!r}")
-    _check_number(name, value, low, high)
+    check_number(name, value, low, high)
 
 
 @dataclasses.dataclass(frozen=True)
-class ResizeSpec(_Spec):
+class ResizeSpec(Spec):
     """How each image is resized.
 
     Attributes:
@@ -87,7 +86,7 @@ class ResizeSpec(_Spec):
     resample: str = "lanczos"
 
     def __post_init__(self) -> None:
-        _check_int("--size", self.size, 8, 16384)
+        check_int("--size", self.size, 8, 16384)
         if self.mode not in RESIZE_MODES:
             raise ConfigError(f"--mode must be one of {', '.join(RESIZE_MODES)}, got {self.mode!r}")
         if self.resample not in ("lanczos", "bicubic", "bilinear"):
@@ -95,7 +94,7 @@ class ResizeSpec(_Spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class AugmentSpec(_Spec):
+class AugmentSpec(Spec):
     """Pre-augmentation into `variants` complete copies of the dataset.
 
     Attributes:
@@ -115,18 +114,18 @@ class AugmentSpec(_Spec):
     rotate: float = 10.0
 
     def __post_init__(self) -> None:
-        _check_int("--variants", self.variants, 0, 1000)
+        check_int("--variants", self.variants, 0, 1000)
         for name, pair, low, high in (("scale", self.scale, 0.01, 1.0), ("ratio", self.ratio, 0.1, 10.0)):
             if not _is_number_pair(pair) or not pair[0] <= pair[1]:
                 raise ConfigError(f"--crop-{name} must be two numbers LOW,HIGH with LOW <= HIGH")
             for value in pair:
-                _check_number(f"--crop-{name}", value, low, high)
-        _check_number("--jitter", self.jitter, 0.0, 0.9)
-        _check_number("--rotate", self.rotate, 0.0, 45.0)
+                check_number(f"--crop-{name}", value, low, high)
+        check_number("--jitter", self.jitter, 0.0, 0.9)
+        check_number("--rotate", self.rotate, 0.0, 45.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class EncodeSpec(_Spec):
+class EncodeSpec(Spec):
     """Output encoding: jpeg (default, quality 90), webp, png, or raw uint8 npy.
 
     `restart`: for JPEG, a restart marker every `restart` MCUs (0: none).
@@ -142,8 +141,8 @@ class EncodeSpec(_Spec):
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        _check_int("--quality", self.quality, 1, 100)
-        _check_int("--jpeg-restart", self.restart, 0, 65535)
+        check_int("--quality", self.quality, 1, 100)
+        check_int("--jpeg-restart", self.restart, 0, 65535)
 
     @property
     def extension(self) -> str:
@@ -151,7 +150,7 @@ class EncodeSpec(_Spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardSpec(_Spec):
+class ShardSpec(Spec):
     """Shard bounds: at most `max_bytes` bytes (planned from a measured
     estimate) and at most `max_samples` samples (exact), whichever is smaller."""
 
@@ -162,13 +161,13 @@ class ShardSpec(_Spec):
         if self.max_bytes is None and self.max_samples is None:
             raise ConfigError("give --shard-size, --shard-count or both")
         if self.max_bytes is not None:
-            _check_int("--shard-size", self.max_bytes, 64 * 1024)
+            check_int("--shard-size", self.max_bytes, 64 * 1024)
         if self.max_samples is not None:
-            _check_int("--shard-count", self.max_samples, 1)
+            check_int("--shard-count", self.max_samples, 1)
 
 
 @dataclasses.dataclass(frozen=True)
-class PrepareSpec(_Spec):
+class PrepareSpec(Spec):
     """One prepare job: SRC in, OUT out, and every setting in between.
 
     The whole spec is recorded as the manifest's `params`; two runs with equal
@@ -191,11 +190,13 @@ class PrepareSpec(_Spec):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"{name.upper()} must be a non-empty path or URL")
-        _check_int("--seed", self.seed, 0, 2**63 - 1)
-        _check_int("--max-pixels", self.max_pixels, 64)
-        _check_int("max_file_bytes", self.max_file_bytes, 1)
-        if not isinstance(self.background, (tuple, list)) or len(self.background) != 3 or any(
-            isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 255 for c in self.background
+        check_int("--seed", self.seed, 0, 2**63 - 1)
+        check_int("--max-pixels", self.max_pixels, 64)
+        check_int("max_file_bytes", self.max_file_bytes, 1)
+        if (
+            not isinstance(self.background, (tuple, list))
+            or len(self.background) != 3
+            or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 255 for c in self.background)
         ):
             raise ConfigError("background must be three integers 0-255")
 
@@ -224,37 +225,13 @@ class PrepareSpec(_Spec):
         return data
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*((?:[kmgt]i?)?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_bytes(text: str | int) -> int:
-    """Parse `256MB`, `1.5GiB`, `64k` or a plain integer into bytes.
-
-    Raises:
-        ConfigError: when the text is not a size.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ConfigError(f"a size cannot be negative: {text}")
-        return text
-    match = _SIZE_RE.match(str(text))
-    if not match:
-        raise ConfigError(f"not a size: {text!r} (try 256MB, 1GiB or a number of bytes)")
-    number, unit = float(match.group(1)), (match.group(2) or "").lower()
-    binary = "i" in unit
-    letter = unit[:1] if unit[:1] in "kmgt" else ""
-    factor = 1024 ** ("kmgt".index(letter) + 1) if binary and letter else _UNITS[letter]
-    return int(number * factor)
-
-
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DTYPES = ("float32", "float16", "bfloat16", "uint8")
 
 
 @dataclasses.dataclass(frozen=True)
-class LoaderSpec(_Spec):
+class LoaderSpec(Spec):
     """Settings of `make_loader`, validated before anything is built.
 
     Attributes:
@@ -302,29 +279,29 @@ class LoaderSpec(_Spec):
     decoder: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_int("batch_size", self.batch_size, 1, 1 << 16)
-        _check_int("crop", self.crop, 8, 8192)
+        check_int("batch_size", self.batch_size, 1, 1 << 16)
+        check_int("crop", self.crop, 8, 8192)
         if self.num_workers != "auto":
-            _check_int("num_workers", self.num_workers, 1, 256)
+            check_int("num_workers", self.num_workers, 1, 256)
         if self.worker_type not in ("thread", "process"):
             raise ConfigError(f"worker_type must be 'thread' or 'process', got {self.worker_type!r}")
-        _check_int("shuffle_buffer", self.shuffle_buffer, 0)
-        _check_int("interleave", self.interleave, 1, 64)
-        _check_int("seed", self.seed, 0, 2**63 - 1)
-        _check_int("prefetch", self.prefetch, 2, 64)
+        check_int("shuffle_buffer", self.shuffle_buffer, 0)
+        check_int("interleave", self.interleave, 1, 64)
+        check_int("seed", self.seed, 0, 2**63 - 1)
+        check_int("prefetch", self.prefetch, 2, 64)
         for name in ("mean", "std"):
             values = getattr(self, name)
             if not isinstance(values, (tuple, list)) or len(values) != 3:
                 raise ConfigError(f"{name} must have three values (R, G, B)")
             for value in values:
-                _check_number(name, value, 0.0 if name == "mean" else 1e-6, 1e6)
+                check_number(name, value, 0.0 if name == "mean" else 1e-6, 1e6)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not _is_number_pair(self.scale) or not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ConfigError("scale must be (low, high) with 0 < low <= high <= 1")
         if not _is_number_pair(self.ratio) or not 0 < self.ratio[0] <= self.ratio[1]:
             raise ConfigError("ratio must be (low, high) with 0 < low <= high")
-        _check_number("eval_fraction", self.eval_fraction, 0.1, 1.0)
+        check_number("eval_fraction", self.eval_fraction, 0.1, 1.0)
         if self.decoder not in ("auto", "region", "simplejpeg", "pil", "nvjpeg"):
             raise ConfigError(f"decoder must be auto, region, simplejpeg, pil or nvjpeg, got {self.decoder!r}")
 

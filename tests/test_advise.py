@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipeline.advise import (
+from pipeline.measure.advise import (
     AdviseInputs,
     Candidate,
     Ceilings,

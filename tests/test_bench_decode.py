@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.bench.decode import (
+from pipeline.measure.decode import (
     available_decoders,
     benchmark_decode,
     decode_npy,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench import disk as disk_bench
-from pipeline.bench.disk import WORK_PREFIX, benchmark_disk, mean_file_bytes
+from pipeline.measure import disk as disk_bench
+from pipeline.measure.disk import WORK_PREFIX, benchmark_disk, mean_file_bytes
 from pipeline.errors import ConfigError, StorageError
 
 MiB = 1 << 20

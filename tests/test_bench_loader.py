@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from pipeline import PrepareSpec, ResizeSpec, prepare_dataset
-from pipeline.bench.loader import (
+from pipeline.measure.loader import (
     LoaderPoint,
     benchmark_loader,
     best_window_rate,

@@ -13,7 +13,7 @@ import PIL
 import pytest
 from PIL import features
 
-from pipeline import doctor
+from pipeline.measure import doctor
 
 if TYPE_CHECKING:
     from conftest import RedisServer

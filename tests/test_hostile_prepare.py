@@ -29,8 +29,8 @@ from PIL import Image
 from hostile_data import HostileDataset, HostileFile, make_hostile_dataset
 from pipeline import EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
 from pipeline.manifest import Manifest, read_manifest, verify_dataset
-from pipeline.sources import ListingInfo, SourceItem, list_images
-from pipeline.storage import Output
+from pipeline.prepare.sources import ListingInfo, SourceItem, list_images
+from pipeline.io.output import Output
 
 pytestmark = pytest.mark.filterwarnings("ignore:Corrupt EXIF data:UserWarning")
 

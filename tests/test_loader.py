@@ -19,11 +19,12 @@ from PIL import Image
 
 from pipeline import AugmentSpec, ConfigError, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
 from pipeline.demo import make_demo_dataset
-import pipeline.loader as loader_module
-from pipeline.loader import make_loader
+import pipeline.loader.loader as loader_module
+from pipeline.loader.loader import make_loader
 from pipeline.manifest import read_manifest, write_manifest
-from pipeline.shards import ShardInfo, TarShardWriter
-from pipeline.storage import Output
+from pipeline.manifest import ShardInfo
+from pipeline.io.tar import TarShardWriter
+from pipeline.io.output import Output
 
 N = 150
 SIZE = 64
@@ -274,7 +275,7 @@ DDP_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
 dist.init_process_group("gloo")
-import pipeline.loader as loader_module
+import pipeline.loader.loader as loader_module
 from pipeline.loader import make_loader
 loader = make_loader(sys.argv[1], 16, device="cpu", crop=56, num_workers=1, drop_last=sys.argv[3] == "drop")
 loader.set_epoch(1)
@@ -414,7 +415,7 @@ def test_program_exits_cleanly_with_a_prestarted_epoch_running(dataset: Path) ->
     script = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-import pipeline.loader as loader_module
+import pipeline.loader.loader as loader_module
 from pipeline.loader import make_loader
 loader = make_loader({str(dataset)!r}, 8, device="cpu", crop={CROP}, num_workers=2, dtype="float32")
 for epoch in range(2):

@@ -11,16 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.errors import ManifestError
-from pipeline.manifest import (
-    MANIFEST_FORMAT,
-    MANIFEST_NAME,
-    Manifest,
-    read_manifest,
-    verify_dataset,
-    write_manifest,
-)
-from pipeline.shards import ShardInfo, TarShardWriter, shard_name
-from pipeline.storage import Output
+from pipeline.manifest import MANIFEST_FORMAT, MANIFEST_NAME, Manifest, read_manifest, verify_dataset, write_manifest
+from pipeline.manifest import ShardInfo
+from pipeline.io.tar import TarShardWriter
+from pipeline.prepare.plan import shard_name
+from pipeline.io.output import Output
 
 
 def _manifest(shards: list[ShardInfo], samples: int | None = None, **kwargs) -> Manifest:

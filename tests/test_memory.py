@@ -15,7 +15,7 @@ from torch import nn
 
 import pipeline
 from pipeline.errors import ConfigError
-from pipeline.memory import (
+from pipeline.measure.memory import (
     ThroughputModel,
     count_activations,
     estimate_memory,

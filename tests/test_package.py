@@ -86,4 +86,4 @@ def test_wheel_carries_the_region_decoder_source(tmp_path) -> None:
     subprocess.run(command, check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("gpufeed-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"pipeline/jpegregion.c", "pipeline/resample.c", "pipeline/native.py", "pipeline/py.typed"} <= names
+    assert {"pipeline/native/jpegregion.c", "pipeline/native/resample.c", "pipeline/native/__init__.py", "pipeline/py.typed"} <= names

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipeline import plots
-from pipeline.advise import AdviseInputs, AdviseResult, ApplyResult, Candidate, Ceilings, plan_advice
-from pipeline.bench.decode import DecodeBenchResult, DecoderRow
-from pipeline.bench.disk import DiskBenchResult, RandomReadPoint
-from pipeline.bench.loader import LoaderBenchResult, LoaderPoint
-from pipeline.memory import estimate_memory
+from pipeline.measure import plots
+from pipeline.measure.advise import AdviseInputs, AdviseResult, ApplyResult, Candidate, Ceilings, plan_advice
+from pipeline.measure.decode import DecodeBenchResult, DecoderRow
+from pipeline.measure.disk import DiskBenchResult, RandomReadPoint
+from pipeline.measure.loader import LoaderBenchResult, LoaderPoint
+from pipeline.measure.memory import estimate_memory
 
 MiB = 1 << 20
 
@@ -112,7 +112,7 @@ def test_advise_chart_shows_the_ceilings_prediction_and_measurement(tmp_path: Pa
 
 
 def test_importing_the_plots_module_does_not_import_matplotlib() -> None:
-    code = "import sys, pipeline.plots, pipeline.cli; print('matplotlib' in sys.modules)"
+    code = "import sys, pipeline.measure.plots, pipeline.cli; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

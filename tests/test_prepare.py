@@ -28,7 +28,7 @@ from pipeline import (
 )
 from pipeline.demo import make_demo_dataset
 from pipeline.manifest import read_manifest, verify_dataset
-from pipeline.storage import Output
+from pipeline.io.output import Output
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_bad_sources_are_clear_errors(tmp_path: Path) -> None:
 
 
 def test_free_space_check_refuses_unless_forced(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipeline.prepare.free_bytes", lambda path: 1000)
+    monkeypatch.setattr("pipeline.prepare.job.free_bytes", lambda path: 1000)
     with pytest.raises(StorageError, match="free"):
         prepare_dataset(spec_for(raw, tmp_path / "out"), workers=0)
     assert not (tmp_path / "out" / "manifest.json").exists()
@@ -267,7 +267,7 @@ def test_full_disk_mid_write_is_a_clear_error_without_manifest(
         handle = builtins.open(path, mode, *args, **kwargs)
         return _FullDisk(handle, 40_000) if "w" in mode and ".tmp-" in str(path) else handle
 
-    monkeypatch.setattr("pipeline.shards.open", failing_open, raising=False)
+    monkeypatch.setattr("pipeline.io.tar.open", failing_open, raising=False)
     out = tmp_path / "out"
     with pytest.raises(StorageError, match="no space left"):
         prepare_dataset(spec_for(raw, out), workers=0)
@@ -416,7 +416,7 @@ def test_peak_memory_does_not_grow_with_image_count(tmp_path: Path) -> None:
 def test_a_decoder_crash_rejects_only_that_file(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker killed inside a C decoder (segfault, OOM kill) must not hang or fail the job."""
     import pipeline.decode
-    import pipeline.transcode
+    import pipeline.prepare.transcode
 
     victim = sorted(raw.rglob("*.jpg"))[7]
 
@@ -428,8 +428,8 @@ def test_a_decoder_crash_rejects_only_that_file(raw: Path, tmp_path: Path, monke
 
         return decode
 
-    monkeypatch.setattr("pipeline.prepare.decode_image", crashing(pipeline.decode.decode_image))
-    monkeypatch.setattr("pipeline.prepare.transcode_jpeg", crashing(pipeline.transcode.transcode_jpeg))
+    monkeypatch.setattr("pipeline.prepare.job.decode_image", crashing(pipeline.decode.decode_image))
+    monkeypatch.setattr("pipeline.prepare.job.transcode_jpeg", crashing(pipeline.prepare.transcode.transcode_jpeg))
     out = tmp_path / "out"
     result = prepare_dataset(spec_for(raw, out), workers=2)
     assert (result.samples, result.rejected) == (59, 1)
@@ -446,7 +446,7 @@ def test_out_inside_source_is_refused(raw: Path) -> None:
 
 def test_step_api_plan_shards_finish_equals_local_prepare(raw: Path, tmp_path: Path) -> None:
     """The service runs prepare in steps; shards in any order, twice, give the same dataset."""
-    from pipeline.prepare import finish_prepare, plan_prepare, write_prepare_shard
+    from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
 
     spec = spec_for(raw, tmp_path / "steps")
     plan = plan_prepare(spec)
@@ -466,7 +466,7 @@ def test_step_api_plan_shards_finish_equals_local_prepare(raw: Path, tmp_path: P
 
 
 def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
-    from pipeline.prepare import CHUNK_ITEMS, TAIL_CHUNK_ITEMS, chunk_sizes
+    from pipeline.prepare.job import CHUNK_ITEMS, TAIL_CHUNK_ITEMS, chunk_sizes
 
     for total, workers in ((1000, 2), (12_345, 8), (7, 2), (1, 1), (300, 0)):
         sizes = chunk_sizes(total, workers)

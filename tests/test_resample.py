@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import crops, native
-from pipeline.crops import Affine, CropSpec, decode_many
+from pipeline.loader import crops
+from pipeline import native
+from pipeline.loader.crops import Affine, CropSpec, decode_many
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.problem()}")
 
@@ -189,7 +190,7 @@ def test_one_call_piece_reports_each_bad_sample_and_decodes_the_rest():
 
 @needs_native
 def test_doctor_reports_how_the_loader_resizes(mode: int):
-    from pipeline.doctor import probe_region_decoder
+    from pipeline.measure.doctor import probe_region_decoder
 
     info = probe_region_decoder()
     assert info["resize"].startswith("in C, with")

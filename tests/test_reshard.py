@@ -1,4 +1,4 @@
-"""`pipeline.reshard`: re-pack without decoding, atomic version swaps, re-augment with a new seed."""
+"""`pipeline.prepare.reshard`: re-pack without decoding, atomic version swaps, re-augment with a new seed."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import pytest
 from pipeline.demo import make_demo_dataset
 from pipeline.errors import ConfigError, JobConflictError, ManifestError
 from pipeline.manifest import read_manifest, verify_dataset
-from pipeline.prepare import prepare_dataset
-from pipeline.reader import resolve_dataset
-from pipeline.reshard import ReshardSpec, reshard_dataset, target_shard_count
-from pipeline.shards import TarShardWriter, iter_tar_samples
+from pipeline.prepare.job import prepare_dataset
+from pipeline.loader.dataset import resolve_dataset
+from pipeline.prepare.reshard import ReshardSpec, reshard_dataset, target_shard_count
+from pipeline.io.tar import TarShardWriter, iter_tar_samples
 from pipeline.specs import AugmentSpec, PrepareSpec, ShardSpec
-from pipeline.storage import Output
+from pipeline.io.output import Output
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def forbid_decoding(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     import PIL.Image
 
     import pipeline.decode
-    import pipeline.prepare
+    import pipeline.prepare.job
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("re-packing decoded an image")
@@ -69,7 +69,7 @@ def forbid_decoding(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     def forbid() -> None:
         monkeypatch.setattr(PIL.Image, "open", refuse)
         monkeypatch.setattr(pipeline.decode, "decode_image", refuse)
-        monkeypatch.setattr(pipeline.prepare, "decode_image", refuse)
+        monkeypatch.setattr(pipeline.prepare.job, "decode_image", refuse)
 
     return forbid
 
@@ -153,7 +153,7 @@ def test_a_failed_reshard_leaves_the_dataset_as_it_was(raw: Path, tmp_path: Path
 
 
 def test_a_dataset_changed_meanwhile_is_not_overwritten(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline.reshard as reshard
+    import pipeline.prepare.reshard as reshard
 
     dataset = prepared(raw, tmp_path / "ds")
     real_verify = reshard._verify_or_raise

@@ -24,7 +24,7 @@ from service_harness import (  # noqa: F401 - fixtures
     small_raw,
 )
 
-from pipeline.prepare import prepare_dataset
+from pipeline.prepare.job import prepare_dataset
 from pipeline.specs import PrepareSpec
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,8 @@ from pipeline.specs import PrepareSpec
 from worker import security
 from worker.app import celery_config, make_app
 from worker.schedules import describe, make_schedule
-from worker.settings import ServiceSettings, hide_password, parse_duration, settings_from_env
+from worker.settings import ServiceSettings, hide_password, settings_from_env
+from pipeline.units import parse_duration
 
 
 def test_defaults_are_safe() -> None:

@@ -20,7 +20,7 @@ from service_harness import (  # noqa: F401 - fixtures
     small_raw,
 )
 
-from pipeline.prepare import prepare_dataset
+from pipeline.prepare.job import prepare_dataset
 from pipeline.specs import PrepareSpec
 
 pytestmark = pytest.mark.slow
@@ -200,7 +200,7 @@ def test_a_unit_that_keeps_killing_its_worker_fails_the_job(watchdog: Any, tmp_p
 
 
 def test_finalize_refuses_a_shard_that_does_not_verify(service: Service, small_raw: Path, tmp_path: Path) -> None:
-    from pipeline.prepare import plan_prepare, write_prepare_shard
+    from pipeline.prepare.job import plan_prepare, write_prepare_shard
     from worker.client import send_unit
 
     spec = PrepareSpec.from_dict({"source": str(small_raw), "out": str(tmp_path / "out"), "shards": {"max_samples": 8}})

@@ -15,18 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.errors import StorageError
-from pipeline.prepare import sample_key
-from pipeline.shards import (
-    TAR_MTIME,
-    ShardInfo,
-    ShardPlan,
-    TarShardWriter,
-    file_sha256,
-    iter_tar_samples,
-    permute,
-    plan_shards,
-    shard_name,
-)
+from pipeline.prepare.job import sample_key
+from pipeline.io.tar import TAR_MTIME, TarShardWriter, iter_tar_samples
+from pipeline.manifest import ShardInfo
+from pipeline.prepare.plan import ShardPlan, permute, plan_shards, shard_name
+from pipeline.io.fs import file_sha256
 
 # ---------------------------------------------------------------------------
 # permute: a seeded bijection of range(n)
@@ -350,7 +343,7 @@ def _patch_open_full_disk(monkeypatch, budget: int) -> None:
     """Make the shard writer's temp file fail like a full disk after `budget` bytes."""
     import builtins
 
-    import pipeline.shards as shards_module
+    import pipeline.io.tar as shards_module
 
     def opener(path, mode="r", *args, **kwargs):
         handle = builtins.open(path, mode, *args, **kwargs)
@@ -432,11 +425,16 @@ def test_iter_tar_samples_groups_members_by_key(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    assert list(iter_tar_samples(path)) == [("a", {"jpg": b"1", "cls": b"0"}), ("b", {"jpg": b"2", "seg.png": b"3"})]
+    # WebDataset's rule: the key is the member's path up to the first dot of its base name.
+    assert list(iter_tar_samples(path)) == [
+        ("a", {"jpg": b"1", "cls": b"0"}),
+        ("dir/b", {"jpg": b"2"}),
+        ("b", {"seg.png": b"3"}),
+    ]
 
 
 # ---------------------------------------------------------------------------
-# The loader's streaming tar reader (pipeline.reader): what tarfile reads, or a clear error
+# The loader's streaming tar reader (pipeline.io.tar): what tarfile reads, or a clear error
 
 
 def _tar_bytes(members: list[tuple[str, bytes]], fmt: int = tarfile.GNU_FORMAT) -> bytes:
@@ -452,7 +450,7 @@ def _tar_bytes(members: list[tuple[str, bytes]], fmt: int = tarfile.GNU_FORMAT) 
 @pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
 @pytest.mark.parametrize("chunk", [512, 1536, 1 << 22])
 def test_reader_reads_what_tarfile_reads(monkeypatch, fmt, chunk):
-    from pipeline import reader
+    from pipeline.io import tar as reader
 
     monkeypatch.setattr(reader, "_CHUNK", chunk)  # members and headers across every chunk boundary
     long_name = "deep/" * 30 + "long.jpg" if fmt != tarfile.USTAR_FORMAT else "deep/long.jpg"
@@ -463,7 +461,7 @@ def test_reader_reads_what_tarfile_reads(monkeypatch, fmt, chunk):
 
 
 def test_reader_refuses_a_damaged_header_and_a_truncated_member():
-    from pipeline import reader
+    from pipeline.io import tar as reader
 
     data = bytearray(_tar_bytes([("a.jpg", b"x" * 3000), ("b.jpg", b"y" * 100)]))
     damaged = bytes(data[:100]) + bytes([data[100] ^ 0x20]) + bytes(data[101:])  # a flipped bit in the mode field

@@ -18,8 +18,8 @@ from pipeline.specs import (
     PrepareSpec,
     ResizeSpec,
     ShardSpec,
-    parse_bytes,
 )
+from pipeline.units import parse_bytes
 
 # ---------------------------------------------------------------------------
 # Validation: every bad value is a ConfigError whose message names the flag

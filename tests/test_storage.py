@@ -10,13 +10,8 @@ import uuid
 import pytest
 
 from pipeline.errors import StorageError
-from pipeline.storage import (
-    DeviceInfo,
-    Output,
-    device_info,
-    faster_local_disk,
-    free_bytes,
-)
+from pipeline.io.devices import DeviceInfo, device_info, faster_local_disk, free_bytes
+from pipeline.io.output import Output
 
 KINDS = {"nvme", "ssd", "rotational", "network", "memory", "unknown"}
 
@@ -237,7 +232,7 @@ def test_device_info_of_a_remote_url(url):
     ],
 )
 def test_device_kind_from_the_mount_table(monkeypatch, fstype, source, kind):
-    import pipeline.storage as storage
+    import pipeline.io.devices as storage
 
     monkeypatch.setattr(storage, "_mount_for", lambda path: ("/mnt/data", fstype, source))
     info = device_info("/mnt/data/out")

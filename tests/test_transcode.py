@@ -12,14 +12,15 @@ import pytest
 from hostile_data import exif_with_orientation
 from PIL import Image
 
-from pipeline import EncodeSpec, PrepareSpec, ResizeSpec, native, transcode
+from pipeline import EncodeSpec, PrepareSpec, ResizeSpec, native
+from pipeline.prepare import transcode
 from pipeline.decode import decode_image, transpose_method
 from pipeline.demo import render_photo_like
-from pipeline.encode import encode_image
-from pipeline.prepare import process_item
-from pipeline.sources import SourceItem
+from pipeline.prepare.encode import encode_image
+from pipeline.prepare.job import process_item
+from pipeline.prepare.sources import SourceItem
 from pipeline.specs import AugmentSpec
-from pipeline.transforms import required_scale, resize_image
+from pipeline.prepare.transforms import required_scale, resize_image
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.problem()}")
 FILTERS = {

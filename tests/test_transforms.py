@@ -12,7 +12,7 @@ from PIL import Image
 
 from pipeline.decode import decode_image
 from pipeline.specs import RESIZE_MODES, AugmentSpec, ResizeSpec
-from pipeline.transforms import (
+from pipeline.prepare.transforms import (
     PAD_FILL,
     augment_image,
     output_size,

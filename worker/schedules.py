@@ -18,7 +18,8 @@ from typing import Any
 from pipeline.errors import ConfigError
 
 from .jobs import ServiceError
-from .settings import ServiceSettings, parse_duration
+from .settings import ServiceSettings
+from pipeline.units import parse_duration
 
 RUN_TASK = "gpufeed.run_schedule"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

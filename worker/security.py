@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pipeline.errors import ConfigError
-from pipeline.sources import local_path
+from pipeline.io.fs import local_path
 
 from .settings import ServiceSettings
 
@@ -122,7 +122,7 @@ def validate_job(kind: str, payload: Any, settings: ServiceSettings) -> dict[str
     if kind == "reshard":
         if set(payload) - {"spec"}:
             raise ConfigError(f"reshard job: unknown field(s) {', '.join(sorted(set(payload) - {'spec'}))}")
-        from pipeline.reshard import ReshardSpec
+        from pipeline.prepare.reshard import ReshardSpec
 
         reshard = ReshardSpec.from_dict(payload.get("spec"))
         check_path(reshard.dataset, roots, "DATASET")
@@ -192,7 +192,7 @@ def check_listed_sources(source: str, roots: Iterable[str]) -> None:
     symlink, so only symlinks are resolved; a list file (CSV/JSONL) or a URL
     is listed and every entry checked.
     """
-    from pipeline.sources import list_images
+    from pipeline.prepare.sources import list_images
 
     roots = require_roots(roots)
     local = local_path(source)

@@ -33,28 +33,11 @@ from collections.abc import Mapping
 
 from pipeline.errors import ConfigError
 from pipeline.specs import DEFAULT_MAX_PIXELS
+from pipeline.units import parse_duration
 
 DEFAULT_BROKER_URL = "redis://localhost:6379/0"
 HARD_LIMIT_GRACE_S = 60
 KEY_PREFIX = "gpufeed:"
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d)?\s*$", re.IGNORECASE)
-_UNIT_SECONDS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str, name: str = "duration") -> float:
-    """Seconds in `90`, `90s`, `10m`, `6h` or `7d`.
-
-    Raises:
-        ConfigError: when the text is not a positive duration.
-    """
-    match = _DURATION.match(str(text))
-    if not match:
-        raise ConfigError(f"{name}: not a duration: {text!r} (try 90s, 10m, 6h or 7d)")
-    seconds = float(match.group(1)) * _UNIT_SECONDS[(match.group(2) or "").lower() or None]
-    if seconds <= 0:
-        raise ConfigError(f"{name} must be more than zero, got {text!r}")
-    return seconds
 
 
 def hide_password(url: str) -> str:
@@ -151,7 +134,7 @@ def _parse_count(text: str, name: str) -> int:
 
 
 def _parse_size(text: str) -> int:
-    from pipeline.specs import parse_bytes
+    from pipeline.units import parse_bytes
 
     return parse_bytes(text)
 

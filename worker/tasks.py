@@ -23,9 +23,9 @@ from celery.utils.log import get_task_logger
 from pipeline.errors import GpufeedError
 from pipeline.manifest import MANIFEST_NAME, Manifest, read_manifest
 from pipeline.specs import PrepareSpec
-from pipeline.storage import Output
+from pipeline.io.output import Output
 
-from . import security
+from worker import security
 from .app import app
 from .client import submit_job
 from .jobs import ACTIVE, JobRecord, JobStopped, JobStore, UnitRun
@@ -97,7 +97,7 @@ def _worker_checked_spec(spec_dict: dict[str, Any]) -> PrepareSpec:
 @app.task(bind=True, name="gpufeed.plan_prepare")
 def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
     """List the source, plan the shards, fan out one task per shard with finalize as the chord's callback."""
-    from pipeline.prepare import plan_prepare
+    from pipeline.prepare.job import plan_prepare
 
     with job_errors(job_id, "planning"), UnitRun(store(), job_id, "plan", self.request.id) as run:
         if run.status != "ok":
@@ -133,7 +133,7 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
 def _planned_spec(record: JobRecord, payload: dict[str, Any]) -> tuple[PrepareSpec, bool, bool]:
     if record.kind == "prepare":
         return PrepareSpec.from_dict(payload["spec"]), payload["force"], payload["overwrite"]
-    from pipeline.reshard import ReshardSpec, plan_reaugment
+    from pipeline.prepare.reshard import ReshardSpec, plan_reaugment
 
     if record.prepare_spec is None:  # the first plan claims the version folder; a re-run reuses it
         claimed = plan_reaugment(ReshardSpec.from_dict(payload["spec"]))
@@ -146,7 +146,7 @@ def _planned_spec(record: JobRecord, payload: dict[str, Any]) -> tuple[PrepareSp
 @app.task(bind=True, name="gpufeed.write_prepare_shard")
 def write_prepare_shard_task(self: Any, job_id: str, spec_dict: dict[str, Any], shard: int) -> dict[str, Any]:
     """Write one shard (skipped when already complete) and count it in the job."""
-    from pipeline.prepare import write_prepare_shard
+    from pipeline.prepare.job import write_prepare_shard
 
     unit = f"shard:{shard}"
     with job_errors(job_id, f"shard {shard}"), UnitRun(store(), job_id, unit, self.request.id) as run:
@@ -196,11 +196,11 @@ def finalize_prepare_task(self: Any, job_id: str, spec_dict: dict[str, Any]) -> 
 
 
 def _finish(record: JobRecord, spec: PrepareSpec) -> Manifest:
-    from pipeline.prepare import WORK_DIR, finish_prepare
+    from pipeline.prepare.job import WORK_DIR, finish_prepare
 
     output = Output(spec.out)
     if record.kind == "reshard":
-        from pipeline.reshard import ReshardSpec, staged_version, version_of
+        from pipeline.prepare.reshard import ReshardSpec, staged_version, version_of
 
         version = staged_version(ReshardSpec.from_dict(record.payload["spec"]), spec)
         current = read_manifest(Output(record.payload["spec"]["dataset"]))
@@ -222,7 +222,7 @@ def _succeed(record: JobRecord, spec: PrepareSpec, manifest: Manifest) -> None:
         "bytes": sum(s.bytes for s in manifest.shards),
     }
     if record.kind == "reshard":
-        from pipeline.reshard import ReshardSpec, publish_reaugment
+        from pipeline.prepare.reshard import ReshardSpec, publish_reaugment
 
         result = publish_reaugment(ReshardSpec.from_dict(record.payload["spec"]), spec).to_dict()
     store().transition(
@@ -237,7 +237,7 @@ def _succeed(record: JobRecord, spec: PrepareSpec, manifest: Manifest) -> None:
 @app.task(bind=True, name="gpufeed.repack_dataset")
 def repack_dataset_task(self: Any, job_id: str) -> dict[str, Any]:
     """Re-pack a dataset into a new shard layout (no decoding) and swap it in."""
-    from pipeline.reshard import ReshardSpec, repack_dataset
+    from pipeline.prepare.reshard import ReshardSpec, repack_dataset
 
     with job_errors(job_id, "reshard"), UnitRun(store(), job_id, "reshard", self.request.id) as run:
         if run.status != "ok":
@@ -268,7 +268,7 @@ def benchmark_disk_task(self: Any, job_id: str) -> dict[str, Any]:
         record = store().require(job_id)
         payload = security.validate_job(record.kind, record.payload, get_settings())
         try:
-            from pipeline.bench.disk import benchmark_disk
+            from pipeline.measure.disk import benchmark_disk
         except ImportError as exc:
             raise GpufeedError("this worker has no disk benchmark (pipeline.bench.disk); update gpufeed on it") from exc
         store().transition(job_id, "running", ACTIVE)
@@ -307,12 +307,12 @@ def cleanup_job_task(self: Any, job_id: str) -> dict[str, Any]:
 
 
 def _discard_output(record: JobRecord) -> None:
-    from pipeline.prepare import discard_prepare
+    from pipeline.prepare.job import discard_prepare
 
     if record.kind == "prepare":
         discard_prepare(_worker_checked_spec(record.payload["spec"]))
     elif record.kind == "reshard" and record.prepare_spec is not None:
-        from pipeline.reshard import ReshardSpec, discard_reaugment
+        from pipeline.prepare.reshard import ReshardSpec, discard_reaugment
 
         discard_reaugment(ReshardSpec.from_dict(record.payload["spec"]), _worker_checked_spec(record.prepare_spec))
     # A re-pack removes its own partial version when it stops.

@@ -9,13 +9,14 @@ from typing import Any, NoReturn
 
 import click
 
-from .errors import GpufeedError
-from .specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec, parse_bytes
+from ..errors import GpufeedError
+from ..specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
+from ..units import parse_bytes
 
 SUCCESS, FAILURE, MISMATCH = 0, 1, 3
 
 
-def _fail(message: str, code: int = FAILURE) -> NoReturn:
+def fail(message: str, code: int = FAILURE) -> NoReturn:
     click.echo(f"gpufeed: error: {message}", err=True)
     sys.exit(code)
 
@@ -30,16 +31,16 @@ def exit_on_user_errors(interrupted: str) -> Callable[[Callable[..., Any]], Call
             try:
                 return func(*args, **kwargs)
             except GpufeedError as exc:
-                _fail(str(exc))
+                fail(str(exc))
             except KeyboardInterrupt:
-                _fail(interrupted, 130)
+                fail(interrupted, 130)
 
         return wrapper
 
     return decorate
 
 
-_user_errors = exit_on_user_errors("interrupted; complete shards are kept, run the same command again to resume")
+user_errors = exit_on_user_errors("interrupted; complete shards are kept, run the same command again to resume")
 
 
 class _Gpufeed(click.Group):
@@ -62,7 +63,7 @@ def _usage_error(exc: click.UsageError) -> NoReturn:
     if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):
         raise exc  # `gpufeed` alone: click prints the help
     hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
-    _fail(exc.format_message() + hint, 2)
+    fail(exc.format_message() + hint, 2)
 
 
 def _pair(text: str, name: str) -> tuple[float, float]:
@@ -147,12 +148,12 @@ def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpe
 @click.option("--workers", type=int, default=None, help="Processes (default: available cores; 0: in-process).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@_user_errors
+@user_errors
 def prepare(
     src: str, out: str, workers: int | None, force: bool, overwrite: bool, as_json: bool, quiet: bool, **options: Any
 ) -> None:
     """Prepare SRC (folder, CSV/JSONL list or URL) into WebDataset shards at OUT."""
-    from .prepare import prepare_dataset
+    from ..prepare.job import prepare_dataset
 
     spec = spec_from_options(src, out, options)
     from .progress import prepare_progress
@@ -173,11 +174,11 @@ def prepare(
 @click.argument("dataset")
 @click.option("--verify", is_flag=True, help="Re-read every shard: sha256, sizes and sample counts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@_user_errors
+@user_errors
 def inspect(dataset: str, verify: bool, as_json: bool) -> None:
     """Summarise a prepared DATASET (folder, URL or manifest.json); --verify checks every byte."""
-    from .manifest import read_manifest, verify_dataset
-    from .storage import Output
+    from ..manifest import read_manifest, verify_dataset
+    from ..io.output import Output
 
     root = dataset[: -len("/manifest.json")] if dataset.endswith("/manifest.json") else dataset
     output = Output(root)
@@ -217,10 +218,10 @@ def inspect(dataset: str, verify: bool, as_json: bool) -> None:
 @click.option("--max-side", default=1600, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--workers", type=int, default=None, help="Processes (default: available cores).")
-@_user_errors
+@user_errors
 def demo_data(directory: str, count: int, classes: int, min_side: int, max_side: int, seed: int, workers: int | None) -> None:
     """Generate a photo-like ImageFolder dataset of JPEGs in DIRECTORY."""
-    from .demo import make_demo_dataset
+    from ..demo import make_demo_dataset
 
     result = make_demo_dataset(
         directory, count, classes=classes, min_side=min_side, max_side=max_side, seed=seed, workers=workers
@@ -236,14 +237,15 @@ def demo_data(directory: str, count: int, classes: int, min_side: int, max_side:
 @click.option("--redis-url", default=None, help="Redis to check (default: GPUFEED_BROKER_URL or localhost).")
 def doctor(as_json: bool, redis_url: str | None) -> None:
     """Report Python, torch, the PIL build and its codecs, decoders, cores and Redis."""
-    from .doctor import collect_report, format_report
+    from ..measure.doctor import collect_report, format_report
 
     report = collect_report(redis_url=redis_url)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
 # Command groups that live in their own modules register themselves on `main`.
-from . import cli_bench, cli_service  # noqa: E402,F401
+from . import bench as cli_bench
+from worker import cli as cli_service  # noqa: E402,F401
 
 
 if __name__ == "__main__":  # pragma: no cover

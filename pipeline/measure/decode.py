@@ -24,12 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from ..decode import _pil, decode_image, open_image
-from ..encode import encode_image
+from ..decode import pil_image, decode_image, open_image
+from ..prepare.encode import encode_image
 from ..errors import ConfigError, DecodeError
-from ..sources import SourceItem, list_images, read_source_bytes
+from ..prepare.sources import SourceItem, list_images
+from ..io.fs import read_source_bytes
 from ..specs import AugmentSpec, EncodeSpec, ResizeSpec
-from ..transforms import required_scale, resize_image
+from ..prepare.transforms import required_scale, resize_image
 
 MAX_FILE_BYTES = 512 * 1024 * 1024
 
@@ -155,7 +156,7 @@ def _target_size(width: int, height: int, target: int) -> tuple[int, int]:
 
 
 def _pil_resize(img: Any, full: tuple[int, int], target: int) -> Any:
-    Image = _pil()
+    Image = pil_image()
     size = _target_size(*full, target)
     if img.mode != "RGB":
         img = img.convert("RGB")
@@ -184,7 +185,7 @@ def _decode_simplejpeg(data: bytes, target: int) -> Any:
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     out_w, out_h = _target_size(width, height, target)
     array = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=out_w, min_height=out_h)
-    return _pil_resize(_pil().fromarray(array), (width, height), target)
+    return _pil_resize(pil_image().fromarray(array), (width, height), target)
 
 
 def _turbojpeg_decoder() -> Decoder:
@@ -201,7 +202,7 @@ def _turbojpeg_decoder() -> Decoder:
             (1, 1),
         )
         array = jpeg.decode(data, pixel_format=turbojpeg.TJPF_RGB, scaling_factor=factor)
-        return _pil_resize(_pil().fromarray(array), (width, height), target)
+        return _pil_resize(pil_image().fromarray(array), (width, height), target)
 
     return decode
 
@@ -230,7 +231,7 @@ def _opencv_decoder() -> Decoder:
 def decode_npy(data: bytes, target: int) -> Any:
     array = np.load(io.BytesIO(data), allow_pickle=False)
     height, width = array.shape[:2]
-    return _pil_resize(_pil().fromarray(array), (width, height), target)
+    return _pil_resize(pil_image().fromarray(array), (width, height), target)
 
 
 def available_decoders() -> dict[str, Decoder]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .specs import EncodeSpec
+from ..specs import EncodeSpec
 
 
 def encode_image(img: Any, spec: EncodeSpec) -> bytes:

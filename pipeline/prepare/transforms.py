@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .specs import AugmentSpec, ResizeSpec
+from ..specs import AugmentSpec, ResizeSpec
 
 _FILTERS = {"lanczos": "LANCZOS", "bicubic": "BICUBIC", "bilinear": "BILINEAR"}
 PAD_FILL = (0, 0, 0)

@@ -24,16 +24,17 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .errors import ConfigError, JobConflictError, ManifestError
-from .manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, verify_dataset, write_manifest
-from .shards import ShardInfo, TarShardWriter, iter_tar_samples, sample_tar_bytes, shard_name
-from .specs import PrepareSpec, ShardSpec, _check_int, _Spec
-from .storage import Output
+from ..errors import ConfigError, JobConflictError, ManifestError
+from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, verify_dataset, write_manifest
+from ..manifest import ShardInfo
+from ..io.tar import TarShardWriter, iter_tar_samples, sample_tar_bytes
+from .plan import shard_name
+from ..specs import PrepareSpec, ShardSpec, check_int, Spec
+from ..io.output import Output
 
 VERSIONS_NAME = ".gpufeed-versions.json"
 VERSION_DIR = re.compile(r"r\d{4,}")
@@ -44,7 +45,7 @@ ReshardProgress = Callable[[int, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
-class ReshardSpec(_Spec):
+class ReshardSpec(Spec):
     """One reshard of an existing dataset.
 
     Attributes:
@@ -75,18 +76,18 @@ class ReshardSpec(_Spec):
         if self.out is not None and self.out.rstrip("/") == self.dataset.rstrip("/"):
             raise ConfigError("--out must differ from DATASET (leave it out to reshard in place)")
         if self.max_samples is not None:
-            _check_int("--shard-count", self.max_samples, 1)
+            check_int("--shard-count", self.max_samples, 1)
         if self.max_bytes is not None:
-            _check_int("--shard-size", self.max_bytes, 64 * 1024)
+            check_int("--shard-size", self.max_bytes, 64 * 1024)
         if self.multiple_of is not None:
-            _check_int("--multiple-of", self.multiple_of, 1, 1 << 16)
+            check_int("--multiple-of", self.multiple_of, 1, 1 << 16)
         if not isinstance(self.reaugment, bool):
             raise ConfigError("reaugment must be true or false")
-        _check_int("--keep", self.keep, 0, 100)
+        check_int("--keep", self.keep, 0, 100)
         if self.reaugment:
             if self.seed is None:
                 raise ConfigError("--reaugment needs --seed S: the seed of the new augmentations")
-            _check_int("--seed", self.seed, 0, 2**63 - 1)
+            check_int("--seed", self.seed, 0, 2**63 - 1)
             if self.multiple_of is not None:
                 raise ConfigError("--multiple-of cannot be combined with --reaugment; re-pack after re-augmenting")
         elif self.seed is not None:
@@ -134,7 +135,7 @@ def reshard_dataset(
     """
     if not spec.reaugment:
         return repack_dataset(spec, progress=progress)
-    from .prepare import prepare_dataset
+    from .job import prepare_dataset
 
     started = time.perf_counter()
     staged = plan_reaugment(spec)
@@ -259,15 +260,8 @@ def _repack_set(
 
 def _iter_set_samples(source: Output, shards: list[ShardInfo]) -> Iterator[tuple[str, dict[str, bytes]]]:
     for shard in shards:
-        if source.is_local:
-            yield from iter_tar_samples(source.local(shard.path))
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".tar") as local:
-            with source.open_read(shard.path) as remote:
-                while block := remote.read(1 << 22):
-                    local.write(block)
-            local.flush()
-            yield from iter_tar_samples(local.name)
+        with source.open_read(shard.path) as handle:
+            yield from iter_tar_samples(handle, f"{source.url}/{shard.path}")
 
 
 def _verify_or_raise(target: Output, manifest: Manifest) -> None:
@@ -420,7 +414,7 @@ def discard_reaugment(spec: ReshardSpec, staged: PrepareSpec) -> None:
     if spec.out is None:
         Output(spec.dataset).remove(staged_version(spec, staged))
         return
-    from .prepare import discard_prepare
+    from .job import discard_prepare
 
     discard_prepare(staged)
 

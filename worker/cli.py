@@ -15,15 +15,15 @@ from typing import Any
 
 import click
 
-from .cli import _fail, _user_errors, main, prepare_options, spec_from_options
-from .specs import parse_bytes
+from pipeline.cli import fail, user_errors, main, prepare_options, spec_from_options
+from pipeline.units import parse_bytes
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 WAIT_POLL_S = 0.5
 
 
 def _settings() -> Any:
-    from worker.settings import get_settings
+    from .settings import get_settings
 
     return get_settings()
 
@@ -38,13 +38,13 @@ def _settings() -> Any:
 @click.option("--queues", "-Q", default=None, help="Queues to consume, comma-separated (default: GPUFEED_QUEUE).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
-@_user_errors
+@user_errors
 def worker(concurrency: int | None, name: str | None, queues: str | None, loglevel: str, celery_args: tuple[str, ...]) -> None:
     """Run a Celery worker for gpufeed jobs; other options go to `celery worker` (e.g. --pool solo)."""
     settings = _settings()
     if not settings.allowed_roots:
         click.echo("gpufeed: warning: GPUFEED_ALLOWED_ROOTS is not set; this worker will refuse every job", err=True)
-    from worker.app import app
+    from .app import app
 
     argv = ["worker", "--loglevel", loglevel, "--queues", queues or settings.queue]
     if concurrency is not None:
@@ -57,11 +57,11 @@ def worker(concurrency: int | None, name: str | None, queues: str | None, loglev
 @main.command(context_settings=PASS_THROUGH)
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
-@_user_errors
+@user_errors
 def beat(loglevel: str, celery_args: tuple[str, ...]) -> None:
     """Run the scheduler that fires `gpufeed schedule` entries (several beats are safe: one ticks at a time)."""
     _settings()
-    from worker.app import app
+    from .app import app
 
     sys.exit(app.start(["beat", "--scheduler", "redbeat.RedBeatScheduler", "--loglevel", loglevel, *celery_args]) or 0)
 
@@ -94,7 +94,7 @@ def reshard_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _reshard_spec(dataset: str, options: dict[str, Any], absolute: Callable[[str], str] = str) -> Any:
     """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service."""
-    from .reshard import ReshardSpec
+    from pipeline.prepare.reshard import ReshardSpec
 
     return ReshardSpec(
         dataset=absolute(dataset),
@@ -118,12 +118,12 @@ def submit() -> None:
 @click.argument("out")
 @prepare_options
 @_wait_options
-@_user_errors
+@user_errors
 def submit_prepare(
     src: str, out: str, force: bool, overwrite: bool, wait: bool, as_json: bool, quiet: bool, **options: Any
 ) -> None:
     """Prepare SRC into shards at OUT on the service's workers (same options as `gpufeed prepare`)."""
-    from worker.security import absolute
+    from .security import absolute
 
     spec = spec_from_options(absolute(src, "SRC"), absolute(out, "OUT"), options)
     _submit("prepare", {"spec": spec.to_dict(), "force": force, "overwrite": overwrite}, wait, as_json, quiet)
@@ -133,10 +133,10 @@ def submit_prepare(
 @click.argument("dataset")
 @reshard_options
 @_wait_options
-@_user_errors
+@user_errors
 def submit_reshard(dataset: str, wait: bool, as_json: bool, quiet: bool, **options: Any) -> None:
     """Re-pack DATASET into new shards (no decoding), or re-augment it with a new seed, on the service."""
-    from worker.security import absolute
+    from .security import absolute
 
     _submit("reshard", {"spec": _reshard_spec(dataset, options, absolute).to_dict()}, wait, as_json, quiet)
 
@@ -147,12 +147,12 @@ def submit_reshard(dataset: str, wait: bool, as_json: bool, quiet: bool, **optio
 @click.option("--duration", type=float, default=None, help="Seconds each read test runs (default 2).")
 @click.option("--threads", type=int, default=None, help="Reads in flight for the queue-depth-N figures (default 16).")
 @_wait_options
-@_user_errors
+@user_errors
 def submit_bench_disk(
     path: str, file_size: str | None, duration: float | None, threads: int | None, wait: bool, as_json: bool, quiet: bool
 ) -> None:
     """Benchmark the disk behind PATH on a worker (like `gpufeed bench disk`, run where the data lives)."""
-    from worker.security import absolute
+    from .security import absolute
 
     options = {"file_bytes": parse_bytes(file_size) if file_size else None, "duration_s": duration, "threads": threads}
     payload = {"path": absolute(path, "PATH"), "options": {k: v for k, v in options.items() if v is not None}}
@@ -160,8 +160,8 @@ def submit_bench_disk(
 
 
 def _submit(kind: str, payload: dict[str, Any], wait: bool, as_json: bool, quiet: bool) -> None:
-    from worker.client import submit_job
-    from worker.jobs import JobStore, redis_errors
+    from .client import submit_job
+    from .jobs import JobStore, redis_errors
 
     settings = _settings()
     with redis_errors(settings):
@@ -182,7 +182,7 @@ def _submit(kind: str, payload: dict[str, Any], wait: bool, as_json: bool, quiet
 
 
 def _wait_for(store: Any, job_id: str, show_bar: bool) -> Any:
-    from worker.jobs import FINAL
+    from .jobs import FINAL
 
     if not show_bar or not sys.stderr.isatty():
         while (record := store.require(job_id)).state not in FINAL:
@@ -260,10 +260,10 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
 @main.command()
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
-@_user_errors
+@user_errors
 def status(job: str, as_json: bool) -> None:
     """Show a job: state (queued, running, succeeded, failed, cancelled), shards, samples, rejects, images/s, error."""
-    from worker.jobs import JobStore, redis_errors
+    from .jobs import JobStore, redis_errors
 
     settings = _settings()
     with redis_errors(settings):
@@ -274,10 +274,10 @@ def status(job: str, as_json: bool) -> None:
 @main.command()
 @click.option("--limit", default=50, show_default=True, help="Most recent jobs shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
-@_user_errors
+@user_errors
 def jobs(limit: int, as_json: bool) -> None:
     """List recent jobs, newest first."""
-    from worker.jobs import JobStore, redis_errors
+    from .jobs import JobStore, redis_errors
 
     settings = _settings()
     with redis_errors(settings):
@@ -301,11 +301,11 @@ def jobs(limit: int, as_json: bool) -> None:
 @main.command()
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the job's status as JSON.")
-@_user_errors
+@user_errors
 def cancel(job: str, as_json: bool) -> None:
     """Cancel a job: no more of its shards start, its partial output is removed, no manifest is written."""
-    from worker.client import cancel_job
-    from worker.jobs import JobStore, redis_errors
+    from .client import cancel_job
+    from .jobs import JobStore, redis_errors
 
     settings = _settings()
     with redis_errors(settings):
@@ -322,7 +322,7 @@ def cancel(job: str, as_json: bool) -> None:
 
 def _schedule_app() -> Any:
     """The Celery app for redbeat calls from the command line: fail fast instead of beat's patient retries."""
-    from worker.app import app
+    from .app import app
 
     app.conf.redbeat_redis_options = {}
     return app
@@ -346,16 +346,16 @@ def _scheduled_reshard(dataset: str, **options: Any) -> None:
 @click.option("--cron", default=None, help="Crontab (UTC): 'minute hour day-of-month month day-of-week'.")
 @click.option("--json", "as_json", is_flag=True, help="Print the schedule as JSON.")
 @click.argument("job", nargs=-1, type=click.UNPROCESSED)
-@_user_errors
+@user_errors
 def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, job: tuple[str, ...]) -> None:
     """Add schedule NAME that runs JOB (`reshard DATASET [reshard options]`) --every INTERVAL or on --cron."""
-    from worker.jobs import redis_errors
-    from worker.schedules import add_schedule
-    from worker.security import validate_job
+    from .jobs import redis_errors
+    from .schedules import add_schedule
+    from .security import validate_job
 
     if not job or job[0] != "reshard":
-        _fail("give the job to schedule after the options: reshard DATASET [--multiple-of W …]", 2)
-    from worker.security import absolute
+        fail("give the job to schedule after the options: reshard DATASET [--multiple-of W …]", 2)
+    from .security import absolute
 
     context = _scheduled_reshard.make_context("gpufeed schedule add NAME … reshard", list(job[1:]))
     params = dict(context.params)
@@ -372,11 +372,11 @@ def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, 
 
 @schedule.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the schedules as JSON.")
-@_user_errors
+@user_errors
 def schedule_list(as_json: bool) -> None:
     """List the schedules, their next run and the last job each submitted."""
-    from worker.jobs import redis_errors
-    from worker.schedules import list_schedules
+    from .jobs import redis_errors
+    from .schedules import list_schedules
 
     settings = _settings()
     with redis_errors(settings):
@@ -395,11 +395,11 @@ def schedule_list(as_json: bool) -> None:
 
 @schedule.command("remove")
 @click.argument("name")
-@_user_errors
+@user_errors
 def schedule_remove(name: str) -> None:
     """Remove schedule NAME (jobs it already submitted go on)."""
-    from worker.jobs import redis_errors
-    from worker.schedules import remove_schedule
+    from .jobs import redis_errors
+    from .schedules import remove_schedule
 
     settings = _settings()
     with redis_errors(settings):
@@ -416,10 +416,10 @@ def schedule_remove(name: str) -> None:
 @reshard_options
 @click.option("--workers", type=int, default=None, help="Prepare processes when re-augmenting (default: available cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@_user_errors
+@user_errors
 def reshard(dataset: str, workers: int | None, as_json: bool, **options: Any) -> None:
     """Re-pack DATASET into new shards without decoding (or --reaugment it), here, without the service."""
-    from .reshard import reshard_dataset
+    from pipeline.prepare.reshard import reshard_dataset
 
     result = reshard_dataset(_reshard_spec(dataset, options), workers=workers)
     if as_json:

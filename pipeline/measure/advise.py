@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 MiB = 1 << 20
 NPY_GAIN = 1.25  # .npy must beat JPEG by this much to be worth its bytes
@@ -428,9 +428,9 @@ def advise(
         ConfigError: neither a GPU rate nor a model, or bad settings.
         SourceError: the source cannot be listed.
     """
-    from .bench.decode import read_sample, sample_sources
-    from .prepare import available_cores
-    from .storage import device_info
+    from .decode import read_sample, sample_sources
+    from ..prepare.job import available_cores
+    from ..io.devices import device_info
 
     started = time.perf_counter()
     if (gpu_images_per_s is None) == (model is None):
@@ -494,8 +494,8 @@ def apply_advice(result: AdviseResult, out: str | None = None, *, measure_second
     Raises:
         The errors of `prepare_dataset` and `make_loader`.
     """
-    from .prepare import prepare_dataset
-    from .specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
+    from ..prepare.job import prepare_dataset
+    from ..specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
 
     rec = result.advice.recommendation
     out = out or result.out
@@ -562,7 +562,7 @@ def _cold_read_rate(items: list[Any], readers: int, details: dict[str, Any]) -> 
     """Files/s reading the sample's files with `readers` threads after evicting them from the page cache."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .sources import local_path
+    from ..io.fs import local_path
 
     paths = [local_path(item.url) for item in items]
     evictable = all(path is not None for path in paths)
@@ -583,7 +583,7 @@ def _cold_read_rate(items: list[Any], readers: int, details: dict[str, Any]) -> 
 
 
 def _read_size(url: str) -> int:
-    from .sources import read_source_bytes
+    from ..io.fs import read_source_bytes
 
     try:
         return len(read_source_bytes(url, 1 << 30))
@@ -610,7 +610,7 @@ def _image_extension(rel: str) -> str:
 
 def _pack_raw(items: list[Any], blobs: list[bytes], scratch: str) -> str:
     """The raw sample bytes, unchanged, in one tar; returns a brace pattern the loader reads."""
-    from .shards import sample_tar_bytes
+    from ..io.tar import sample_tar_bytes
 
     folder = os.path.join(scratch, "raw")
     os.makedirs(folder)
@@ -621,7 +621,7 @@ def _pack_raw(items: list[Any], blobs: list[bytes], scratch: str) -> str:
 
 
 def _loader_point(dataset: str, batch_size: int, workers: int, device: str, seconds: float) -> Any:
-    from .bench.loader import measure_loader
+    from .loader import measure_loader
 
     return measure_loader(dataset, batch_size=batch_size, num_workers=workers, device=device, min_seconds=seconds)
 
@@ -644,8 +644,8 @@ def _host_to_device_rate(batch_size: int, crop: int, device: str) -> float | Non
 
 
 def _target_disk(target: str, details: dict[str, Any]) -> tuple[float | None, int | None]:
-    from .bench.disk import benchmark_disk
-    from .storage import free_bytes
+    from .disk import benchmark_disk
+    from ..io.devices import free_bytes
 
     free = free_bytes(target)
     try:
@@ -670,11 +670,11 @@ def _measure_candidate(
 
 def _prepare_sample(items: list[Any], scratch: str, fmt: str, size: int, workers: int) -> tuple[str, float]:
     """`gpufeed prepare` of just the sample into scratch/<fmt>; returns (folder, mean bytes per sample)."""
-    from .manifest import read_manifest
-    from .prepare import prepare_dataset
-    from .sources import local_path
-    from .specs import EncodeSpec, PrepareSpec, ResizeSpec
-    from .storage import Output
+    from ..manifest import read_manifest
+    from ..prepare.job import prepare_dataset
+    from ..io.fs import local_path
+    from ..specs import EncodeSpec, PrepareSpec, ResizeSpec
+    from ..io.output import Output
 
     listing = os.path.join(scratch, f"sample-{fmt}.jsonl")
     with open(listing, "w", encoding="utf-8") as handle:
@@ -698,8 +698,8 @@ def _json(value: str) -> str:
 
 
 def _median_shorter_side(blobs: list[bytes]) -> float:
-    from .decode import open_image
-    from .errors import DecodeError
+    from ..decode import open_image
+    from ..errors import DecodeError
 
     sides = []
     for data in blobs:
@@ -709,7 +709,7 @@ def _median_shorter_side(blobs: list[bytes]) -> float:
 
 
 def _describe_storage(source: str, device_info: Any) -> str:
-    from .sources import local_path
+    from ..io.fs import local_path
 
     if local_path(source) is None:
         return "network"

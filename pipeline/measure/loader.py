@@ -132,7 +132,7 @@ def measure_loader(
     """
     if consumer_images_per_s is not None and consumer_images_per_s <= 0:
         raise ConfigError("the consumer's images/s must be positive")
-    from ..loader import make_loader
+    from ..loader.loader import make_loader
 
     loader = make_loader(dataset, batch_size, device=device, num_workers=num_workers, **options)
     try:

@@ -3,8 +3,7 @@
 A source is a directory (ImageFolder layout: one sub-folder per class; or a
 flat folder without labels), a CSV/JSONL list with `path` and optional
 `label`, or any fsspec URL to either. Listing yields one `SourceItem` at a
-time in a deterministic order so millions of files never sit in memory at once.
-"""
+time in a deterministic order so millions of files never sit in memory at once."""
 
 from __future__ import annotations
 
@@ -16,12 +15,15 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import ConfigError, SourceError
+from ..errors import ConfigError, SourceError
+from ..io.fs import local_path, open_fs
 
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .gif .bmp .dib .tif .tiff .webp .ppm .pgm .pbm .pnm "
     ".jp2 .j2k .jpx .tga .ico .avif .heic".split()
 )
+
+
 LIST_EXTENSIONS = (".csv", ".jsonl", ".ndjson")
 
 
@@ -56,30 +58,6 @@ class ListingInfo:
     kind: str = ""
     classes: list[str] = dataclasses.field(default_factory=list)
     ignored: int = 0
-
-
-def is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def local_path(path: str) -> str | None:
-    """The local filesystem path for `path` or a file:// URL, else None."""
-    if path.startswith("file://"):
-        return path[len("file://") :]
-    if "://" in path:
-        return None
-    return path
-
-
-def open_fs(url: str) -> tuple[Any, str]:
-    """(fsspec filesystem, path inside it) for a URL; errors become SourceError."""
-    import fsspec
-
-    try:
-        fs, path = fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as exc:
-        raise SourceError(f"cannot open {url}: {exc}") from exc
-    return fs, path
 
 
 def list_images(source: str, info: ListingInfo | None = None) -> Iterator[SourceItem]:
@@ -308,20 +286,3 @@ def _read_jsonl_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
             if not isinstance(row, dict):
                 raise ConfigError(f"{source}:{line_no}: each line must be a JSON object with 'path'")
             yield line_no, row
-
-
-def read_source_bytes(url: str, max_bytes: int) -> bytes:
-    """Read one input file whole; OSError for anything unreadable or too large."""
-    local = local_path(url)
-    if local is not None:
-        with open(local, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size > max_bytes:
-                raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
-            return handle.read()
-    fs, path = open_fs(url)
-    size = fs.size(path)
-    if size is not None and size > max_bytes:
-        raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
-    data: bytes = fs.cat_file(path)
-    return data

@@ -13,9 +13,9 @@ from typing import Any
 
 import click
 
-from .cli import exit_on_user_errors, main
-from .errors import ConfigError
-from .specs import parse_bytes
+from . import exit_on_user_errors, main
+from ..errors import ConfigError
+from ..units import parse_bytes
 
 
 # Ctrl-C: the benchmarks have removed their test files by the time this prints.
@@ -89,7 +89,7 @@ def _emit_json(data: Any) -> None:
 def _plot(kind: str, plot: str | None, result: Any, **extra: Any) -> None:
     if not plot:
         return
-    from . import plots
+    from ..measure import plots
 
     path = getattr(plots, f"plot_{kind}")(result, plot, **extra)
     click.echo(f"plot: {path}", err=True)
@@ -135,7 +135,7 @@ def bench_disk(
     plot: str | None,
 ) -> None:
     """Sequential and random read speed, latency and small-file reads of the storage under PATH."""
-    from .bench.disk import benchmark_disk, mean_file_bytes
+    from ..measure.disk import benchmark_disk, mean_file_bytes
 
     small = parse_bytes(small_file_size) if small_file_size else (mean_file_bytes(dataset) if dataset else None)
     _say(f"measuring {path}")
@@ -194,7 +194,7 @@ def bench_decode(
     as_json: bool, plot: str | None,
 ) -> None:
     """Per-core decode + resize images/s on a sample of SRC, raw vs prepared, for each decoder."""
-    from .bench.decode import benchmark_decode
+    from ..measure.decode import benchmark_decode
 
     _say(f"decoding a sample of {src}")
     result = benchmark_decode(
@@ -234,7 +234,7 @@ def bench_loader(
     worker_type: str, as_json: bool, plot: str | None,
 ) -> None:
     """The loader's images/s and stall fraction over DATASET for a range of num_workers."""
-    from .bench.loader import benchmark_loader
+    from ..measure.loader import benchmark_loader
 
     _say(f"running the loader over {dataset}")
     result = benchmark_loader(
@@ -285,8 +285,8 @@ def advise(
     crop: int, sample: int, seconds: float, device: str, apply_out: str | None, as_json: bool, plot: str | None,
 ) -> None:
     """Diagnose why the GPU would wait on SRC, and print the `gpufeed prepare` command that fixes it."""
-    from .advise import advise as run_advise
-    from .advise import apply_advice
+    from ..measure.advise import advise as run_advise
+    from ..measure.advise import apply_advice
 
     result = run_advise(
         src,
@@ -406,11 +406,11 @@ def estimate_memory_command(
     loader_images_per_s: float | None, dataset: str | None, as_json: bool, plot: str | None,
 ) -> None:
     """Parameters, gradients, optimizer state, activations, the largest batch, FLOPs and images/s of a model."""
-    from .memory import estimate_memory
+    from ..measure.memory import estimate_memory
 
     flops = parse_rate(device_flops) if device_flops else None
     if dataset and loader_images_per_s is None:
-        from .bench.loader import measure_loader
+        from ..measure.loader import measure_loader
 
         _say(f"measuring the loader over {dataset}")
         point = measure_loader(dataset, batch_size=batch_size or 64, device=device)

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from . import native
-from .decode import _pil, open_image, to_rgb
-from .errors import DecodeError
+from .. import native
+from ..decode import pil_image, open_image, to_rgb
+from ..errors import DecodeError
 
 try:
     import simplejpeg
@@ -465,7 +465,7 @@ def _find_resample_mode() -> int | None:
     decoder = _region_decoder()
     if decoder is None:
         return None
-    Image = _pil()
+    Image = pil_image()
     rs = np.random.RandomState(7)
     # (source size, box, output size): up, down, and a height shrinking much more than the width
     cases = [((37, 29), (0.6, 1.3, 30.2, 27.9), (50, 41)), ((64, 90), (2.5, 3.1, 60.7, 88.2), (23, 19)),
@@ -501,7 +501,7 @@ def _rgbx_into(
     copied, and the resized image is pasted into a per-thread buffer that C
     reads, so the GIL is held only for the calls themselves.
     """
-    Image = _pil()
+    Image = pil_image()
     decoder = _region_decoder()
     mode = resample_mode()
     if decoder is not None and mode is not None and pixels.flags.c_contiguous:  # resize and store in one C call
@@ -534,7 +534,7 @@ def _rgbx_target(size: tuple[int, int]) -> tuple[int, Any]:
     found = targets.get(size)
     if found is None:
         array = np.empty((size[1], size[0], 4), np.uint8)
-        core = _pil().core.map_buffer(array, size, "raw", 0, ("RGBX", 0, 1))
+        core = pil_image().core.map_buffer(array, size, "raw", 0, ("RGBX", 0, 1))
         found = targets[size] = (array.ctypes.data, core, array)
     return found[0], found[1]
 
@@ -561,7 +561,7 @@ def _decode_buffer(needed: int) -> np.ndarray:
 def _pil_into(
     slot: np.ndarray, data: bytes, rng: CropRandom | None, spec: CropSpec, flip: bool, affine: Any
 ) -> None:
-    Image = _pil()
+    Image = pil_image()
     img = open_image(data, max_pixels=spec.max_pixels)
     width, height = img.size
     left, top, cw, ch = crop_box(rng, width, height, spec)
@@ -593,7 +593,7 @@ def _resize_box_into(
     slot: np.ndarray, image: Any, box: tuple[float, float, float, float], flip: bool, affine: Any
 ) -> None:
     """Crop `box` out of `image` (PIL image or HxWx3 array), resized bilinearly to fill `slot`."""
-    Image = _pil()
+    Image = pil_image()
     size = _slot_size(slot)
     exact = _exact_crop(box, size)
     if isinstance(image, np.ndarray):
@@ -621,7 +621,7 @@ def _write_pixels(slot: np.ndarray, image: Any, flip: bool, affine: Any) -> None
         decoder.store(rgbx.ctypes.data, image.width, image.height, flip, slot, addresses)
         return
     if flip:
-        image = image.transpose(_pil().Transpose.FLIP_LEFT_RIGHT)
+        image = image.transpose(pil_image().Transpose.FLIP_LEFT_RIGHT)
     pixels = slot if slot.dtype == np.uint8 else np.empty(slot.shape, np.uint8)
     if _planar(slot):
         plane = slot.shape[1:]

@@ -26,10 +26,10 @@ import math
 import threading
 from typing import Any
 
-from . import native
-from .decode import _orientation, open_image
-from .errors import DecodeError
-from .specs import PrepareSpec
+from .. import native
+from ..decode import exif_orientation, open_image
+from ..errors import DecodeError
+from ..specs import PrepareSpec
 from .transforms import output_size, required_scale
 
 _FILTERS = {"bilinear": 0, "bicubic": 1, "lanczos": 2}  # GF_BILINEAR, GF_BICUBIC, GF_LANCZOS in resample.c
@@ -104,7 +104,7 @@ def transcode_jpeg(data: bytes, spec: PrepareSpec) -> tuple[bytes, tuple[int, in
     if lib is None:
         return None
     width, height = img.size
-    orientation = _orientation(img)
+    orientation = exif_orientation(img)
     m = dct_scale(width, height, required_scale(spec.resize, spec.augment, width, height))
     box, chroma_box, out_w, out_h = regions(spec, width, height, orientation)
     capacity = int(_BYTES_PER_PIXEL * out_w * out_h) + 65536

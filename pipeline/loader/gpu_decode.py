@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .crops import CropRandom, CropSpec, crop_box, decode_into
-from .errors import ConfigError, DecodeError
+from ..errors import ConfigError, DecodeError
 
 
 def check_gpu_decode(device: torch.device) -> None:

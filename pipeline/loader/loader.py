@@ -35,9 +35,10 @@ import numpy as np
 import torch
 
 from .crops import Affine, CropSpec, decode_many, default_decoder
-from .errors import ConfigError
-from .reader import DatasetInfo, Record, pick_image, plan_epoch, read_segments, resolve_dataset, shuffle_buffer
-from .specs import LoaderSpec
+from ..errors import ConfigError
+from .dataset import DatasetInfo, resolve_dataset
+from .epoch import Record, pick_image, plan_epoch, read_segments, shuffle_buffer
+from ..specs import LoaderSpec
 
 log = logging.getLogger("gpufeed.loader")
 _END = object()

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError, StorageError
-from ..storage import MEMORY_FS, device_info, free_bytes
+from ..io.devices import MEMORY_FS, device_info, free_bytes
 
 PAGE = 4096
 RANDOM_BLOCK = 4096
@@ -250,7 +250,8 @@ def mean_file_bytes(source: str, limit: int = 1000) -> int:
         SourceError: the source cannot be listed.
         ConfigError: it holds no images.
     """
-    from ..sources import list_images, local_path, open_fs
+    from ..prepare.sources import list_images
+    from ..io.fs import local_path, open_fs
 
     sizes = []
     for item in itertools.islice(list_images(source), limit):

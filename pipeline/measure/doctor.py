@@ -158,7 +158,7 @@ def probe_decoders(cuda_available: bool = False) -> dict[str, dict[str, Any]]:
 
 def probe_region_decoder() -> dict[str, Any]:
     """gpufeed's own libjpeg-turbo region decoder: built (or buildable) here, and does it decode?"""
-    from . import native
+    from .. import native
 
     info: dict[str, Any] = {"installed": False, "version": "libjpeg-turbo"}
     lib = native.library()
@@ -168,7 +168,7 @@ def probe_region_decoder() -> dict[str, Any]:
     info["installed"] = True
     try:
         native.RegionDecoder(lib).header(_tiny_jpeg())
-        from .crops import resample_mode
+        from ..loader.crops import resample_mode
 
         mode = resample_mode()
         resize = {native.PILLOW: "Pillow's", native.PILLOW_SIMD: "Pillow-SIMD's"}.get(mode) if mode is not None else None
@@ -494,8 +494,8 @@ def _probe_torchvision(cuda_available: bool) -> dict[str, Any]:
 
 def _probe_ycc_path() -> str:
     """Whether prepare's YCbCr path (transcode.py) turns a 4:2:0 JPEG into one here."""
-    from .specs import PrepareSpec, ResizeSpec
-    from .transcode import transcode_jpeg
+    from ..specs import PrepareSpec, ResizeSpec
+    from ..prepare.transcode import transcode_jpeg
 
     made = transcode_jpeg(_tiny_jpeg(), PrepareSpec(source="-", out="-", resize=ResizeSpec(size=8)))
     return "YCbCr planes in C" if made is not None and made[2] == (8, 8) else "RGB through PIL (the C path failed)"

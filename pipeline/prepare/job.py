@@ -30,14 +30,27 @@ from typing import Any
 
 import numpy as np
 
-from .decode import _pil, decode_image
+from ..decode import pil_image, decode_image
 from .encode import encode_image
-from .errors import ConfigError, DecodeError, JobConflictError, ManifestError, SourceError, StorageError, write_failure
-from .manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, write_manifest
-from .shards import ShardInfo, ShardPlan, TarShardWriter, file_sha256, plan_shards, sample_tar_bytes, shard_name
-from .sources import ListingInfo, SourceItem, list_images, read_source_bytes
-from .specs import PrepareSpec
-from .storage import Output, device_info, faster_local_disk, free_bytes
+from ..errors import (
+    ConfigError,
+    DecodeError,
+    JobConflictError,
+    ManifestError,
+    SourceError,
+    StorageError,
+    write_failure,
+)
+from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, write_manifest
+from ..manifest import ShardInfo
+from .plan import ShardPlan, plan_shards, shard_name
+from ..io.tar import TarShardWriter, sample_tar_bytes
+from ..io.fs import file_sha256
+from .sources import ListingInfo, SourceItem, list_images
+from ..io.fs import read_source_bytes
+from ..specs import PrepareSpec
+from ..io.output import Output
+from ..io.devices import device_info, faster_local_disk, free_bytes
 from .transcode import applies as transcode_applies
 from .transcode import transcode_jpeg
 from .transforms import augment_image, required_scale, resize_image, resize_op, variant_rng
@@ -303,7 +316,7 @@ def _warm_codecs(spec: PrepareSpec) -> None:
     less in front of the pool); a file that falls back warms the other one
     in its worker.
     """
-    Image = _pil()
+    Image = pil_image()
     sample = io.BytesIO()
     Image.new("RGB", (48, 32), (90, 120, 150)).save(sample, "JPEG", quality=90)
     # A warm-up only: a codec that fails here fails with its reason on the first real image.
@@ -650,7 +663,7 @@ def _record_samples(record: dict[str, Any]) -> int:
 
 
 def _refuse_out_inside_source(spec: PrepareSpec) -> None:
-    from .sources import local_path
+    from ..io.fs import local_path
 
     source, out = local_path(spec.source), local_path(spec.out)
     if source is None or out is None or not os.path.isdir(source):

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -375,7 +375,7 @@ def measure_step_times(
 
 
 def _device(device: str) -> Any:
-    from .loader import resolve_device
+    from ..loader.loader import resolve_device
 
     return resolve_device(device)
 
@@ -447,7 +447,7 @@ def estimate_memory(
     Raises:
         ConfigError: a bad setting or model spec.
     """
-    from .specs import parse_bytes
+    from ..units import parse_bytes
 
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .prepare import PrepareProgress, PrepareResult
+from ..prepare.job import PrepareProgress, PrepareResult
 
 
 @contextlib.contextmanager

@@ -1,0 +1,68 @@
+"""Filesystem helpers shared by every stage: local paths or fsspec URLs, bounded reads, hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from ..errors import SourceError
+
+
+def is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str | None:
+    """The local filesystem path for `path` or a file:// URL, else None."""
+    if path.startswith("file://"):
+        return path[len("file://") :]
+    if "://" in path:
+        return None
+    return path
+
+
+def open_fs(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path inside it) for a URL; errors become SourceError."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise SourceError(f"cannot open {url}: {exc}") from exc
+    return fs, path
+
+
+def read_source_bytes(url: str, max_bytes: int) -> bytes:
+    """Read one input file whole; OSError for anything unreadable or too large."""
+    local = local_path(url)
+    if local is not None:
+        with open(local, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > max_bytes:
+                raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
+            return handle.read()
+    fs, path = open_fs(url)
+    size = fs.size(path)
+    if size is not None and size > max_bytes:
+        raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
+    data: bytes = fs.cat_file(path)
+    return data
+
+
+def temp_suffix() -> str:
+    """`.tmp-HOST-PID`: unique among writers on every machine that shares OUT."""
+    import socket
+
+    return f".tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def file_sha256(path: str, chunk: int = 4 * 1024 * 1024) -> tuple[str, int]:
+    """(sha256 hex, size) of a file, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size

@@ -1,0 +1,28 @@
+"""The online flow: shards in, batches on the training device out (`make_loader`).
+
+    loader.py      make_loader() and Loader: settings, epochs, state, stats
+    dataset.py     what a source names: a manifest, a dataset folder or a brace pattern -> shards
+    epoch.py       each epoch's order (seed, epoch, rank), segments of shards, the shuffle buffer
+    crops.py       random-resized and centre crops, decoded straight into batch slots
+    gpu_decode.py  JPEG decode on the GPU (nvjpeg through torchvision)
+
+Importing this package is cheap; torch is imported with `loader.py`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .loader import Loader, LoaderStats, make_loader
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Loader", "LoaderStats", "make_loader"):
+        from . import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'pipeline.loader' has no attribute {name!r}")
+
+
+__all__ = ["Loader", "LoaderStats", "make_loader"]

@@ -1,0 +1,95 @@
+"""What a loader reads: a manifest, a dataset folder or a shard brace pattern, resolved to shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from ..errors import ConfigError, ManifestError
+from ..io.output import Output
+from ..io.tar import iter_tar_samples
+from ..manifest import MANIFEST_NAME, read_manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRef:
+    """One shard the loader can read."""
+
+    url: str
+    samples: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+    """A resolved loader source: shards per variant set, class names, sample count."""
+
+    sets: list[list[ShardRef]]
+    classes: list[str]
+    samples: int
+    root: str
+
+    @property
+    def variants(self) -> int:
+        return len(self.sets)
+
+
+def resolve_dataset(source: str) -> DatasetInfo:
+    """Resolve a manifest path/URL, a dataset directory, or a shard brace pattern.
+
+    Raises:
+        ConfigError: the source is none of those.
+        ManifestError: the manifest is missing or malformed.
+    """
+    if "{" in source and ".." in source:
+        return _from_pattern(source)
+    root = source[: -len(MANIFEST_NAME)].rstrip("/") if source.endswith(MANIFEST_NAME) else source.rstrip("/")
+    output = Output(root or ".")
+    manifest = read_manifest(output)
+    sets: dict[int | None, list[ShardRef]] = {}
+    for shard in manifest.shards:
+        url = output.local(shard.path) if output.is_local else f"{output.url}/{shard.path}"
+        sets.setdefault(shard.variant, []).append(ShardRef(url, shard.samples))
+    ordered = [sets[key] for key in sorted(sets, key=lambda v: -1 if v is None else v)]
+    return DatasetInfo(ordered, manifest.classes, manifest.samples, root)
+
+
+_BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`shard-{000000..000003}.tar` -> the four names (zero padding kept)."""
+    match = _BRACE.search(pattern)
+    if not match:
+        return [pattern]
+    low, high = match.group(1), match.group(2)
+    width = len(low) if low.startswith("0") else 0
+    names = []
+    for number in range(int(low), int(high) + 1):
+        names.extend(expand_braces(pattern[: match.start()] + str(number).zfill(width) + pattern[match.end() :]))
+    return names
+
+
+def _from_pattern(pattern: str) -> DatasetInfo:
+    urls = expand_braces(pattern)
+    refs = []
+    for url in urls:
+        with open_shard(url) as handle:
+            refs.append(ShardRef(url, sum(1 for _ in iter_tar_samples(handle, url))))
+    if not refs:
+        raise ConfigError(f"{pattern} matches no shards")
+    return DatasetInfo([refs], [], sum(r.samples for r in refs), os.path.dirname(urls[0]))
+
+
+def open_shard(url: str) -> Any:
+    from ..io.fs import local_path, open_fs
+
+    local = local_path(url)
+    if local is not None:
+        try:
+            return open(local, "rb", buffering=1 << 20)
+        except OSError as exc:
+            raise ManifestError(f"cannot open shard {url}: {exc.strerror or exc}") from exc
+    fs, path = open_fs(url)
+    return fs.open(path, "rb", block_size=1 << 22)

@@ -1,0 +1,12 @@
+"""Measurements behind `gpufeed bench …`, `advise`, `estimate-memory` and `doctor` (SPEC §3).
+
+    disk.py     benchmark_disk(path) -> DiskBenchResult: what the storage under a path delivers
+    decode.py   benchmark_decode(source) -> DecodeBenchResult: per-core decode speed, raw vs prepared
+    loader.py   benchmark_loader(dataset) -> LoaderBenchResult: the loader against a simulated consumer
+    advise.py   the differential diagnosis: every stage's ceiling, the bottleneck, the prepare to run
+    memory.py   estimate_memory(): what a training step needs on the device
+    doctor.py   what this machine has: PIL and its codecs, decoders, the native library, Redis
+    plots.py    the PNG charts of --plot (matplotlib, the [plots] extra)
+
+Each function measures and returns a dataclass with `to_dict()`; nothing here prints.
+"""

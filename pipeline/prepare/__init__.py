@@ -1,0 +1,32 @@
+"""The offline flow: a source of raw images in, sharded WebDataset tar files and a manifest out.
+
+    job.py         prepare_dataset() and the step API the service calls (plan, write a shard, finish)
+    plan.py        which listing index lands in which shard (a seeded permutation, nothing in memory)
+    sources.py     list the images of a folder, a CSV/JSONL list or an fsspec URL, streaming
+    transforms.py  resize modes and the pre-augmented variant sets
+    encode.py      JPEG, WebP, PNG or raw .npy bytes of one image
+    transcode.py   JPEG in, resized JPEG out without RGB (the native YCbCr path)
+    reshard.py     re-pack or re-augment a prepared dataset, swapped in atomically
+"""
+
+from __future__ import annotations
+
+from .job import (
+    PrepareProgress,
+    PrepareResult,
+    discard_prepare,
+    finish_prepare,
+    plan_prepare,
+    prepare_dataset,
+    write_prepare_shard,
+)
+
+__all__ = [
+    "PrepareProgress",
+    "PrepareResult",
+    "discard_prepare",
+    "finish_prepare",
+    "plan_prepare",
+    "prepare_dataset",
+    "write_prepare_shard",
+]
