@@ -3,7 +3,8 @@
     loader.py      make_loader() and Loader: settings, epochs, state, stats
     dataset.py     what a source names: a manifest, a dataset folder or a brace pattern -> shards
     epoch.py       each epoch's order (seed, epoch, rank), segments of shards, the shuffle buffer
-    crops.py       random-resized and centre crops, decoded straight into batch slots
+    crops.py       the crop plan: each sample's random-resized or centre crop box, from its seed and size
+    cpu_decode.py  decode on the CPU straight into batch slots (region decoder, simplejpeg, Pillow)
     gpu_decode.py  JPEG decode on the GPU (nvjpeg through torchvision)
 
 Importing this package is cheap; torch is imported with `loader.py`.

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .crops import Affine, CropSpec, decode_many, default_decoder
+from .cpu_decode import decode_many, default_decoder
+from .crops import Affine, CropSpec
 from ..errors import ConfigError
 from .dataset import DatasetInfo, resolve_dataset
 from .epoch import Record, pick_image, plan_epoch, read_segments, shuffle_buffer
