@@ -217,9 +217,9 @@ def _region_many(
                 continue
             first, y = int(decoded[k, 0]), int(params[k, 2])
             box = boxes[k]
-            region = buffer[int(offsets[k]) : int(offsets[k]) + int(sizes[k])]
+            rows = buffer[int(offsets[k]) : int(offsets[k]) + int(sizes[k])]
             relative = (box[0] - first, box[1] - y, box[2] - first, box[3] - y)
-            _rgbx_into(slots[index], region, int(decoded[k, 1]), int(params[k, 4]), relative, flips[index], affine)
+            _rgbx_into(slots[index], rows, int(decoded[k, 1]), int(params[k, 4]), relative, flips[index], affine)
     return failures
 
 
@@ -292,7 +292,7 @@ def _same_layout(slots: list[np.ndarray]) -> bool:
 
 
 _MODE_UNKNOWN = -1
-_resample_mode = _MODE_UNKNOWN
+_resample_mode: int | None = _MODE_UNKNOWN
 
 
 def resample_mode() -> int | None:
