@@ -20,8 +20,9 @@ from PIL import Image
 from pipeline import AugmentSpec, ConfigError, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
 from pipeline.demo import make_demo_dataset
 import pipeline.loader.workers as workers_module
-from pipeline.loader.loader import make_loader
+from pipeline.loader import Loader, LoaderStats, make_loader
 from pipeline.manifest import read_manifest, write_manifest
+from pipeline.specs import IMAGENET_MEAN
 from pipeline.io.tar import TarShardWriter
 from pipeline.io.output import Output
 
@@ -238,6 +239,33 @@ def test_sources_manifest_directory_and_brace_pattern(dataset: Path) -> None:
     pattern = str(dataset / f"shard-{{000000..{count - 1:06d}}}.tar")
     by_pattern = all_labels(loader_for(pattern, train=False))
     assert by_dir == by_manifest == by_pattern and len(by_dir) == N
+    # A pathlib.Path as it is, not made a str first; lists where the spec holds tuples (as JSON gives them).
+    for source in (dataset, dataset / "manifest.json"):
+        loader = make_loader(source, 16, device="cpu", crop=CROP, num_workers=2, train=False, mean=list(IMAGENET_MEAN))
+        assert isinstance(loader, Loader) and isinstance(loader.stats, LoaderStats)
+        assert loader.spec.mean == IMAGENET_MEAN  # a tuple again
+        assert all_labels(loader) == by_dir
+
+
+def test_make_loader_lists_every_loader_spec_setting_with_its_default() -> None:
+    import dataclasses
+    import inspect
+    import typing
+
+    from pipeline import LoaderSpec
+
+    parameters = inspect.signature(make_loader).parameters
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    own = {"source", "device", "rank", "world_size"}  # what the loader needs besides its settings
+    settings = {name: p for name, p in parameters.items() if p.kind in named and name not in own}
+    fields = dataclasses.fields(LoaderSpec)
+    assert list(settings) == [field.name for field in fields]
+    for field in fields:
+        wanted = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+        assert settings[field.name].default == wanted, field.name
+    hints = typing.get_type_hints(make_loader)
+    assert set(hints) == set(parameters) | {"return"}  # every parameter typed, every type resolvable
+    assert hints["return"] is Loader
 
 
 def test_stats_report_the_stall(dataset: Path) -> None:

@@ -26,13 +26,13 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
 
 import torch
 
 from ..errors import ConfigError
-from ..specs import LoaderSpec
+from ..specs import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
 from .cpu_decode import default_decoder
 from .crops import CropSpec
 from .dataset import DatasetInfo, resolve_dataset
@@ -342,46 +342,103 @@ def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def make_loader(
-    source: str,
+    source: str | os.PathLike[str],
     batch_size: int,
     *,
     device: str | torch.device = "auto",
     train: bool = True,
     crop: int = 224,
+    num_workers: int | str = "auto",
+    worker_type: str = "thread",
+    shuffle_buffer: int = 2048,
+    interleave: int = 4,
+    seed: int = 0,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    dtype: str = "float32",
+    channels_last: bool = False,
+    drop_last: bool | None = None,
+    prefetch: int = 2,
+    scale: Sequence[float] = (0.08, 1.0),
+    ratio: Sequence[float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+    eval_fraction: float = 0.875,
+    decoder: str = "auto",
     rank: int | None = None,
     world_size: int | None = None,
-    **options: Any,
+    **unknown: NoReturn,
 ) -> Loader:
     """Build a loader over a prepared dataset.
 
+    Every setting but `source`, `device`, `rank` and `world_size` is a
+    `LoaderSpec` field of the same name and default; they are validated
+    there before anything is built.
+
     Args:
         source: a manifest path/URL, a dataset directory, or a shard brace
-            pattern (`shards/shard-{000000..000099}.tar`).
+            pattern (`shards/shard-{000000..000099}.tar`); a str or a path.
         batch_size: samples per batch (per rank).
         device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1", or a torch.device.
         train: random-resized crops, flips and shuffling; False gives
             centre crops in a fixed order.
         crop: output side in pixels.
-        rank, world_size: override what torch.distributed reports.
-        **options: any other LoaderSpec field (num_workers, worker_type,
-            mean, std, dtype, channels_last, drop_last, prefetch, seed,
-            shuffle_buffer, scale, ratio, flip, decoder, ...).
+        num_workers: decode workers, or "auto" (the available cores).
+        worker_type: "thread" (the decoders release the GIL) or "process"
+            (a fork pool decoding into shared memory).
+        shuffle_buffer: samples mixed by the seeded shuffle buffer (train).
+        interleave: shards read at once, taken in turn (train).
+        seed: seed of every random choice (order, crops, flips).
+        mean: per-channel (R, G, B) mean to subtract, in 0-1 units.
+        std: per-channel (R, G, B) standard deviation to divide by, in 0-1 units.
+        dtype: "float32", "float16" or "bfloat16" output, normalised; or
+            "uint8": pixels as decoded and flipped, not normalised (for
+            augmentation on the GPU).
+        channels_last: NCHW tensors in channels-last memory format.
+        drop_last: drop the incomplete last batch and the uneven tail across
+            ranks; None: True in train mode, False in eval mode.
+        prefetch: batches prepared ahead (2 to 64).
+        scale: random-resized-crop area range (low, high), 0 < low <= high <= 1.
+        ratio: random-resized-crop aspect range (low, high).
+        flip: random horizontal flips in train mode.
+        eval_fraction: centre-crop fraction in eval mode (0.875: 224 from 256).
+        decoder: "auto" (the fastest present), "region" (libjpeg-turbo
+            decoding only the crop's region), "simplejpeg", "pil", or
+            "nvjpeg" (on the GPU; needs a CUDA device and torchvision with CUDA).
+        rank: this process's rank; None: what torch.distributed reports (else 0).
+        world_size: the number of ranks; None: what torch.distributed reports (else 1).
+        **unknown: refused: a misspelt setting is an error, never ignored.
 
     Returns:
         A Loader: iterate for (images, labels); `len()`, `set_epoch`,
-        `stats`, `state_dict`, `load_state_dict`.
+        `stats`, `state_dict`, `load_state_dict`, `close`.
 
     Raises:
         ConfigError: invalid settings (checked before anything is built).
         ManifestError: the source is not a prepared dataset.
     """
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(LoaderSpec)})
     if unknown:
-        raise ConfigError(f"make_loader got unknown option(s): {', '.join(unknown)}")
-    for name in ("mean", "std", "scale", "ratio"):
-        if name in options:
-            options[name] = tuple(options[name])
-    spec = LoaderSpec(batch_size=batch_size, train=train, crop=crop, **options)
+        raise ConfigError(f"make_loader got unknown option(s): {', '.join(sorted(unknown))}")
+    spec = LoaderSpec(
+        batch_size=batch_size,
+        train=train,
+        crop=crop,
+        num_workers=num_workers,
+        worker_type=worker_type,
+        shuffle_buffer=shuffle_buffer,
+        interleave=interleave,
+        seed=seed,
+        mean=_values(mean),
+        std=_values(std),
+        dtype=dtype,
+        channels_last=channels_last,
+        drop_last=drop_last,
+        prefetch=prefetch,
+        scale=_values(scale),
+        ratio=_values(ratio),
+        flip=flip,
+        eval_fraction=eval_fraction,
+        decoder=decoder,
+    )
     resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":
         from .gpu_decode import check_gpu_decode
@@ -390,5 +447,10 @@ def make_loader(
     rank, world_size = _distributed(rank, world_size)
     dataset = resolve_dataset(source)
     if dataset.samples == 0:
-        raise ConfigError(f"{source} holds no samples")
+        raise ConfigError(f"{os.fspath(source)} holds no samples")
     return Loader(dataset, spec, resolved, rank, world_size)
+
+
+def _values(values: Sequence[float]) -> Any:
+    """A list or tuple of numbers as the tuple LoaderSpec holds (LoaderSpec checks how many and which)."""
+    return tuple(values)
