@@ -90,10 +90,12 @@ class LoaderStats:
 
     @property
     def images_per_s(self) -> float:
+        """Samples delivered per second of the loop's time (waiting plus its own steps)."""
         total = self.wait_s + self.step_s
         return self.samples / total if total > 0 else 0.0
 
     def to_dict(self) -> dict[str, float]:
+        """The counters and the two rates, for JSON."""
         data = dataclasses.asdict(self)
         data["stall_fraction"] = self.stall_fraction
         data["images_per_s"] = self.images_per_s
@@ -154,6 +156,7 @@ class Loader:
         return total // self.world_size if self.spec.effective_drop_last else -(-total // self.world_size)
 
     def __len__(self) -> int:
+        """Batches per epoch on this rank."""
         per_rank = self._per_rank()
         if self.spec.effective_drop_last:
             return per_rank // self.spec.batch_size
