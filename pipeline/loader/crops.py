@@ -33,7 +33,7 @@ class CropSpec:
         eval_fraction: centre crop fraction in eval mode (0.875: 224 from 256).
         max_pixels: larger images are refused as decompression bombs.
         decoder: for JPEGs, "region" (only the crop's rows and iMCU columns,
-            DCT-scaled, see native.py), "simplejpeg" (whole image, DCT-scaled)
+            DCT-scaled, see cpu_decode.py), "simplejpeg" (whole image, DCT-scaled)
             or "pil".
     """
 
