@@ -17,7 +17,7 @@ row, --workers 2, CPU device) over the same demo images, measured in one run:
   ffcv-float           informational: FFCV with flip + NormalizeImage + ToTorchImage,
                        i.e. the flipped, normalised float32 NCHW batches gpufeed gives
   ceiling              no I/O, no loader: the fastest decode + RandomResizedCrop
-                       (pipeline.loader.crops.decode_into with each JPEG decoder present, and
+                       (pipeline.loader.cpu_decode.decode_into with each JPEG decoder present, and
                        decode_many in the loader's batch pieces, into a preallocated
                        batch) on the same JPEG bytes in memory, in as many threads
                        as workers
@@ -395,7 +395,8 @@ def ceiling_candidates() -> dict[str, Callable[[int, list[bytes]], None]]:
     import numpy as np
 
     from pipeline import native
-    from pipeline.loader.crops import CropSpec, decode_into, decode_many, simplejpeg
+    from pipeline.loader.cpu_decode import decode_into, decode_many, simplejpeg
+    from pipeline.loader.crops import CropSpec
 
     def decoding_with(spec: CropSpec) -> Callable[[int, list[bytes]], None]:
         def work(part: int, blobs: list[bytes]) -> None:

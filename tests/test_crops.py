@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from pipeline import native
-from pipeline.loader.crops import Affine, CropSpec, decode_into, decode_many, default_decoder
+from pipeline.loader.cpu_decode import decode_into, decode_many, default_decoder
+from pipeline.loader.crops import Affine, CropSpec
 from pipeline.errors import DecodeError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,7 +151,7 @@ def test_region_decoder_builds_once_into_the_cache(tmp_path: Path):
         pytest.skip(f"no compiler or libjpeg headers here: {native.problem()}")
     code = """
         from pipeline import native
-        from pipeline.loader.crops import default_decoder
+        from pipeline.loader.cpu_decode import default_decoder
         print(native.library()._name, default_decoder())
     """
     first = run_python(code, GPUFEED_CACHE=str(tmp_path))
@@ -166,7 +167,7 @@ def test_region_decoder_builds_once_into_the_cache(tmp_path: Path):
 def test_without_a_compiler_the_loader_falls_back_and_doctor_says_why(tmp_path: Path):
     code = """
         from pipeline import native
-        from pipeline.loader.crops import default_decoder
+        from pipeline.loader.cpu_decode import default_decoder
         from pipeline.measure.doctor import probe_region_decoder
         print(default_decoder())
         print(probe_region_decoder()["error"])

@@ -19,10 +19,10 @@ from PIL import Image
 
 from pipeline import AugmentSpec, ConfigError, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
 from pipeline.demo import make_demo_dataset
-import pipeline.loader.loader as loader_module
-from pipeline.loader.loader import make_loader
+import pipeline.loader.workers as workers_module
+from pipeline.loader import Loader, LoaderStats, make_loader
 from pipeline.manifest import read_manifest, write_manifest
-from pipeline.manifest import ShardInfo
+from pipeline.specs import IMAGENET_MEAN
 from pipeline.io.tar import TarShardWriter
 from pipeline.io.output import Output
 
@@ -239,6 +239,33 @@ def test_sources_manifest_directory_and_brace_pattern(dataset: Path) -> None:
     pattern = str(dataset / f"shard-{{000000..{count - 1:06d}}}.tar")
     by_pattern = all_labels(loader_for(pattern, train=False))
     assert by_dir == by_manifest == by_pattern and len(by_dir) == N
+    # A pathlib.Path as it is, not made a str first; lists where the spec holds tuples (as JSON gives them).
+    for source in (dataset, dataset / "manifest.json"):
+        loader = make_loader(source, 16, device="cpu", crop=CROP, num_workers=2, train=False, mean=list(IMAGENET_MEAN))
+        assert isinstance(loader, Loader) and isinstance(loader.stats, LoaderStats)
+        assert loader.spec.mean == IMAGENET_MEAN  # a tuple again
+        assert all_labels(loader) == by_dir
+
+
+def test_make_loader_lists_every_loader_spec_setting_with_its_default() -> None:
+    import dataclasses
+    import inspect
+    import typing
+
+    from pipeline import LoaderSpec
+
+    parameters = inspect.signature(make_loader).parameters
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    own = {"source", "device", "rank", "world_size"}  # what the loader needs besides its settings
+    settings = {name: p for name, p in parameters.items() if p.kind in named and name not in own}
+    fields = dataclasses.fields(LoaderSpec)
+    assert list(settings) == [field.name for field in fields]
+    for field in fields:
+        wanted = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+        assert settings[field.name].default == wanted, field.name
+    hints = typing.get_type_hints(make_loader)
+    assert set(hints) == set(parameters) | {"return"}  # every parameter typed, every type resolvable
+    assert hints["return"] is Loader
 
 
 def test_stats_report_the_stall(dataset: Path) -> None:
@@ -340,10 +367,10 @@ def test_batches_kept_by_the_training_loop_are_never_overwritten(dataset: Path) 
     for held, copy in zip(kept + views, copies[0::2] + copies[1::2]):
         assert torch.equal(held, copy)
     # Batches the loop drops are recycled: the pool stays bounded by the prefetch depth.
-    before = len(loader._out_pool)
+    before = len(loader._finish.outputs)
     for _ in loader:
         pass
-    assert len(loader._out_pool) == before <= loader._ring_slots + loader.spec.prefetch + 2
+    assert len(loader._finish.outputs) == before <= loader._ring_slots + loader.spec.prefetch + 2
 
 
 def test_next_epoch_is_prestarted_and_a_dropped_loader_stops_its_workers(dataset: Path) -> None:
@@ -450,7 +477,7 @@ def test_producer_reads_ahead_only_a_batch_beyond_what_threads_decode(dataset: P
     # Slow decoding: without pacing the producer would fill every ring slot before the
     # first batch is done; with it, at most one batch waits beyond the ones being decoded.
     submitted: list[int] = []
-    original_submit, original_chunk = loader_module.Loader._submit, loader_module._decode_chunk
+    original_submit, original_chunk = workers_module.DecodePool.submit, workers_module.decode_chunk
 
     def submit(self, index, *args, **kwargs):
         submitted.append(index)
@@ -460,15 +487,15 @@ def test_producer_reads_ahead_only_a_batch_beyond_what_threads_decode(dataset: P
         time.sleep(0.2)
         return original_chunk(*args, **kwargs)
 
-    monkeypatch.setattr(loader_module.Loader, "_submit", submit)
-    monkeypatch.setattr(loader_module, "_decode_chunk", slow_chunk)
+    monkeypatch.setattr(workers_module.DecodePool, "submit", submit)
+    monkeypatch.setattr(workers_module, "decode_chunk", slow_chunk)
     loader = loader_for(dataset, batch_size=8, num_workers=2, prefetch=2)
     try:
         assert loader._ring_slots >= 4
         iterator = iter(loader)
         next(iterator)
         time.sleep(0.1)  # the producer had time to run ahead, if it would
-        assert len(submitted) <= 3, submitted  # batch 0 decoding, batch 1 waiting, batch 2 at most
+        assert 1 <= len(submitted) <= 3, submitted  # batch 0 decoding, batch 1 waiting, batch 2 at most
         labels = [int(v) for v in next(iterator)[1]] + [int(v) for _, lab in iterator for v in lab]
         assert len(labels) + 8 == loader.spec.batch_size * len(loader)  # and the epoch still completes
     finally:

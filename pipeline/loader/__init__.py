@@ -1,9 +1,12 @@
 """The online flow: shards in, batches on the training device out (`make_loader`).
 
-    loader.py      make_loader() and Loader: settings, epochs, state, stats
+    loader.py      make_loader() and Loader: settings, epochs and the runs over them, state, stats
     dataset.py     what a source names: a manifest, a dataset folder or a brace pattern -> shards
     epoch.py       each epoch's order (seed, epoch, rank), segments of shards, the shuffle buffer
-    crops.py       random-resized and centre crops, decoded straight into batch slots
+    workers.py     the host side of a run: ring slots, the producer thread, the decode pool
+    device.py      the device side: flip, float, normalise; the CPU finish; CUDA side-stream prefetch
+    crops.py       the crop plan: each sample's random-resized or centre crop box, from its seed and size
+    cpu_decode.py  decode on the CPU straight into batch slots (region decoder, simplejpeg, Pillow)
     gpu_decode.py  JPEG decode on the GPU (nvjpeg through torchvision)
 
 Importing this package is cheap; torch is imported with `loader.py`.

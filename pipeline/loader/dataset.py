@@ -35,13 +35,20 @@ class DatasetInfo:
         return len(self.sets)
 
 
-def resolve_dataset(source: str) -> DatasetInfo:
+def resolve_dataset(source: str | os.PathLike[str]) -> DatasetInfo:
     """Resolve a manifest path/URL, a dataset directory, or a shard brace pattern.
+
+    Args:
+        source: what `make_loader` was given, a str or a path.
+
+    Returns:
+        The dataset's shards per variant set, class names and sample count.
 
     Raises:
         ConfigError: the source is none of those.
         ManifestError: the manifest is missing or malformed.
     """
+    source = os.fspath(source)
     if "{" in source and ".." in source:
         return _from_pattern(source)
     root = source[: -len(MANIFEST_NAME)].rstrip("/") if source.endswith(MANIFEST_NAME) else source.rstrip("/")

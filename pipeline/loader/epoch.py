@@ -5,7 +5,9 @@ dataset: shards are shuffled, concatenated and cut into one contiguous range
 per rank (whole shards read sequentially, at most one partial shard at each
 end), a few shards are interleaved, then a seeded shuffle buffer mixes
 samples. Because the order is deterministic, resuming mid-epoch is just
-replaying the order and skipping what was already delivered."""
+replaying the order and skipping what was already delivered.
+`epoch_records` puts these steps together: the records a run's producer
+batches (`workers.py`)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 
 from ..errors import ManifestError
 from ..io.tar import TarFormatError, iter_tar_samples
+from ..specs import LoaderSpec
 from .dataset import ShardRef, open_shard
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "npy", "ppm", "bmp", "tif", "tiff")
@@ -145,3 +148,45 @@ def shuffle_buffer(items: Iterator[Any], size: int, rng: np.random.Generator, in
             yield buffer.pop()
     rng.shuffle(buffer)  # type: ignore[arg-type]
     yield from buffer
+
+
+def epoch_records(
+    shards: list[Any], spec: LoaderSpec, epoch: int, rank: int, world_size: int, errors: list[str]
+) -> Iterator[Record]:
+    """This rank's samples of an epoch, in their deterministic order.
+
+    Args:
+        shards: the shards the epoch reads (one variant set of the dataset).
+        spec: the loader's settings (seed, shuffling, interleave, drop_last).
+        epoch: the epoch number.
+        rank: this process's rank.
+        world_size: the number of ranks.
+        errors: receives a message for each shard part or sample skipped.
+
+    Yields:
+        Records with consecutive ordinals from 0, at most as many as each rank gets.
+    """
+    segments, per_rank = plan_epoch(
+        shards,
+        seed=spec.seed,
+        epoch=epoch,
+        rank=rank,
+        world=world_size,
+        shuffle=spec.train,
+        drop_last=spec.effective_drop_last,
+    )
+    samples = read_segments(shards, segments, spec.interleave if spec.train else 1, errors.append)
+    if spec.train:
+        rng = np.random.default_rng([spec.seed, epoch, rank, 0x5B])
+        samples = shuffle_buffer(samples, spec.shuffle_buffer, rng)
+    ordinal = 0
+    for key, members in samples:
+        picked = pick_image(members)
+        if picked is None:
+            errors.append(f"sample {key} has no image member ({', '.join(sorted(members))})")
+            continue
+        label = int(members["cls"]) if members.get("cls", b"").strip().lstrip(b"-").isdigit() else -1
+        yield Record(key, picked[1], picked[0], label, ordinal)
+        ordinal += 1
+        if ordinal >= per_rank:
+            return

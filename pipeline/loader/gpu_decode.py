@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .crops import CropRandom, CropSpec, crop_box, decode_into
 from ..errors import ConfigError, DecodeError
+from .cpu_decode import decode_into
+from .crops import CropRandom, CropSpec, crop_box
 
 
 def check_gpu_decode(device: torch.device) -> None:

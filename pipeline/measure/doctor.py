@@ -168,7 +168,7 @@ def probe_region_decoder() -> dict[str, Any]:
     info["installed"] = True
     try:
         native.RegionDecoder(lib).header(_tiny_jpeg())
-        from ..loader.crops import resample_mode
+        from ..loader.cpu_decode import resample_mode
 
         mode = resample_mode()
         resize = {native.PILLOW: "Pillow's", native.PILLOW_SIMD: "Pillow-SIMD's"}.get(mode) if mode is not None else None

@@ -1,0 +1,283 @@
+"""The device side of the loader: flip, float, normalise and memory format; prefetch on a CUDA side stream.
+
+The decode workers (`workers.py`) leave uint8 NCHW pixels in a ring slot;
+here they become the batch the training loop gets. Flips are applied to
+the uint8 pixels, then one pass converts to float and one more scales and
+shifts in place. On CUDA the next `prefetch` batches are copied and
+finished on a side stream while the current one is used; the training
+stream waits for its own batch's event only. On the CPU the same code
+runs with the stream context replaced by a no-op, so outputs are
+identical; with thread workers the decode threads even write each image
+already mirrored and normalised into the batch's output tensor
+(`cpu_finish`), and the batch is only handed out here. With
+decoder="nvjpeg" the JPEGs are decoded on the GPU here (`gpu_decode.py`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..specs import LoaderSpec
+from .crops import Affine, CropSpec
+from .workers import CpuFinish, DecodePool, HostBatch, Run, RunSlots, next_batch
+
+Ready = tuple[torch.Tensor, torch.Tensor, Any]  # images, labels, and the side stream's event (None off CUDA)
+
+
+class OutputBuffers:
+    """The CPU device's output batches: a recycled one the training loop no longer holds, else a new one.
+
+    A fresh 38 MB tensor per batch costs more in page faults than the
+    normalisation written into it. Batches are handed out as views, so a
+    buffer is reused only when no view of it is alive (the training loop
+    let go of that batch) and it is not waiting in the prefetch queue.
+
+    Args:
+        limit: buffers kept for reuse at most.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._pool: list[torch.Tensor] = []
+        self._busy: set[int] = set()
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, memory_format: torch.memory_format) -> torch.Tensor:
+        """A buffer of `shape` to decode a batch into; busy until `release`."""
+        with self._lock:
+            for buffer in self._pool:
+                if buffer.shape == shape and id(buffer) not in self._busy and _only_reference(buffer):
+                    self._busy.add(id(buffer))
+                    return buffer
+            buffer = torch.empty(shape, dtype=dtype, memory_format=memory_format)
+            if len(self._pool) < self._limit:
+                self._pool.append(buffer)
+                self._busy.add(id(buffer))
+            return buffer
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """The batch was handed out (or dropped): from now on its views' life says when the buffer is free."""
+        with self._lock:
+            self._busy.discard(id(buffer))
+
+    def __len__(self) -> int:
+        return len(self._pool)
+
+
+def _only_reference(tensor: torch.Tensor) -> bool:
+    """True when no other tensor (a view handed to the training loop) shares this storage."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    if counter is None:  # pragma: no cover - older torch: never recycle
+        return False
+    storage = tensor.untyped_storage()
+    return int(counter(storage._cdata)) <= 2  # the tensor itself + this `storage` wrapper
+
+
+class DeviceFinish:
+    """What becomes of a decoded batch on the training device.
+
+    Args:
+        spec: the loader's settings (mean, std, dtype, channels_last, flip, prefetch).
+        device: the training device.
+        rank: this process's rank (it seeds the flips).
+        crop: what each sample becomes (the GPU decoder crops with it).
+        buffers: CPU output buffers kept for reuse at most.
+    """
+
+    def __init__(self, spec: LoaderSpec, device: torch.device, rank: int, crop: CropSpec, buffers: int) -> None:
+        self.spec = spec
+        self.device = device
+        self.rank = rank
+        self.outputs = OutputBuffers(buffers)
+        self._crop = crop
+        self._gpu_decode = spec.decoder == "nvjpeg"
+        self._mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
+        self._std = torch.tensor(spec.std, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
+        self._dtype = getattr(torch, spec.dtype)
+        self._affine_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._host_affine_cache: Affine | None = None
+
+    # -- on the CPU, in the decode threads ----------------------------------
+
+    def cpu_finish(self, epoch: int, index: int, count: int) -> tuple[torch.Tensor | None, CpuFinish | None]:
+        """On a CPU device with thread workers: the batch's output tensor and the per-image finisher."""
+        if not (self.device.type == "cpu" and self.spec.worker_type == "thread" and not self._gpu_decode):
+            return None, None
+        out = self._output_buffer(count)
+        flips = self._flip_mask(epoch, index, count)
+        view = out.numpy() if not self.spec.channels_last else out.permute(0, 2, 3, 1).numpy().transpose(0, 3, 1, 2)
+        affine = None if out.dtype == torch.uint8 else self._host_affine()
+        return out, CpuFinish(view, flips, affine)
+
+    def _output_buffer(self, count: int) -> torch.Tensor:
+        memory_format = torch.channels_last if self.spec.channels_last else torch.contiguous_format
+        dtype = torch.uint8 if self._dtype == torch.uint8 else torch.float32
+        return self.outputs.take((count, 3, self.spec.crop, self.spec.crop), dtype, memory_format)
+
+    # -- handing batches to the training loop -------------------------------
+
+    def deliver(
+        self, epoch: int, run: Run, pool: DecodePool, warn: Callable[[str], None]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The run's batches on the device, in order: `prefetch` of them in flight on CUDA.
+
+        Args:
+            epoch: the run's epoch (it seeds the flips).
+            run: the run whose queue holds the decoded batches.
+            pool: the decode pool whose ring holds their pixels.
+            warn: reports each sample or shard part skipped.
+
+        Yields:
+            (images, labels) on the device, ready for the training stream.
+        """
+        out, free = run.out, run.free
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if cuda else None
+        ready: deque[Ready] = deque()
+        exhausted = False
+        while True:
+            while not exhausted and len(ready) < (self.spec.prefetch if cuda else 1):
+                batch = next_batch(out, warn)
+                if batch is None:
+                    exhausted = True
+                    break
+                ready.append(self._to_device(epoch, batch, free, side, pool, warn))
+            if not ready:
+                return
+            images, labels, done = ready.popleft()
+            if done is not None:
+                # The training stream waits for this batch only, not for later ones
+                # already queued on the side stream; the caching allocator must know
+                # the tensors are used there.
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(done)
+                images.record_stream(current)
+                labels.record_stream(current)
+            yield images, labels
+
+    def _to_device(
+        self, epoch: int, batch: HostBatch, free: RunSlots, side: Any, pool: DecodePool, warn: Callable[[str], None]
+    ) -> Ready:
+        if self._gpu_decode:
+            return self._gpu_decoded(epoch, batch, free, side, warn)
+        if batch.finished is not None:
+            return self._cpu_finished(batch, free, pool, warn)
+        host_images, host_labels, keep = pool.collect(batch, warn)
+        flips = self._flips(epoch, batch, keep)
+        if side is None:
+            images = self._finish_on_device(host_images, flips)
+            free.put(batch.slot)
+            return images, host_labels, None
+        with torch.cuda.stream(side):
+            if self.spec.worker_type == "process":
+                host_images = host_images.pin_memory()
+            pixels = host_images.to(self.device, non_blocking=True)
+            labels = host_labels.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(side)
+            images = self._finish_on_device(pixels, flips)
+            done = torch.cuda.Event()
+            done.record(side)
+        copied.synchronize()  # the pinned slot may be refilled once its copy has landed
+        free.put(batch.slot)
+        return images, labels, done
+
+    def _cpu_finished(self, batch: HostBatch, free: RunSlots, pool: DecodePool, warn: Callable[[str], None]) -> Ready:
+        _, labels, keep = pool.collect(batch, warn)
+        free.put(batch.slot)
+        assert batch.finished is not None
+        images = batch.finished[:] if keep is None else batch.finished[torch.from_numpy(keep)]
+        self.outputs.release(batch.finished)
+        if self._dtype not in (torch.float32, torch.uint8):
+            images = images.to(self._dtype)
+        return images, labels, None
+
+    def _gpu_decoded(
+        self, epoch: int, batch: HostBatch, free: RunSlots, side: Any, warn: Callable[[str], None]
+    ) -> Ready:
+        """nvjpeg: decode the batch's JPEGs on the GPU, crop and resize there too."""
+        from .gpu_decode import decode_batch_on_gpu
+
+        with torch.cuda.stream(side):
+            pixels, failures = decode_batch_on_gpu(batch.items, self._crop, self.device)
+            keep = None
+            labels = torch.from_numpy(batch.labels)
+            if failures:
+                for position, reason in failures:
+                    warn(f"skipping sample {batch.keys[position]}: {reason}")
+                bad = {position for position, _ in failures}
+                keep = np.array([i for i in range(batch.count) if i not in bad], dtype=np.int64)
+                pixels = pixels[torch.from_numpy(keep).to(self.device)]
+                labels = labels[torch.from_numpy(keep)]
+            images = self._normalise(pixels, self._flips(epoch, batch, keep))
+            labels = labels.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        free.put(batch.slot)
+        return images, labels, done
+
+    # -- flip, float, normalise ---------------------------------------------
+
+    def _finish_on_device(self, pixels: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
+        """uint8 NCHW already on the device -> normalised NCHW `dtype` (flip, channels_last).
+
+        Flips are applied to the uint8 pixels (a quarter of the bytes of
+        floats); conversion and transpose are one pass into a preallocated
+        output, scale and shift one more, in place.
+        """
+        if flips is not None and bool(flips.any()):
+            chosen = flips.nonzero().flatten().to(self.device)
+            pixels[chosen] = pixels[chosen].flip(3)
+        return self._scale_shift(pixels)
+
+    def _scale_shift(self, nchw: torch.Tensor) -> torch.Tensor:
+        scale, shift = self._affine()
+        memory_format = torch.channels_last if self.spec.channels_last else torch.contiguous_format
+        if self._dtype == torch.uint8:
+            pixels = torch.empty(nchw.shape, dtype=torch.uint8, device=self.device, memory_format=memory_format)
+            if nchw.is_floating_point():  # GPU-decoded and resized: back to whole pixel values
+                nchw = nchw.round().clamp_(0, 255)
+            return pixels.copy_(nchw)
+        out = torch.empty(nchw.shape, dtype=torch.float32, device=self.device, memory_format=memory_format)
+        out.copy_(nchw)
+        out.mul_(scale).add_(shift)
+        return out if self._dtype == torch.float32 else out.to(self._dtype)
+
+    def _host_affine(self) -> Affine:
+        if self._host_affine_cache is None:
+            scale, shift = self._affine()
+            self._host_affine_cache = Affine.of(scale.cpu().reshape(3).numpy(), shift.cpu().reshape(3).numpy())
+        return self._host_affine_cache
+
+    def _affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1/std, -mean/std) per channel, in 0-255 units, cached on the device."""
+        if self._affine_cache is None:
+            scale = (1.0 / self._std).to(self.device)
+            shift = (-self._mean / self._std).to(self.device)
+            self._affine_cache = (scale, shift)
+        return self._affine_cache
+
+    def _normalise(self, x: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
+        """float NCHW in 0-255 on the device (GPU decode) -> flipped, normalised, `dtype`."""
+        if flips is not None and bool(flips.any()):
+            chosen = flips.nonzero().flatten().to(self.device)
+            x[chosen] = x[chosen].flip(3)
+        return self._scale_shift(x)
+
+    def _flip_mask(self, epoch: int, index: int, count: int) -> np.ndarray | None:
+        if not (self.spec.train and self.spec.flip):
+            return None
+        rng = np.random.default_rng([self.spec.seed, epoch, self.rank, index, 0xF1])
+        return rng.random(count) < 0.5
+
+    def _flips(self, epoch: int, batch: HostBatch, keep: np.ndarray | None) -> torch.Tensor | None:
+        mask = self._flip_mask(epoch, batch.index, batch.count)
+        if mask is None:
+            return None
+        return torch.from_numpy(mask if keep is None else mask[keep])
