@@ -428,8 +428,8 @@ def test_a_decoder_crash_rejects_only_that_file(raw: Path, tmp_path: Path, monke
 
         return decode
 
-    monkeypatch.setattr("pipeline.prepare.job.decode_image", crashing(pipeline.decode.decode_image))
-    monkeypatch.setattr("pipeline.prepare.job.transcode_jpeg", crashing(pipeline.prepare.transcode.transcode_jpeg))
+    monkeypatch.setattr("pipeline.prepare.sample.decode_image", crashing(pipeline.decode.decode_image))
+    monkeypatch.setattr("pipeline.prepare.sample.transcode_jpeg", crashing(pipeline.prepare.transcode.transcode_jpeg))
     out = tmp_path / "out"
     result = prepare_dataset(spec_for(raw, out), workers=2)
     assert (result.samples, result.rejected) == (59, 1)
@@ -466,7 +466,7 @@ def test_step_api_plan_shards_finish_equals_local_prepare(raw: Path, tmp_path: P
 
 
 def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
-    from pipeline.prepare.job import CHUNK_ITEMS, TAIL_CHUNK_ITEMS, chunk_sizes
+    from pipeline.prepare.pool import CHUNK_ITEMS, TAIL_CHUNK_ITEMS, chunk_sizes
 
     for total, workers in ((1000, 2), (12_345, 8), (7, 2), (1, 1), (300, 0)):
         sizes = chunk_sizes(total, workers)
