@@ -40,6 +40,7 @@ from .resume import (
     WORK_DIR,
     check_existing,
     clear_output,
+    finished_manifest,
     pending_shards,
     read_plan,
     read_shard_record,
@@ -494,7 +495,11 @@ def _finish(job: _Job) -> Manifest:
 
 @dataclasses.dataclass(frozen=True)
 class PreparePlanInfo:
-    """What `plan_prepare` decided: how many shards to write, or that OUT is already complete."""
+    """What `plan_prepare` decided: how many shards to write, or that OUT is already complete.
+
+    `shards` counts the planned shards of one variant set (each variant set
+    gets a file per planned shard).
+    """
 
     shards: int
     listed: int
@@ -524,7 +529,7 @@ def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = Fa
         overwrite: replace an OUT prepared (or being prepared) with different settings.
 
     Returns:
-        The plan: how many shards, and which of them still need writing.
+        The plan: shards per variant set, and which of them still need writing.
 
     Raises:
         The same errors as `prepare_dataset`.
@@ -532,7 +537,8 @@ def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = Fa
     job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite)
     if isinstance(job_or_done, Manifest):
         done = job_or_done
-        return PreparePlanInfo(len(done.shards), done.samples + done.rejected, 0, done.classes, [], True)
+        shards = len(done.shards) // max(1, done.variants)
+        return PreparePlanInfo(shards, done.samples + done.rejected, 0, done.classes, [], True)
     job = job_or_done
     try:
         remove_stale_temp_files(job.output, spec.augment.variants)
@@ -579,18 +585,39 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
     return ShardRecord(shard, samples, len(record["rejected"]), skipped)
 
 
-def finish_prepare(spec: PrepareSpec) -> Manifest:
+def finish_prepare(spec: PrepareSpec) -> PrepareResult:
     """Write rejected.jsonl and the manifest once every planned shard is complete and valid.
 
+    Idempotent: when OUT already holds the finished dataset of these settings
+    (an earlier call wrote it, perhaps stopping before it removed the work
+    folder), nothing is written again, what is left of the work folder goes,
+    and the result is equal to the first call's. So a runner calls it again
+    after a crash without checking anything first.
+
+    Args:
+        spec: the planned job.
+
+    Returns:
+        The dataset's counts, from its manifest. A finish does no image work:
+        `processed`, `seconds` and `workers` are 0, and `ignored` is what
+        `plan_prepare` reported (0 here).
+
     Raises:
+        ConfigError: OUT holds neither a planned prepare nor the finished dataset (run `plan_prepare` first).
+        JobConflictError: OUT holds a planned prepare of different settings.
         StorageError: a shard is missing or does not match its record (nothing is published).
     """
+    output = Output(spec.out)
+    manifest = finished_manifest(output, spec)
+    if manifest is not None:
+        remove_work(output)  # the leftovers of a finish that stopped right after its manifest
+        return _result(spec.out, manifest)
     job = _load_planned_job(spec)
     try:
         missing = pending_shards(job.output, job.plan.shards)
         if missing:
             raise StorageError(f"cannot finish {spec.out}: shard(s) {missing[:10]} are missing or invalid")
-        return _finish(job)
+        return _result(spec.out, _finish(job))
     finally:
         job.listing.close()
 
