@@ -428,8 +428,8 @@ def test_a_decoder_crash_rejects_only_that_file(raw: Path, tmp_path: Path, monke
 
         return decode
 
-    monkeypatch.setattr("pipeline.prepare.job.decode_image", crashing(pipeline.decode.decode_image))
-    monkeypatch.setattr("pipeline.prepare.job.transcode_jpeg", crashing(pipeline.prepare.transcode.transcode_jpeg))
+    monkeypatch.setattr("pipeline.prepare.sample.decode_image", crashing(pipeline.decode.decode_image))
+    monkeypatch.setattr("pipeline.prepare.sample.transcode_jpeg", crashing(pipeline.prepare.transcode.transcode_jpeg))
     out = tmp_path / "out"
     result = prepare_dataset(spec_for(raw, out), workers=2)
     assert (result.samples, result.rejected) == (59, 1)
@@ -465,8 +465,53 @@ def test_step_api_plan_shards_finish_equals_local_prepare(raw: Path, tmp_path: P
         write_prepare_shard(spec_for(raw, tmp_path / "never"), 0)
 
 
+def test_finish_twice_gives_the_same_manifest_and_result(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finish repeated after a crash right after the manifest (work folder still there) changes nothing."""
+    import pipeline.prepare.job as job
+    from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
+
+    spec = spec_for(raw, tmp_path / "steps")
+    for shard in range(plan_prepare(spec).shards):
+        write_prepare_shard(spec, shard)
+
+    def die(output: Output) -> None:
+        raise KeyboardInterrupt("the worker died")
+
+    real_remove_work = job.remove_work
+    monkeypatch.setattr(job, "remove_work", die)
+    with pytest.raises(KeyboardInterrupt):
+        finish_prepare(spec)
+    monkeypatch.setattr(job, "remove_work", real_remove_work)
+    manifest = (tmp_path / "steps" / "manifest.json").read_bytes()
+    rejected = (tmp_path / "steps" / "rejected.jsonl").read_bytes()
+    assert (tmp_path / "steps" / ".gpufeed" / "plan.json").exists()
+
+    first = finish_prepare(spec)
+    assert (tmp_path / "steps" / "manifest.json").read_bytes() == manifest
+    assert not (tmp_path / "steps" / ".gpufeed").exists()  # the leftovers went
+    second = finish_prepare(spec)
+    assert second == first
+    assert (tmp_path / "steps" / "manifest.json").read_bytes() == manifest
+    assert (tmp_path / "steps" / "rejected.jsonl").read_bytes() == rejected
+    parsed = read_manifest(Output(str(tmp_path / "steps")))
+    assert (first.samples, first.rejected, first.listed) == (60, 0, 60)
+    assert (first.shards, first.bytes) == (len(parsed.shards), sum(s.bytes for s in parsed.shards))
+    assert first.manifest == f"{tmp_path / 'steps'}/manifest.json" and not first.already_complete
+    assert verify_dataset(Output(str(tmp_path / "steps")), parsed).ok
+
+
+def test_finish_of_another_job_s_dataset_is_refused(raw: Path, tmp_path: Path) -> None:
+    from pipeline.prepare.job import finish_prepare
+
+    prepare_dataset(spec_for(raw, tmp_path / "out"), workers=0)
+    manifest = (tmp_path / "out" / "manifest.json").read_bytes()
+    with pytest.raises(ConfigError, match="no planned prepare"):
+        finish_prepare(spec_for(raw, tmp_path / "out", seed=99))  # other settings: not this job's dataset
+    assert (tmp_path / "out" / "manifest.json").read_bytes() == manifest
+
+
 def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
-    from pipeline.prepare.job import CHUNK_ITEMS, TAIL_CHUNK_ITEMS, chunk_sizes
+    from pipeline.prepare.pool import CHUNK_ITEMS, TAIL_CHUNK_ITEMS, chunk_sizes
 
     for total, workers in ((1000, 2), (12_345, 8), (7, 2), (1, 1), (300, 0)):
         sizes = chunk_sizes(total, workers)

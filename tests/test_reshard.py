@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -61,7 +62,7 @@ def forbid_decoding(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     import PIL.Image
 
     import pipeline.decode
-    import pipeline.prepare.job
+    import pipeline.prepare.sample
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("re-packing decoded an image")
@@ -69,7 +70,7 @@ def forbid_decoding(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     def forbid() -> None:
         monkeypatch.setattr(PIL.Image, "open", refuse)
         monkeypatch.setattr(pipeline.decode, "decode_image", refuse)
-        monkeypatch.setattr(pipeline.prepare.job, "decode_image", refuse)
+        monkeypatch.setattr(pipeline.prepare.sample, "decode_image", refuse)
 
     return forbid
 
@@ -204,6 +205,67 @@ def test_reaugment_keeps_the_current_shard_layout(raw: Path, tmp_path: Path) -> 
     result = reshard_dataset(ReshardSpec(dataset=str(dataset), reaugment=True, seed=3), workers=0)
     assert (result.shards_before, result.shards_after) == (8, 8)
     verified(dataset)
+
+
+def test_publish_reaugment_twice_makes_one_version_with_the_same_result(
+    raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publish repeated after a crash right after the switch completes that swap, it does not make another."""
+    import pipeline.prepare.reshard as reshard
+
+    dataset = prepared(raw, tmp_path / "ds", variants=1)
+    reshard_dataset(ReshardSpec(dataset=str(dataset), multiple_of=4))  # r0001: 5 -> 8 shards
+    spec = ReshardSpec(dataset=str(dataset), reaugment=True, seed=5, max_samples=10)
+    staged = reshard.plan_reaugment(spec)
+    prepare_dataset(staged, workers=0)
+
+    def die(output: Output, record: dict[str, object]) -> None:
+        raise KeyboardInterrupt("the worker died")
+
+    real_complete = reshard._complete_swap
+    monkeypatch.setattr(reshard, "_complete_swap", die)
+    with pytest.raises(KeyboardInterrupt):
+        reshard.publish_reaugment(spec, staged)
+    monkeypatch.setattr(reshard, "_complete_swap", real_complete)
+    switched = (dataset / "manifest.json").read_bytes()
+    assert reshard.version_of(read_manifest(Output(str(dataset)))) == "r0002"
+    assert (dataset / "v0").is_dir()  # the original shards (a top-level variant set) are still there
+
+    first = reshard.publish_reaugment(spec, staged)
+    second = reshard.publish_reaugment(spec, staged)
+    assert (dataset / "manifest.json").read_bytes() == switched
+    assert sorted(n for n in os.listdir(dataset) if re.fullmatch(r"r\d+", n)) == ["r0001", "r0002"]
+    assert json.loads((dataset / ".gpufeed-versions.json").read_text()) == {"versions": ["r0001", "r0002"]}
+    assert not (dataset / "v0").exists()  # keep=1: the original went
+    assert not (dataset / "r0002" / "manifest.json").exists()
+    one, two = first.to_dict(), second.to_dict()
+    assert one.pop("seconds") >= 0 and two.pop("seconds") >= 0
+    assert one == two
+    assert (first.version, first.shards_before, first.shards_after, first.removed) == ("r0002", 8, 3, [""])
+    assert (first.samples, first.rejected, first.reaugmented) == (30, 0, True)
+    verified(dataset)
+
+    reshard_dataset(ReshardSpec(dataset=str(dataset), multiple_of=2))  # r0003 replaces it
+    replaced = (dataset / "manifest.json").read_bytes()
+    with pytest.raises(JobConflictError, match="replaced it since"):
+        reshard.publish_reaugment(spec, staged)
+    assert (dataset / "manifest.json").read_bytes() == replaced
+
+
+def test_publish_reaugment_to_out_twice_gives_the_same_result(raw: Path, tmp_path: Path) -> None:
+    import pipeline.prepare.reshard as reshard
+
+    dataset = prepared(raw, tmp_path / "ds", variants=1)
+    spec = ReshardSpec(dataset=str(dataset), out=str(tmp_path / "new"), reaugment=True, seed=5)
+    staged = reshard.plan_reaugment(spec)
+    prepare_dataset(staged, workers=0)
+    first = reshard.publish_reaugment(spec, staged)
+    manifest = (tmp_path / "new" / "manifest.json").read_bytes()
+    second = reshard.publish_reaugment(spec, staged)
+    assert (tmp_path / "new" / "manifest.json").read_bytes() == manifest
+    assert dataclasses.replace(first, seconds=0) == dataclasses.replace(second, seconds=0)
+    assert (first.version, first.shards_before, first.shards_after, first.samples) == ("", 5, 5, 30)
+    verified(tmp_path / "new")
 
 
 @pytest.mark.parametrize(

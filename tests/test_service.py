@@ -81,6 +81,9 @@ def test_status_json_jobs_and_records_outlive_the_workers(service: Service, smal
     assert status["state"] == "succeeded"
     assert (status["shards_done"], status["shards_total"], status["samples"]) == (5, 5, 24)
     assert status["result"]["manifest"] == f"{out}/manifest.json"
+    manifest = assert_verified(out)
+    summary = {"samples": 24, "rejected": 0, "shards": 5, "bytes": sum(s.bytes for s in manifest.shards)}
+    assert {key: status["result"][key] for key in summary} == summary
 
     text = service.cli("status", job)
     assert text.returncode == 0 and f"job {job}" in text.stdout and "succeeded" in text.stdout
@@ -91,6 +94,45 @@ def test_status_json_jobs_and_records_outlive_the_workers(service: Service, smal
 
     ttl = service.store.client.ttl(service.store.job_key(job))
     assert 0 < ttl <= 3600  # finished jobs expire after GPUFEED_JOB_TTL (1h here)
+
+
+def test_a_finalize_repeated_after_its_manifest_was_written_succeeds_with_the_same_summary(
+    service: Service, small_raw: Path, tmp_path: Path
+) -> None:
+    """A finalize whose worker died right after the manifest is re-delivered: the job succeeds, nothing is rewritten."""
+    import shutil
+
+    from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
+    from worker.client import send_unit
+
+    out = tmp_path / "out"
+    spec = PrepareSpec.from_dict({"source": str(small_raw), "out": str(out), "shards": {"max_samples": 8}})
+    written = [write_prepare_shard(spec, shard) for shard in range(plan_prepare(spec).shards)]
+    work = shutil.copytree(out / ".gpufeed", tmp_path / "work")
+    first = finish_prepare(spec)  # the first finalize wrote the manifest, then its worker died ...
+    shutil.copytree(work, out / ".gpufeed")  # ... before it removed the work folder
+    manifest = (out / "manifest.json").read_bytes()
+    store = service.store
+    job = store.create("prepare", {"spec": spec.to_dict(), "force": False, "overwrite": False}, [str(out)], "gpufeed")
+    store.transition(job, "running", ("queued",))
+    store.update(job, shards_total=len(written), prepare_spec=spec.to_dict(), fanned_out=1)
+    for shard in written:
+        store.record_shard(job, shard.shard, shard.samples, shard.rejected, shard.samples + shard.rejected, "w@host")
+
+    service.start_worker("w1")
+    send_unit(store.require(job), "finalize")
+    record = service.wait_finished(job, timeout=60)
+    assert record.state == "succeeded", record.error
+    assert (out / "manifest.json").read_bytes() == manifest and not (out / ".gpufeed").exists()
+    assert (record.samples, record.rejected) == (first.samples, first.rejected) == (24, 0)
+    assert record.result == {
+        "manifest": f"{out}/manifest.json",
+        "samples": 24,
+        "rejected": 0,
+        "shards": first.shards,
+        "bytes": first.bytes,
+    }
+    assert first.shards == len(written) and first.bytes == sum(s.bytes for s in assert_verified(out).shards)
 
 
 def test_finished_jobs_expire_after_the_configured_time(private_redis: Any, small_raw: Path, tmp_path: Path) -> None:

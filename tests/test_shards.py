@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.errors import StorageError
-from pipeline.prepare.job import sample_key
+from pipeline.prepare.sample import sample_key
 from pipeline.io.tar import TAR_MTIME, TarShardWriter, iter_tar_samples
 from pipeline.manifest import ShardInfo
 from pipeline.prepare.plan import ShardPlan, permute, plan_shards, shard_name

@@ -21,9 +21,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.utils.log import get_task_logger
 
 from pipeline.errors import GpufeedError
-from pipeline.manifest import MANIFEST_NAME, Manifest, read_manifest
 from pipeline.specs import PrepareSpec
-from pipeline.io.output import Output
 
 from worker import security
 from .app import app
@@ -115,10 +113,8 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
         info = plan_prepare(spec, force=force, overwrite=overwrite)
         run.check()
         if info.already_complete:
-            manifest = read_manifest(Output(spec.out))
-            shards = len(manifest.shards) // max(1, manifest.variants)
-            store().update(job_id, shards_total=shards, shards_done=shards, listed=info.listed)
-            _succeed(record, spec, manifest)
+            store().update(job_id, shards_total=info.shards, shards_done=info.shards, listed=info.listed)
+            _succeed(record, spec)
             return {"job": job_id, "already_complete": True}
         store().update(
             job_id, shards_total=info.shards, listed=info.listed, prepare_spec=spec.to_dict(), warnings=info.warnings, fanned_out=1
@@ -189,45 +185,33 @@ def finalize_prepare_task(self: Any, job_id: str, spec_dict: dict[str, Any]) -> 
             return {"job": job_id, "unit": "finalize", "skipped": "job no longer running"}
         spec = _worker_checked_spec(spec_dict)
         _check_attempts(job_id, "finalize")
-        manifest = _finish(record, spec)
-        _succeed(record, spec, manifest)
-        return {"job": job_id, "samples": manifest.samples, "shards": len(manifest.shards)}
+        samples, files = _succeed(record, spec)
+        return {"job": job_id, "samples": samples, "shards": files}
     return {"job": job_id, "unit": "finalize", "failed": True}
 
 
-def _finish(record: JobRecord, spec: PrepareSpec) -> Manifest:
-    from pipeline.prepare.job import WORK_DIR, finish_prepare
-
-    output = Output(spec.out)
-    if record.kind == "reshard":
-        from pipeline.prepare.reshard import ReshardSpec, staged_version, version_of
-
-        version = staged_version(ReshardSpec.from_dict(record.payload["spec"]), spec)
-        current = read_manifest(Output(record.payload["spec"]["dataset"]))
-        if version and version_of(current) == version:
-            return current  # an earlier finalize swapped it in already
-    if not output.exists(f"{WORK_DIR}/plan.json") and output.exists(MANIFEST_NAME):
-        manifest = read_manifest(output)
-        if manifest.params == spec.output_identity():
-            return manifest  # an earlier finalize wrote it
-    return finish_prepare(spec)
-
-
-def _succeed(record: JobRecord, spec: PrepareSpec, manifest: Manifest) -> None:
-    result: dict[str, Any] = {
-        "manifest": f"{spec.out.rstrip('/')}/{MANIFEST_NAME}",
-        "samples": manifest.samples,
-        "rejected": manifest.rejected,
-        "shards": len(manifest.shards),
-        "bytes": sum(s.bytes for s in manifest.shards),
-    }
+def _succeed(record: JobRecord, spec: PrepareSpec) -> tuple[int, int]:
+    """Finish the job in the library (safe to repeat) and record its summary; returns (samples, shard files)."""
     if record.kind == "reshard":
         from pipeline.prepare.reshard import ReshardSpec, publish_reaugment
 
-        result = publish_reaugment(ReshardSpec.from_dict(record.payload["spec"]), spec).to_dict()
-    store().transition(
-        record.id, "succeeded", ACTIVE, samples=manifest.samples, rejected=manifest.rejected, result=result
-    )
+        reshard = publish_reaugment(ReshardSpec.from_dict(record.payload["spec"]), spec)
+        samples, rejected, files = reshard.samples, reshard.rejected, reshard.shards_after * max(1, reshard.variants)
+        summary = reshard.to_dict()
+    else:
+        from pipeline.prepare.job import finish_prepare
+
+        result = finish_prepare(spec)
+        samples, rejected, files = result.samples, result.rejected, result.shards
+        summary = {
+            "manifest": result.manifest,
+            "samples": samples,
+            "rejected": rejected,
+            "shards": files,
+            "bytes": result.bytes,
+        }
+    store().transition(record.id, "succeeded", ACTIVE, samples=samples, rejected=rejected, result=summary)
+    return samples, files
 
 
 # ---------------------------------------------------------------------------

@@ -1,7 +1,11 @@
 """The offline flow: a source of raw images in, sharded WebDataset tar files and a manifest out.
 
     job.py         prepare_dataset() and the step API the service calls (plan, write a shard, finish)
+    listing.py     the listing spilled to OUT/.gpufeed: JSON lines plus a uint64 offset index
     plan.py        which listing index lands in which shard (a seeded permutation, nothing in memory)
+    resume.py      what OUT already holds: the plan and shard records, which shards are complete
+    pool.py        the process pool over a shard's samples (warm start, survives a crashing decoder)
+    sample.py      one source -> one sample: read, decode or the YCbCr path, transform, encode
     sources.py     list the images of a folder, a CSV/JSONL list or an fsspec URL, streaming
     transforms.py  resize modes and the pre-augmented variant sets
     encode.py      JPEG, WebP, PNG or raw .npy bytes of one image
@@ -12,8 +16,10 @@
 from __future__ import annotations
 
 from .job import (
+    PreparePlanInfo,
     PrepareProgress,
     PrepareResult,
+    ShardRecord,
     discard_prepare,
     finish_prepare,
     plan_prepare,
@@ -22,8 +28,10 @@ from .job import (
 )
 
 __all__ = [
+    "PreparePlanInfo",
     "PrepareProgress",
     "PrepareResult",
+    "ShardRecord",
     "discard_prepare",
     "finish_prepare",
     "plan_prepare",

@@ -15,6 +15,11 @@ Re-augmenting runs prepare again from the recorded source and settings with a
 new seed (fresh variant sets) into the new version, through the same step
 API a distributed runner uses (`plan_reaugment` -> prepare ->
 `publish_reaugment`).
+
+A swap records what it does in its version folder (`.gpufeed-swap.json`)
+before the switch, so a run that stops right after the switch is completed,
+not repeated, by the next `publish_reaugment` of the same version, and
+reports what the first one did.
 """
 
 from __future__ import annotations
@@ -29,14 +34,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import ConfigError, JobConflictError, ManifestError
-from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, verify_dataset, write_manifest
-from ..manifest import ShardInfo
-from ..io.tar import TarShardWriter, iter_tar_samples, sample_tar_bytes
-from .plan import shard_name
-from ..specs import PrepareSpec, ShardSpec, check_int, Spec
 from ..io.output import Output
+from ..io.tar import ShardInfo, TarShardWriter, iter_tar_samples, sample_tar_bytes
+from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, verify_dataset, write_manifest
+from ..specs import PrepareSpec, ShardSpec, Spec, check_int
+from .job import discard_prepare, finish_prepare, prepare_dataset
+from .plan import shard_name
 
 VERSIONS_NAME = ".gpufeed-versions.json"
+SWAP_NAME = ".gpufeed-swap.json"
 VERSION_DIR = re.compile(r"r\d{4,}")
 ROOT_SHARD = re.compile(r"shard-\d{6}\.tar|v\d+")
 
@@ -106,6 +112,7 @@ class ReshardResult:
     shards_before: int
     shards_after: int
     samples: int
+    rejected: int
     variants: int
     bytes: int
     seconds: float
@@ -135,8 +142,6 @@ def reshard_dataset(
     """
     if not spec.reaugment:
         return repack_dataset(spec, progress=progress)
-    from .job import prepare_dataset
-
     started = time.perf_counter()
     staged = plan_reaugment(spec)
     try:
@@ -207,6 +212,7 @@ def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None
         shards_before=len(sets[0][1]),
         shards_after=count,
         samples=manifest.samples,
+        rejected=manifest.rejected,
         variants=manifest.variants,
         bytes=sum(shard.bytes for shard in shards),
         seconds=time.perf_counter() - started,
@@ -320,20 +326,82 @@ def swap_version(output: Output, old: Manifest, new: Manifest, version: str, kee
     current = read_manifest(output)
     if current.to_dict() != old.to_dict():
         raise JobConflictError(f"{output.url} changed while it was being resharded; nothing was swapped, run it again")
-    history = _read_history(output, old)
-    write_manifest(output, new)  # the switch: one atomic rename
-    history.append(version)
+    history = _read_history(output, old) + [version]
     kept = history[-(keep + 1) :]
-    output.write_bytes_atomic(VERSIONS_NAME, json.dumps({"versions": kept}).encode("utf-8"))
-    removed = [v for v in history[: -(keep + 1)]]
+    removed = history[: -(keep + 1)]
     removed += [  # folders of earlier reshards that died before their swap
         name
         for name in output.listdir()
         if VERSION_DIR.fullmatch(name) and name not in kept and name not in removed and int(name[1:]) < int(version[1:] or 0)
     ]
-    for name in removed:
-        _remove_version(output, name)
+    record = {"version": version, "shards_before": _shards_per_set(old), "kept": kept, "removed": removed}
+    # Written before the switch, so a run that stops right after it can be completed from it.
+    output.write_bytes_atomic(f"{version}/{SWAP_NAME}", json.dumps(record).encode("utf-8"))
+    write_manifest(output, new)  # the switch: one atomic rename
+    _complete_swap(output, record)
     return removed
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapInfo:
+    """A swap that happened: the version it made current, the shards per set it replaced, the versions it removed."""
+
+    version: str
+    shards_before: int
+    removed: list[str]
+
+
+def swapped_in(output: Output, version: str) -> SwapInfo | None:
+    """What the swap that made `version` current did, or None when no swap made it current yet.
+
+    Whatever that swap left undone (the versions list, removing old
+    versions) is done now, so a swap that stopped right after its switch ends
+    as if it had not stopped.
+
+    Args:
+        output: the dataset.
+        version: a version folder name (`rNNNN`).
+
+    Returns:
+        The swap, as its first run reported it. A swap that left no record
+        (an older gpufeed made it) reports no removals and the current layout
+        as the one before.
+
+    Raises:
+        JobConflictError: `version` was made current and a later swap has replaced it since.
+    """
+    current = read_manifest(output)
+    if version_of(current) != version:
+        if version in _read_history(output, current):
+            raise JobConflictError(
+                f"{version} was swapped into {output.url} and a later reshard has replaced it since; nothing to publish"
+            )
+        return None
+    record = _read_swap(output, version)
+    if record is None:
+        return SwapInfo(version, _shards_per_set(current), [])
+    _complete_swap(output, record)
+    return SwapInfo(version, int(record["shards_before"]), [str(v) for v in record["removed"]])
+
+
+def _read_swap(output: Output, version: str) -> dict[str, Any] | None:
+    rel = f"{version}/{SWAP_NAME}"
+    try:
+        record = json.loads(output.read_bytes(rel)) if output.exists(rel) else None
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("version") == version else None
+
+
+def _complete_swap(output: Output, record: dict[str, Any]) -> None:
+    """The steps after the switch; each is safe to repeat."""
+    output.write_bytes_atomic(VERSIONS_NAME, json.dumps({"versions": record["kept"]}).encode("utf-8"))
+    for name in record["removed"]:
+        _remove_version(output, name)
+
+
+def _shards_per_set(manifest: Manifest) -> int:
+    return len(manifest.shards) // max(1, manifest.variants)
 
 
 def _read_history(output: Output, current: Manifest) -> list[str]:
@@ -386,17 +454,46 @@ def staged_version(spec: ReshardSpec, staged: PrepareSpec) -> str:
 
 
 def publish_reaugment(spec: ReshardSpec, staged: PrepareSpec, *, started: float | None = None) -> ReshardResult:
-    """Swap a finished re-augment into DATASET (a no-op with --out, or when already swapped)."""
+    """Finish a re-augment's prepare and swap it into DATASET (with --out: finish it there).
+
+    Idempotent: once the swap happened (a re-delivered task, a worker that
+    died right after the switch), a call finishes what that swap left undone
+    and returns the same result; it never makes a second version.
+
+    Args:
+        spec: the reshard.
+        staged: the prepare `plan_reaugment` made for it, all of its shards written.
+        started: when the reshard began (`time.perf_counter()`), for `seconds`; default now.
+
+    Returns:
+        The reshard's result.
+
+    Raises:
+        StorageError: a staged shard is missing or does not match its record.
+        ManifestError: the new version failed verification (nothing is swapped).
+        JobConflictError: DATASET changed since the re-augment was planned (nothing is swapped),
+            or a later reshard has replaced this one since its swap.
+    """
     started = time.perf_counter() if started is None else started
     version = staged_version(spec, staged)
     if spec.out is not None:
-        manifest = read_manifest(Output(spec.out))
-        return _reaugment_result(spec, manifest, manifest, version, [], started)
+        finish_prepare(staged)
+        before = _shards_per_set(read_manifest(Output(spec.dataset)))
+        return _reaugment_result(spec, before, read_manifest(Output(spec.out)), version, [], started)
     output = Output(spec.dataset)
-    old = read_manifest(output)
-    if version_of(old) == version:
-        return _reaugment_result(spec, old, old, version, [], started)  # a re-run after the swap
     stage = Output(staged.out)
+    swap = swapped_in(output, version)
+    if swap is None:
+        finish_prepare(staged)
+        swap = _swap_reaugmented(spec, output, stage, version)
+    # The staged manifest named the shards from inside the version folder; only DATASET's is a switch.
+    stage.remove(MANIFEST_NAME)
+    stage.remove(REJECTED_NAME)
+    return _reaugment_result(spec, swap.shards_before, read_manifest(output), version, swap.removed, started)
+
+
+def _swap_reaugmented(spec: ReshardSpec, output: Output, stage: Output, version: str) -> SwapInfo:
+    old = read_manifest(output)
     made = read_manifest(stage)
     shards = [dataclasses.replace(shard, path=f"{version}/{shard.path}") for shard in made.shards]
     new = dataclasses.replace(made, shards=shards, created="")
@@ -404,9 +501,7 @@ def publish_reaugment(spec: ReshardSpec, staged: PrepareSpec, *, started: float 
     if stage.exists(REJECTED_NAME):
         output.write_bytes_atomic(REJECTED_NAME, stage.read_bytes(REJECTED_NAME))
     removed = swap_version(output, old, new, version, spec.keep)
-    stage.remove(MANIFEST_NAME)
-    stage.remove(REJECTED_NAME)
-    return _reaugment_result(spec, old, new, version, removed, started)
+    return SwapInfo(version, _shards_per_set(old), removed)
 
 
 def discard_reaugment(spec: ReshardSpec, staged: PrepareSpec) -> None:
@@ -414,22 +509,20 @@ def discard_reaugment(spec: ReshardSpec, staged: PrepareSpec) -> None:
     if spec.out is None:
         Output(spec.dataset).remove(staged_version(spec, staged))
         return
-    from .job import discard_prepare
-
     discard_prepare(staged)
 
 
 def _reaugment_result(
-    spec: ReshardSpec, old: Manifest, new: Manifest, version: str, removed: list[str], started: float
+    spec: ReshardSpec, shards_before: int, new: Manifest, version: str, removed: list[str], started: float
 ) -> ReshardResult:
-    sets = max(1, new.variants)
     return ReshardResult(
         dataset=spec.dataset,
         out=spec.out or spec.dataset,
         version=version,
-        shards_before=len(old.shards) // max(1, old.variants),
-        shards_after=len(new.shards) // sets,
+        shards_before=shards_before,
+        shards_after=_shards_per_set(new),
         samples=new.samples,
+        rejected=new.rejected,
         variants=new.variants,
         bytes=sum(shard.bytes for shard in new.shards),
         seconds=time.perf_counter() - started,

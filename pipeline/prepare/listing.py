@@ -1,0 +1,114 @@
+"""The job's listing, spilled to OUT/.gpufeed: one JSON line per source plus a uint64 offset index.
+
+A source can hold millions of files; holding a `SourceItem` for each costs
+hundreds of bytes apiece and grows with the source. On disk, memory stays flat
+however many there are, every worker process (and every service worker that
+sees OUT) reads the same listing, and an item is one `pread` away by index.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import os
+from collections.abc import Iterator
+from typing import IO
+
+import numpy as np
+
+from ..errors import write_failure
+from .sources import ListingInfo, SourceItem
+
+LINES_NAME = "listing.jsonl"
+INDEX_NAME = "listing.idx"
+_INDEX_BLOCK = 65536  # offsets kept in memory before they are appended to the index file
+
+
+class Listing:
+    """The job's sources on disk: random access by index without holding them in memory.
+
+    `offsets[i]` is where line i starts in the JSONL file and `offsets[i + 1]`
+    where it ends, so the index holds one more entry than there are sources.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.lines_path = os.path.join(directory, LINES_NAME)
+        self.index_path = os.path.join(directory, INDEX_NAME)
+        self._fd: int | None = None
+        self._offsets: np.ndarray | None = None
+
+    def write(self, items: Iterator[SourceItem]) -> tuple[int, str, set[str]]:
+        """Spill `items` to the listing files, replacing what they held.
+
+        Args:
+            items: the sources, in listing order.
+
+        Returns:
+            (count, sha256 of the listing lines, label names seen).
+
+        Raises:
+            StorageError: the work folder cannot be written (e.g. a full disk).
+        """
+        try:
+            with open(self.lines_path, "wb") as lines, open(self.index_path, "wb") as index:
+                return _spill(items, lines, index)
+        except OSError as exc:
+            raise write_failure(self.lines_path, exc) from exc
+
+    def __len__(self) -> int:
+        return max(0, os.path.getsize(self.index_path) // 8 - 1)
+
+    def get(self, index: int) -> SourceItem:
+        """The source at listing position `index` (opens the files on first use)."""
+        if self._fd is None:
+            self._fd = os.open(self.lines_path, os.O_RDONLY)
+            self._offsets = np.memmap(self.index_path, dtype=np.uint64, mode="r")
+        assert self._offsets is not None
+        start, stop = int(self._offsets[index]), int(self._offsets[index + 1])
+        return SourceItem.from_json(os.pread(self._fd, stop - start, start))
+
+    def close(self) -> None:
+        """Close the files; a later `get` opens them again."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._offsets = None
+
+
+def _spill(items: Iterator[SourceItem], lines: IO[bytes], index: IO[bytes]) -> tuple[int, str, set[str]]:
+    digest = hashlib.sha256()
+    labels: set[str] = set()
+    offsets = array.array("Q", [0])
+    count = position = 0
+    for item in items:
+        line = item.to_json().encode("utf-8") + b"\n"
+        lines.write(line)
+        digest.update(line)
+        position += len(line)
+        offsets.append(position)
+        count += 1
+        if item.label is not None:
+            labels.add(item.label)
+        if len(offsets) >= _INDEX_BLOCK:  # flush the index in blocks: memory stays flat
+            offsets.tofile(index)
+            offsets = array.array("Q")
+    offsets.tofile(index)
+    return count, digest.hexdigest(), labels
+
+
+def class_names(info: ListingInfo, labels: set[str]) -> list[str]:
+    """The class names of a listing, in label-index order.
+
+    Args:
+        info: what listing the source found (its kind; an image folder's class folders).
+        labels: the label names seen in a list's rows.
+
+    Returns:
+        An image folder's classes as listed; for a list, integer labels as the
+        indices they already are (`"0"` .. max), other names sorted.
+    """
+    if info.kind == "imagefolder":
+        return info.classes
+    if labels and all(label.isdigit() for label in labels):
+        return [str(i) for i in range(max(int(label) for label in labels) + 1)]
+    return sorted(labels)

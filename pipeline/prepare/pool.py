@@ -1,0 +1,190 @@
+"""The process pool a prepare runs its samples on, and how a shard is cut into pool tasks.
+
+Workers are forked (after `sample.warm_up`, so each inherits warm codecs)
+and get the job's spec once, at start; a task is a chunk of (index, source)
+pairs and comes back as their `SampleOutcome`s. A C decoder can crash (or be
+killed for memory) on a hostile file: the broken pool is replaced, and the
+chunk it held is re-run one file per fresh process, so only the file that
+crashes again is rejected.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..specs import PrepareSpec
+from .sample import SampleOutcome, process_item, sample_key, warm_up
+from .sources import SourceItem
+
+if TYPE_CHECKING:  # concurrent.futures is imported on first use: `import pipeline` stays light
+    from concurrent.futures import ProcessPoolExecutor
+
+CHUNK_ITEMS = 64  # images per pool task while many remain: few round trips through the pool
+TAIL_CHUNK_ITEMS = 4  # near the end of a shard: small tasks, so no worker waits on another's last one
+TERMINATE_GRACE_S = 10.0  # after an error, how long workers may take to finish the chunk in hand
+
+Chunk = list[tuple[int, SourceItem]]
+"""A pool task: (listing index, source) pairs."""
+
+
+class PendingChunk(Protocol):
+    """A submitted chunk: `result()` waits for its outcomes, in chunk order."""
+
+    def result(self) -> list[SampleOutcome]: ...
+
+
+def available_cores() -> int:
+    """Cores this process may run on (cgroup/affinity aware), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def chunk_sizes(total: int, workers: int) -> list[int]:
+    """How a shard's `total` images are cut into pool tasks: large while plenty remain, small at the end.
+
+    Every task costs a round trip through the pool (pickling, a wake-up, the
+    results back), so most are CHUNK_ITEMS long; but a worker handed one of
+    those last would leave the others idle, so each task is at most a
+    quarter of what remains per worker, down to TAIL_CHUNK_ITEMS.
+
+    Args:
+        total: images in the shard.
+        workers: pool processes (0 counts as 1).
+
+    Returns:
+        The task sizes, in order; they add up to `total`.
+    """
+    sizes, remaining, workers = [], total, max(1, workers)
+    while remaining > 0:
+        size = min(remaining, max(TAIL_CHUNK_ITEMS, min(CHUNK_ITEMS, remaining // (workers * 4))))
+        sizes.append(size)
+        remaining -= size
+    return sizes
+
+
+# What a worker process knows: set once per process by the pool's initializer.
+_WORKER: dict[str, Any] = {}
+
+
+def _init_child(spec_dict: dict[str, Any], classes: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
+    _init_worker(spec_dict, classes)
+
+
+def _init_worker(spec_dict: dict[str, Any], classes: list[str]) -> None:
+    _WORKER["spec"] = PrepareSpec.from_dict(spec_dict)
+    _WORKER["classes"] = {name: i for i, name in enumerate(classes)}
+
+
+def _process_chunk(chunk: Chunk) -> list[SampleOutcome]:
+    spec, classes = _WORKER["spec"], _WORKER["classes"]
+    return [process_item(item, index, spec, classes) for index, item in chunk]
+
+
+class SamplePool:
+    """The process pool of a prepare, robust to a worker that dies.
+
+    `workers=0` runs chunks in this process (no fork, no warm-up).
+    """
+
+    def __init__(self, workers: int, spec: PrepareSpec, classes: list[str]) -> None:
+        self.workers = workers
+        self._initargs = (spec.to_dict(), classes)
+        self._executor: ProcessPoolExecutor | None = None
+        if workers == 0:
+            _init_worker(*self._initargs)
+        else:
+            warm_up(spec)  # forked workers inherit it: their first image starts sooner
+            self._executor = self._new_executor(workers)
+
+    def _new_executor(self, workers: int) -> ProcessPoolExecutor:
+        from concurrent.futures import ProcessPoolExecutor
+
+        context = multiprocessing.get_context("fork")
+        return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_child, initargs=self._initargs)
+
+    def submit(self, chunk: Chunk, cache: dict[int, SampleOutcome] | None = None) -> PendingChunk:
+        """Start a chunk; outcomes already in `cache` (taken out of it) are not redone."""
+        if cache:
+            known = {index: cache.pop(index) for index, _ in chunk if index in cache}
+            if known:
+                rest = [(index, item) for index, item in chunk if index not in known]
+                return _WithKnown(known, chunk, self.submit(rest) if rest else None)
+        if self._executor is None:
+            from concurrent.futures import Future
+
+            done: Future[list[SampleOutcome]] = Future()
+            done.set_result(_process_chunk(chunk))
+            return done
+        return self._executor.submit(_process_chunk, chunk)
+
+    def result(self, pending: PendingChunk, chunk: Chunk) -> list[SampleOutcome]:
+        """The outcomes of a submitted chunk; a crashed pool is replaced and the chunk re-run file by file."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return pending.result()
+        except BrokenProcessPool:
+            assert self._executor is not None  # only a process pool breaks
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = self._new_executor(self.workers)
+            return [self._isolated(index, item) for index, item in chunk]
+
+    def _isolated(self, index: int, item: SourceItem) -> SampleOutcome:
+        from concurrent.futures.process import BrokenProcessPool
+
+        single = self._new_executor(1)
+        try:
+            return single.submit(_process_chunk, [(index, item)]).result()[0]
+        except BrokenProcessPool:
+            return SampleOutcome(index, sample_key(item.rel), item.url, reason="the decoder process crashed on this file")
+        finally:
+            single.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Wait for the workers to finish and exit (after the last shard)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def terminate(self) -> None:
+        """Stop the pool after an error: queued chunks are dropped, running ones may finish.
+
+        A worker killed while it sends its results leaves half a message in
+        the result pipe, and the executor's thread then waits forever for the
+        rest (so does interpreter exit, which joins that thread). So workers
+        get TERMINATE_GRACE_S to finish the chunk in hand and exit on their
+        own; only one still busy after that (stuck on a file) is killed.
+        """
+        if self._executor is None:
+            return
+        executor, self._executor = self._executor, None
+        processes = list(getattr(executor, "_processes", {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+                process.join()
+        thread = getattr(executor, "_executor_manager_thread", None)
+        if thread is not None:
+            thread.join(TERMINATE_GRACE_S)
+
+
+class _WithKnown:
+    """A chunk's outcomes: some measured earlier (the size estimate), the rest still running."""
+
+    def __init__(self, known: dict[int, SampleOutcome], chunk: Chunk, pending: PendingChunk | None) -> None:
+        self.known, self.chunk, self.pending = known, chunk, pending
+
+    def result(self) -> list[SampleOutcome]:
+        fresh = {outcome.index: outcome for outcome in (self.pending.result() if self.pending else [])}
+        return [self.known.get(index) or fresh[index] for index, _ in self.chunk]
