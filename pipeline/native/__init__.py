@@ -175,7 +175,7 @@ def _find() -> tuple[ctypes.CDLL | None, LibraryInfo]:
                 return lib, LibraryInfo("extension", path, None)
             reasons.append(f"the installed library {path.name} was built from other sources")
     if not _source_checkout():  # an installed gpufeed compiles nothing at run time
-        reasons = reasons or ["gpufeed was installed without it (no C compiler or libjpeg headers then)"]
+        reasons = reasons or ["not built when gpufeed was installed: no C compiler or no libjpeg headers then"]
         return None, LibraryInfo(None, None, "; ".join(reasons))
     try:
         path = build.build_cached()
