@@ -146,7 +146,7 @@ def probe_pil() -> dict[str, Any]:
 
 
 def probe_decoders(cuda_available: bool = False) -> dict[str, dict[str, Any]]:
-    """JPEG decoders besides PIL: region (gpufeed's native library), simplejpeg, PyTurboJPEG, OpenCV, torchvision (nvjpeg)."""
+    """JPEG decoders besides PIL: region (gpufeed's own), simplejpeg, PyTurboJPEG, OpenCV, torchvision (nvjpeg)."""
     return {
         "region": probe_region_decoder(),
         "simplejpeg": _probe_module("simplejpeg", "simplejpeg", lambda mod: mod.decode_jpeg(_tiny_jpeg())),

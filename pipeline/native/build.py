@@ -177,6 +177,8 @@ def build_ext_command() -> type:
             try:
                 compile_library(Path(self.get_ext_fullpath(ext.name)), module=True, include_dirs=self.include_dirs)
             except BuildError as exc:
-                self.warn(f"{exc}; gpufeed installs without its native library and builds it on first use where it can")
+                self.warn(
+                    f"{exc}; gpufeed installs without its native library (a source checkout builds it on first use)"
+                )
 
     return BuildNative
