@@ -83,6 +83,10 @@ def test_workers_beat_and_flower(compose: dict[str, Any]) -> None:
 
 def test_dockerfile_builds_the_gpufeed_command() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert "COPY pipeline" in dockerfile and "COPY worker" in dockerfile
+    # The wheel is built from the whole tree and installed; no instruction names a file of the tree.
+    assert "COPY . /src" in dockerfile and "pip wheel --no-deps --no-cache-dir /src" in dockerfile
+    copies = [line.split()[1:] for line in dockerfile.splitlines() if line.startswith("COPY ")]
+    assert all(source[0] == "." or source[0].startswith("--from=") for source in copies)
+    assert "gpufeed-*.whl" in dockerfile
     assert "pillow-simd" in dockerfile and "USER gpufeed" in dockerfile
     assert 'CMD ["gpufeed", "worker"]' in dockerfile

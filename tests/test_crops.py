@@ -152,6 +152,7 @@ def test_region_decoder_builds_once_into_the_cache(tmp_path: Path):
     code = """
         from pipeline import native
         from pipeline.loader.cpu_decode import default_decoder
+        native.installed_library = lambda: None  # the first-use build, even beside an in-place one
         print(native.library()._name, default_decoder())
     """
     first = run_python(code, GPUFEED_CACHE=str(tmp_path))
@@ -169,6 +170,7 @@ def test_without_a_compiler_the_loader_falls_back_and_doctor_says_why(tmp_path: 
         from pipeline import native
         from pipeline.loader.cpu_decode import default_decoder
         from pipeline.measure.doctor import probe_region_decoder
+        native.installed_library = lambda: None  # as in a checkout that pip never built
         print(default_decoder())
         print(probe_region_decoder()["error"])
     """

@@ -5,8 +5,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import PIL
@@ -17,6 +20,8 @@ from pipeline.measure import doctor
 
 if TYPE_CHECKING:
     from conftest import RedisServer
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _installed(name: str) -> str | None:
@@ -137,3 +142,46 @@ def test_warnings_name_plain_pillow_and_missing_webp(report: dict) -> None:
     assert any("WebP" in warning for warning in warnings)
     degraded["warnings"] = warnings
     assert sum(line.startswith("warning: ") for line in doctor.format_report(degraded).splitlines()) == len(warnings)
+
+
+def test_the_native_library_is_reported_with_where_it_came_from(report: dict) -> None:
+    from pipeline import native
+
+    region, where = report["decoders"]["region"], native.library_info()
+    assert region["library"] == where.summary
+    assert region["origin"] == where.origin and region["installed"] == (where.origin is not None)
+    assert region["path"] == (str(where.path) if where.path is not None else None)
+    assert f"native       {where.summary}" in doctor.format_report(report).splitlines()
+    if where.origin is not None:
+        assert {"extension": "installed", "cache": "built on first use"}[where.origin] in region["version"]
+
+
+def _doctor_without_the_library(unused_redis_url: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    # As in a checkout where pip built nothing and no compiler is at hand.
+    code = (
+        "from pipeline import native; native.installed_library = lambda: None; "
+        f"from pipeline.cli import main; main(['doctor', '--redis-url', {unused_redis_url!r}])"
+    )
+    environment = {key: value for key, value in os.environ.items() if key != "GPUFEED_NO_NATIVE"}
+    environment.update(PYTHONPATH=str(REPO), GPUFEED_CACHE=str(tmp_path), CC="/nonexistent/cc", **env)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120, check=False
+    )
+
+
+def test_a_missing_native_library_is_reported_not_warned_about(unused_redis_url: str, tmp_path: Path) -> None:
+    result = _doctor_without_the_library(unused_redis_url, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no log warning: the report says it
+    lines = result.stdout.splitlines()
+    assert "native       missing: no C compiler (/nonexistent/cc) to build the region JPEG decoder" in lines
+    (warning,) = [line for line in lines if "native library is missing" in line]
+    assert warning.startswith("warning: ") and "up to 2x slower" in warning and "apt-get install gcc" in warning
+
+
+def test_a_native_library_turned_off_is_no_warning(unused_redis_url: str, tmp_path: Path) -> None:
+    result = _doctor_without_the_library(unused_redis_url, tmp_path, GPUFEED_NO_NATIVE="1")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert "native       missing: disabled by GPUFEED_NO_NATIVE" in result.stdout.splitlines()
+    assert "native library is missing" not in result.stdout

@@ -70,9 +70,10 @@ def test_package_is_typed() -> None:
     assert files("pipeline").joinpath("py.typed").is_file()
 
 
-def test_wheel_carries_the_region_decoder_source(tmp_path) -> None:
-    # A non-editable install (the Docker image, `pip install .`) compiles the
-    # region decoder from the installed package: its C source must ship.
+def test_wheel_carries_the_native_sources(tmp_path) -> None:
+    # An installed gpufeed checks its compiled library against the C sources
+    # beside it (pipeline/native/__init__.py), and setup.py builds from them:
+    # every one must ship. tests/test_install.py checks the compiled library.
     import subprocess
     import sys
     import zipfile
@@ -86,4 +87,5 @@ def test_wheel_carries_the_region_decoder_source(tmp_path) -> None:
     subprocess.run(command, check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("gpufeed-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"pipeline/native/jpegregion.c", "pipeline/native/resample.c", "pipeline/native/__init__.py", "pipeline/py.typed"} <= names
+    native = ("__init__.py", "bindings.py", "build.py", "gpufeed.h", "jpegcommon.h", "_libgpufeed.c", "jpegregion.c")
+    assert {f"pipeline/native/{name}" for name in (*native, "resample.c", "ycc.c")} | {"pipeline/py.typed"} <= names

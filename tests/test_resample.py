@@ -208,9 +208,9 @@ def test_portable_build_without_simd_gives_the_same_pixels(tmp_path, mode: int):
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
     built = tmp_path / "portable.so"
-    command = ["cc", "-O2", "-DGF_NO_SIMD", "-shared", "-fPIC", "-o", str(built), *map(str, native.SOURCES)]
+    command = ["cc", "-O2", "-DGF_NO_SIMD", "-shared", "-fPIC", "-o", str(built), *map(str, native.build.SOURCES)]
     subprocess.run([*command, "-ljpeg", "-lm"], check=True, capture_output=True)
-    portable = native.RegionDecoder(native._load(built))
+    portable = native.RegionDecoder(native.bindings.load(built))
     scale = np.array([0.5, 1.0, 2.0], np.float32)
     shift = np.array([1.0, 0.0, -1.0], np.float32)
     for source, box, size in cases(40, 13):

@@ -146,7 +146,7 @@ def probe_pil() -> dict[str, Any]:
 
 
 def probe_decoders(cuda_available: bool = False) -> dict[str, dict[str, Any]]:
-    """JPEG decoders besides PIL: region (built here), simplejpeg, PyTurboJPEG, OpenCV, torchvision (nvjpeg)."""
+    """JPEG decoders besides PIL: region (gpufeed's own), simplejpeg, PyTurboJPEG, OpenCV, torchvision (nvjpeg)."""
     return {
         "region": probe_region_decoder(),
         "simplejpeg": _probe_module("simplejpeg", "simplejpeg", lambda mod: mod.decode_jpeg(_tiny_jpeg())),
@@ -157,13 +157,22 @@ def probe_decoders(cuda_available: bool = False) -> dict[str, dict[str, Any]]:
 
 
 def probe_region_decoder() -> dict[str, Any]:
-    """gpufeed's own libjpeg-turbo region decoder: built (or buildable) here, and does it decode?"""
+    """gpufeed's native library (the loader's region decoder and resizer, prepare's YCbCr path): where it was
+    loaded from (``library``: "installed extension at PATH", "built on first use at PATH" or "missing: REASON"),
+    and does it decode?"""
     from .. import native
 
-    info: dict[str, Any] = {"installed": False, "version": "libjpeg-turbo"}
-    lib = native.library()
+    where = native.library_info()  # loads it without the missing-library warning: this report says it
+    info: dict[str, Any] = {
+        "installed": False,
+        "version": "libjpeg-turbo",
+        "library": where.summary,
+        "origin": where.origin,
+        "path": str(where.path) if where.path is not None else None,
+    }
+    lib = native.library(warn=False)
     if lib is None:
-        info["error"] = native.problem()
+        info["error"] = where.problem
         return info
     info["installed"] = True
     try:
@@ -174,8 +183,9 @@ def probe_region_decoder() -> dict[str, Any]:
         resize = {native.PILLOW: "Pillow's", native.PILLOW_SIMD: "Pillow-SIMD's"}.get(mode) if mode is not None else None
         info["resize"] = f"in C, with {resize} arithmetic" if resize else "in PIL (no C mode matches its arithmetic)"
         info["prepare"] = _probe_ycc_path()
+        built = "installed" if where.origin == "extension" else "built on first use"
         info["version"] = (
-            f"(libjpeg-turbo, built here; the loader's JPEG decoder, resizing {info['resize']}; "
+            f"(libjpeg-turbo, {built}; the loader's JPEG decoder, resizing {info['resize']}; "
             f"prepare's JPEG-to-JPEG path: {info['prepare']})"
         )
     except Exception as exc:  # a broken build is reported, not raised
@@ -292,6 +302,15 @@ def find_warnings(report: dict[str, Any]) -> list[str]:
         warnings.append("PIL has no WebP support: WebP sources are rejected and --format webp fails")
     if pil.get("distributions", {}).get("Pillow") and pil.get("distributions", {}).get("Pillow-SIMD"):
         warnings.append("both Pillow and Pillow-SIMD are installed; they overwrite each other's files")
+    region = report.get("decoders", {}).get("region", {})
+    if region and not region.get("installed"):
+        from .. import native
+
+        if region.get("error") != native.DISABLED:  # turned off on purpose
+            warnings.append(
+                f"gpufeed's native library is missing ({region.get('error')}): {native.MISSING_COST}; "
+                f"to fix it, {native.MISSING_FIX}"
+            )
     return warnings
 
 
@@ -308,6 +327,8 @@ def format_report(report: dict[str, Any]) -> str:
     _format_torch(report["torch"], row)
     _format_pil(report["pil"], row)
     row("decoders", "; ".join(_format_decoder(name, d) for name, d in report["decoders"].items()))
+    if "library" in report["decoders"].get("region", {}):
+        row("native", report["decoders"]["region"]["library"])
     cpu = report["cpu"]
     quota = f", cgroup quota {cpu['quota']:g} cores" if cpu.get("quota") else ""
     avx2 = {True: ", AVX2", False: ", no AVX2", None: ""}[cpu.get("avx2")]

@@ -1,400 +1,198 @@
-"""The native code, compiled on first use and called through ctypes: the loader's
-region JPEG decoder (`jpegregion.c`, `resample.c`) and prepare's YCbCr JPEG
-path (`ycc.c`).
+"""The native code, called through ctypes: the loader's region JPEG decoder
+(`jpegregion.c`, `resample.c`) and prepare's YCbCr JPEG path (`ycc.c`).
 
-It needs a C compiler and libjpeg-turbo's headers (`libjpeg62-turbo-dev` or
-`libjpeg-turbo8-dev`, which setup also installs to build Pillow-SIMD). The
-library is built once per source version into the user cache
-($GPUFEED_CACHE, else $XDG_CACHE_HOME/gpufeed, else ~/.cache/gpufeed), under
-a name holding the source hash, and renamed into place atomically, so
-concurrent first uses do not clash. Without a compiler or headers the loader
-keeps decoding whole images with simplejpeg or Pillow and prepare takes its
-RGB path (Pillow decodes, resizes and encodes); `gpufeed doctor` says which
-is in use and why.
+`pip install` builds it as the optional extension module
+`pipeline.native._libgpufeed` (build.py), which needs a C compiler and
+libjpeg-turbo's headers (`libjpeg62-turbo-dev` or `libjpeg-turbo8-dev`) at
+install time only; a wheel carries it built. `library()` loads, in order:
+
+1. nothing when GPUFEED_NO_NATIVE is set;
+2. the installed extension, unless it was built from other sources (an
+   editable checkout keeps an in-place build from before a C change);
+3. in a source checkout only, the first-use build into the user cache
+   ($GPUFEED_CACHE, else $XDG_CACHE_HOME/gpufeed, else ~/.cache/gpufeed).
+
+Without it the loader decodes whole images with simplejpeg or Pillow and
+prepare takes its RGB path (Pillow decodes, resizes and encodes); the first
+caller that wants the library logs one warning saying so, and `gpufeed
+doctor` (which calls `library_info()`) reports where the library came from.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
+from dataclasses import dataclass
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
-from typing import Any
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("jpegregion.c", "resample.c", "ycc.c"))
-HEADERS = (Path(__file__).with_name("jpegcommon.h"),)
-_MESSAGE_SIZE = 200
+from . import bindings, build
+from .bindings import (
+    OUT_OF_MEMORY,
+    OVER_LIMITS,
+    PILLOW,
+    PILLOW_SIMD,
+    UNSUPPORTED,
+    RegionDecoder,
+    RegionError,
+    RegionUnsupported,
+    channel_strides,
+)
+
+__all__ = [
+    "DISABLED",
+    "MISSING_COST",
+    "MISSING_FIX",
+    "OUT_OF_MEMORY",
+    "OVER_LIMITS",
+    "PILLOW",
+    "PILLOW_SIMD",
+    "UNSUPPORTED",
+    "LibraryInfo",
+    "RegionDecoder",
+    "RegionError",
+    "RegionUnsupported",
+    "channel_strides",
+    "installed_library",
+    "library",
+    "library_info",
+    "problem",
+]
+
+log = logging.getLogger("gpufeed.native")
+
+DISABLED = "disabled by GPUFEED_NO_NATIVE"
+# What a missing library costs (measured) and how to get it: the warning below and `gpufeed doctor` say both.
+MISSING_COST = (
+    "the loader decodes whole images with simplejpeg or Pillow instead of only each crop's region with a C "
+    "resize (up to 2x slower), and prepare takes its RGB path (about 20% slower per image)"
+)
+MISSING_FIX = (
+    "install a C compiler and libjpeg-turbo's headers (e.g. apt-get install gcc libjpeg62-turbo-dev), "
+    "then reinstall gpufeed"
+)
+
+
+@dataclass(frozen=True)
+class LibraryInfo:
+    """Which native library this process uses.
+
+    Attributes:
+        origin: "extension" (built by `pip install`), "cache" (built on first
+            use), or None when there is none.
+        path: the loaded file, or None.
+        problem: why there is none (None when loaded).
+    """
+
+    origin: str | None
+    path: Path | None
+    problem: str | None
+
+    @property
+    def summary(self) -> str:
+        """One line: "installed extension at PATH", "built on first use at PATH" or "missing: REASON"."""
+        if self.origin == "extension":
+            return f"installed extension at {self.path}"
+        if self.origin == "cache":
+            return f"built on first use at {self.path}"
+        return f"missing: {self.problem}"
+
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
-_problem: str | None = None
-_tried = False
+_info: LibraryInfo | None = None
+_warned = False
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("GPUFEED_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "gpufeed"
-    )
-    return Path(root) / "native"
+def library(*, warn: bool = True) -> ctypes.CDLL | None:
+    """The loaded native library, or None when there is none here (see `problem()`).
 
+    Args:
+        warn: log the one warning of this process that the library is
+            missing (never when GPUFEED_NO_NATIVE turned it off).
 
-def library() -> ctypes.CDLL | None:
-    """The loaded region decoder, or None when it cannot be built here (see `problem()`)."""
-    global _library, _problem, _tried
-    if _tried:
+    Returns:
+        The library, with its functions' signatures declared (bindings.py).
+    """
+    global _warned
+    if _library is not None:  # the common case, once per image on some paths: no lock, no lookup
         return _library
-    with _lock:
-        if not _tried:
-            if os.environ.get("GPUFEED_NO_NATIVE"):
-                _problem = "disabled by GPUFEED_NO_NATIVE"
-            else:
-                try:
-                    _library = _load(_build())
-                except (OSError, RuntimeError) as exc:
-                    _problem = str(exc)
-            _tried = True
+    info = library_info()
+    if info.origin is None and warn and info.problem != DISABLED and not _warned:
+        with _lock:
+            if _warned:
+                return _library
+            _warned = True
+        log.warning(
+            "gpufeed's native library is missing (%s): %s. To fix it, %s; `gpufeed doctor` shows the details, "
+            "and GPUFEED_NO_NATIVE=1 turns the library off without this warning.",
+            info.problem, MISSING_COST, MISSING_FIX,
+        )  # fmt: skip
     return _library
 
 
 def problem() -> str | None:
-    """Why the region decoder is not available (None when it is, or was not tried)."""
-    library()
-    return _problem
+    """Why there is no native library (None when it is loaded)."""
+    return library_info().problem
 
 
-def _build() -> Path:
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:16]
-    target = cache_dir() / f"jpegregion-{platform.machine() or 'cpu'}-{digest}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC", "cc").split()
-    if shutil.which(compiler[0]) is None:
-        raise RuntimeError(f"no C compiler ({compiler[0]}) to build the region JPEG decoder")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=target.name, suffix=".part", dir=target.parent)
-    os.close(fd)
-    try:
-        command = [*compiler, "-O3", "-shared", "-fPIC", "-o", partial, *map(str, SOURCES), "-ljpeg", "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-        if result.returncode != 0:
-            detail = (result.stderr or result.stdout).strip().splitlines()
-            hint = " (install libjpeg62-turbo-dev or libjpeg-turbo8-dev)" if "jpeglib.h" in result.stderr else ""
-            raise RuntimeError(
-                f"cannot build the region JPEG decoder{hint}: {detail[-1] if detail else result.returncode}"
-            )
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
+def library_info() -> LibraryInfo:
+    """Where this process's native library comes from, loading it on the first call (without warning).
+
+    Returns:
+        Its origin and path, or why there is none.
+    """
+    global _library, _info
+    if _info is None:
+        with _lock:
+            if _info is None:
+                _library, _info = _find()
+    return _info
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    lib.gf_header.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
-    lib.gf_header.restype = ctypes.c_int
-    lib.gf_decode_region.argtypes = [
-        ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
-    ]  # fmt: skip
-    lib.gf_decode_region.restype = ctypes.c_int
-    lib.gf_region_jpeg.argtypes = [
-        ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p,
-    ]  # fmt: skip
-    lib.gf_region_jpeg.restype = ctypes.c_long
-    lib.gf_header_many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    lib.gf_header_many.restype = None
-    lib.gf_decode_region_many.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
-    ]  # fmt: skip
-    lib.gf_decode_region_many.restype = None
-    lib.gf_store_rgbx.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-        ctypes.c_long,
-    ]  # fmt: skip
-    lib.gf_store_rgbx.restype = None
-    lib.gf_store_rgbx_f32.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-    ]  # fmt: skip
-    lib.gf_store_rgbx_f32.restype = None
-    lib.gf_resize_store.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int,
-    ]  # fmt: skip
-    lib.gf_resize_store.restype = ctypes.c_int
-    lib.gf_crop_many.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
-    ]  # fmt: skip
-    lib.gf_crop_many.restype = None
-    lib.gf_plan_many.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8
-    lib.gf_plan_many.restype = None
-    lib.gf_plane_resize.argtypes = [
-        ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-    ]  # fmt: skip
-    lib.gf_plane_resize.restype = ctypes.c_int
-    lib.gf_plane_orient.argtypes = [
-        ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
-    ]  # fmt: skip
-    lib.gf_plane_orient.restype = ctypes.c_int
-    lib.gf_ycc_transcode.argtypes = [
-        ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_char_p,
-        ctypes.c_int,
-    ]  # fmt: skip
-    lib.gf_ycc_transcode.restype = ctypes.c_long
-    return lib
+def installed_library() -> Path | None:
+    """The file of the extension module `pip install` built (in place, for an editable checkout), if any."""
+    name = build.EXTENSION.rsplit(".", 1)[-1]
+    candidates = (Path(__file__).resolve().parent / f"{name}{suffix}" for suffix in EXTENSION_SUFFIXES)
+    return next((path for path in candidates if path.is_file()), None)
 
 
-def _planar(array: Any) -> bool:
-    return array.shape[0] == 3 and array.shape[2] != 3
-
-
-def _size(array: Any) -> tuple[int, int]:
-    """(width, height) of a 3xHxW or HxWx3 array."""
-    return (array.shape[2], array.shape[1]) if _planar(array) else (array.shape[1], array.shape[0])
-
-
-def channel_strides(array: Any) -> tuple[int, int, int]:
-    """(channel, row, column) strides in bytes of a 3xHxW or HxWx3 array."""
-    if _planar(array):
-        return array.strides[0], array.strides[1], array.strides[2]
-    return array.strides[2], array.strides[0], array.strides[1]
-
-
-PILLOW, PILLOW_SIMD = 0, 1  # resample arithmetic: GF_PILLOW, GF_PILLOW_SIMD in resample.c
-
-
-def _layout(out: Any, affine: tuple[int, int] | None) -> tuple[int, int, int, int | None, int | None]:
-    """(channel, row, column strides in elements, scale and shift addresses) of a uint8 or float32 output."""
-    stride_c, stride_y, stride_x = channel_strides(out)
-    kind = out.dtype.char
-    if kind == "B":
-        return stride_c, stride_y, stride_x, None, None
-    if kind == "f" and affine is not None:
-        return stride_c // 4, stride_y // 4, stride_x // 4, affine[0], affine[1]
-    raise ValueError("store writes uint8, or float32 with an affine")
-
-
-def _messages(raw: bytes, status: Any) -> list[str]:
-    """Each image's libjpeg message where its status is an error, else ''."""
-    return [
-        raw[i * _MESSAGE_SIZE : (i + 1) * _MESSAGE_SIZE].split(b"\0", 1)[0].decode(errors="replace")
-        if status[i] < 0 else ""
-        for i in range(len(status))
-    ]  # fmt: skip
-
-
-class RegionError(Exception):
-    """libjpeg refused the data (corrupt, truncated, region outside the image)."""
-
-
-class RegionUnsupported(RegionError):
-    """A JPEG the region decoder does not convert (CMYK/YCCK): another decoder must."""
-
-
-UNSUPPORTED = -2  # GF_UNSUPPORTED in jpegregion.c
-OUT_OF_MEMORY = -3  # gf_crop_many: the decode or resize buffers
-OVER_LIMITS = 2  # gf_crop_many: the image is empty or over max_pixels
-
-
-class RegionDecoder:
-    """One thread's decoder state: scratch arrays reused for every call."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
-        self._info = (ctypes.c_int * 4)()
-        self._message = ctypes.create_string_buffer(_MESSAGE_SIZE)
-
-    def store(
-        self, address: int, width: int, height: int, flip: bool, out: Any, affine: tuple[int, int] | None = None
-    ) -> None:
-        """Packed RGBX pixels (width x height at `address`) -> `out`, 3 channels in any layout.
-
-        `out` is uint8, or float32 with `affine` = the addresses of two
-        contiguous float32 arrays of 3, scale and shift: out = pixel * scale +
-        shift per channel. The caller keeps the pixels alive and sizes `out`
-        to match.
-        """
-        stride_c, stride_y, stride_x, scale, shift = _layout(out, affine)
-        if scale is None:
-            self._lib.gf_store_rgbx(address, width, height, int(flip), out.ctypes.data, stride_c, stride_y, stride_x)
+def _find() -> tuple[ctypes.CDLL | None, LibraryInfo]:
+    if os.environ.get("GPUFEED_NO_NATIVE"):
+        return None, LibraryInfo(None, None, DISABLED)
+    reasons: list[str] = []
+    path = installed_library()
+    if path is not None:
+        try:
+            lib = bindings.load(path)
+        except OSError as exc:
+            reasons.append(f"the installed library does not load ({exc})")
         else:
-            self._lib.gf_store_rgbx_f32(
-                address, width, height, int(flip), out.ctypes.data, stride_c, stride_y, stride_x, scale, shift
-            )
+            digest = _source_digest()
+            if digest is None or bindings.built_from(lib) == digest:
+                return lib, LibraryInfo("extension", path, None)
+            reasons.append(f"the installed library {path.name} was built from other sources")
+    if not _source_checkout():  # an installed gpufeed compiles nothing at run time
+        reasons = reasons or ["not built when gpufeed was installed: no C compiler or no libjpeg headers then"]
+        return None, LibraryInfo(None, None, "; ".join(reasons))
+    try:
+        path = build.build_cached()
+        return bindings.load(path), LibraryInfo("cache", path, None)
+    except (OSError, build.BuildError) as exc:
+        return None, LibraryInfo(None, None, "; ".join([*reasons, str(exc)]))
 
-    def resize_store(
-        self,
-        address: int,
-        size: tuple[int, int],
-        box: tuple[float, float, float, float],
-        out: Any,
-        mode: int,
-        *,
-        flip: bool = False,
-        affine: tuple[int, int] | None = None,
-        simd: bool = True,
-    ) -> None:
-        """`box` of the packed RGBX image (size = width, height) at `address`, resized bilinearly into `out`.
 
-        The pixels equal PIL's `resize(out size, BILINEAR, box)` in `mode`
-        (PILLOW or PILLOW_SIMD arithmetic); `out` and `affine` as for
-        `store`. `simd=False` forces the scalar kernels (for tests).
-        """
-        stride_c, stride_y, stride_x, scale, shift = _layout(out, affine)
-        width, height = _size(out)
-        boxes = (ctypes.c_double * 4)(*box)
-        status = self._lib.gf_resize_store(
-            address, size[0], size[1], boxes, width, height, mode, int(flip), out.ctypes.data, stride_c, stride_y,
-            stride_x, scale, shift, int(simd),
-        )  # fmt: skip
-        if status != 0:
-            raise MemoryError("cannot allocate the resize buffers")
+def _source_digest() -> str | None:
+    """The digest of the C sources beside this file (None where an install left them out: nothing to compare)."""
+    try:
+        return build.source_digest()
+    except OSError:
+        return None
 
-    def crop_many(
-        self,
-        data: list[bytes],
-        seeds: Any,
-        shape: tuple[int, int, int, int],
-        spec: tuple[float, ...],
-        max_pixels: int,
-        targets: list[Any],
-        flips: Any,
-        mode: int,
-        affine: tuple[int, int] | None = None,
-    ) -> tuple[Any, list[str]]:
-        """For each JPEG: header, crop plan (as `plan_many`), region decode, and the
-        crop resized into its target (all targets of one shape and layout), in
-        one call (one release of the GIL).
 
-        Returns status (n,) and the messages: 0 done, -1 libjpeg refused it
-        (its message), UNSUPPORTED (CMYK), OUT_OF_MEMORY, OVER_LIMITS (empty
-        or over `max_pixels`: `header` and the caller's checks say which).
-        """
-        import numpy as np
-
-        count = len(data)
-        first = targets[0]
-        stride_c, stride_y, stride_x, scale, shift = _layout(first, affine)
-        pointers = (ctypes.c_char_p * count)(*data)
-        sizes = np.fromiter((len(d) for d in data), np.uint64, count)
-        addresses = np.fromiter((t.ctypes.data for t in targets), np.uint64, count)
-        status = np.zeros(count, np.int32)
-        messages = ctypes.create_string_buffer(count * _MESSAGE_SIZE)
-        self._lib.gf_crop_many(
-            count, pointers, sizes.ctypes.data, seeds.ctypes.data, (ctypes.c_int * 4)(*map(int, shape)),
-            (ctypes.c_double * 7)(*spec), float(max_pixels), addresses.ctypes.data, flips.ctypes.data, mode,
-            stride_c, stride_y, stride_x, scale, shift, status.ctypes.data, messages, _MESSAGE_SIZE,
-        )  # fmt: skip
-        return status, _messages(messages.raw, status)
-
-    def plan_many(
-        self, info: Any, usable: Any, seeds: Any, shape: tuple[int, int, int, int], spec: tuple[float, ...]
-    ) -> tuple[Any, Any, Any]:
-        """Crop plans for many images (crops._region_plan in C, with crops.CropRandom's numbers):
-        what `crop_many` plans, exposed so tests hold the C and Python planners to one answer.
-
-        info: header_many's (n, 4); usable: bool (n,), the images to plan;
-        seeds: uint64 (n,); shape: train, output width, height, the spec's
-        size; spec: scale lo/hi, log ratio lo/hi, ratio lo/hi, eval fraction.
-        Returns params (n, 5) for decode_many, boxes (n, 4) and the RGBX
-        bytes each region needs (0 where not planned).
-        """
-        import numpy as np
-
-        count = len(seeds)
-        params = np.zeros((count, 5), np.int32)
-        boxes = np.zeros((count, 4), np.float64)
-        sizes = np.zeros(count, np.uint64)
-        status = np.where(usable, 0, 1).astype(np.int32)
-        self._lib.gf_plan_many(
-            count, info.ctypes.data, status.ctypes.data, seeds.ctypes.data, (ctypes.c_int * 4)(*map(int, shape)),
-            (ctypes.c_double * 7)(*spec), params.ctypes.data, boxes.ctypes.data, sizes.ctypes.data,
-        )  # fmt: skip
-        return params, boxes, sizes
-
-    def header(self, data: bytes) -> tuple[int, int]:
-        """(width, height) of a JPEG."""
-        if self._lib.gf_header(data, len(data), self._info, self._message, _MESSAGE_SIZE) != 0:
-            raise RegionError(self._message.value.decode(errors="replace") or "not a JPEG")
-        return self._info[0], self._info[1]
-
-    def decode(
-        self,
-        data: bytes,
-        scale_num: int,
-        region: tuple[int, int, int, int],
-        out_address: int,
-        out_size: int,
-    ) -> tuple[int, int]:
-        """Decode `region` (x, y, w, h of the image scaled by scale_num/8) as RGBX rows at out_address.
-
-        Returns (first decoded column, decoded width): whole iMCU columns around the region.
-        """
-        x, y, w, h = region
-        status = self._lib.gf_decode_region(
-            data, len(data), scale_num, x, y, w, h, out_address, out_size, self._info, self._message, _MESSAGE_SIZE
-        )
-        if status != 0:
-            error = RegionUnsupported if status == UNSUPPORTED else RegionError
-            raise error(self._message.value.decode(errors="replace") or "cannot decode")
-        return self._info[0], self._info[1]
-
-    def header_many(self, data: list[bytes]) -> tuple[Any, Any, Any]:
-        """(info, status, pointers) for several JPEGs in one call: info[i] = width, height, components,
-        colour space where status[i] == 0 (else `header` says why); pointers (to the bytes) are
-        reused by `decode_many`, and valid while `data` lives."""
-        import numpy as np
-
-        count = len(data)
-        pointers = (ctypes.c_char_p * count)(*data)
-        sizes = np.fromiter((len(d) for d in data), np.uint64, count)
-        info = np.zeros((count, 4), np.int32)
-        status = np.zeros(count, np.int32)
-        self._lib.gf_header_many(count, pointers, sizes.ctypes.data, info.ctypes.data, status.ctypes.data)
-        return info, status, (pointers, sizes)
-
-    def decode_many(self, pointers: tuple[Any, Any], params: Any, outs: Any, out_sizes: Any) -> tuple[Any, Any, list[str]]:
-        """`decode` for several JPEGs in one call.
-
-        params: int32 (n, 5) of scale_num, x, y, w, h; outs: uint64 addresses
-        (0 skips that image); out_sizes: uint64. Returns info (n, 2) = first
-        decoded column, decoded width; status (n,) as `decode`'s C status
-        (0 ok, -1 error, -2 unsupported, 1 skipped); and the messages.
-        """
-        import numpy as np
-
-        count = len(params)
-        info = np.zeros((count, 2), np.int32)
-        status = np.zeros(count, np.int32)
-        messages = ctypes.create_string_buffer(count * _MESSAGE_SIZE)
-        self._lib.gf_decode_region_many(
-            count, pointers[0], pointers[1].ctypes.data, params.ctypes.data, outs.ctypes.data, out_sizes.ctypes.data,
-            info.ctypes.data, status.ctypes.data, messages, _MESSAGE_SIZE,
-        )  # fmt: skip
-        return info, status, _messages(messages.raw, status)
-
-    def region_jpeg(self, data: bytes, scale_num: int, region: tuple[int, int, int, int]) -> tuple[bytes, int, int] | None:
-        """The smaller JPEG that `decode` reads for `region` when restart markers allow one.
-
-        Returns (its bytes, x, y of its top-left pixel in the scaled image), or
-        None when `decode` reads the whole JPEG (no usable restart markers,
-        or the region needs every block anyway).
-        """
-        out = ctypes.create_string_buffer(len(data) + 16)  # never larger than the source + EOI
-        size = self._lib.gf_region_jpeg(data, len(data), scale_num, *region, out, len(out), self._info)
-        if size <= 0:
-            return None
-        return out.raw[:size], self._info[0], self._info[1]
+def _source_checkout() -> bool:
+    """Whether this package runs from a source tree (an editable install, a checkout on the path), not an install."""
+    root = Path(__file__).resolve().parents[2]
+    return (root / "setup.py").is_file() and (root / "pyproject.toml").is_file()

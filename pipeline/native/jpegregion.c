@@ -12,8 +12,9 @@
  * resample.c then resizes the crop and writes it into the batch buffer's
  * layout, flipped when asked, in one pass.
  *
- * Plain C with no Python API: gpufeed compiles it on first use and calls it
- * through ctypes, which releases the GIL for the whole call.
+ * Plain C with no Python API, part of the library that `pip install` builds
+ * (pipeline/native/build.py); Python calls it through ctypes, which releases
+ * the GIL for the whole call.
  */
 
 #include <setjmp.h>
@@ -24,10 +25,10 @@
 
 #include <jpeglib.h>
 
+#include "gpufeed.h"
 #include "jpegcommon.h"
 
 #define GF_ROWS 16
-#define GF_UNSUPPORTED -2
 
 static void gf_setup(struct jpeg_decompress_struct *cinfo, struct gf_error *error, char *message, int size) {
     cinfo->err = gf_error_init(error, message, size);

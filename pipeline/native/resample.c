@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpufeed.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(GF_NO_SIMD) /* -DGF_NO_SIMD: the portable build */
 #include <immintrin.h>
 #define GF_X86 1
@@ -27,12 +29,6 @@
 #endif
 
 #define GF_MAX_ROW 4096
-#define GF_PILLOW 0      /* Pillow: 22-bit int32 coefficients */
-#define GF_PILLOW_SIMD 1 /* Pillow-SIMD: int16 coefficients at the largest precision that fits */
-
-int gf_header(const unsigned char *data, unsigned long size, int *info, char *message, int message_size);
-int gf_decode_region(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
-                     unsigned char *out, unsigned long out_size, int *info, char *message, int message_size);
 
 /* ------------------------------------------------------------------------ */
 /* Storing rows                                                             */
@@ -170,9 +166,6 @@ void gf_store_rgbx_f32(const unsigned char *restrict src, int w, int h, int flip
 /* ------------------------------------------------------------------------ */
 /* Filter coefficients, as PIL's Resample.c computes them                  */
 
-#define GF_BILINEAR 0
-#define GF_BICUBIC 1
-#define GF_LANCZOS 2
 
 struct gf_axis {
     int ksize;     /* coefficients per output pixel (the rest zero) */
@@ -1045,7 +1038,7 @@ static void gf_centre_crop(int width, int height, const struct gf_crop_spec *s, 
 }
 
 /*
- * One image's plan (crops._region_plan): the crop box in the image scaled by
+ * One image's plan (crops.region_plan): the crop box in the image scaled by
  * the smallest M/8 that keeps the crop at least the output size, and the
  * region of that scaled image to decode (the box plus the margin the
  * resampling filter reads). params: scale_num, x, y, w, h; box: x0, y0, x1,
@@ -1117,9 +1110,9 @@ void gf_plan_many(int n, const int *info, const int *status, const uint64_t *see
  * decode thread takes Python's lock back once per piece: for each JPEG, its
  * header, the pixel limits (max_pixels), the crop plan (gf_plan_many's
  * shape and spec, seeds[i]), the region decode and the resize into its
- * target. status[i]: 0 done, -1 libjpeg refused it (message), -2
- * unsupported (CMYK), -3 out of memory, 2 over the pixel limits or empty
- * (Python says which).
+ * target. status[i]: 0 done, -1 libjpeg refused it (message),
+ * GF_UNSUPPORTED (CMYK), GF_OUT_OF_MEMORY, GF_OVER_LIMITS (over the pixel
+ * limits or empty: Python says which).
  */
 void gf_crop_many(int n, const unsigned char *const *data, const unsigned long *sizes, const uint64_t *seeds,
                   const int *shape, const double *spec, double max_pixels, void *const *targets,
@@ -1141,14 +1134,14 @@ void gf_crop_many(int n, const unsigned char *const *data, const unsigned long *
             continue;
         }
         if (info[0] < 1 || info[1] < 1 || (double)info[0] * info[1] > max_pixels) {
-            status[i] = 2;
+            status[i] = GF_OVER_LIMITS;
             continue;
         }
         needed = gf_plan(info[0], info[1], seeds[i], &s, params, box);
         if (needed > capacity) {
             unsigned char *grown = realloc(buffer, needed + 64);
             if (grown == NULL) {
-                status[i] = -3;
+                status[i] = GF_OUT_OF_MEMORY;
                 continue;
             }
             buffer = grown;
@@ -1164,7 +1157,7 @@ void gf_crop_many(int n, const unsigned char *const *data, const unsigned long *
         box[2] -= decoded[0];
         box[3] -= params[2];
         if (gf_resize_into(buffer, decoded[1], params[4], box, s.out_w, s.out_h, mode, &t, 1) != 0) {
-            status[i] = -3;
+            status[i] = GF_OUT_OF_MEMORY;
         }
     }
     free(buffer);

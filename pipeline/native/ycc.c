@@ -30,8 +30,8 @@
  * that those quarters form a contiguous plane. Where libjpeg scaled the
  * components otherwise than this assumes, the image takes the RGB path.
  *
- * Plain C with no Python API, compiled with jpegregion.c and called through
- * ctypes.
+ * Plain C with no Python API, in one library with jpegregion.c and
+ * resample.c, called through ctypes.
  */
 
 #include <stdint.h>
@@ -42,15 +42,8 @@
 #include <jpeglib.h>
 #include <jerror.h>
 
+#include "gpufeed.h"
 #include "jpegcommon.h"
-
-#define GF_YCC_OTHER -2 /* not an 8-bit YCbCr 4:2:0, 4:2:2 or 4:4:4 JPEG: the caller takes the RGB path */
-#define GF_YCC_NO_MEMORY -3
-
-int gf_plane_resize(const unsigned char *src, long src_stride, int w, int h, const double *box, unsigned char *out,
-                    long out_stride, int out_w, int out_h, int filter, int allow_simd);
-int gf_plane_orient(const unsigned char *src, long src_stride, int w, int h, int orientation, unsigned char *out,
-                    long out_stride);
 
 typedef void (*gf_idct_method)(j_decompress_ptr, jpeg_component_info *, JCOEFPTR, JSAMPARRAY, JDIMENSION);
 
