@@ -386,6 +386,6 @@ def _pax_path(data: bytes) -> str | None:
             break
         key, _, value = data[space + 1 : position + length - 1].partition(b"=")
         if key == b"path":
-            path = value.decode("utf-8", "replace")
+            path = value.decode("utf-8", "replace").rstrip("/")  # as tarfile reads it
         position += length
     return path
