@@ -1,12 +1,18 @@
 """gpufeed: keep GPUs fed.
 
-The library behind the `gpufeed` command. Importing it is cheap: torch and
-celery are imported only by the parts that use them.
+The library behind the `gpufeed` command: prepare a dataset into WebDataset
+shards (`prepare_dataset`), re-pack it (`reshard_dataset`), check it
+(`read_manifest`, `verify_dataset`) and load it onto the GPU for training
+(`make_loader`).
+
+Importing it is cheap: the names that need torch (`make_loader`, `Loader`,
+`LoaderStats`, `estimate_memory`) are imported on first use, and nothing here
+imports Celery or matplotlib.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ConfigError,
@@ -20,20 +26,12 @@ from .errors import (
 )
 from .manifest import Manifest, VerifyResult, read_manifest, verify_dataset
 from .prepare.job import PrepareResult, prepare_dataset
+from .prepare.reshard import ReshardResult, ReshardSpec, reshard_dataset
 from .specs import AugmentSpec, EncodeSpec, LoaderSpec, PrepareSpec, ResizeSpec, ShardSpec
 
-
-def __getattr__(name: str) -> Any:
-    # make_loader and estimate_memory need torch: import them on first use so `import pipeline` stays light.
-    if name == "make_loader":
-        from .loader.loader import make_loader
-
-        return make_loader
-    if name == "estimate_memory":
-        from .measure.memory import estimate_memory
-
-        return estimate_memory
-    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+if TYPE_CHECKING:
+    from .loader.loader import Loader, LoaderStats, make_loader
+    from .measure.memory import estimate_memory
 
 __all__ = [
     "AugmentSpec",
@@ -42,20 +40,46 @@ __all__ = [
     "EncodeSpec",
     "GpufeedError",
     "JobConflictError",
+    "Loader",
+    "LoaderSpec",
+    "LoaderStats",
     "Manifest",
     "ManifestError",
     "PrepareResult",
     "PrepareSpec",
+    "ReshardResult",
+    "ReshardSpec",
     "ResizeSpec",
     "SampleError",
     "ShardSpec",
     "SourceError",
     "StorageError",
-    "LoaderSpec",
     "VerifyResult",
     "estimate_memory",
     "make_loader",
     "prepare_dataset",
     "read_manifest",
+    "reshard_dataset",
     "verify_dataset",
 ]
+
+# Names that need torch, and the module each comes from: imported on first use.
+_LAZY = {
+    "Loader": "pipeline.loader.loader",
+    "LoaderStats": "pipeline.loader.loader",
+    "make_loader": "pipeline.loader.loader",
+    "estimate_memory": "pipeline.measure.memory",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

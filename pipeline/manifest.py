@@ -11,16 +11,23 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import tarfile
+import os
 from typing import Any
 
 from .errors import ManifestError
 from .io.output import Output
-from .io.tar import ShardInfo
+from .io.tar import ShardInfo, TarFormatError, iter_tar_samples
 
 MANIFEST_FORMAT = "gpufeed-manifest/1"
 MANIFEST_NAME = "manifest.json"
 REJECTED_NAME = "rejected.jsonl"
+
+DatasetLocation = str | os.PathLike[str] | Output
+"""Where a prepared dataset is: a local path, a URL (`file://`, `s3://`, …) or an `Output`."""
+
+
+def _as_output(where: DatasetLocation) -> Output:
+    return where if isinstance(where, Output) else Output(os.fspath(where))
 
 
 @dataclasses.dataclass
@@ -82,12 +89,19 @@ def write_manifest(output: Output, manifest: Manifest) -> None:
     output.write_bytes_atomic(MANIFEST_NAME, text.encode("utf-8"))
 
 
-def read_manifest(output: Output) -> Manifest:
-    """Read and validate OUT/manifest.json.
+def read_manifest(where: DatasetLocation) -> Manifest:
+    """Read and validate a dataset's manifest.json.
+
+    Args:
+        where: the dataset folder: a path (`"demo/shards"`), a URL or an `Output`.
+
+    Returns:
+        The manifest, validated.
 
     Raises:
         ManifestError: missing, not JSON, or not a gpufeed manifest.
     """
+    output = _as_output(where)
     if not output.exists(MANIFEST_NAME):
         raise ManifestError(
             f"no {MANIFEST_NAME} in {output.url}: not a prepared dataset (or its prepare did not finish)"
@@ -113,8 +127,24 @@ class VerifyResult:
         return not self.problems
 
 
-def verify_dataset(output: Output, manifest: Manifest) -> VerifyResult:
-    """Re-read every shard: size, sha256, and sample count must match the manifest."""
+def verify_dataset(where: DatasetLocation, manifest: Manifest | None = None) -> VerifyResult:
+    """Re-read every shard: size, sha256, and sample count must match the manifest.
+
+    Args:
+        where: the dataset folder: a path, a URL or an `Output`.
+        manifest: the manifest to check the shards against (default: the
+            dataset's own manifest.json; pass another, e.g. an older version,
+            to check that its shards are still intact).
+
+    Returns:
+        What was checked, and every problem seen (`ok` is True when none).
+
+    Raises:
+        ManifestError: when no manifest is given and the dataset's cannot be read.
+    """
+    output = _as_output(where)
+    if manifest is None:
+        manifest = read_manifest(output)
     result = VerifyResult()
     per_variant: dict[Any, int] = {}
     for shard in manifest.shards:
@@ -147,12 +177,22 @@ def verify_dataset(output: Output, manifest: Manifest) -> VerifyResult:
 
 
 class _DigestReader:
-    """Hashes a stream while tarfile reads it: one pass checks both."""
+    """Hashes a stream while the tar reader reads it: one pass checks both."""
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.sha256 = hashlib.sha256()
         self.bytes = 0
+
+    def readinto(self, buffer: memoryview) -> int:
+        if hasattr(self.raw, "readinto"):
+            got = self.raw.readinto(buffer) or 0
+            self.sha256.update(buffer[:got])
+            self.bytes += got
+            return got
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
     def read(self, size: int = -1) -> bytes:
         data: bytes = self.raw.read(size)
@@ -162,17 +202,18 @@ class _DigestReader:
 
 
 def _scan_shard(output: Output, rel: str) -> tuple[str, int, int, str]:
-    keys: set[str] = set()
+    """(sha256, bytes, samples, error) of one shard, hashing the bytes as the tar reader streams them."""
     error = ""
+    samples = 0
     with output.open_read(rel) as raw:
         reader = _DigestReader(raw)
         try:
-            with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
-                for info in tar:
-                    if info.isfile():
-                        keys.add(info.name.rsplit("/", 1)[-1].split(".", 1)[0])
-        except (tarfile.TarError, OSError, EOFError) as exc:
+            for _ in iter_tar_samples(reader, rel):
+                samples += 1
+        except TarFormatError as exc:
+            error = exc.reason
+        except OSError as exc:
             error = str(exc) or type(exc).__name__
-        while reader.read(1 << 20):  # hash whatever tarfile did not need to read
+        while reader.read(1 << 20):  # hash what lies after the end of the archive
             pass
-    return reader.sha256.hexdigest(), reader.bytes, len(keys), error
+    return reader.sha256.hexdigest(), reader.bytes, samples, error

@@ -1,7 +1,9 @@
 """Sizes, durations and rates: one parser and one formatter for each, shared by every stage.
 
 Sizes are bytes (`256MB` = 256 * 10**6, `1.5GiB` = 1.5 * 2**30), durations seconds
-(`90`, `90s`, `10m`, `6h`, `7d`).
+(`90`, `90s`, `10m`, `6h`, `7d`), rates per second with an SI prefix (`312T`,
+`19.5 TFLOPS`, `2.5e13`). What `format_bytes` and `format_duration` print, `parse_bytes`
+and `parse_duration` read back.
 """
 
 from __future__ import annotations
@@ -34,6 +36,32 @@ def parse_bytes(text: str | int) -> int:
     return int(number * factor)
 
 
+_BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_bytes(size: float | None, *, exact: bool = False) -> str:
+    """A size for people: `1.5 GiB`, `64 MiB`, `512 KiB`, `100 B` (binary units, two decimals at most).
+
+    Args:
+        size: bytes; None prints `n/a` (a figure that was not measured).
+        exact: print what `parse_bytes` reads back to the same whole number of
+            bytes, for a command line: `64MiB` when a binary unit divides the
+            size, else the plain number.
+    """
+    if size is None:
+        return "n/a"
+    if exact:
+        whole = int(size)
+        for unit, scale in _BINARY_UNITS:
+            if whole and whole % scale == 0:
+                return f"{whole // scale}{unit}"
+        return str(whole)
+    for unit, scale in _BINARY_UNITS:
+        if abs(size) >= scale:
+            return f"{size / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{size:.0f} B"
+
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d)?\s*$", re.IGNORECASE)
 _UNIT_SECONDS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
@@ -51,3 +79,38 @@ def parse_duration(text: str, name: str = "duration") -> float:
     if seconds <= 0:
         raise ConfigError(f"{name} must be more than zero, got {text!r}")
     return seconds
+
+
+def format_duration(seconds: float | None) -> str:
+    """A duration for people: `12.3 s` (what `parse_duration` reads back); None prints `n/a`."""
+    return "n/a" if seconds is None else f"{seconds:.1f} s"
+
+
+_RATE = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([kmgtp]?)\s*(?:flop/?s|flops|/s)?\s*$", re.IGNORECASE)
+_SI_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+
+
+def parse_rate(text: str, name: str = "rate") -> float:
+    """Per-second rates: `312T`, `19.5 TFLOPS`, `1.2k/s`, `2.5e13` (prefixes k, M, G, T, P; `m` is mega).
+
+    Raises:
+        ConfigError: when the text is not a positive rate.
+    """
+    match = _RATE.match(str(text))
+    if not match:
+        raise ConfigError(f"{name}: not a rate: {text!r} (try 312T, 19.5TFLOPS or 2.5e13)")
+    rate = float(match.group(1)) * _SI_PREFIX[match.group(2).lower()]
+    if rate <= 0:
+        raise ConfigError(f"{name} must be more than zero, got {text!r}")
+    return rate
+
+
+def format_rate(value: float | None, unit: str = "images/s", digits: int = 0) -> str:
+    """A rate for people: `1234 images/s`, `26 MB/s`, `312.00 TFLOP/s`; None prints `n/a`.
+
+    Args:
+        value: the rate, in `unit`.
+        unit: what is counted per second, as printed after the number.
+        digits: decimals shown.
+    """
+    return "n/a" if value is None else f"{value:.{digits}f} {unit}"

@@ -344,3 +344,88 @@ def test_verify_reports_a_missing_variant_set(tmp_path):
     shards = [_write_shard(out, 0, 3, variant=0)]
     result = verify_dataset(out, _manifest(shards, samples=3, variants=2))
     assert not result.ok
+
+
+def test_verify_reads_the_shards_with_the_streaming_reader_not_tarfile(dataset, monkeypatch):
+    import tarfile
+
+    def no_tarfile(*args, **kwargs):
+        raise AssertionError("verify_dataset parsed a shard with tarfile")
+
+    monkeypatch.setattr(tarfile, "open", no_tarfile)
+    monkeypatch.setattr(tarfile.TarFile, "__init__", no_tarfile)
+    out, manifest = dataset
+    result = verify_dataset(out, manifest)
+    assert result.ok, result.problems
+    assert result.samples_checked == 10
+
+
+def test_verify_names_a_truncated_member_once(dataset):
+    out, manifest = dataset
+    shard = manifest.shards[0]
+    with open(out.local(shard.path), "r+b") as handle:
+        handle.truncate(512 + 100)  # the first member's header and part of its data
+    problems = [p for p in verify_dataset(out, manifest).problems if p.startswith(shard.path)]
+    assert f"{shard.path}: unreadable tar: truncated tar member" in problems, problems
+
+
+def test_verify_counts_samples_by_the_key_rule(tmp_path):
+    out = Output(str(tmp_path))
+    rel = shard_name(0)
+    with TarShardWriter(out.local(rel)) as writer:
+        writer.write_sample("dir/a", {"jpg": b"1", "cls": b"0"})
+        writer.write_sample("other/a", {"jpg": b"2"})  # the same base name in another folder: another sample
+        writer.write_sample("b", {"seg.png": b"3", "jpg": b"4"})
+        info = writer.commit(rel)
+    assert info.samples == 3
+    result = verify_dataset(out, _manifest([info]))
+    assert result.ok, result.problems
+    assert result.samples_checked == 3
+
+
+def test_verify_hashes_every_byte_the_reader_did_not_need(dataset, monkeypatch):
+    import pipeline.io.tar as tar_module
+
+    monkeypatch.setattr(tar_module, "_CHUNK", 512)  # the reader stops well before the file ends
+    out, manifest = dataset
+    shard = manifest.shards[1]
+    with open(out.local(shard.path), "r+b") as handle:
+        handle.seek(-1, os.SEEK_END)  # in the zero padding after the end-of-archive blocks
+        handle.write(b"\1")
+    result = verify_dataset(out, manifest)
+    assert result.problems == [f"{shard.path}: sha256 mismatch (file changed or corrupted)"]
+
+
+# ---------------------------------------------------------------------------
+# A dataset named by a path or URL
+
+
+@pytest.mark.parametrize("form", ["str", "path", "file_url", "output"])
+def test_read_and_verify_take_a_path_a_url_or_an_output(dataset, form):
+    import pathlib
+
+    out, manifest = dataset
+    where = {
+        "str": out.root,
+        "path": pathlib.Path(out.root),
+        "file_url": f"file://{out.root}",
+        "output": out,
+    }[form]
+    assert read_manifest(where) == manifest
+    result = verify_dataset(where)  # reads the manifest itself
+    assert result.ok, result.problems
+    assert result.shards_checked == 3 and result.samples_checked == 10
+    assert verify_dataset(where, manifest).ok
+
+
+def test_verify_without_a_manifest_checks_against_the_datasets_own(dataset):
+    out, manifest = dataset
+    os.unlink(out.local(manifest.shards[2].path))
+    assert verify_dataset(out.root).problems == [f"{manifest.shards[2].path}: missing"]
+
+
+def test_verify_of_a_folder_without_a_manifest_says_so(tmp_path):
+    with pytest.raises(ManifestError, match="no manifest.json in .*not a prepared dataset"):
+        verify_dataset(str(tmp_path))
+    with pytest.raises(ManifestError, match="no manifest.json"):
+        read_manifest(tmp_path / "absent")

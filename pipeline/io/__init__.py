@@ -2,6 +2,6 @@
 
 fs.py       local paths or fsspec URLs, bounded reads, hashes
 output.py   Output: write locally, publish atomically (local folder or any fsspec URL)
-tar.py      the one tar writer and streaming reader for WebDataset shards
+tar.py      the one tar writer and streaming reader for WebDataset shards, one key rule (split_key)
 devices.py  the kind of device behind a path (nvme, ssd, rotational, network) and its free space
 """

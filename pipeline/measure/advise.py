@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError
+from ..units import format_bytes, format_rate
 
 MiB = 1 << 20
 NPY_GAIN = 1.25  # .npy must beat JPEG by this much to be worth its bytes
@@ -133,7 +134,7 @@ class Recommendation:
         args = ["gpufeed", "prepare", source, out, "--size", str(self.size), "--mode", self.mode, "--format", self.format]
         if self.format in ("jpeg", "webp"):
             args += ["--quality", str(self.quality)]
-        args += ["--shard-size", format_mib(self.shard_bytes), "--variants", str(self.variants)]
+        args += ["--shard-size", format_bytes(self.shard_bytes, exact=True), "--variants", str(self.variants)]
         args += ["--workers", str(self.num_workers)]
         return args
 
@@ -211,7 +212,7 @@ def plan_advice(inputs: AdviseInputs) -> Advice:
         _size_reason(inputs),
         format_reason,
         (
-            f"--shard-size {format_mib(recommendation.shard_bytes)}: {total / 1e6:.0f} MB in about "
+            f"--shard-size {format_bytes(recommendation.shard_bytes, exact=True)}: {total / 1e6:.0f} MB in about "
             f"{max(1, math.ceil(total / recommendation.shard_bytes))} shard(s), read sequentially"
         ),
         (
@@ -246,15 +247,15 @@ def _choose_format(inputs: AdviseInputs) -> tuple[Candidate, str]:
     ratio = npy.bytes_per_sample / max(jpeg.bytes_per_sample, 1.0)
     if cpu_bound and fits and npy_rate >= NPY_GAIN * jpeg_rate:
         return npy, (
-            f"--format npy: with JPEG the CPU would still be the limit ({jpeg_rate:.0f} images/s) and the disk is not; "
-            f"raw .npy needs no decode ({npy_rate:.0f} images/s) at {ratio:.0f}x the bytes"
+            f"--format npy: with JPEG the CPU would still be the limit ({format_rate(jpeg_rate)}) and the disk is not; "
+            f"raw .npy needs no decode ({format_rate(npy_rate)}) at {ratio:.0f}x the bytes"
         )
     if not cpu_bound:
-        why = f"JPEG already feeds the {inputs.consumer} ({jpeg_rate:.0f} >= {inputs.ceilings.gpu:.0f} images/s)"
+        why = f"JPEG already feeds the {inputs.consumer} ({jpeg_rate:.0f} >= {format_rate(inputs.ceilings.gpu)})"
     elif not fits:
         why = f".npy would need {npy_total / 1e9:.1f} GB, more than the target can spare"
     else:
-        why = f".npy would give {npy_rate:.0f} images/s against JPEG's {jpeg_rate:.0f}, not worth {ratio:.0f}x the bytes"
+        why = f".npy would give {format_rate(npy_rate)} against JPEG's {jpeg_rate:.0f}, not worth {ratio:.0f}x the bytes"
     return jpeg, f"--format jpeg --quality {inputs.quality}: {why}"
 
 
@@ -273,8 +274,8 @@ def diagnosis_sentence(bottleneck: str, inputs: AdviseInputs) -> str:
     data_rate = min(v for v in (c.cpu_decode, c.storage, c.host_to_device) if v is not None)
     if bottleneck == "gpu":
         return (
-            f"The {gpu} is the bottleneck: the input pipeline delivers {data_rate:.0f} images/s, more than the "
-            f"{c.gpu:.0f} images/s the model consumes, so faster data loading will not speed up training."
+            f"The {gpu} is the bottleneck: the input pipeline delivers {format_rate(data_rate)}, more than the "
+            f"{format_rate(c.gpu)} the model consumes, so faster data loading will not speed up training."
         )
     waits = 1 - {"cpu_decode": c.cpu_decode, "storage": c.storage or 0.0, "host_to_device": c.host_to_device or 0.0}[
         bottleneck
@@ -282,23 +283,19 @@ def diagnosis_sentence(bottleneck: str, inputs: AdviseInputs) -> str:
     if bottleneck == "cpu_decode":
         return (
             f"CPU decode is the bottleneck: {inputs.cores} core(s) decode and crop the raw images at "
-            f"{c.cpu_decode:.0f} images/s, but the {gpu} could take {c.gpu:.0f} images/s, so it waits {waits:.0%} of the time."
+            f"{format_rate(c.cpu_decode)}, but the {gpu} could take {format_rate(c.gpu)}, so it waits {waits:.0%} of the time."
         )
     if bottleneck == "storage":
         mb_s = (c.storage or 0.0) * inputs.raw_bytes_per_sample / 1e6
         return (
             f"Storage is the bottleneck: the raw files come off {inputs.storage_kind} storage at only "
-            f"{c.storage:.0f} images/s ({mb_s:.0f} MB/s), while the {gpu} could take {c.gpu:.0f} images/s, "
+            f"{format_rate(c.storage)} ({format_rate(mb_s, 'MB/s')}), while the {gpu} could take {format_rate(c.gpu)}, "
             f"so it waits {waits:.0%} of the time."
         )
     return (
-        f"The host-to-device copy is the bottleneck: uint8 batches reach the {gpu} at {c.host_to_device:.0f} images/s, "
-        f"below the {c.gpu:.0f} images/s it could take, so it waits {waits:.0%} of the time."
+        f"The host-to-device copy is the bottleneck: uint8 batches reach the {gpu} at {format_rate(c.host_to_device)}, "
+        f"below the {format_rate(c.gpu)} it could take, so it waits {waits:.0%} of the time."
     )
-
-
-def format_mib(size: int) -> str:
-    return f"{size // MiB}MiB" if size % MiB == 0 else str(size)
 
 
 # ---------------------------------------------------------------------------
@@ -429,7 +426,7 @@ def advise(
         SourceError: the source cannot be listed.
     """
     from .decode import read_sample, sample_sources
-    from ..prepare.job import available_cores
+    from ..prepare.pool import available_cores
     from ..io.devices import device_info
 
     started = time.perf_counter()
@@ -511,7 +508,8 @@ def apply_advice(result: AdviseResult, out: str | None = None, *, measure_second
     half = measure_seconds / 2
     with _scratch(result.target) as scratch:
         sample_out, sample_bytes = _prepare_sample(result.sample_items, scratch, rec.format, rec.size, rec.num_workers)
-        full, sample = [], []
+        full: list[Any] = []
+        sample: list[Any] = []
         for which in "ABBABAAB":  # a drift in machine load hits both alike
             dataset, runs = (out, full) if which == "A" else (sample_out, sample)
             runs.append(_loader_point(dataset, result.batch_size, rec.num_workers, result.device, half))

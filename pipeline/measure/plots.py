@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..units import format_bytes, format_rate
+
 GOOD, BAD, NEUTRAL, ACCENT = "#2b8a3e", "#c92a2a", "#868e96", "#1c7ed6"
 
 
@@ -31,13 +33,6 @@ def _legend_below(figure: Any, *axes: Any) -> None:
         handles += more_handles
         labels += more_labels
     figure.legend(handles, labels, loc="outside lower center", ncols=min(4, len(labels)))
-
-
-def _size_label(size: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.3g} {unit}"
-    return f"{size:.0f} B"
 
 
 def _power_of_two_axis(axis: Any, values: list[int]) -> None:
@@ -78,12 +73,12 @@ def disk_figure(result: Any) -> Any:
         left.legend(handles=left.get_lines() + latency.get_lines(), loc="upper left")
     left.set_title("random 4 KiB reads")
     blocks = sorted(result.seq_read_by_block)
-    labels = [f"{b // (1 << 20)} MiB" if b >= 1 << 20 else f"{b // 1024} KiB" for b in blocks]
+    labels = [format_bytes(b) for b in blocks]
     reads = [result.seq_read_by_block[b] for b in blocks]
     bars = right.bar(labels, reads, color=ACCENT, label="read")
     right.bar_label(bars, fmt="%.0f")
     if result.seq_write_mb_s is not None:
-        right.axhline(result.seq_write_mb_s, color=NEUTRAL, linestyle="--", label=f"write ({result.seq_write_mb_s:.0f} MB/s)")
+        right.axhline(result.seq_write_mb_s, color=NEUTRAL, linestyle="--", label=f"write ({format_rate(result.seq_write_mb_s, 'MB/s')})")
     right.set_ylim(0, 1.3 * max([*reads, result.seq_write_mb_s or 0.0, 1.0]))
     right.set_xlabel("block size")
     right.set_ylabel("sequential throughput (MB/s)")
@@ -208,7 +203,7 @@ def memory_figure(estimate: Any) -> Any:
     batches = [row.batch_size for row in rows]
     axis.plot(batches, [row.memory_bytes / 2**30 for row in rows], marker="o", color=ACCENT, label="memory")
     if estimate.vram_bytes:
-        axis.axhline(estimate.vram_bytes / 2**30, color=BAD, linestyle="--", label=f"VRAM ({_size_label(estimate.vram_bytes)})")
+        axis.axhline(estimate.vram_bytes / 2**30, color=BAD, linestyle="--", label=f"VRAM ({format_bytes(estimate.vram_bytes)})")
         usable = estimate.vram_bytes * (1 - estimate.safety_margin) / 2**30
         axis.axhline(usable, color=NEUTRAL, linestyle=":", label=f"usable ({estimate.safety_margin:.0%} margin)")
     _power_of_two_axis(axis, batches)

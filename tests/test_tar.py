@@ -1,0 +1,488 @@
+"""The one tar reader and writer: the key rule, crash-safe reproducible shards, a reader that agrees with tarfile."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import tarfile
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import pipeline.io.tar as tar_module
+from pipeline.errors import StorageError
+from pipeline.io.fs import file_sha256
+from pipeline.io.tar import (
+    TAR_MTIME,
+    ShardInfo,
+    TarFormatError,
+    TarShardWriter,
+    iter_tar_members,
+    iter_tar_samples,
+    member_name,
+    sample_tar_bytes,
+    split_key,
+)
+from pipeline.prepare.plan import shard_name
+
+# ---------------------------------------------------------------------------
+# The key rule: one split for the reader and the writer
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("a.jpg", ("a", "jpg")),
+        ("a.seg.png", ("a", "seg.png")),
+        ("dir/b.jpg", ("dir/b", "jpg")),
+        ("a.b/c.d/e.JPG", ("a.b/c.d/e", "jpg")),  # dots in folders belong to the key
+        ("sub/dir/key-1f.Seg.PNG", ("sub/dir/key-1f", "seg.png")),
+        ("/abs.jpg", ("/abs", "jpg")),
+        ("noext", ("noext", "")),
+        ("dir/noext", ("dir/noext", "")),
+        ("dir.x/noext", ("dir.x/noext", "")),
+        ("k.", ("k", "")),
+        ("dir/.hidden", ("dir/", "hidden")),
+        ("été/日本.jpg", ("été/日本", "jpg")),
+    ],
+)
+def test_split_key(name, expected):
+    assert split_key(name) == expected
+
+
+# webdataset's own rule (tariterators.base_plus_ext, suffixes lower-cased as its grouping does).
+# Its regex is line-based, so names with newlines are left out of the comparison.
+_name_text = st.text(alphabet=st.sampled_from("./aBé-") | st.characters(blacklist_categories=("Cs",), blacklist_characters="\n"), max_size=15)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.builds(lambda head, tail: f"{head}.{tail}", _name_text, _name_text) | _name_text)
+def test_split_key_is_webdatasets_rule(name):
+    tariterators = pytest.importorskip("webdataset.tariterators")
+    prefix, suffix = tariterators.base_plus_ext(name)
+    assume(prefix is not None)  # webdataset skips such members (no dot, or a top-level ".name")
+    assert split_key(name) == (prefix, suffix.lower())
+
+
+@pytest.mark.parametrize(("key", "extension"), [("k", "jpg"), ("dir/k", "seg.png"), ("a/b/c-12", "cls"), ("k", "")])
+def test_member_name_round_trips_through_the_split(key, extension):
+    name = member_name(key, extension)
+    assert name == f"{key}.{extension}"
+    assert split_key(name) == (key, extension)
+
+
+@pytest.mark.parametrize(
+    ("key", "extension"),
+    [
+        ("a.b", "jpg"),  # a dot in the key: the reader would give key "a", extension "b.jpg"
+        ("dir.x/k", "jpg"),  # no dots anywhere in a key, folders included
+        ("", "jpg"),  # ".jpg": webdataset skips it
+        ("dir/", "jpg"),  # no base name
+        ("k", "JPG"),  # read back as "jpg"
+        ("k", "a/b"),  # read back as key "k.a/b"
+    ],
+)
+def test_member_name_refuses_a_key_that_would_split_differently(key, extension):
+    with pytest.raises(ValueError, match="cannot store sample"):
+        member_name(key, extension)
+    with pytest.raises(ValueError, match="cannot store sample"):
+        sample_tar_bytes(key, {extension: b"x"})
+
+
+def test_writer_refuses_a_dotted_key_and_leaves_no_file(tmp_path):
+    path = str(tmp_path / shard_name(0))
+    with pytest.raises(ValueError, match="cannot store sample"):
+        with TarShardWriter(path) as writer:
+            writer.write_sample("img.1", {"jpg": b"x"})
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------
+# TarShardWriter
+
+
+def _members(i: int) -> dict[str, bytes]:
+    return {"jpg": bytes([i]) * (100 + 37 * i), "cls": str(i % 2).encode(), "json": json.dumps({"i": i}).encode()}
+
+
+# Keys as prepare makes them (a slug of the source path and a hash of it).
+KEYS = [
+    "class0_img_0_jpg-337cad9c8038193f",
+    "class1_img_1_jpg-6c20eaaf3dc6c49f",
+    "class0_img_2_jpg-bfa48f2f4eb12333",
+    "class1_img_3_jpg-e90045218cdb99ae",
+    "class0_img_4_jpg-b345d2a16e4ce1b0",
+]
+SAMPLES = [(key, _members(i)) for i, key in enumerate(KEYS)]
+
+
+def _write(path: str, samples=SAMPLES, variant=None) -> ShardInfo:
+    with TarShardWriter(path) as writer:
+        for key, members in samples:
+            writer.write_sample(key, members)
+        return writer.commit(os.path.basename(path), variant)
+
+
+def test_commit_gives_a_readable_tar(tmp_path):
+    path = str(tmp_path / "sub" / shard_name(0))
+    info = _write(path)
+    assert os.path.exists(path)
+    assert os.listdir(tmp_path / "sub") == [shard_name(0)]  # no temp file left
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+        assert [m.name for m in members] == [f"{k}.{ext}" for k, m in SAMPLES for ext in sorted(m)]
+        for member in members:
+            assert member.isfile()
+            assert member.mtime == TAR_MTIME
+            assert member.uid == member.gid == 0
+            assert member.uname == member.gname == ""
+            assert member.mode == 0o644
+        first = tar.extractfile(members[0])
+        assert first is not None
+    assert list(iter_tar_samples(path)) == SAMPLES
+    assert info.samples == len(SAMPLES)
+
+
+def test_commit_gives_a_webdataset_readable_tar(tmp_path):
+    import webdataset as wds
+
+    path = str(tmp_path / shard_name(0))
+    _write(path)
+    rows = list(wds.WebDataset([path], shardshuffle=False))
+    assert [row["__key__"] for row in rows] == [key for key, _ in SAMPLES]
+    for row, (_, members) in zip(rows, SAMPLES):
+        assert row["jpg"] == members["jpg"]
+        assert row["cls"] == members["cls"]
+        assert json.loads(row["json"]) == json.loads(members["json"])
+
+
+def test_webdataset_decodes_keys_and_classes(tmp_path):
+    import webdataset as wds
+
+    path = str(tmp_path / shard_name(0))
+    _write(path)
+    rows = list(wds.WebDataset([path], shardshuffle=False).decode().to_tuple("__key__", "cls", "json"))
+    assert [(k, c, j["i"]) for k, c, j in rows] == [(k, i % 2, i) for i, (k, _) in enumerate(SAMPLES)]
+
+
+def test_two_writes_are_byte_identical(tmp_path):
+    a, b = str(tmp_path / "a" / shard_name(0)), str(tmp_path / "b" / shard_name(0))
+    info_a = _write(a)
+    info_b = _write(b)
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        assert fa.read() == fb.read()
+    assert info_a.sha256 == info_b.sha256
+
+
+def test_member_order_is_independent_of_dict_order(tmp_path):
+    a, b = str(tmp_path / "a.tar"), str(tmp_path / "b.tar")
+    members = {"jpg": b"x", "cls": b"1", "json": b"{}"}
+    _write(a, [("k", members)])
+    _write(b, [("k", dict(reversed(list(members.items()))))])
+    assert file_sha256(a) == file_sha256(b)
+
+
+def test_shard_info_matches_the_file(tmp_path):
+    path = str(tmp_path / shard_name(3))
+    info = _write(path, variant=2)
+    with open(path, "rb") as handle:
+        data = handle.read()
+    assert info.bytes == len(data) == os.path.getsize(path)
+    assert info.sha256 == hashlib.sha256(data).hexdigest()
+    assert (info.sha256, info.bytes) == file_sha256(path)
+    assert len(data) % tarfile.RECORDSIZE == 0
+    assert info.path == shard_name(3)
+    assert info.variant == 2
+    assert info.to_dict() == {"path": shard_name(3), "samples": 5, "bytes": len(data), "sha256": info.sha256,
+                              "variant": 2}
+    assert "variant" not in _write(str(tmp_path / "x.tar")).to_dict()
+
+
+def test_empty_shard_is_a_valid_tar(tmp_path):
+    path = str(tmp_path / "empty.tar")
+    info = _write(path, samples=[])
+    assert info.samples == 0
+    with tarfile.open(path) as tar:
+        assert tar.getmembers() == []
+
+
+def test_exception_leaves_no_temp_and_no_final_file(tmp_path):
+    path = str(tmp_path / shard_name(0))
+    with pytest.raises(RuntimeError, match="cancelled"):
+        with TarShardWriter(path) as writer:
+            writer.write_sample(*SAMPLES[0])
+            assert os.path.exists(writer.temp_path)
+            raise RuntimeError("cancelled")
+    assert os.listdir(tmp_path) == []
+
+
+def test_leaving_without_commit_leaves_nothing(tmp_path):
+    path = str(tmp_path / shard_name(0))
+    with TarShardWriter(path) as writer:
+        writer.write_sample(*SAMPLES[0])
+    assert os.listdir(tmp_path) == []
+
+
+def test_temp_file_is_hidden_in_the_same_folder(tmp_path):
+    path = str(tmp_path / shard_name(0))
+    writer = TarShardWriter(path)
+    assert os.path.dirname(writer.temp_path) == str(tmp_path)
+    assert os.path.basename(writer.temp_path).startswith(".")
+    assert not os.path.basename(writer.temp_path).endswith(".tar")  # never mistaken for a shard
+
+
+def test_commit_replaces_a_stale_shard(tmp_path):
+    path = tmp_path / shard_name(0)
+    path.write_bytes(b"partial garbage")
+    info = _write(str(path))
+    assert info.bytes == path.stat().st_size
+    assert list(iter_tar_samples(str(path))) == SAMPLES
+
+
+class _FullDisk:
+    """A file object whose writes fail like a full disk after `budget` bytes."""
+
+    def __init__(self, raw, budget: int) -> None:
+        self.raw = raw
+        self.budget = budget
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self.budget:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.budget -= len(data)
+        return self.raw.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+def _patch_open_full_disk(monkeypatch, budget: int) -> None:
+    """Make the shard writer's temp file fail like a full disk after `budget` bytes."""
+    import builtins
+
+    def opener(path, mode="r", *args, **kwargs):
+        handle = builtins.open(path, mode, *args, **kwargs)
+        return _FullDisk(handle, budget) if "w" in mode else handle
+
+    monkeypatch.setattr(tar_module, "open", opener, raising=False)
+
+
+@pytest.mark.parametrize("budget", [0, 1500, 4000])
+def test_enospc_while_writing_is_storage_error(tmp_path, monkeypatch, budget):
+    path = str(tmp_path / shard_name(0))
+    _patch_open_full_disk(monkeypatch, budget)
+    with pytest.raises(StorageError, match="no space left") as caught:
+        with TarShardWriter(path) as writer:
+            for key, members in SAMPLES:
+                writer.write_sample(key, members)
+            writer.commit(shard_name(0))
+    cause = caught.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
+    assert path in str(caught.value)
+    assert "run the same command again" in str(caught.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_enospc_in_the_end_of_archive_is_storage_error(tmp_path, monkeypatch):
+    path = str(tmp_path / shard_name(0))
+    sample_bytes = 3 * (512 + 512)  # one small sample: three members, each a header and a data block
+    _patch_open_full_disk(monkeypatch, sample_bytes + 100)
+    with pytest.raises(StorageError, match="no space left"):
+        with TarShardWriter(path) as writer:
+            writer.write_sample("k", {"jpg": b"x" * 10, "cls": b"1", "json": b"{}"})
+            assert writer.samples == 1  # the sample fitted; the end-of-archive blocks do not
+            writer.commit(shard_name(0))
+    assert os.listdir(tmp_path) == []
+
+
+def test_enospc_at_commit_is_storage_error(tmp_path, monkeypatch):
+    path = str(tmp_path / shard_name(0))
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(StorageError, match="no space left"):
+        with TarShardWriter(path) as writer:
+            writer.write_sample(*SAMPLES[0])
+            monkeypatch.setattr(os, "fsync", no_space)
+            writer.commit(shard_name(0))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+
+
+def test_other_os_errors_are_storage_errors(tmp_path, monkeypatch):
+    path = str(tmp_path / shard_name(0))
+
+    def denied(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(StorageError, match="cannot write.*Permission denied"):
+        with TarShardWriter(path) as writer:
+            writer.write_sample(*SAMPLES[0])
+            monkeypatch.setattr(os, "replace", denied)
+            writer.commit(shard_name(0))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+
+
+def test_cannot_create_temp_is_storage_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(StorageError, match="cannot create"):
+        with TarShardWriter(str(blocker / shard_name(0))):
+            pass
+
+
+def test_iter_tar_samples_groups_members_by_key(tmp_path):
+    path = str(tmp_path / "x.tar")
+    with tarfile.open(path, "w") as tar:
+        for name, data in [("a.jpg", b"1"), ("a.cls", b"0"), ("dir/b.jpg", b"2"), ("b.seg.png", b"3")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    # WebDataset's rule: the key is the member's path up to the first dot of its base name.
+    assert list(iter_tar_samples(path)) == [
+        ("a", {"jpg": b"1", "cls": b"0"}),
+        ("dir/b", {"jpg": b"2"}),
+        ("b", {"seg.png": b"3"}),
+    ]
+
+
+# ---------------------------------------------------------------------------
+# The streaming reader: what tarfile reads, or a clear error
+
+
+def _tar_bytes(members: list[tuple[str, bytes]], fmt: int = tarfile.GNU_FORMAT) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+@pytest.mark.parametrize("chunk", [512, 1536, 1 << 22])
+def test_reader_reads_what_tarfile_reads(monkeypatch, fmt, chunk):
+    monkeypatch.setattr(tar_module, "_CHUNK", chunk)  # members and headers across every chunk boundary
+    long_name = "deep/" * 30 + "long.jpg" if fmt != tarfile.USTAR_FORMAT else "deep/long.jpg"
+    members = [("a.jpg", os.urandom(1000)), ("a.cls", b"3"), (long_name, os.urandom(5000)), ("e.json", b"")]
+    members += [(f"k{i}.jpg", os.urandom(i * 37)) for i in range(20)]
+    read = list(iter_tar_members(io.BytesIO(_tar_bytes(members, fmt))))
+    assert read == members
+
+
+def test_reader_refuses_a_damaged_header_and_a_truncated_member():
+    data = bytearray(_tar_bytes([("a.jpg", b"x" * 3000), ("b.jpg", b"y" * 100)]))
+    damaged = bytes(data[:100]) + bytes([data[100] ^ 0x20]) + bytes(data[101:])  # a flipped bit in the mode field
+    with pytest.raises(TarFormatError, match="checksum"):
+        list(iter_tar_members(io.BytesIO(damaged)))
+    with pytest.raises(TarFormatError, match="truncated"):
+        list(iter_tar_members(io.BytesIO(bytes(data[:2048]))))
+
+
+def test_reader_refuses_a_header_whose_numbers_are_not_numbers():
+    garbage = b"this is not a tar file at all" * 40
+    with pytest.raises(TarFormatError, match="corrupt tar header"):
+        list(iter_tar_members(io.BytesIO(garbage)))
+
+
+def test_tar_format_error_names_the_shard_and_pickles():
+    error = TarFormatError("s3://bucket/shard-000001.tar", "truncated tar member")
+    assert str(error) == "s3://bucket/shard-000001.tar: truncated tar member"
+    assert str(TarFormatError("", "truncated tar member")) == "truncated tar member"
+    again = pickle.loads(pickle.dumps(error))  # it crosses process boundaries in the loader's workers
+    assert (again.url, again.reason, str(again)) == (error.url, error.reason, str(error))
+    with pytest.raises(TarFormatError, match=re.escape("x.tar: truncated")):
+        list(iter_tar_samples(io.BytesIO(_tar_bytes([("a.jpg", b"x" * 3000)])[:1024]), "x.tar"))
+
+
+def test_reader_reads_through_read_when_there_is_no_readinto():
+    class ReadOnly:
+        def __init__(self, data: bytes) -> None:
+            self.raw = io.BytesIO(data)
+
+        def read(self, size: int = -1) -> bytes:
+            return self.raw.read(size)
+
+    members = [("a.jpg", os.urandom(3000)), ("a.cls", b"1"), ("b.jpg", os.urandom(2 << 20))]
+    assert list(iter_tar_members(ReadOnly(_tar_bytes(members)))) == members
+
+
+# ---------------------------------------------------------------------------
+# Property: for any members, the reader gives what tarfile gives, grouped by the key rule
+
+
+def _tarfile_samples(data: bytes) -> list[tuple[str, dict[str, bytes]]]:
+    """The reference: tarfile's regular members, consecutive ones with the same key grouped."""
+    samples: list[tuple[str, dict[str, bytes]]] = []
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        for info in tar:
+            if not info.isfile():
+                continue
+            handle = tar.extractfile(info)
+            assert handle is not None
+            key, extension = split_key(info.name)
+            if samples and samples[-1][0] == key:
+                samples[-1][1][extension] = handle.read()
+            else:
+                samples.append((key, {extension: handle.read()}))
+    return samples
+
+
+_contents = st.binary(max_size=3000) | st.integers(0, 70_000).map(lambda n: bytes([n % 251]) * n)
+_key_part = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\0./"), min_size=1, max_size=12)
+_keys = st.lists(_key_part, min_size=1, max_size=3).map("/".join)
+_extensions = st.from_regex(r"[a-z0-9]{1,5}(\.[a-z0-9_]{1,4})?", fullmatch=True)
+_samples = st.lists(
+    st.tuples(_keys, st.dictionaries(_extensions, _contents, min_size=1, max_size=3)),
+    max_size=12,
+    unique_by=lambda sample: sample[0],
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(samples=_samples, chunk=st.sampled_from([512, 4096, 1 << 20]))
+def test_reader_gives_what_tarfile_gives_for_shards_the_writer_wrote(samples, chunk):
+    assume(all(len(member_name(key, ext).encode()) <= 100 for key, members in samples for ext in members))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "shard.tar")
+        with TarShardWriter(path) as writer:
+            for key, members in samples:
+                writer.write_sample(key, members)
+            info = writer.commit("shard.tar")
+        with open(path, "rb") as handle:
+            data = handle.read()
+    saved = tar_module._CHUNK
+    tar_module._CHUNK = chunk  # samples across every buffer boundary
+    try:
+        read = list(iter_tar_samples(io.BytesIO(data)))
+    finally:
+        tar_module._CHUNK = saved
+    assert read == _tarfile_samples(data) == samples
+    assert info.samples == len(samples)
+
+
+_names = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), min_size=1, max_size=40)
+_long_names = st.lists(_names, min_size=1, max_size=8).map("/".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(
+    members=st.lists(st.tuples(_names | _long_names, _contents), max_size=12),
+    fmt=st.sampled_from([tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT]),
+)
+def test_reader_gives_what_tarfile_gives_for_any_tar(members, fmt):
+    try:
+        data = _tar_bytes(members, fmt)
+    except ValueError:  # ustar cannot hold this name (over 100 bytes with no split into 155 + 100)
+        assume(False)
+    assert list(iter_tar_samples(io.BytesIO(data))) == _tarfile_samples(data)
