@@ -303,6 +303,7 @@ def _high_depth_to_rgb(img: Any, Image: Any) -> Any:
     # PIL's convert("RGB") clips 16-bit values at 255 (almost all white);
     # scale by the type's range instead.
     array = np.asarray(img)
+    scaled: np.ndarray
     if img.mode == "F":
         finite = np.isfinite(array)
         array = np.where(finite, array, 0.0)  # NaN and inf would cast to arbitrary bytes

@@ -108,7 +108,7 @@ def render_photo_like(
     base = rng.uniform(40, 215, (4, 4, 3))
     base[..., tint % 3] += 35
     canvas = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).resize(
-        (width, height), Image.BICUBIC
+        (width, height), Image.Resampling.BICUBIC
     )
     draw = ImageDraw.Draw(canvas, "RGBA")
     for _ in range(int(rng.integers(5, 11))):
@@ -137,7 +137,7 @@ def _texture(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
     texture = np.zeros((height, width), np.int16)
     for cells, amplitude in ((8, 18), (40, 12), (160, 8)):
         field = rng.integers(0, 256, (cells, cells), dtype=np.uint8)
-        up = Image.fromarray(field).resize((width, height), Image.BICUBIC)
+        up = Image.fromarray(field).resize((width, height), Image.Resampling.BICUBIC)
         texture += (np.asarray(up, dtype=np.int16) - 128) * amplitude // 128
     return texture
 

@@ -211,7 +211,7 @@ class PrepareSpec(Spec):
     def from_dict(cls, data: dict[str, Any]) -> PrepareSpec:
         if not isinstance(data, dict):
             raise ConfigError("a prepare spec must be a JSON object")
-        nested = {"resize": ResizeSpec, "augment": AugmentSpec, "encode": EncodeSpec, "shards": ShardSpec}
+        nested: dict[str, type[Spec]] = {"resize": ResizeSpec, "augment": AugmentSpec, "encode": EncodeSpec, "shards": ShardSpec}
         values = dict(data)
         for name, spec_type in nested.items():
             if name in values and not isinstance(values[name], spec_type):

@@ -173,7 +173,7 @@ def decode_pil_draft(data: bytes, target: int) -> Any:
     img = open_image(data)
     full = img.size
     if img.format == "JPEG":
-        out = _target_size(*full, target)
+        out = _target_size(full[0], full[1], target)
         img.draft("RGB", out)
     img.load()
     return _pil_resize(img, full, target)
