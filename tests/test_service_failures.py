@@ -99,7 +99,7 @@ def _wait_through_outages(service: Service, job: str, timeout: float) -> Any:
 
 
 @pytest.fixture
-def watchdog(private_redis: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+def watchdog(private_redis: Any, tmp_path: Path) -> Any:
     from worker import watchdog as module
     from worker.jobs import JobStore
     from worker.settings import settings_from_env
@@ -114,9 +114,8 @@ def watchdog(private_redis: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         }
     )
     sent: list[tuple[str, str]] = []
-    monkeypatch.setattr(module, "send_unit", lambda record, unit: sent.append((record.id, unit)))
     store = JobStore(settings)
-    dog = module.Watchdog(settings, "test-worker", store)
+    dog = module.Watchdog(settings, "test-worker", lambda record, unit: sent.append((record.id, unit)), store)
     dog.sent = sent
     yield dog
     store.client.close()
@@ -201,7 +200,9 @@ def test_a_unit_that_keeps_killing_its_worker_fails_the_job(watchdog: Any, tmp_p
 
 def test_finalize_refuses_a_shard_that_does_not_verify(service: Service, small_raw: Path, tmp_path: Path) -> None:
     from pipeline.prepare.job import plan_prepare, write_prepare_shard
-    from worker.client import send_unit
+    from worker.app import make_app
+    from worker.dispatch import send_unit
+    from worker.settings import settings_from_env
 
     spec = PrepareSpec.from_dict({"source": str(small_raw), "out": str(tmp_path / "out"), "shards": {"max_samples": 8}})
     plan = plan_prepare(spec)
@@ -219,7 +220,7 @@ def test_finalize_refuses_a_shard_that_does_not_verify(service: Service, small_r
     victim.write_bytes(bytes(data))
 
     service.start_worker("w1")
-    send_unit(store.require(job), "finalize")
+    send_unit(make_app(settings_from_env(service.env)), store.require(job), "finalize")
     record = service.wait_finished(job, timeout=60)
     assert record.state == "failed" and "missing or invalid" in record.error, record.error
     assert not (tmp_path / "out" / "manifest.json").exists()

@@ -267,10 +267,8 @@ def benchmark_disk_task(self: Any, job_id: str) -> dict[str, Any]:
         _check_attempts(job_id, "bench")
         record = store().require(job_id)
         payload = security.validate_job(record.kind, record.payload, get_settings())
-        try:
-            from pipeline.measure.disk import benchmark_disk
-        except ImportError as exc:
-            raise GpufeedError("this worker has no disk benchmark (pipeline.bench.disk); update gpufeed on it") from exc
+        from pipeline.measure.disk import benchmark_disk
+
         store().transition(job_id, "running", ACTIVE)
         report = benchmark_disk(payload["path"], **payload["options"])
         result = _as_dict(report)
