@@ -27,8 +27,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from pipeline.errors import GpufeedError, JobConflictError
+from pipeline.io.fs import redact_url
 
-from .settings import ServiceSettings, hide_password
+from .settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +330,7 @@ def redis_errors(settings: ServiceSettings) -> Iterator[None]:
     """Turn redis-py errors into a ServiceError that says what to check."""
     import redis
 
-    where = hide_password(settings.broker_url)
+    where = redact_url(settings.broker_url)
     try:
         yield
     except redis.exceptions.AuthenticationError as exc:

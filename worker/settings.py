@@ -32,17 +32,13 @@ import re
 from collections.abc import Mapping
 
 from pipeline.errors import ConfigError
+from pipeline.io.fs import redact_url
+from pipeline.measure.doctor import BROKER_URL_ENV, DEFAULT_BROKER_URL
 from pipeline.specs import DEFAULT_MAX_PIXELS
 from pipeline.units import parse_duration
 
-DEFAULT_BROKER_URL = "redis://localhost:6379/0"
 HARD_LIMIT_GRACE_S = 60
 KEY_PREFIX = "gpufeed:"
-
-
-def hide_password(url: str) -> str:
-    """The URL with any password replaced by ***, for messages and logs."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +65,7 @@ class ServiceSettings:
     def __post_init__(self) -> None:
         for name in ("broker_url", "result_backend"):
             if not getattr(self, name).startswith(("redis://", "rediss://", "unix://")):
-                raise ConfigError(f"{name} must be a redis:// URL, got {hide_password(getattr(self, name))!r}")
+                raise ConfigError(f"{name} must be a redis:// URL, got {redact_url(getattr(self, name))!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.queue):
             raise ConfigError(f"GPUFEED_QUEUE must be a simple name, got {self.queue!r}")
         if self.visibility_timeout_s <= self.hard_time_limit_s:
@@ -99,7 +95,7 @@ def _roots(text: str) -> tuple[str, ...]:
 
 def settings_from_env(env: Mapping[str, str]) -> ServiceSettings:
     """Build settings from an environment mapping (os.environ in production)."""
-    broker = env.get("GPUFEED_BROKER_URL") or DEFAULT_BROKER_URL
+    broker = env.get(BROKER_URL_ENV) or DEFAULT_BROKER_URL
     limit = parse_duration(env.get("GPUFEED_SHARD_TIME_LIMIT", "1h"), "GPUFEED_SHARD_TIME_LIMIT")
     visibility = env.get("GPUFEED_VISIBILITY_TIMEOUT")
     return ServiceSettings(

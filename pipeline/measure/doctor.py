@@ -17,8 +17,10 @@ import shutil
 import subprocess
 import sys
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
+from ..io.fs import redact_url
+
+# The service's Redis: doctor checks it, and the service's settings (worker/settings.py) take these from here.
 DEFAULT_BROKER_URL = "redis://localhost:6379/0"
 BROKER_URL_ENV = "GPUFEED_BROKER_URL"
 REDIS_TIMEOUT_S = 1.0
@@ -248,22 +250,6 @@ def check_redis(url: str, timeout: float = REDIS_TIMEOUT_S) -> dict[str, Any]:
     except Exception as exc:
         info["error"] = _describe(exc)
     return info
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:
-        return "<unparseable URL>"
 
 
 # ---------------------------------------------------------------------------
