@@ -4,7 +4,7 @@ Workers run as `python -m pipeline worker …` subprocesses in their own
 process group (so a test can SIGKILL the main process alone, and teardown
 can stop the whole group); every process a test starts is stopped in the
 fixture's teardown. Service timings are shortened through the environment
-(heartbeat 1 s, stale after 4 s, watchdog every 1 s).
+(heartbeat 1 s, stale after 4 s, watchdog every 1 s, retries after 0.2 s).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ FAST_SERVICE_ENV = {
     "GPUFEED_STALE_AFTER": "4",
     "GPUFEED_WATCHDOG_INTERVAL": "1",
     "GPUFEED_BEAT_INTERVAL": "1",
+    "GPUFEED_RETRY_DELAY": "0.2",
     "GPUFEED_JOB_TTL": "1h",
 }
 

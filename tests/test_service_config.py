@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, GpufeedError, StorageError
 from pipeline.io.fs import redact_url
 from pipeline.specs import PrepareSpec
 from worker import security
@@ -78,6 +78,15 @@ def test_one_default_broker_and_one_way_to_hide_its_password() -> None:
     with pytest.raises(ConfigError) as refused:
         settings_from_env({doctor.BROKER_URL_ENV: "amqp://guest:hunter2@rabbit//"})
     assert "hunter2" not in str(refused.value) and "guest:***@rabbit" in str(refused.value)
+
+
+def test_storage_errors_are_retryable_and_others_are_not() -> None:
+    assert StorageError("disk full").retryable is True
+    assert not any(error("x").retryable for error in (GpufeedError, ConfigError))
+    settings = settings_from_env({"GPUFEED_RETRY_DELAY": "2s"})
+    assert settings.retry_delay_s == 2 and settings_from_env({}).retry_delay_s == 10
+    with pytest.raises(ConfigError, match="GPUFEED_RETRY_DELAY"):
+        settings_from_env({"GPUFEED_RETRY_DELAY": "soon"})
 
 
 def test_celery_runs_json_only_with_late_acks_and_bounded_tasks() -> None:

@@ -20,7 +20,8 @@ override them through environment variables (durations accept `90`, `90s`,
 | GPUFEED_MAX_SPEC_BYTES | 64KiB | largest job spec accepted |
 | GPUFEED_MAX_PIXELS | 89478485 | largest `--max-pixels` a job may ask for (decompression bombs) |
 | GPUFEED_MAX_FILE_BYTES | 512MiB | largest input file a job may allow |
-| GPUFEED_MAX_ATTEMPTS | 5 | a task started this often without finishing fails its job (e.g. a file that crashes the decoder) |
+| GPUFEED_MAX_ATTEMPTS | 5 | a task started this often without finishing fails its job (e.g. a file that crashes the decoder); a task that hits a retryable error (StorageError) runs at most this often too |
+| GPUFEED_RETRY_DELAY | 10s | first pause before a retryable error is tried again; it doubles each time, up to half of GPUFEED_STALE_AFTER |
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class ServiceSettings:
     beat_interval_s: float = 30
     max_spec_bytes: int = 64 * 1024
     max_attempts: int = 5
+    retry_delay_s: float = 10
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_file_bytes: int = 512 * 1024 * 1024
     key_prefix: str = KEY_PREFIX
@@ -114,6 +116,7 @@ def settings_from_env(env: Mapping[str, str]) -> ServiceSettings:
         beat_interval_s=parse_duration(env.get("GPUFEED_BEAT_INTERVAL", "30s"), "GPUFEED_BEAT_INTERVAL"),
         max_spec_bytes=_parse_size(env.get("GPUFEED_MAX_SPEC_BYTES", "64KiB")),
         max_attempts=_parse_count(env.get("GPUFEED_MAX_ATTEMPTS", "5"), "GPUFEED_MAX_ATTEMPTS"),
+        retry_delay_s=parse_duration(env.get("GPUFEED_RETRY_DELAY", "10s"), "GPUFEED_RETRY_DELAY"),
         max_pixels=_parse_count(env.get("GPUFEED_MAX_PIXELS", str(DEFAULT_MAX_PIXELS)), "GPUFEED_MAX_PIXELS"),
         max_file_bytes=_parse_size(env.get("GPUFEED_MAX_FILE_BYTES", "512MiB")),
     )
