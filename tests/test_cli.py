@@ -102,3 +102,104 @@ def test_prepare_rejects_bad_input_with_one_line(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("gpufeed: error: "), result.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------------------
+# The service's commands come through entry points; the library never imports the service
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICE_COMMANDS = ("beat", "cancel", "jobs", "schedule", "status", "submit", "worker")
+
+
+def run_with_path(*args: str, path: list[Path], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`python -m pipeline ARGS` with `path` in front of this checkout on sys.path (run in path[0], not here)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in [*path, ROOT])}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        check=False, capture_output=True, text=True, env=env, cwd=path[0], timeout=timeout,
+    )
+
+
+def fake_distribution(site: Path, name: str, entry_points: str) -> None:
+    """Installed metadata for `name` (version 0.1.0) with `entry_points` as its entry_points.txt."""
+    info = site / f"{name}-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+def test_help_lists_the_service_commands() -> None:
+    result = run("--help")
+    assert result.returncode == 0, result.stderr
+    listed = {line.split()[0] for line in result.stdout.split("Commands:")[1].splitlines() if line.strip()}
+    assert set(SERVICE_COMMANDS) | {"prepare", "inspect", "reshard", "bench", "advise", "estimate-memory"} <= listed
+    worker = run("worker", "--help")
+    assert worker.returncode == 0 and "--concurrency" in worker.stdout, worker.stderr
+
+
+def test_the_entry_point_table_and_its_fallback_name_the_same_commands() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    from pipeline.cli.plugins import ENTRY_POINT_GROUP, OWN_COMMANDS
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][ENTRY_POINT_GROUP]
+    assert declared == OWN_COMMANDS
+    assert sorted(declared) == list(SERVICE_COMMANDS)
+
+
+def test_the_library_imports_no_service_and_no_charts() -> None:
+    code = (
+        "import sys, pipeline, pipeline.cli\n"
+        "from pipeline.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = ('celery', 'kombu', 'redis', 'redbeat', 'matplotlib')\n"
+        "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "submit" in result.stdout  # the service's commands were listed ...
+    assert result.stdout.splitlines()[-1] == "LOADED []"  # ... without importing Celery or Redis
+
+
+def test_installed_entry_points_add_commands_and_a_broken_one_only_warns(tmp_path: Path) -> None:
+    (tmp_path / "hello_plugin.py").write_text(
+        "import click\n\n@click.command()\n@click.argument('name')\ndef hello(name):\n"
+        "    '''Say hello.'''\n    click.echo(f'hello {name}')\n"
+    )
+    fake_distribution(tmp_path, "hello_plugin", "[gpufeed.commands]\nhello = hello_plugin:hello\n")
+    fake_distribution(tmp_path, "broken_plugin", "[gpufeed.commands]\nbroken = no_such_module:command\n")
+
+    hello = run_with_path("hello", "world", path=[tmp_path])
+    assert hello.returncode == 0 and hello.stdout == "hello world\n", hello.stderr
+    listing = run_with_path("--help", path=[tmp_path])
+    assert listing.returncode == 0 and "hello" in listing.stdout and "Say hello." in listing.stdout
+    assert "cannot load the broken command (no_such_module:command)" in listing.stderr
+    assert "submit" in listing.stdout  # gpufeed's own commands are still there
+    broken = run_with_path("broken", path=[tmp_path])
+    assert broken.returncode == 2 and "No such command 'broken'" in broken.stderr
+
+
+def test_metadata_that_declares_the_commands_is_used_and_metadata_without_them_falls_back(tmp_path: Path) -> None:
+    # gpufeed's metadata with no entry points (an editable install older than them): the fallback.
+    old = tmp_path / "old"
+    fake_distribution(old, "gpufeed", "[console_scripts]\ngpufeed = pipeline.cli:main\n")
+    result = run_with_path("--help", path=[old])
+    assert result.returncode == 0 and all(f"  {name} " in result.stdout for name in SERVICE_COMMANDS), result.stdout
+
+    # Metadata that declares them: exactly those (here one of them, so the fallback is visibly off).
+    new = tmp_path / "new"
+    fake_distribution(new, "gpufeed", "[gpufeed.commands]\nstatus = worker.cli:status\n")
+    result = run_with_path("--help", path=[new])
+    assert result.returncode == 0, result.stderr
+    assert "  status " in result.stdout and "  submit " not in result.stdout and "  worker " not in result.stdout
+
+
+def test_the_fallback_never_takes_commands_from_another_worker_package(tmp_path: Path) -> None:
+    other = tmp_path / "elsewhere"
+    (other / "worker").mkdir(parents=True)
+    (other / "worker" / "__init__.py").write_text("")
+    (other / "worker" / "cli.py").write_text("raise SystemExit('foreign code ran')\n")
+    fake_distribution(other, "gpufeed", "[console_scripts]\ngpufeed = pipeline.cli:main\n")
+    result = run_with_path("--help", path=[other])
+    assert result.returncode == 0, result.stderr
+    assert "foreign code ran" not in result.stdout + result.stderr
+    assert "  submit " not in result.stdout and "  prepare " in result.stdout

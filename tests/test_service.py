@@ -11,23 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from service_harness import (  # noqa: F401 - fixtures
+from service_harness import (
     SLOW_FLAGS,
     SLOWER_FLAGS,
     Service,
     assert_verified,
     dataset_samples,
-    service,
     service_fixture,
     shard_bytes,
-    slow_raw,
-    small_raw,
 )
 
 from pipeline.prepare.job import prepare_dataset
 from pipeline.specs import PrepareSpec
 
 pytestmark = pytest.mark.slow
+pytest_plugins = ["service_fixtures"]  # service, small_raw, slow_raw
 
 
 def local_prepare_of(service: Service, job: str, out: Path) -> Path:

@@ -1,8 +1,9 @@
-"""`gpufeed worker|beat|submit|status|jobs|cancel|schedule|reshard`: the Celery service (SPEC §4).
+"""`gpufeed worker|beat|submit|status|jobs|cancel|schedule`: the Celery service (SPEC §4).
 
-Parsing and printing only: the service lives in `worker/`, the reshard in
-`pipeline.reshard`. Celery and Redis are imported inside the commands, so
-`gpufeed --help` and the local commands stay fast.
+Parsing and printing only: the service lives in `worker/`. Each command is a
+`gpufeed.commands` entry point (pyproject.toml), so `gpufeed` finds it without
+the library importing the service. Celery and Redis are imported inside the
+commands, so `gpufeed --help` and the local commands stay fast.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from typing import Any
 
 import click
 
-from pipeline.cli import fail, user_errors, main, prepare_options, spec_from_options
+from pipeline.cli.common import (
+    fail,
+    prepare_options,
+    reshard_options,
+    reshard_spec,
+    spec_from_options,
+    user_errors,
+)
 from pipeline.units import parse_bytes
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
@@ -32,7 +40,7 @@ def _settings() -> Any:
 # Processes: worker and beat
 
 
-@main.command(context_settings=PASS_THROUGH)
+@click.command(context_settings=PASS_THROUGH)
 @click.option("--concurrency", "-c", type=int, default=None, help="Processes (default: the cores of this machine).")
 @click.option("-n", "--hostname", "name", default=None, help="Worker name, e.g. w1@%h (unique per worker on a machine).")
 @click.option("--queues", "-Q", default=None, help="Queues to consume, comma-separated (default: GPUFEED_QUEUE).")
@@ -54,7 +62,7 @@ def worker(concurrency: int | None, name: str | None, queues: str | None, loglev
     sys.exit(app.worker_main(argv + list(celery_args)) or 0)
 
 
-@main.command(context_settings=PASS_THROUGH)
+@click.command(context_settings=PASS_THROUGH)
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
@@ -76,39 +84,7 @@ def _wait_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--wait", is_flag=True, help="Wait for the job to finish, with a progress bar.")(func)
 
 
-def reshard_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Options of a reshard (shared by `reshard`, `submit reshard` and `schedule add … reshard`)."""
-    options = [
-        click.option("--shard-count", type=int, default=None, help="At most N samples per shard."),
-        click.option("--shard-size", default=None, help="About S bytes per shard at most (e.g. 256MB)."),
-        click.option("--multiple-of", type=int, default=None, help="Make the shard count a multiple of W (e.g. GPUs x loader workers)."),
-        click.option("--reaugment", is_flag=True, help="Re-augment from the source with --seed instead of re-packing."),
-        click.option("--seed", type=int, default=None, help="The new augmentation seed (with --reaugment)."),
-        click.option("--out", default=None, help="Write the result to NEW instead of a new version in place."),
-        click.option("--keep", default=1, show_default=True, help="Older versions kept for readers still using them."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def _reshard_spec(dataset: str, options: dict[str, Any], absolute: Callable[[str], str] = str) -> Any:
-    """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service."""
-    from pipeline.prepare.reshard import ReshardSpec
-
-    return ReshardSpec(
-        dataset=absolute(dataset),
-        out=absolute(options["out"]) if options["out"] else None,
-        max_samples=options["shard_count"],
-        max_bytes=parse_bytes(options["shard_size"]) if options["shard_size"] else None,
-        multiple_of=options["multiple_of"],
-        reaugment=options["reaugment"],
-        seed=options["seed"],
-        keep=options["keep"],
-    )
-
-
-@main.group()
+@click.group()
 def submit() -> None:
     """Submit a job to the service (GPUFEED_BROKER_URL); prints its id."""
 
@@ -138,7 +114,7 @@ def submit_reshard(dataset: str, wait: bool, as_json: bool, quiet: bool, **optio
     """Re-pack DATASET into new shards (no decoding), or re-augment it with a new seed, on the service."""
     from .security import absolute
 
-    _submit("reshard", {"spec": _reshard_spec(dataset, options, absolute).to_dict()}, wait, as_json, quiet)
+    _submit("reshard", {"spec": reshard_spec(dataset, options, absolute).to_dict()}, wait, as_json, quiet)
 
 
 @submit.command("bench-disk")
@@ -257,7 +233,7 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
         click.echo(f"  manifest: {result['manifest']}")
 
 
-@main.command()
+@click.command()
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @user_errors
@@ -271,7 +247,7 @@ def status(job: str, as_json: bool) -> None:
     _print_status(record.to_status(), as_json)
 
 
-@main.command()
+@click.command()
 @click.option("--limit", default=50, show_default=True, help="Most recent jobs shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
 @user_errors
@@ -298,7 +274,7 @@ def jobs(limit: int, as_json: bool) -> None:
         )
 
 
-@main.command()
+@click.command()
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the job's status as JSON.")
 @user_errors
@@ -328,7 +304,7 @@ def _schedule_app() -> Any:
     return app
 
 
-@main.group()
+@click.group()
 def schedule() -> None:
     """Recurring jobs kept in Redis and fired by `gpufeed beat`."""
 
@@ -359,7 +335,7 @@ def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, 
 
     context = _scheduled_reshard.make_context("gpufeed schedule add NAME … reshard", list(job[1:]))
     params = dict(context.params)
-    payload = {"spec": _reshard_spec(params.pop("dataset"), params, absolute).to_dict()}
+    payload = {"spec": reshard_spec(params.pop("dataset"), params, absolute).to_dict()}
     settings = _settings()
     payload = validate_job("reshard", payload, settings)
     with redis_errors(settings):
@@ -405,30 +381,3 @@ def schedule_remove(name: str) -> None:
     with redis_errors(settings):
         remove_schedule(_schedule_app(), settings, name)
     click.echo(f"schedule {name} removed")
-
-
-# ---------------------------------------------------------------------------
-# Local reshard (no service)
-
-
-@main.command()
-@click.argument("dataset")
-@reshard_options
-@click.option("--workers", type=int, default=None, help="Prepare processes when re-augmenting (default: available cores).")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@user_errors
-def reshard(dataset: str, workers: int | None, as_json: bool, **options: Any) -> None:
-    """Re-pack DATASET into new shards without decoding (or --reaugment it), here, without the service."""
-    from pipeline.prepare.reshard import reshard_dataset
-
-    result = reshard_dataset(_reshard_spec(dataset, options), workers=workers)
-    if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
-        return
-    where = f"version {result.version}" if result.version else result.out
-    click.echo(
-        f"{'re-augmented' if result.reaugmented else 're-packed'} {result.dataset}: {result.shards_before} -> "
-        f"{result.shards_after} shards per set ({where}), {result.samples} samples, verified, in {result.seconds:.1f} s"
-    )
-    if result.removed:
-        click.echo("removed old versions: " + ", ".join(v or "(original)" for v in result.removed))

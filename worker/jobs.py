@@ -541,7 +541,7 @@ class UnitRun:
         self.job_id = job_id
         self.unit = unit
         self.token = uuid.uuid4().hex
-        self.entry = {"worker": worker_name(), "pid": os.getpid(), "task": task_id or ""}
+        self.entry: dict[str, Any] = {"worker": worker_name(), "pid": os.getpid(), "task": task_id or ""}
         self.done = 0
         self.status = ""
         self.stopped_state = ""

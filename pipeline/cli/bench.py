@@ -1,6 +1,6 @@
 """`gpufeed bench …`, `gpufeed advise`, `gpufeed estimate-memory`: measuring and advising (SPEC §3).
 
-Parsing and printing only: the measurements live in pipeline.bench, pipeline.advise and pipeline.memory.
+Parsing and printing only: the measurements live in pipeline.measure (disk, decode, loader, advise, memory, plots).
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import json
 import re
 import shlex
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
 
-from . import exit_on_user_errors, main
 from ..errors import ConfigError
 from ..units import parse_bytes
-
+from .common import exit_on_user_errors
 
 # Ctrl-C: the benchmarks have removed their test files by the time this prints.
 _measure_errors = exit_on_user_errors("interrupted; temporary test files were removed")
@@ -68,9 +68,9 @@ def _num(value: float | None, digits: int = 0) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
 
-def _table(rows: list[tuple[str, ...]], header: tuple[str, ...] | None = None, align: str = "") -> str:
+def _table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...] | None = None, align: str = "") -> str:
     """Columns padded to their widest cell; `align` has one l or r per column (default: l then r)."""
-    lines = ([header] if header else []) + rows
+    lines = ([header] if header else []) + list(rows)
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     align = align or "l" + "r" * (len(widths) - 1)
     out = []
@@ -99,7 +99,7 @@ def _plot(kind: str, plot: str | None, result: Any, **extra: Any) -> None:
 # gpufeed bench disk | decode | loader
 
 
-@main.group()
+@click.group()
 def bench() -> None:
     """Measure storage, decoders and the loader on this machine."""
 
@@ -167,11 +167,11 @@ def bench_disk(
             (f"random 4 KiB read, {point.threads} thread(s)", _num(point.iops), "IOPS",
              f"{point.p50_ms:.3f}", f"{point.p99_ms:.3f}")
         )
-    small = _bytes(result.small_file_bytes)
+    small_size = _bytes(result.small_file_bytes)
     if result.small_file_reads_per_s is not None:
-        rows.append((f"small files ({small}), 1 thread", _num(result.small_file_reads_per_s_qd1), "files/s", "", ""))
+        rows.append((f"small files ({small_size}), 1 thread", _num(result.small_file_reads_per_s_qd1), "files/s", "", ""))
         rows.append(
-            (f"small files ({small}), {result.threads} threads", _num(result.small_file_reads_per_s), "files/s", "", "")
+            (f"small files ({small_size}), {result.threads} threads", _num(result.small_file_reads_per_s), "files/s", "", "")
         )
     click.echo(_table(rows, ("test", "rate", "", "p50 ms", "p99 ms"), "lrlrr"))
     for warning in result.warnings:
@@ -265,7 +265,7 @@ def bench_loader(
 # gpufeed advise
 
 
-@main.command()
+@click.command()
 @click.argument("src")
 @click.option("--target", required=True, help="Local folder where the shards would go (its disk is measured).")
 @click.option("--gpu-images-per-s", type=float, default=None, help="The GPU's consumption rate, if known.")
@@ -383,7 +383,7 @@ def _print_advice(result: Any) -> None:
 # gpufeed estimate-memory
 
 
-@main.command("estimate-memory")
+@click.command("estimate-memory")
 @click.option("--model", required=True, help="module:factory returning a torch.nn.Module.")
 @click.option("--input", "input_shape", default="3,224,224", show_default=True, help="One sample's shape.")
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="adam", show_default=True)
@@ -467,11 +467,11 @@ def _print_memory(e: Any) -> None:
             f"peak {t.peak_images_per_s:,.0f} images/s ({(e.device_flops or 0) / 1e12:.2f} TFLOP/s); "
             f"batch {t.saturation_batch()} reaches 90 % of it, beyond that a bigger batch only costs memory"
         )
-    rows = [
+    batches = [
         (str(r.batch_size), _bytes(r.memory_bytes), "yes" if r.fits else "no", _num(r.images_per_s))
         for r in e.rows
     ]
-    click.echo(_table(rows, ("batch", "memory", "fits", "images/s")))
+    click.echo(_table(batches, ("batch", "memory", "fits", "images/s")))
     if e.loader_can_feed is not None:
         need = e.required_images_per_s or 0.0
         verdict = "can" if e.loader_can_feed else "cannot"
@@ -480,3 +480,6 @@ def _print_memory(e: Any) -> None:
             f"({need:,.0f} images/s)"
             + ("" if e.loader_can_feed else f": the device would wait {1 - (e.loader_images_per_s or 0) / need:.0%} of the time")
         )
+
+
+COMMANDS = (bench, advise, estimate_memory_command)
