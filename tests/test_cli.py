@@ -203,3 +203,92 @@ def test_the_fallback_never_takes_commands_from_another_worker_package(tmp_path:
     assert result.returncode == 0, result.stderr
     assert "foreign code ran" not in result.stdout + result.stderr
     assert "  submit " not in result.stdout and "  prepare " in result.stdout
+
+
+# ---------------------------------------------------------------------------
+# A missing extra is named by the command that needs it, with the install line
+
+HIDE_MODULES = """
+import sys
+
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Hide())
+sys.argv = ["gpufeed", *ARGS]
+from pipeline.cli import main
+main()
+"""
+
+
+def run_without(hidden: tuple[str, ...], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The `gpufeed` command in an interpreter where the `hidden` packages cannot be imported."""
+    code = f"HIDDEN = {hidden!r}\nARGS = {list(args)!r}\n" + HIDE_MODULES
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["worker"],
+        ["worker", "--concurrency", "2", "--pool", "solo"],
+        ["beat"],
+        ["submit", "prepare", "/data/raw", "/data/out", "--size", "128"],
+        ["submit", "reshard", "/data/out", "--shard-count", "4"],
+        ["submit", "bench-disk", "/data"],
+        ["status", "abc123"],
+        ["jobs"],
+        ["cancel", "abc123"],
+        ["schedule", "add", "nightly", "--every", "1d", "reshard", "/data/out", "--multiple-of", "8"],
+        ["schedule", "list"],
+        ["schedule", "remove", "nightly"],
+    ],
+    ids=lambda args: "-".join(a for a in args if not a.startswith(("/", "-")) and not a[0].isdigit())[:40],
+)
+def test_service_commands_without_the_service_extra_print_the_install_line(args: list[str]) -> None:
+    result = run_without(("celery", "kombu", "redbeat"), *args)
+    assert result.returncode == 1
+    assert result.stderr == f"gpufeed: error: gpufeed {args[0]} needs the service extra: pip install 'gpufeed[service]'\n"
+    assert result.stdout == ""
+
+
+def test_without_the_service_extra_help_and_local_commands_still_work(tmp_path: Path) -> None:
+    hidden = ("celery", "kombu", "redbeat", "redis")
+    listing = run_without(hidden, "--help")
+    assert listing.returncode == 0 and "  worker " in listing.stdout, listing.stderr
+    usage = run_without(hidden, "submit", "prepare", "--help")
+    assert usage.returncode == 0 and "--shard-size" in usage.stdout, usage.stderr
+    demo = run_without(hidden, "demo-data", str(tmp_path / "raw"), "--n", "2", "--min-side", "32", "--max-side", "48", "--workers", "0")
+    assert demo.returncode == 0 and "wrote 2 images" in demo.stdout, demo.stderr
+
+
+def test_doctor_without_redis_py_says_so_and_succeeds() -> None:
+    from pipeline.measure.doctor import REDIS_CLIENT_MISSING
+
+    result = run_without(("redis",), "doctor", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["redis"]["reachable"] is False and report["redis"]["error"] == REDIS_CLIENT_MISSING
+    assert "pip install 'gpufeed[service]'" in REDIS_CLIENT_MISSING
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "disk", "{tmp}/disk", "--size", "1MiB"],
+        ["bench", "decode", "{tmp}/raw"],
+        ["bench", "loader", "{tmp}/shards"],
+        ["advise", "{tmp}/raw", "--target", "{tmp}/target"],
+        ["estimate-memory", "--model", "torchvision.models:resnet18"],
+    ],
+    ids=lambda args: "-".join(a for a in args if not a.startswith(("{", "-")))[:30],
+)
+def test_plot_without_matplotlib_prints_the_install_line_before_measuring(args: list[str], tmp_path: Path) -> None:
+    args = [arg.format(tmp=tmp_path) for arg in args] + ["--plot", str(tmp_path / "chart.png")]
+    result = run_without(("matplotlib",), *args)
+    assert result.returncode == 1
+    assert result.stderr == "gpufeed: error: --plot needs the plots extra: pip install 'gpufeed[plots]'\n"
+    assert list(tmp_path.iterdir()) == []  # refused before anything was measured or written

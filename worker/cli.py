@@ -3,11 +3,13 @@
 Parsing and printing only: the service lives in `worker/`. Each command is a
 `gpufeed.commands` entry point (pyproject.toml), so `gpufeed` finds it without
 the library importing the service. Celery and Redis are imported inside the
-commands, so `gpufeed --help` and the local commands stay fast.
+commands, so `gpufeed --help` and the local commands stay fast, and a command
+run without them says which extra to install.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -19,15 +21,31 @@ import click
 from pipeline.cli.common import (
     fail,
     prepare_options,
+    require_extra,
     reshard_options,
     reshard_spec,
     spec_from_options,
+    top_command_name,
     user_errors,
 )
 from pipeline.units import parse_bytes
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 WAIT_POLL_S = 0.5
+# What `pip install 'gpufeed[service]'` brings (pyproject.toml) and the commands import.
+SERVICE_MODULES = ("celery", "redbeat", "redis")
+
+
+def needs_service(func: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator: without the service extra the command exits 1 with the install line, not a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        name = top_command_name(click.get_current_context())
+        require_extra("service", SERVICE_MODULES, f"gpufeed {name}")
+        return func(*args, **kwargs)
+
+    return wrapper
 
 
 def _settings() -> Any:
@@ -47,6 +65,7 @@ def _settings() -> Any:
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
+@needs_service
 def worker(concurrency: int | None, name: str | None, queues: str | None, loglevel: str, celery_args: tuple[str, ...]) -> None:
     """Run a Celery worker for gpufeed jobs; other options go to `celery worker` (e.g. --pool solo)."""
     settings = _settings()
@@ -66,6 +85,7 @@ def worker(concurrency: int | None, name: str | None, queues: str | None, loglev
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
+@needs_service
 def beat(loglevel: str, celery_args: tuple[str, ...]) -> None:
     """Run the scheduler that fires `gpufeed schedule` entries (several beats are safe: one ticks at a time)."""
     _settings()
@@ -95,6 +115,7 @@ def submit() -> None:
 @prepare_options
 @_wait_options
 @user_errors
+@needs_service
 def submit_prepare(
     src: str, out: str, force: bool, overwrite: bool, wait: bool, as_json: bool, quiet: bool, **options: Any
 ) -> None:
@@ -110,6 +131,7 @@ def submit_prepare(
 @reshard_options
 @_wait_options
 @user_errors
+@needs_service
 def submit_reshard(dataset: str, wait: bool, as_json: bool, quiet: bool, **options: Any) -> None:
     """Re-pack DATASET into new shards (no decoding), or re-augment it with a new seed, on the service."""
     from .security import absolute
@@ -124,6 +146,7 @@ def submit_reshard(dataset: str, wait: bool, as_json: bool, quiet: bool, **optio
 @click.option("--threads", type=int, default=None, help="Reads in flight for the queue-depth-N figures (default 16).")
 @_wait_options
 @user_errors
+@needs_service
 def submit_bench_disk(
     path: str, file_size: str | None, duration: float | None, threads: int | None, wait: bool, as_json: bool, quiet: bool
 ) -> None:
@@ -237,6 +260,7 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @user_errors
+@needs_service
 def status(job: str, as_json: bool) -> None:
     """Show a job: state (queued, running, succeeded, failed, cancelled), shards, samples, rejects, images/s, error."""
     from .jobs import JobStore, redis_errors
@@ -251,6 +275,7 @@ def status(job: str, as_json: bool) -> None:
 @click.option("--limit", default=50, show_default=True, help="Most recent jobs shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
 @user_errors
+@needs_service
 def jobs(limit: int, as_json: bool) -> None:
     """List recent jobs, newest first."""
     from .jobs import JobStore, redis_errors
@@ -278,6 +303,7 @@ def jobs(limit: int, as_json: bool) -> None:
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the job's status as JSON.")
 @user_errors
+@needs_service
 def cancel(job: str, as_json: bool) -> None:
     """Cancel a job: no more of its shards start, its partial output is removed, no manifest is written."""
     from .client import cancel_job
@@ -323,6 +349,7 @@ def _scheduled_reshard(dataset: str, **options: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the schedule as JSON.")
 @click.argument("job", nargs=-1, type=click.UNPROCESSED)
 @user_errors
+@needs_service
 def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, job: tuple[str, ...]) -> None:
     """Add schedule NAME that runs JOB (`reshard DATASET [reshard options]`) --every INTERVAL or on --cron."""
     from .jobs import redis_errors
@@ -349,6 +376,7 @@ def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, 
 @schedule.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the schedules as JSON.")
 @user_errors
+@needs_service
 def schedule_list(as_json: bool) -> None:
     """List the schedules, their next run and the last job each submitted."""
     from .jobs import redis_errors
@@ -372,6 +400,7 @@ def schedule_list(as_json: bool) -> None:
 @schedule.command("remove")
 @click.argument("name")
 @user_errors
+@needs_service
 def schedule_remove(name: str) -> None:
     """Remove schedule NAME (jobs it already submitted go on)."""
     from .jobs import redis_errors

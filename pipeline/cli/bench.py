@@ -9,14 +9,14 @@ import json
 import re
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
 
 from ..errors import ConfigError
 from ..units import parse_bytes
-from .common import exit_on_user_errors
+from .common import exit_on_user_errors, require_extra
 
 # Ctrl-C: the benchmarks have removed their test files by the time this prints.
 _measure_errors = exit_on_user_errors("interrupted; temporary test files were removed")
@@ -86,6 +86,17 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
+def _plots_available(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value:  # checked before measuring, not after minutes of it
+        require_extra("plots", ("matplotlib",), "--plot")
+    return value
+
+
+def plot_option(text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--plot FILE.png` with help `text`; refused at once, with the install line, where matplotlib is missing."""
+    return click.option("--plot", default=None, callback=_plots_available, help=text)
+
+
 def _plot(kind: str, plot: str | None, result: Any, **extra: Any) -> None:
     if not plot:
         return
@@ -118,7 +129,7 @@ def bench() -> None:
     "--tests", default="seq_write,seq_read,randread,small_files", show_default=True, help="Which tests to run."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart (IOPS vs threads, MB/s vs block size).")
+@plot_option("Write a PNG chart (IOPS vs threads, MB/s vs block size).")
 @_measure_errors
 def bench_disk(
     path: str,
@@ -187,7 +198,7 @@ def bench_disk(
 @click.option("--seconds", default=0.5, show_default=True, help="Minimum timed seconds per decoder and sample.")
 @click.option("--decoder", "decoders", multiple=True, help="Only these decoders (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart (images/s per core by decoder).")
+@plot_option("Write a PNG chart (images/s per core by decoder).")
 @_measure_errors
 def bench_decode(
     src: str, sample: int, size: int, target: int, quality: int, seconds: float, decoders: tuple[str, ...],
@@ -227,7 +238,7 @@ def bench_decode(
 @click.option("--device", default="auto", show_default=True, help="The loader's device: auto, cpu, cuda.")
 @click.option("--worker-type", type=click.Choice(["thread", "process"]), default="thread", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart (images/s and stall fraction vs num_workers).")
+@plot_option("Write a PNG chart (images/s and stall fraction vs num_workers).")
 @_measure_errors
 def bench_loader(
     dataset: str, workers: str | None, batch_size: int, gpu_images_per_s: float | None, seconds: float, device: str,
@@ -278,7 +289,7 @@ def bench_loader(
 @click.option("--device", default="auto", show_default=True, help="Device of the loader and the model.")
 @click.option("--apply", "apply_out", default=None, help="Run the recommended prepare into OUT and measure the loader on it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart of the ceilings.")
+@plot_option("Write a PNG chart of the ceilings.")
 @_measure_errors
 def advise(
     src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, batch_size: int,
@@ -398,7 +409,7 @@ def _print_advice(result: Any) -> None:
 @click.option("--loader-images-per-s", type=float, default=None, help="The loader's rate, if known.")
 @click.option("--dataset", default=None, help="Else measure the loader over this prepared dataset.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart (memory and images/s vs batch size).")
+@plot_option("Write a PNG chart (memory and images/s vs batch size).")
 @_measure_errors
 def estimate_memory_command(
     model: str, input_shape: str, optimizer: str, dtype: str, vram: str | None, margin: float, inference: bool,

@@ -1,4 +1,4 @@
-"""What every `gpufeed` command shares: one-line errors, the group, the prepare and reshard options.
+"""What every `gpufeed` command shares: one-line errors, the group, missing extras, the prepare and reshard options.
 
 Command modules (here and in other packages, e.g. `worker/cli.py`) import from
 this module; it imports none of them.
@@ -7,6 +7,7 @@ this module; it imports none of them.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import sys
 from collections.abc import Callable
@@ -50,6 +51,28 @@ def exit_on_user_errors(interrupted: str) -> Callable[[Callable[..., Any]], Call
 
 
 user_errors = exit_on_user_errors("interrupted; complete shards are kept, run the same command again to resume")
+
+
+def require_extra(extra: str, modules: tuple[str, ...], what: str) -> None:
+    """Exit 1 with the install line when `what` needs an extra whose packages cannot be imported.
+
+    Args:
+        extra: the name in `pip install 'gpufeed[EXTRA]'`, e.g. ``"service"``.
+        modules: the modules that extra provides, e.g. ``("celery", "redis")``.
+        what: what needs it, as the message names it: ``"gpufeed worker"``, ``"--plot"``.
+    """
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            fail(f"{what} needs the {extra} extra: pip install 'gpufeed[{extra}]'")
+
+
+def top_command_name(ctx: click.Context) -> str:
+    """`gpufeed NAME …` -> NAME: the command right under `gpufeed`, however deep `ctx` is."""
+    while ctx.parent is not None and ctx.parent.parent is not None:
+        ctx = ctx.parent
+    return ctx.info_name or ""
 
 
 class GpufeedGroup(click.Group):

@@ -23,6 +23,7 @@ from ..io.fs import redact_url
 # The service's Redis: doctor checks it, and the service's settings (worker/settings.py) take these from here.
 DEFAULT_BROKER_URL = "redis://localhost:6379/0"
 BROKER_URL_ENV = "GPUFEED_BROKER_URL"
+REDIS_CLIENT_MISSING = "redis-py is not installed, so Redis was not checked: pip install 'gpufeed[service]'"
 REDIS_TIMEOUT_S = 1.0
 
 # (name shown, PIL format, image mode, extra save arguments, check on the image read back)
@@ -231,6 +232,10 @@ def check_redis(url: str, timeout: float = REDIS_TIMEOUT_S) -> dict[str, Any]:
     info: dict[str, Any] = {"url": redact_url(url), "reachable": False, "version": None, "error": None}
     try:
         import redis
+    except ImportError:  # the service extra is not installed: nothing here needs Redis
+        info["error"] = REDIS_CLIENT_MISSING
+        return info
+    try:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
@@ -309,6 +314,8 @@ def format_report(report: dict[str, Any]) -> str:
     if redis_info["reachable"]:
         state = f"reachable (Redis {redis_info['version']})" if redis_info["version"] else "reachable"
         state += f", but {redis_info['error']}" if redis_info["error"] else ""
+    elif redis_info["error"] == REDIS_CLIENT_MISSING:
+        state = f"{REDIS_CLIENT_MISSING} (only the service needs it)"
     else:
         state = f"not reachable ({redis_info['error']}); only the service needs it, `gpufeed prepare` does not"
     row("redis", f"{redis_info['url']}: {state}")
