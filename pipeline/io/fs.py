@@ -26,8 +26,14 @@ def local_path(path: str) -> str | None:
 def redact_url(url: str) -> str:
     """`url` with its password, if any, replaced by ``***``: fit for messages, logs and reports.
 
-    ``redis://:secret@host:6379/0`` -> ``redis://:***@host:6379/0``; the user
-    name, host (as written), port, path and query are kept.
+    Args:
+        url: any URL, e.g. ``redis://:secret@host:6379/0``.
+
+    Returns:
+        The same URL with ``***`` for the password (``redis://:***@host:6379/0``);
+        the user name, the host as written, port, path and query are kept. A URL
+        without a password comes back unchanged, one that cannot be parsed as
+        ``<unparseable URL>``.
     """
     try:
         parts = urlsplit(url)
