@@ -9,7 +9,16 @@ from __future__ import annotations
 
 
 class GpufeedError(Exception):
-    """Base class of every error gpufeed raises on purpose."""
+    """Base class of every error gpufeed raises on purpose.
+
+    Attributes:
+        retryable: whether the same work may succeed when simply tried again
+            later (a full disk freed, a network store back), so a service
+            retries it instead of failing the job; False unless a subclass
+            says otherwise.
+    """
+
+    retryable: bool = False
 
 
 class ConfigError(GpufeedError, ValueError):
@@ -38,6 +47,8 @@ class StorageError(GpufeedError):
     Retryable: the job can be re-run once the cause is fixed; complete shards
     are kept and reused.
     """
+
+    retryable = True
 
 
 class ManifestError(GpufeedError):

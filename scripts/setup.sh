@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up gpufeed on this machine, from nothing to ready:
-#   .venv (python3) <- torch (CPU build, pinned first) <- gpufeed[test] (editable)
+#   .venv (python3) <- torch (CPU build, pinned first) <- gpufeed[test,service,plots] (editable)
 #   <- Pillow-SIMD built against the system's libjpeg-turbo, zlib, libwebp, libtiff, openjpeg
 #   (falls back to the Pillow wheel, loudly, where it cannot be built with them),
 #   and redis-server for the tests.
@@ -214,8 +214,8 @@ main() {
     PILLOW_NOTE=""
     ensure_venv
     ensure_torch
-    say "installing gpufeed (editable) with its test dependencies"
-    pip install -qq -e '.[test]'
+    say "installing gpufeed (editable) with the service, the charts and the test dependencies"
+    pip install -qq -e '.[test,service,plots]'
     # Last, because installing anything that depends on Pillow puts Pillow's PIL back.
     install_pillow_simd
     printf '%s' "$PILLOW_NOTE" >"$STAMP.note"

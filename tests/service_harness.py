@@ -4,7 +4,7 @@ Workers run as `python -m pipeline worker …` subprocesses in their own
 process group (so a test can SIGKILL the main process alone, and teardown
 can stop the whole group); every process a test starts is stopped in the
 fixture's teardown. Service timings are shortened through the environment
-(heartbeat 1 s, stale after 4 s, watchdog every 1 s).
+(heartbeat 1 s, stale after 4 s, watchdog every 1 s, retries after 0.2 s).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ FAST_SERVICE_ENV = {
     "GPUFEED_STALE_AFTER": "4",
     "GPUFEED_WATCHDOG_INTERVAL": "1",
     "GPUFEED_BEAT_INTERVAL": "1",
+    "GPUFEED_RETRY_DELAY": "0.2",
     "GPUFEED_JOB_TTL": "1h",
 }
 
@@ -223,35 +224,9 @@ def skip_without_redis_server() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Fixtures shared by the service test modules (import them by name)
+# Flags of the service tests' jobs
 
 # 40 photo-like images of 800-1200 px prepared to 512 px PNGs: about 0.1 s per image,
 # so a job lasts long enough to be interrupted. With variants the cost triples.
 SLOW_FLAGS = ["--size", "512", "--format", "png", "--shard-count", "4"]
 SLOWER_FLAGS = [*SLOW_FLAGS, "--variants", "2"]
-
-
-@pytest.fixture(scope="session")
-def small_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pipeline.demo import make_demo_dataset
-
-    root = tmp_path_factory.mktemp("service-data") / "small"
-    make_demo_dataset(str(root), 24, min_side=96, max_side=200, workers=1)
-    return root
-
-
-@pytest.fixture(scope="session")
-def slow_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pipeline.demo import make_demo_dataset
-
-    root = tmp_path_factory.mktemp("service-data") / "slow"
-    make_demo_dataset(str(root), 40, min_side=800, max_side=1200, workers=2)
-    return root
-
-
-@pytest.fixture
-def service(private_redis: Any, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Iterator[Service]:
-    """A service on this test's own Redis; jobs may use anything under pytest's temp folder."""
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    yield from service_fixture(private_redis.url, [tmp_path_factory.getbasetemp()], logs)

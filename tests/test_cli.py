@@ -102,3 +102,193 @@ def test_prepare_rejects_bad_input_with_one_line(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("gpufeed: error: "), result.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------------------
+# The service's commands come through entry points; the library never imports the service
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICE_COMMANDS = ("beat", "cancel", "jobs", "schedule", "status", "submit", "worker")
+
+
+def run_with_path(*args: str, path: list[Path], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`python -m pipeline ARGS` with `path` in front of this checkout on sys.path (run in path[0], not here)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in [*path, ROOT])}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        check=False, capture_output=True, text=True, env=env, cwd=path[0], timeout=timeout,
+    )
+
+
+def fake_distribution(site: Path, name: str, entry_points: str) -> None:
+    """Installed metadata for `name` (version 0.1.0) with `entry_points` as its entry_points.txt."""
+    info = site / f"{name}-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+def test_help_lists_the_service_commands() -> None:
+    result = run("--help")
+    assert result.returncode == 0, result.stderr
+    listed = {line.split()[0] for line in result.stdout.split("Commands:")[1].splitlines() if line.strip()}
+    assert set(SERVICE_COMMANDS) | {"prepare", "inspect", "reshard", "bench", "advise", "estimate-memory"} <= listed
+    worker = run("worker", "--help")
+    assert worker.returncode == 0 and "--concurrency" in worker.stdout, worker.stderr
+
+
+def test_the_entry_point_table_and_its_fallback_name_the_same_commands() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    from pipeline.cli.plugins import ENTRY_POINT_GROUP, OWN_COMMANDS
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][ENTRY_POINT_GROUP]
+    assert declared == OWN_COMMANDS
+    assert sorted(declared) == list(SERVICE_COMMANDS)
+
+
+def test_the_library_imports_no_service_and_no_charts() -> None:
+    code = (
+        "import sys, pipeline, pipeline.cli\n"
+        "from pipeline.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = ('celery', 'kombu', 'redis', 'redbeat', 'matplotlib')\n"
+        "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "submit" in result.stdout  # the service's commands were listed ...
+    assert result.stdout.splitlines()[-1] == "LOADED []"  # ... without importing Celery or Redis
+
+
+def test_installed_entry_points_add_commands_and_a_broken_one_only_warns(tmp_path: Path) -> None:
+    (tmp_path / "hello_plugin.py").write_text(
+        "import click\n\n@click.command()\n@click.argument('name')\ndef hello(name):\n"
+        "    '''Say hello.'''\n    click.echo(f'hello {name}')\n"
+    )
+    fake_distribution(tmp_path, "hello_plugin", "[gpufeed.commands]\nhello = hello_plugin:hello\n")
+    fake_distribution(tmp_path, "broken_plugin", "[gpufeed.commands]\nbroken = no_such_module:command\n")
+
+    hello = run_with_path("hello", "world", path=[tmp_path])
+    assert hello.returncode == 0 and hello.stdout == "hello world\n", hello.stderr
+    listing = run_with_path("--help", path=[tmp_path])
+    assert listing.returncode == 0 and "hello" in listing.stdout and "Say hello." in listing.stdout
+    assert "cannot load the broken command (no_such_module:command)" in listing.stderr
+    assert "submit" in listing.stdout  # gpufeed's own commands are still there
+    broken = run_with_path("broken", path=[tmp_path])
+    assert broken.returncode == 2 and "No such command 'broken'" in broken.stderr
+
+
+def test_metadata_that_declares_the_commands_is_used_and_metadata_without_them_falls_back(tmp_path: Path) -> None:
+    # gpufeed's metadata with no entry points (an editable install older than them): the fallback.
+    old = tmp_path / "old"
+    fake_distribution(old, "gpufeed", "[console_scripts]\ngpufeed = pipeline.cli:main\n")
+    result = run_with_path("--help", path=[old])
+    assert result.returncode == 0 and all(f"  {name} " in result.stdout for name in SERVICE_COMMANDS), result.stdout
+
+    # Metadata that declares them: exactly those (here one of them, so the fallback is visibly off).
+    new = tmp_path / "new"
+    fake_distribution(new, "gpufeed", "[gpufeed.commands]\nstatus = worker.cli:status\n")
+    result = run_with_path("--help", path=[new])
+    assert result.returncode == 0, result.stderr
+    assert "  status " in result.stdout and "  submit " not in result.stdout and "  worker " not in result.stdout
+
+
+def test_the_fallback_never_takes_commands_from_another_worker_package(tmp_path: Path) -> None:
+    other = tmp_path / "elsewhere"
+    (other / "worker").mkdir(parents=True)
+    (other / "worker" / "__init__.py").write_text("")
+    (other / "worker" / "cli.py").write_text("raise SystemExit('foreign code ran')\n")
+    fake_distribution(other, "gpufeed", "[console_scripts]\ngpufeed = pipeline.cli:main\n")
+    result = run_with_path("--help", path=[other])
+    assert result.returncode == 0, result.stderr
+    assert "foreign code ran" not in result.stdout + result.stderr
+    assert "  submit " not in result.stdout and "  prepare " in result.stdout
+
+
+# ---------------------------------------------------------------------------
+# A missing extra is named by the command that needs it, with the install line
+
+HIDE_MODULES = """
+import sys
+
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Hide())
+sys.argv = ["gpufeed", *ARGS]
+from pipeline.cli import main
+main()
+"""
+
+
+def run_without(hidden: tuple[str, ...], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The `gpufeed` command in an interpreter where the `hidden` packages cannot be imported."""
+    code = f"HIDDEN = {hidden!r}\nARGS = {list(args)!r}\n" + HIDE_MODULES
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["worker"],
+        ["worker", "--concurrency", "2", "--pool", "solo"],
+        ["beat"],
+        ["submit", "prepare", "/data/raw", "/data/out", "--size", "128"],
+        ["submit", "reshard", "/data/out", "--shard-count", "4"],
+        ["submit", "bench-disk", "/data"],
+        ["status", "abc123"],
+        ["jobs"],
+        ["cancel", "abc123"],
+        ["schedule", "add", "nightly", "--every", "1d", "reshard", "/data/out", "--multiple-of", "8"],
+        ["schedule", "list"],
+        ["schedule", "remove", "nightly"],
+    ],
+    ids=lambda args: "-".join(a for a in args if not a.startswith(("/", "-")) and not a[0].isdigit())[:40],
+)
+def test_service_commands_without_the_service_extra_print_the_install_line(args: list[str]) -> None:
+    result = run_without(("celery", "kombu", "redbeat"), *args)
+    assert result.returncode == 1
+    assert result.stderr == f"gpufeed: error: gpufeed {args[0]} needs the service extra: pip install 'gpufeed[service]'\n"
+    assert result.stdout == ""
+
+
+def test_without_the_service_extra_help_and_local_commands_still_work(tmp_path: Path) -> None:
+    hidden = ("celery", "kombu", "redbeat", "redis")
+    listing = run_without(hidden, "--help")
+    assert listing.returncode == 0 and "  worker " in listing.stdout, listing.stderr
+    usage = run_without(hidden, "submit", "prepare", "--help")
+    assert usage.returncode == 0 and "--shard-size" in usage.stdout, usage.stderr
+    demo = run_without(hidden, "demo-data", str(tmp_path / "raw"), "--n", "2", "--min-side", "32", "--max-side", "48", "--workers", "0")
+    assert demo.returncode == 0 and "wrote 2 images" in demo.stdout, demo.stderr
+
+
+def test_doctor_without_redis_py_says_so_and_succeeds() -> None:
+    from pipeline.measure.doctor import REDIS_CLIENT_MISSING
+
+    result = run_without(("redis",), "doctor", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["redis"]["reachable"] is False and report["redis"]["error"] == REDIS_CLIENT_MISSING
+    assert "pip install 'gpufeed[service]'" in REDIS_CLIENT_MISSING
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "disk", "{tmp}/disk", "--size", "1MiB"],
+        ["bench", "decode", "{tmp}/raw"],
+        ["bench", "loader", "{tmp}/shards"],
+        ["advise", "{tmp}/raw", "--target", "{tmp}/target"],
+        ["estimate-memory", "--model", "torchvision.models:resnet18"],
+    ],
+    ids=lambda args: "-".join(a for a in args if not a.startswith(("{", "-")))[:30],
+)
+def test_plot_without_matplotlib_prints_the_install_line_before_measuring(args: list[str], tmp_path: Path) -> None:
+    args = [arg.format(tmp=tmp_path) for arg in args] + ["--plot", str(tmp_path / "chart.png")]
+    result = run_without(("matplotlib",), *args)
+    assert result.returncode == 1
+    assert result.stderr == "gpufeed: error: --plot needs the plots extra: pip install 'gpufeed[plots]'\n"
+    assert list(tmp_path.iterdir()) == []  # refused before anything was measured or written

@@ -11,23 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from service_harness import (  # noqa: F401 - fixtures
+from service_harness import (
     SLOW_FLAGS,
     SLOWER_FLAGS,
     Service,
     assert_verified,
     dataset_samples,
-    service,
     service_fixture,
     shard_bytes,
-    slow_raw,
-    small_raw,
 )
 
 from pipeline.prepare.job import prepare_dataset
 from pipeline.specs import PrepareSpec
 
 pytestmark = pytest.mark.slow
+pytest_plugins = ["service_fixtures"]  # service, small_raw, slow_raw
 
 
 def local_prepare_of(service: Service, job: str, out: Path) -> Path:
@@ -353,3 +351,19 @@ def test_reshard_and_reaugment_through_the_service(service: Service, small_raw: 
     after = dataset_samples(out)
     assert after.keys() == before.keys()  # the same sources ...
     assert any(after[k]["jpg"] != before[k]["jpg"] for k in after)  # ... augmented differently
+
+
+def test_a_disk_benchmark_runs_on_a_worker(service: Service, tmp_path: Path) -> None:
+    service.start_worker("w1")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    result = service.cli(
+        "submit", "bench-disk", str(disk), "--file-size", "4MiB", "--duration", "0.1", "--threads", "2", "--wait", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["kind"] == "bench-disk" and status["state"] == "succeeded", status
+    report = status["result"]
+    assert report["path"] == str(disk) and report["file_bytes"] >= 4 << 20
+    assert report["seq_read_by_block"] and all(rate > 0 for rate in report["seq_read_by_block"].values())
+    assert list(disk.iterdir()) == []  # the benchmark removed its test files

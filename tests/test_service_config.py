@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, GpufeedError, StorageError
+from pipeline.io.fs import redact_url
 from pipeline.specs import PrepareSpec
 from worker import security
 from worker.app import celery_config, make_app
 from worker.schedules import describe, make_schedule
-from worker.settings import ServiceSettings, hide_password, settings_from_env
+from worker.settings import ServiceSettings, settings_from_env
 from pipeline.units import parse_duration
 
 
@@ -63,8 +64,29 @@ def test_durations_and_passwords() -> None:
     assert parse_duration("90") == 90 and parse_duration("10m") == 600 and parse_duration("1.5h") == 5400
     with pytest.raises(ConfigError):
         parse_duration("0s")
-    assert hide_password("redis://:secret@host:6379/0") == "redis://:***@host:6379/0"
-    assert hide_password("redis://user:secret@host/0") == "redis://user:***@host/0"
+    assert redact_url("redis://:secret@host:6379/0") == "redis://:***@host:6379/0"
+    assert redact_url("redis://user:secret@host/0") == "redis://user:***@host/0"
+    assert redact_url("redis://:p@ss@Redis-1:6379/0?ssl=1") == "redis://:***@Redis-1:6379/0?ssl=1"  # '@' in a password
+    assert redact_url("redis://localhost:6379/0") == "redis://localhost:6379/0"
+    assert redact_url("redis://[::1") == "<unparseable URL>"
+
+
+def test_one_default_broker_and_one_way_to_hide_its_password() -> None:
+    from pipeline.measure import doctor
+
+    assert ServiceSettings().broker_url == settings_from_env({}).broker_url == doctor.DEFAULT_BROKER_URL
+    with pytest.raises(ConfigError) as refused:
+        settings_from_env({doctor.BROKER_URL_ENV: "amqp://guest:hunter2@rabbit//"})
+    assert "hunter2" not in str(refused.value) and "guest:***@rabbit" in str(refused.value)
+
+
+def test_storage_errors_are_retryable_and_others_are_not() -> None:
+    assert StorageError("disk full").retryable is True
+    assert not any(error("x").retryable for error in (GpufeedError, ConfigError))
+    settings = settings_from_env({"GPUFEED_RETRY_DELAY": "2s"})
+    assert settings.retry_delay_s == 2 and settings_from_env({}).retry_delay_s == 10
+    with pytest.raises(ConfigError, match="GPUFEED_RETRY_DELAY"):
+        settings_from_env({"GPUFEED_RETRY_DELAY": "soon"})
 
 
 def test_celery_runs_json_only_with_late_acks_and_bounded_tasks() -> None:

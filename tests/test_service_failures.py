@@ -1,29 +1,28 @@
-"""The service under failure: a worker SIGKILLed mid-job, Redis restarted mid-job, the watchdog's rules."""
+"""The service under failure: a worker SIGKILLed mid-job, Redis restarted mid-job, the watchdog's rules, retries."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from service_harness import (  # noqa: F401 - fixtures
+from service_harness import (
     SLOWER_FLAGS,
     Service,
     assert_verified,
     dataset_samples,
-    service,
     service_fixture,
     shard_bytes,
-    slow_raw,
-    small_raw,
 )
 
 from pipeline.prepare.job import prepare_dataset
 from pipeline.specs import PrepareSpec
 
 pytestmark = pytest.mark.slow
+pytest_plugins = ["service_fixtures"]  # service, small_raw, slow_raw
 
 
 def test_a_sigkilled_worker_s_job_completes_on_another_worker(service: Service, slow_raw: Path, tmp_path: Path) -> None:
@@ -99,7 +98,7 @@ def _wait_through_outages(service: Service, job: str, timeout: float) -> Any:
 
 
 @pytest.fixture
-def watchdog(private_redis: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+def watchdog(private_redis: Any, tmp_path: Path) -> Any:
     from worker import watchdog as module
     from worker.jobs import JobStore
     from worker.settings import settings_from_env
@@ -114,9 +113,8 @@ def watchdog(private_redis: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         }
     )
     sent: list[tuple[str, str]] = []
-    monkeypatch.setattr(module, "send_unit", lambda record, unit: sent.append((record.id, unit)))
     store = JobStore(settings)
-    dog = module.Watchdog(settings, "test-worker", store)
+    dog = module.Watchdog(settings, "test-worker", lambda record, unit: sent.append((record.id, unit)), store)
     dog.sent = sent
     yield dog
     store.client.close()
@@ -201,7 +199,9 @@ def test_a_unit_that_keeps_killing_its_worker_fails_the_job(watchdog: Any, tmp_p
 
 def test_finalize_refuses_a_shard_that_does_not_verify(service: Service, small_raw: Path, tmp_path: Path) -> None:
     from pipeline.prepare.job import plan_prepare, write_prepare_shard
-    from worker.client import send_unit
+    from worker.app import make_app
+    from worker.dispatch import send_unit
+    from worker.settings import settings_from_env
 
     spec = PrepareSpec.from_dict({"source": str(small_raw), "out": str(tmp_path / "out"), "shards": {"max_samples": 8}})
     plan = plan_prepare(spec)
@@ -219,7 +219,76 @@ def test_finalize_refuses_a_shard_that_does_not_verify(service: Service, small_r
     victim.write_bytes(bytes(data))
 
     service.start_worker("w1")
-    send_unit(store.require(job), "finalize")
+    send_unit(make_app(settings_from_env(service.env)), store.require(job), "finalize")
     record = service.wait_finished(job, timeout=60)
     assert record.state == "failed" and "missing or invalid" in record.error, record.error
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------------------
+# Retryable errors: a StorageError sends its task again instead of failing the job
+
+# Loaded by the worker's interpreter at start (sitecustomize): the first GPUFEED_TEST_FAILURES
+# writes of shard 1 raise the StorageError a full disk raises; each is counted in the marker file.
+FAIL_SHARD_ONE = '''
+import os
+
+import pipeline.prepare.job as job
+from pipeline.errors import StorageError
+
+_write_prepare_shard = job.write_prepare_shard
+
+
+def write_prepare_shard(spec, shard, *args, **kwargs):
+    if shard == 1:
+        marker = os.environ["GPUFEED_TEST_MARKER"]
+        with open(marker, "a") as handle:
+            handle.write("x")
+        with open(marker) as handle:
+            tries = len(handle.read())
+        if tries <= int(os.environ["GPUFEED_TEST_FAILURES"]):
+            raise StorageError(f"no space left on the device while writing shard 1 (try {tries})")
+    return _write_prepare_shard(spec, shard, *args, **kwargs)
+
+
+job.write_prepare_shard = write_prepare_shard
+'''
+
+
+def _start_failing_worker(service: Service, tmp_path: Path, failures: int, **env: str) -> Path:
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FAIL_SHARD_ONE)
+    marker = tmp_path / "shard-1-tries"
+    path = os.pathsep.join(p for p in (str(hooks), service.env.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, "GPUFEED_TEST_MARKER": str(marker), "GPUFEED_TEST_FAILURES": str(failures), **env}
+    service.start_worker("w1", env=env)
+    return marker
+
+
+def test_a_storage_error_is_retried_and_the_job_succeeds(service: Service, small_raw: Path, tmp_path: Path) -> None:
+    marker = _start_failing_worker(service, tmp_path, failures=1)
+    out = tmp_path / "out"
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "8")
+    record = service.wait_finished(job, timeout=120)
+
+    assert record.state == "succeeded", record.error
+    assert marker.read_text() == "xx"  # the first try failed, the second wrote the shard
+    assert int(service.store.client.hget(service.store.job_key(job), "attempts:shard:1")) == 2
+    assert record.shards_done == record.shards_total == 3 and record.samples == 24 and not record.error
+    assert assert_verified(out).samples == 24
+    assert "trying again" in service.processes[0].text()
+
+
+def test_a_storage_error_that_persists_fails_the_job_after_the_allowed_runs(
+    service: Service, small_raw: Path, tmp_path: Path
+) -> None:
+    marker = _start_failing_worker(service, tmp_path, failures=100, GPUFEED_MAX_ATTEMPTS="3")
+    out = tmp_path / "out"
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "8")
+    record = service.wait_finished(job, timeout=120)
+
+    assert record.state == "failed"
+    assert "no space left on the device" in record.error and "(tried 3 times)" in record.error, record.error
+    assert marker.read_text() == "xxx"
+    assert not (out / "manifest.json").exists()

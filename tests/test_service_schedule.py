@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
-from service_harness import Service, assert_verified, dataset_samples, service, small_raw  # noqa: F401 - fixtures
+from service_harness import Service, assert_verified, dataset_samples
 
 pytestmark = pytest.mark.slow
+pytest_plugins = ["service_fixtures"]  # service, small_raw, slow_raw
 
 
 def _reshard_jobs(service: Service) -> list[dict[str, object]]:

@@ -18,10 +18,12 @@ for a reason:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from celery import Celery, bootsteps
 
+from .dispatch import send_unit
 from .settings import ServiceSettings, get_settings
 
 
@@ -83,7 +85,7 @@ class WatchdogStep(bootsteps.StartStopStep):
         from .watchdog import Watchdog
 
         settings = get_settings()
-        watchdog = Watchdog(settings, worker.hostname)
+        watchdog = Watchdog(settings, worker.hostname, functools.partial(send_unit, worker.app))
         self.tref = worker.timer.call_repeatedly(settings.watchdog_interval_s, watchdog.safe_tick, priority=10)
 
     def stop(self, worker: Any) -> None:

@@ -1,12 +1,15 @@
-"""`gpufeed worker|beat|submit|status|jobs|cancel|schedule|reshard`: the Celery service (SPEC §4).
+"""`gpufeed worker|beat|submit|status|jobs|cancel|schedule`: the Celery service (SPEC §4).
 
-Parsing and printing only: the service lives in `worker/`, the reshard in
-`pipeline.reshard`. Celery and Redis are imported inside the commands, so
-`gpufeed --help` and the local commands stay fast.
+Parsing and printing only: the service lives in `worker/`. Each command is a
+`gpufeed.commands` entry point (pyproject.toml), so `gpufeed` finds it without
+the library importing the service. Celery and Redis are imported inside the
+commands, so `gpufeed --help` and the local commands stay fast, and a command
+run without them says which extra to install.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -15,11 +18,34 @@ from typing import Any
 
 import click
 
-from pipeline.cli import fail, user_errors, main, prepare_options, spec_from_options
+from pipeline.cli.common import (
+    fail,
+    prepare_options,
+    require_extra,
+    reshard_options,
+    reshard_spec,
+    spec_from_options,
+    top_command_name,
+    user_errors,
+)
 from pipeline.units import parse_bytes
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 WAIT_POLL_S = 0.5
+# What `pip install 'gpufeed[service]'` brings (pyproject.toml) and the commands import.
+SERVICE_MODULES = ("celery", "redbeat", "redis")
+
+
+def needs_service(func: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator: without the service extra the command exits 1 with the install line, not a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        name = top_command_name(click.get_current_context())
+        require_extra("service", SERVICE_MODULES, f"gpufeed {name}")
+        return func(*args, **kwargs)
+
+    return wrapper
 
 
 def _settings() -> Any:
@@ -32,13 +58,14 @@ def _settings() -> Any:
 # Processes: worker and beat
 
 
-@main.command(context_settings=PASS_THROUGH)
+@click.command(context_settings=PASS_THROUGH)
 @click.option("--concurrency", "-c", type=int, default=None, help="Processes (default: the cores of this machine).")
 @click.option("-n", "--hostname", "name", default=None, help="Worker name, e.g. w1@%h (unique per worker on a machine).")
 @click.option("--queues", "-Q", default=None, help="Queues to consume, comma-separated (default: GPUFEED_QUEUE).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
+@needs_service
 def worker(concurrency: int | None, name: str | None, queues: str | None, loglevel: str, celery_args: tuple[str, ...]) -> None:
     """Run a Celery worker for gpufeed jobs; other options go to `celery worker` (e.g. --pool solo)."""
     settings = _settings()
@@ -54,10 +81,11 @@ def worker(concurrency: int | None, name: str | None, queues: str | None, loglev
     sys.exit(app.worker_main(argv + list(celery_args)) or 0)
 
 
-@main.command(context_settings=PASS_THROUGH)
+@click.command(context_settings=PASS_THROUGH)
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
+@needs_service
 def beat(loglevel: str, celery_args: tuple[str, ...]) -> None:
     """Run the scheduler that fires `gpufeed schedule` entries (several beats are safe: one ticks at a time)."""
     _settings()
@@ -76,39 +104,7 @@ def _wait_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--wait", is_flag=True, help="Wait for the job to finish, with a progress bar.")(func)
 
 
-def reshard_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Options of a reshard (shared by `reshard`, `submit reshard` and `schedule add … reshard`)."""
-    options = [
-        click.option("--shard-count", type=int, default=None, help="At most N samples per shard."),
-        click.option("--shard-size", default=None, help="About S bytes per shard at most (e.g. 256MB)."),
-        click.option("--multiple-of", type=int, default=None, help="Make the shard count a multiple of W (e.g. GPUs x loader workers)."),
-        click.option("--reaugment", is_flag=True, help="Re-augment from the source with --seed instead of re-packing."),
-        click.option("--seed", type=int, default=None, help="The new augmentation seed (with --reaugment)."),
-        click.option("--out", default=None, help="Write the result to NEW instead of a new version in place."),
-        click.option("--keep", default=1, show_default=True, help="Older versions kept for readers still using them."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def _reshard_spec(dataset: str, options: dict[str, Any], absolute: Callable[[str], str] = str) -> Any:
-    """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service."""
-    from pipeline.prepare.reshard import ReshardSpec
-
-    return ReshardSpec(
-        dataset=absolute(dataset),
-        out=absolute(options["out"]) if options["out"] else None,
-        max_samples=options["shard_count"],
-        max_bytes=parse_bytes(options["shard_size"]) if options["shard_size"] else None,
-        multiple_of=options["multiple_of"],
-        reaugment=options["reaugment"],
-        seed=options["seed"],
-        keep=options["keep"],
-    )
-
-
-@main.group()
+@click.group()
 def submit() -> None:
     """Submit a job to the service (GPUFEED_BROKER_URL); prints its id."""
 
@@ -119,6 +115,7 @@ def submit() -> None:
 @prepare_options
 @_wait_options
 @user_errors
+@needs_service
 def submit_prepare(
     src: str, out: str, force: bool, overwrite: bool, wait: bool, as_json: bool, quiet: bool, **options: Any
 ) -> None:
@@ -134,11 +131,12 @@ def submit_prepare(
 @reshard_options
 @_wait_options
 @user_errors
+@needs_service
 def submit_reshard(dataset: str, wait: bool, as_json: bool, quiet: bool, **options: Any) -> None:
     """Re-pack DATASET into new shards (no decoding), or re-augment it with a new seed, on the service."""
     from .security import absolute
 
-    _submit("reshard", {"spec": _reshard_spec(dataset, options, absolute).to_dict()}, wait, as_json, quiet)
+    _submit("reshard", {"spec": reshard_spec(dataset, options, absolute).to_dict()}, wait, as_json, quiet)
 
 
 @submit.command("bench-disk")
@@ -148,6 +146,7 @@ def submit_reshard(dataset: str, wait: bool, as_json: bool, quiet: bool, **optio
 @click.option("--threads", type=int, default=None, help="Reads in flight for the queue-depth-N figures (default 16).")
 @_wait_options
 @user_errors
+@needs_service
 def submit_bench_disk(
     path: str, file_size: str | None, duration: float | None, threads: int | None, wait: bool, as_json: bool, quiet: bool
 ) -> None:
@@ -257,10 +256,11 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
         click.echo(f"  manifest: {result['manifest']}")
 
 
-@main.command()
+@click.command()
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @user_errors
+@needs_service
 def status(job: str, as_json: bool) -> None:
     """Show a job: state (queued, running, succeeded, failed, cancelled), shards, samples, rejects, images/s, error."""
     from .jobs import JobStore, redis_errors
@@ -271,10 +271,11 @@ def status(job: str, as_json: bool) -> None:
     _print_status(record.to_status(), as_json)
 
 
-@main.command()
+@click.command()
 @click.option("--limit", default=50, show_default=True, help="Most recent jobs shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
 @user_errors
+@needs_service
 def jobs(limit: int, as_json: bool) -> None:
     """List recent jobs, newest first."""
     from .jobs import JobStore, redis_errors
@@ -298,10 +299,11 @@ def jobs(limit: int, as_json: bool) -> None:
         )
 
 
-@main.command()
+@click.command()
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the job's status as JSON.")
 @user_errors
+@needs_service
 def cancel(job: str, as_json: bool) -> None:
     """Cancel a job: no more of its shards start, its partial output is removed, no manifest is written."""
     from .client import cancel_job
@@ -328,7 +330,7 @@ def _schedule_app() -> Any:
     return app
 
 
-@main.group()
+@click.group()
 def schedule() -> None:
     """Recurring jobs kept in Redis and fired by `gpufeed beat`."""
 
@@ -347,6 +349,7 @@ def _scheduled_reshard(dataset: str, **options: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the schedule as JSON.")
 @click.argument("job", nargs=-1, type=click.UNPROCESSED)
 @user_errors
+@needs_service
 def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, job: tuple[str, ...]) -> None:
     """Add schedule NAME that runs JOB (`reshard DATASET [reshard options]`) --every INTERVAL or on --cron."""
     from .jobs import redis_errors
@@ -359,7 +362,7 @@ def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, 
 
     context = _scheduled_reshard.make_context("gpufeed schedule add NAME … reshard", list(job[1:]))
     params = dict(context.params)
-    payload = {"spec": _reshard_spec(params.pop("dataset"), params, absolute).to_dict()}
+    payload = {"spec": reshard_spec(params.pop("dataset"), params, absolute).to_dict()}
     settings = _settings()
     payload = validate_job("reshard", payload, settings)
     with redis_errors(settings):
@@ -373,6 +376,7 @@ def schedule_add(name: str, every: str | None, cron: str | None, as_json: bool, 
 @schedule.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the schedules as JSON.")
 @user_errors
+@needs_service
 def schedule_list(as_json: bool) -> None:
     """List the schedules, their next run and the last job each submitted."""
     from .jobs import redis_errors
@@ -396,6 +400,7 @@ def schedule_list(as_json: bool) -> None:
 @schedule.command("remove")
 @click.argument("name")
 @user_errors
+@needs_service
 def schedule_remove(name: str) -> None:
     """Remove schedule NAME (jobs it already submitted go on)."""
     from .jobs import redis_errors
@@ -405,30 +410,3 @@ def schedule_remove(name: str) -> None:
     with redis_errors(settings):
         remove_schedule(_schedule_app(), settings, name)
     click.echo(f"schedule {name} removed")
-
-
-# ---------------------------------------------------------------------------
-# Local reshard (no service)
-
-
-@main.command()
-@click.argument("dataset")
-@reshard_options
-@click.option("--workers", type=int, default=None, help="Prepare processes when re-augmenting (default: available cores).")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@user_errors
-def reshard(dataset: str, workers: int | None, as_json: bool, **options: Any) -> None:
-    """Re-pack DATASET into new shards without decoding (or --reaugment it), here, without the service."""
-    from pipeline.prepare.reshard import reshard_dataset
-
-    result = reshard_dataset(_reshard_spec(dataset, options), workers=workers)
-    if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
-        return
-    where = f"version {result.version}" if result.version else result.out
-    click.echo(
-        f"{'re-augmented' if result.reaugmented else 're-packed'} {result.dataset}: {result.shards_before} -> "
-        f"{result.shards_after} shards per set ({where}), {result.samples} samples, verified, in {result.seconds:.1f} s"
-    )
-    if result.removed:
-        click.echo("removed old versions: " + ", ".join(v or "(original)" for v in result.removed))

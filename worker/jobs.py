@@ -27,8 +27,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from pipeline.errors import GpufeedError, JobConflictError
+from pipeline.io.fs import redact_url
 
-from .settings import ServiceSettings, hide_password
+from .settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +330,7 @@ def redis_errors(settings: ServiceSettings) -> Iterator[None]:
     """Turn redis-py errors into a ServiceError that says what to check."""
     import redis
 
-    where = hide_password(settings.broker_url)
+    where = redact_url(settings.broker_url)
     try:
         yield
     except redis.exceptions.AuthenticationError as exc:
@@ -540,7 +541,7 @@ class UnitRun:
         self.job_id = job_id
         self.unit = unit
         self.token = uuid.uuid4().hex
-        self.entry = {"worker": worker_name(), "pid": os.getpid(), "task": task_id or ""}
+        self.entry: dict[str, Any] = {"worker": worker_name(), "pid": os.getpid(), "task": task_id or ""}
         self.done = 0
         self.status = ""
         self.stopped_state = ""

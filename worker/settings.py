@@ -20,7 +20,8 @@ override them through environment variables (durations accept `90`, `90s`,
 | GPUFEED_MAX_SPEC_BYTES | 64KiB | largest job spec accepted |
 | GPUFEED_MAX_PIXELS | 89478485 | largest `--max-pixels` a job may ask for (decompression bombs) |
 | GPUFEED_MAX_FILE_BYTES | 512MiB | largest input file a job may allow |
-| GPUFEED_MAX_ATTEMPTS | 5 | a task started this often without finishing fails its job (e.g. a file that crashes the decoder) |
+| GPUFEED_MAX_ATTEMPTS | 5 | a task started this often without finishing fails its job (e.g. a file that crashes the decoder); a task that hits a retryable error (StorageError) runs at most this often too |
+| GPUFEED_RETRY_DELAY | 10s | first pause before a retryable error is tried again; it doubles each time, up to half of GPUFEED_STALE_AFTER |
 """
 
 from __future__ import annotations
@@ -32,17 +33,13 @@ import re
 from collections.abc import Mapping
 
 from pipeline.errors import ConfigError
+from pipeline.io.fs import redact_url
+from pipeline.measure.doctor import BROKER_URL_ENV, DEFAULT_BROKER_URL
 from pipeline.specs import DEFAULT_MAX_PIXELS
 from pipeline.units import parse_duration
 
-DEFAULT_BROKER_URL = "redis://localhost:6379/0"
 HARD_LIMIT_GRACE_S = 60
 KEY_PREFIX = "gpufeed:"
-
-
-def hide_password(url: str) -> str:
-    """The URL with any password replaced by ***, for messages and logs."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +59,7 @@ class ServiceSettings:
     beat_interval_s: float = 30
     max_spec_bytes: int = 64 * 1024
     max_attempts: int = 5
+    retry_delay_s: float = 10
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_file_bytes: int = 512 * 1024 * 1024
     key_prefix: str = KEY_PREFIX
@@ -69,7 +67,7 @@ class ServiceSettings:
     def __post_init__(self) -> None:
         for name in ("broker_url", "result_backend"):
             if not getattr(self, name).startswith(("redis://", "rediss://", "unix://")):
-                raise ConfigError(f"{name} must be a redis:// URL, got {hide_password(getattr(self, name))!r}")
+                raise ConfigError(f"{name} must be a redis:// URL, got {redact_url(getattr(self, name))!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.queue):
             raise ConfigError(f"GPUFEED_QUEUE must be a simple name, got {self.queue!r}")
         if self.visibility_timeout_s <= self.hard_time_limit_s:
@@ -99,7 +97,7 @@ def _roots(text: str) -> tuple[str, ...]:
 
 def settings_from_env(env: Mapping[str, str]) -> ServiceSettings:
     """Build settings from an environment mapping (os.environ in production)."""
-    broker = env.get("GPUFEED_BROKER_URL") or DEFAULT_BROKER_URL
+    broker = env.get(BROKER_URL_ENV) or DEFAULT_BROKER_URL
     limit = parse_duration(env.get("GPUFEED_SHARD_TIME_LIMIT", "1h"), "GPUFEED_SHARD_TIME_LIMIT")
     visibility = env.get("GPUFEED_VISIBILITY_TIMEOUT")
     return ServiceSettings(
@@ -118,6 +116,7 @@ def settings_from_env(env: Mapping[str, str]) -> ServiceSettings:
         beat_interval_s=parse_duration(env.get("GPUFEED_BEAT_INTERVAL", "30s"), "GPUFEED_BEAT_INTERVAL"),
         max_spec_bytes=_parse_size(env.get("GPUFEED_MAX_SPEC_BYTES", "64KiB")),
         max_attempts=_parse_count(env.get("GPUFEED_MAX_ATTEMPTS", "5"), "GPUFEED_MAX_ATTEMPTS"),
+        retry_delay_s=parse_duration(env.get("GPUFEED_RETRY_DELAY", "10s"), "GPUFEED_RETRY_DELAY"),
         max_pixels=_parse_count(env.get("GPUFEED_MAX_PIXELS", str(DEFAULT_MAX_PIXELS)), "GPUFEED_MAX_PIXELS"),
         max_file_bytes=_parse_size(env.get("GPUFEED_MAX_FILE_BYTES", "512MiB")),
     )

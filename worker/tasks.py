@@ -3,7 +3,9 @@
 Each task takes small JSON arguments (a job id, a spec dict, a shard index),
 registers itself in the job record with a heartbeat (`UnitRun`), re-checks
 the job's paths against this worker's GPUFEED_ALLOWED_ROOTS, calls
-`pipeline`, and records the outcome. Errors become the job's `error`; a
+`pipeline`, and records the outcome. Errors become the job's `error`, except
+a retryable one (a StorageError: full disk, network store away), which sends
+the task again after a pause, up to GPUFEED_MAX_ATTEMPTS runs in all; a
 cancelled job stops at the next chunk of images.
 """
 
@@ -16,7 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from celery import chord
+from celery import chord, current_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.utils.log import get_task_logger
 
@@ -59,10 +61,37 @@ def job_errors(job_id: str, what: str) -> Iterator[None]:
         logger.warning("job %s: %s lost Redis (%s); requeueing", job_id, what, exc)
         raise Reject(str(exc), requeue=True) from exc
     except GpufeedError as exc:
-        store().fail(job_id, f"{what}: {exc}")
+        tries = _retry_if_retryable(job_id, what, exc)
+        store().fail(job_id, f"{what}: {exc}" + (f" (tried {tries} times)" if tries > 1 else ""))
     except Exception as exc:
         logger.exception("job %s: %s failed", job_id, what)
         store().fail(job_id, f"{what}: internal error {type(exc).__name__}: {exc}")
+
+
+def _retry_if_retryable(job_id: str, what: str, exc: GpufeedError) -> int:
+    """Send the running task again later for an error that says trying again may work (a StorageError).
+
+    Raises celery's Retry while tries are left: the task goes back to the broker
+    with a countdown (doubling from GPUFEED_RETRY_DELAY, at most half of
+    GPUFEED_STALE_AFTER, so the watchdog does not take the wait for a dead job).
+
+    Returns:
+        How many times the task has run, when it is not sent again: the job fails.
+    """
+    task = current_task  # a proxy: false outside a task
+    if not task or task.request.called_directly:
+        return 1
+    settings = get_settings()
+    tries = int(task.request.retries or 0) + 1
+    if not exc.retryable or tries >= settings.max_attempts:
+        return tries
+    delay = min(settings.retry_delay_s * 2 ** (tries - 1), settings.stale_after_s / 2)
+    logger.warning(
+        "job %s: %s failed (%s); trying again in %.1f s (run %d of at most %d)",
+        job_id, what, exc, delay, tries + 1, settings.max_attempts,
+    )
+    store().update(job_id, last_activity=store().now())
+    raise task.retry(exc=exc, countdown=delay, max_retries=settings.max_attempts - 1)
 
 
 def _skipped(job_id: str, run: UnitRun) -> dict[str, Any]:
@@ -251,10 +280,8 @@ def benchmark_disk_task(self: Any, job_id: str) -> dict[str, Any]:
         _check_attempts(job_id, "bench")
         record = store().require(job_id)
         payload = security.validate_job(record.kind, record.payload, get_settings())
-        try:
-            from pipeline.measure.disk import benchmark_disk
-        except ImportError as exc:
-            raise GpufeedError("this worker has no disk benchmark (pipeline.bench.disk); update gpufeed on it") from exc
+        from pipeline.measure.disk import benchmark_disk
+
         store().transition(job_id, "running", ACTIVE)
         report = benchmark_disk(payload["path"], **payload["options"])
         result = _as_dict(report)

@@ -19,9 +19,10 @@ rewrite atomically, finalize is a no-op once the job succeeded.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from .client import first_unit, send_unit
+from .dispatch import first_unit
 from .jobs import ACTIVE, JobRecord, JobStore
 from .settings import ServiceSettings
 
@@ -31,11 +32,26 @@ PRIORITY_STEPS = (3, 6, 9)
 
 
 class Watchdog:
-    """One worker's watchdog (see the module docstring)."""
+    """One worker's watchdog (see the module docstring).
 
-    def __init__(self, settings: ServiceSettings, worker: str, store: JobStore | None = None) -> None:
+    Args:
+        settings: the service settings (staleness, intervals, key prefix).
+        worker: this worker's name, held in the watchdog lock while it checks.
+        send: queues one unit of a job again, `send(record, unit)` (the worker
+            passes `worker.dispatch.send_unit` bound to its Celery app).
+        store: the job store (default: one connected on first use).
+    """
+
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        worker: str,
+        send: Callable[[JobRecord, str], None],
+        store: JobStore | None = None,
+    ) -> None:
         self.settings = settings
         self.worker = worker
+        self.send = send
         self._store = store
 
     @property
@@ -83,7 +99,7 @@ class Watchdog:
                 log.warning("gpufeed watchdog: job %s made no progress and nothing is queued; sending %s", record.id, sent)
         for unit in sent:
             if unit != "cleanup":
-                send_unit(record, unit)
+                self.send(record, unit)
         if sent:
             self.store.client.hincrby(self.store.job_key(record.id), "redispatched", len(sent))
             self.store.update(record.id, last_activity=now)

@@ -1,6 +1,6 @@
 """`gpufeed bench …`, `gpufeed advise`, `gpufeed estimate-memory`: measuring and advising (SPEC §3).
 
-Parsing and printing only: the measurements live in pipeline.bench, pipeline.advise and pipeline.memory.
+Parsing and printing only: the measurements live in pipeline.measure (disk, decode, loader, advise, memory, plots).
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import json
 import re
 import shlex
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
 
-from . import exit_on_user_errors, main
 from ..errors import ConfigError
 from ..units import parse_bytes
-
+from .common import exit_on_user_errors, require_extra
 
 # Ctrl-C: the benchmarks have removed their test files by the time this prints.
 _measure_errors = exit_on_user_errors("interrupted; temporary test files were removed")
@@ -68,9 +68,9 @@ def _num(value: float | None, digits: int = 0) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
 
-def _table(rows: list[tuple[str, ...]], header: tuple[str, ...] | None = None, align: str = "") -> str:
+def _table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...] | None = None, align: str = "") -> str:
     """Columns padded to their widest cell; `align` has one l or r per column (default: l then r)."""
-    lines = ([header] if header else []) + rows
+    lines = ([header] if header else []) + list(rows)
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     align = align or "l" + "r" * (len(widths) - 1)
     out = []
@@ -86,6 +86,17 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
+def _plots_available(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value:  # checked before measuring, not after minutes of it
+        require_extra("plots", ("matplotlib",), "--plot")
+    return value
+
+
+def plot_option(text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--plot FILE.png` with help `text`; refused at once, with the install line, where matplotlib is missing."""
+    return click.option("--plot", default=None, callback=_plots_available, help=text)
+
+
 def _plot(kind: str, plot: str | None, result: Any, **extra: Any) -> None:
     if not plot:
         return
@@ -99,7 +110,7 @@ def _plot(kind: str, plot: str | None, result: Any, **extra: Any) -> None:
 # gpufeed bench disk | decode | loader
 
 
-@main.group()
+@click.group()
 def bench() -> None:
     """Measure storage, decoders and the loader on this machine."""
 
@@ -118,7 +129,7 @@ def bench() -> None:
     "--tests", default="seq_write,seq_read,randread,small_files", show_default=True, help="Which tests to run."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart (IOPS vs threads, MB/s vs block size).")
+@plot_option("Write a PNG chart (IOPS vs threads, MB/s vs block size).")
 @_measure_errors
 def bench_disk(
     path: str,
@@ -167,11 +178,11 @@ def bench_disk(
             (f"random 4 KiB read, {point.threads} thread(s)", _num(point.iops), "IOPS",
              f"{point.p50_ms:.3f}", f"{point.p99_ms:.3f}")
         )
-    small = _bytes(result.small_file_bytes)
+    small_size = _bytes(result.small_file_bytes)
     if result.small_file_reads_per_s is not None:
-        rows.append((f"small files ({small}), 1 thread", _num(result.small_file_reads_per_s_qd1), "files/s", "", ""))
+        rows.append((f"small files ({small_size}), 1 thread", _num(result.small_file_reads_per_s_qd1), "files/s", "", ""))
         rows.append(
-            (f"small files ({small}), {result.threads} threads", _num(result.small_file_reads_per_s), "files/s", "", "")
+            (f"small files ({small_size}), {result.threads} threads", _num(result.small_file_reads_per_s), "files/s", "", "")
         )
     click.echo(_table(rows, ("test", "rate", "", "p50 ms", "p99 ms"), "lrlrr"))
     for warning in result.warnings:
@@ -187,7 +198,7 @@ def bench_disk(
 @click.option("--seconds", default=0.5, show_default=True, help="Minimum timed seconds per decoder and sample.")
 @click.option("--decoder", "decoders", multiple=True, help="Only these decoders (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart (images/s per core by decoder).")
+@plot_option("Write a PNG chart (images/s per core by decoder).")
 @_measure_errors
 def bench_decode(
     src: str, sample: int, size: int, target: int, quality: int, seconds: float, decoders: tuple[str, ...],
@@ -227,7 +238,7 @@ def bench_decode(
 @click.option("--device", default="auto", show_default=True, help="The loader's device: auto, cpu, cuda.")
 @click.option("--worker-type", type=click.Choice(["thread", "process"]), default="thread", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart (images/s and stall fraction vs num_workers).")
+@plot_option("Write a PNG chart (images/s and stall fraction vs num_workers).")
 @_measure_errors
 def bench_loader(
     dataset: str, workers: str | None, batch_size: int, gpu_images_per_s: float | None, seconds: float, device: str,
@@ -265,7 +276,7 @@ def bench_loader(
 # gpufeed advise
 
 
-@main.command()
+@click.command()
 @click.argument("src")
 @click.option("--target", required=True, help="Local folder where the shards would go (its disk is measured).")
 @click.option("--gpu-images-per-s", type=float, default=None, help="The GPU's consumption rate, if known.")
@@ -278,7 +289,7 @@ def bench_loader(
 @click.option("--device", default="auto", show_default=True, help="Device of the loader and the model.")
 @click.option("--apply", "apply_out", default=None, help="Run the recommended prepare into OUT and measure the loader on it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart of the ceilings.")
+@plot_option("Write a PNG chart of the ceilings.")
 @_measure_errors
 def advise(
     src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, batch_size: int,
@@ -383,7 +394,7 @@ def _print_advice(result: Any) -> None:
 # gpufeed estimate-memory
 
 
-@main.command("estimate-memory")
+@click.command("estimate-memory")
 @click.option("--model", required=True, help="module:factory returning a torch.nn.Module.")
 @click.option("--input", "input_shape", default="3,224,224", show_default=True, help="One sample's shape.")
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="adam", show_default=True)
@@ -398,7 +409,7 @@ def _print_advice(result: Any) -> None:
 @click.option("--loader-images-per-s", type=float, default=None, help="The loader's rate, if known.")
 @click.option("--dataset", default=None, help="Else measure the loader over this prepared dataset.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--plot", default=None, help="Write a PNG chart (memory and images/s vs batch size).")
+@plot_option("Write a PNG chart (memory and images/s vs batch size).")
 @_measure_errors
 def estimate_memory_command(
     model: str, input_shape: str, optimizer: str, dtype: str, vram: str | None, margin: float, inference: bool,
@@ -467,11 +478,11 @@ def _print_memory(e: Any) -> None:
             f"peak {t.peak_images_per_s:,.0f} images/s ({(e.device_flops or 0) / 1e12:.2f} TFLOP/s); "
             f"batch {t.saturation_batch()} reaches 90 % of it, beyond that a bigger batch only costs memory"
         )
-    rows = [
+    batches = [
         (str(r.batch_size), _bytes(r.memory_bytes), "yes" if r.fits else "no", _num(r.images_per_s))
         for r in e.rows
     ]
-    click.echo(_table(rows, ("batch", "memory", "fits", "images/s")))
+    click.echo(_table(batches, ("batch", "memory", "fits", "images/s")))
     if e.loader_can_feed is not None:
         need = e.required_images_per_s or 0.0
         verdict = "can" if e.loader_can_feed else "cannot"
@@ -480,3 +491,6 @@ def _print_memory(e: Any) -> None:
             f"({need:,.0f} images/s)"
             + ("" if e.loader_can_feed else f": the device would wait {1 - (e.loader_images_per_s or 0) / need:.0%} of the time")
         )
+
+
+COMMANDS = (bench, advise, estimate_memory_command)

@@ -1,10 +1,11 @@
-"""Filesystem helpers shared by every stage: local paths or fsspec URLs, bounded reads, hashes."""
+"""Filesystem helpers shared by every stage: local paths or fsspec URLs, bounded reads, hashes, URLs fit to print."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import SourceError
 
@@ -20,6 +21,29 @@ def local_path(path: str) -> str | None:
     if "://" in path:
         return None
     return path
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password, if any, replaced by ``***``: fit for messages, logs and reports.
+
+    Args:
+        url: any URL, e.g. ``redis://:secret@host:6379/0``.
+
+    Returns:
+        The same URL with ``***`` for the password (``redis://:***@host:6379/0``);
+        the user name, the host as written, port, path and query are kept. A URL
+        without a password comes back unchanged, one that cannot be parsed as
+        ``<unparseable URL>``.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def open_fs(url: str) -> tuple[Any, str]:

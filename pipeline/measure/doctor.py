@@ -17,10 +17,13 @@ import shutil
 import subprocess
 import sys
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
+from ..io.fs import redact_url
+
+# The service's Redis: doctor checks it, and the service's settings (worker/settings.py) take these from here.
 DEFAULT_BROKER_URL = "redis://localhost:6379/0"
 BROKER_URL_ENV = "GPUFEED_BROKER_URL"
+REDIS_CLIENT_MISSING = "redis-py is not installed, so Redis was not checked: pip install 'gpufeed[service]'"
 REDIS_TIMEOUT_S = 1.0
 
 # (name shown, PIL format, image mode, extra save arguments, check on the image read back)
@@ -239,6 +242,10 @@ def check_redis(url: str, timeout: float = REDIS_TIMEOUT_S) -> dict[str, Any]:
     info: dict[str, Any] = {"url": redact_url(url), "reachable": False, "version": None, "error": None}
     try:
         import redis
+    except ImportError:  # the service extra is not installed: nothing here needs Redis
+        info["error"] = REDIS_CLIENT_MISSING
+        return info
+    try:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
@@ -258,22 +265,6 @@ def check_redis(url: str, timeout: float = REDIS_TIMEOUT_S) -> dict[str, Any]:
     except Exception as exc:
         info["error"] = _describe(exc)
     return info
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:
-        return "<unparseable URL>"
 
 
 # ---------------------------------------------------------------------------
@@ -344,6 +335,8 @@ def format_report(report: dict[str, Any]) -> str:
     if redis_info["reachable"]:
         state = f"reachable (Redis {redis_info['version']})" if redis_info["version"] else "reachable"
         state += f", but {redis_info['error']}" if redis_info["error"] else ""
+    elif redis_info["error"] == REDIS_CLIENT_MISSING:
+        state = f"{REDIS_CLIENT_MISSING} (only the service needs it)"
     else:
         state = f"not reachable ({redis_info['error']}); only the service needs it, `gpufeed prepare` does not"
     row("redis", f"{redis_info['url']}: {state}")

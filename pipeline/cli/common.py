@@ -1,0 +1,233 @@
+"""What every `gpufeed` command shares: one-line errors, the group, missing extras, the prepare and reshard options.
+
+Command modules (here and in other packages, e.g. `worker/cli.py`) import from
+this module; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from ..errors import GpufeedError
+from ..specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
+from ..units import parse_bytes
+from .plugins import command_entry_points
+
+if TYPE_CHECKING:
+    from ..prepare.reshard import ReshardSpec
+
+SUCCESS, FAILURE, MISMATCH = 0, 1, 3
+
+
+def fail(message: str, code: int = FAILURE) -> NoReturn:
+    """Print `gpufeed: error: MESSAGE` on stderr and exit with `code`."""
+    click.echo(f"gpufeed: error: {message}", err=True)
+    sys.exit(code)
+
+
+def exit_on_user_errors(interrupted: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator: gpufeed errors become one line and exit 1; Ctrl-C prints `interrupted`, exit 130."""
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return func(*args, **kwargs)
+            except GpufeedError as exc:
+                fail(str(exc))
+            except KeyboardInterrupt:
+                fail(interrupted, 130)
+
+        return wrapper
+
+    return decorate
+
+
+user_errors = exit_on_user_errors("interrupted; complete shards are kept, run the same command again to resume")
+
+
+def require_extra(extra: str, modules: tuple[str, ...], what: str) -> None:
+    """Exit 1 with the install line when `what` needs an extra whose packages cannot be imported.
+
+    Args:
+        extra: the name in `pip install 'gpufeed[EXTRA]'`, e.g. ``"service"``.
+        modules: the modules that extra provides, e.g. ``("celery", "redis")``.
+        what: what needs it, as the message names it: ``"gpufeed worker"``, ``"--plot"``.
+    """
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            fail(f"{what} needs the {extra} extra: pip install 'gpufeed[{extra}]'")
+
+
+def top_command_name(ctx: click.Context) -> str:
+    """`gpufeed NAME …` -> NAME: the command right under `gpufeed`, however deep `ctx` is."""
+    while ctx.parent is not None and ctx.parent.parent is not None:
+        ctx = ctx.parent
+    return ctx.info_name or ""
+
+
+class GpufeedGroup(click.Group):
+    """The `gpufeed` group: one `gpufeed: error:` line for a usage error, and commands from entry points.
+
+    The commands added with `add_command` come first; the `gpufeed.commands`
+    entry points (see `pipeline.cli.plugins`) add the others, each imported
+    only when it is run or listed.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._entry_points: dict[str, importlib.metadata.EntryPoint] | None = None
+
+    def _declared(self) -> dict[str, importlib.metadata.EntryPoint]:
+        if self._entry_points is None:
+            self._entry_points = {name: p for name, p in command_entry_points().items() if name not in self.commands}
+        return self._entry_points
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(self.commands) | set(self._declared()))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        point = None if cmd_name in self.commands else self._declared().pop(cmd_name, None)
+        if point is not None:
+            try:
+                command = point.load()
+                if not isinstance(command, click.Command):
+                    raise TypeError(f"{point.value} is a {type(command).__name__}, not a click command")
+            except Exception as exc:  # a broken plugin must not take `gpufeed prepare` down with it
+                click.echo(f"gpufeed: warning: cannot load the {cmd_name} command ({point.value}): {exc}", err=True)
+            else:
+                self.add_command(command, cmd_name)
+        return self.commands.get(cmd_name)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            _usage_error(exc)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            _usage_error(exc)
+
+
+def _usage_error(exc: click.UsageError) -> NoReturn:
+    if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):
+        raise exc  # `gpufeed` alone: click prints the help
+    hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+    fail(exc.format_message() + hint, 2)
+
+
+# ---------------------------------------------------------------------------
+# Options shared by a local command and its service counterpart
+
+
+def _pair(text: str, name: str) -> tuple[float, float]:
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected two numbers LOW,HIGH, got {text!r}", param_hint=name) from None
+    return low, high
+
+
+def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The options that make a PrepareSpec (shared by `prepare` and `submit prepare`); see `spec_from_options`."""
+    options = [
+        click.option("--size", default=256, show_default=True, help="Target size S in pixels."),
+        click.option(
+            "--mode",
+            type=click.Choice(["shorter", "longer", "center-crop", "pad", "none"]),
+            default="shorter",
+            show_default=True,
+            help="shorter: shorter side S; longer: fit in SxS; center-crop: SxS; pad: fit and pad to SxS.",
+        ),
+        click.option("--upscale", is_flag=True, help="Enlarge images smaller than the target."),
+        click.option("--resample", type=click.Choice(["lanczos", "bicubic", "bilinear"]), default="lanczos", show_default=True),
+        click.option("--format", "fmt", type=click.Choice(["jpeg", "webp", "png", "npy"]), default="jpeg", show_default=True),
+        click.option("--quality", default=90, show_default=True, help="JPEG/WebP quality."),
+        click.option(
+            "--jpeg-restart",
+            default=1,
+            show_default=True,
+            help="JPEG restart marker every N MCUs (0: none); 1 lets the loader decode only a crop's blocks.",
+        ),
+        click.option("--variants", default=0, show_default=True, help="Write K pre-augmented copies OUT/v0..v{K-1}."),
+        click.option("--crop-scale", default="0.35,1.0", show_default=True, help="Random crop area range (variants)."),
+        click.option("--crop-ratio", default="0.75,1.333", show_default=True, help="Random crop aspect range (variants)."),
+        click.option("--rotate", default=10.0, show_default=True, help="Max rotation in degrees (variants)."),
+        click.option("--jitter", default=0.2, show_default=True, help="Colour jitter strength (variants)."),
+        click.option("--no-flip", is_flag=True, help="No horizontal flips in variants."),
+        click.option("--shard-size", default="256MiB", show_default=True, help="Target bytes per shard (e.g. 256MB, 1GiB)."),
+        click.option("--shard-count", type=int, default=None, help="Max samples per shard."),
+        click.option("--seed", default=0, show_default=True, help="Seed for the shuffle and the augmentations."),
+        click.option("--max-pixels", default=89_478_485, show_default=True, help="Refuse larger images (bombs)."),
+        click.option("--force", is_flag=True, help="Write even if the free-space check fails."),
+        click.option("--overwrite", is_flag=True, help="Replace an OUT prepared with other settings."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpec:
+    """A PrepareSpec from the values of `prepare_options` (validated; errors are ConfigError)."""
+    o = options  # the option values by parameter name
+    return PrepareSpec(
+        source=src,
+        out=out,
+        resize=ResizeSpec(size=o["size"], mode=o["mode"], upscale=o["upscale"], resample=o["resample"]),
+        augment=AugmentSpec(
+            variants=o["variants"],
+            scale=_pair(o["crop_scale"], "--crop-scale"),
+            ratio=_pair(o["crop_ratio"], "--crop-ratio"),
+            flip=not o["no_flip"],
+            jitter=o["jitter"],
+            rotate=o["rotate"],
+        ),
+        encode=EncodeSpec(format=o["fmt"], quality=o["quality"], restart=o["jpeg_restart"]),
+        shards=ShardSpec(max_bytes=parse_bytes(o["shard_size"]), max_samples=o["shard_count"]),
+        seed=o["seed"],
+        max_pixels=o["max_pixels"],
+    )
+
+
+def reshard_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Options of a reshard (shared by `reshard`, `submit reshard` and `schedule add … reshard`)."""
+    options = [
+        click.option("--shard-count", type=int, default=None, help="At most N samples per shard."),
+        click.option("--shard-size", default=None, help="About S bytes per shard at most (e.g. 256MB)."),
+        click.option("--multiple-of", type=int, default=None, help="Make the shard count a multiple of W (e.g. GPUs x loader workers)."),
+        click.option("--reaugment", is_flag=True, help="Re-augment from the source with --seed instead of re-packing."),
+        click.option("--seed", type=int, default=None, help="The new augmentation seed (with --reaugment)."),
+        click.option("--out", default=None, help="Write the result to NEW instead of a new version in place."),
+        click.option("--keep", default=1, show_default=True, help="Older versions kept for readers still using them."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def reshard_spec(dataset: str, options: dict[str, Any], absolute: Callable[[str], str] = str) -> ReshardSpec:
+    """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service."""
+    from ..prepare.reshard import ReshardSpec
+
+    return ReshardSpec(
+        dataset=absolute(dataset),
+        out=absolute(options["out"]) if options["out"] else None,
+        max_samples=options["shard_count"],
+        max_bytes=parse_bytes(options["shard_size"]) if options["shard_size"] else None,
+        multiple_of=options["multiple_of"],
+        reaugment=options["reaugment"],
+        seed=options["seed"],
+        keep=options["keep"],
+    )

@@ -1,0 +1,143 @@
+"""`gpufeed prepare|inspect|reshard|demo-data|doctor`: making, checking and reshaping datasets on this machine.
+
+Parsing and printing only: the work happens in `pipeline.prepare`, `pipeline.manifest`,
+`pipeline.demo` and `pipeline.measure.doctor`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from .common import MISMATCH, prepare_options, reshard_options, reshard_spec, spec_from_options, user_errors
+
+
+@click.command()
+@click.argument("src")
+@click.argument("out")
+@prepare_options
+@click.option("--workers", type=int, default=None, help="Processes (default: available cores; 0: in-process).")
+@click.option("--json", "as_json", is_flag=True, help="Print the final summary as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@user_errors
+def prepare(
+    src: str, out: str, workers: int | None, force: bool, overwrite: bool, as_json: bool, quiet: bool, **options: Any
+) -> None:
+    """Prepare SRC (folder, CSV/JSONL list or URL) into WebDataset shards at OUT."""
+    from ..prepare.job import prepare_dataset
+
+    spec = spec_from_options(src, out, options)
+    from .progress import prepare_progress
+
+    with prepare_progress(enabled=not quiet) as callback:
+        result = prepare_dataset(spec, workers=workers, force=force, overwrite=overwrite, progress=callback)
+    for warning in result.warnings:
+        click.echo(f"gpufeed: warning: {warning}", err=True)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    from .progress import print_prepare_summary
+
+    print_prepare_summary(result)
+
+
+@click.command()
+@click.argument("dataset")
+@click.option("--verify", is_flag=True, help="Re-read every shard: sha256, sizes and sample counts.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@user_errors
+def inspect(dataset: str, verify: bool, as_json: bool) -> None:
+    """Summarise a prepared DATASET (folder, URL or manifest.json); --verify checks every byte."""
+    from ..io.output import Output
+    from ..manifest import read_manifest, verify_dataset
+
+    root = dataset[: -len("/manifest.json")] if dataset.endswith("/manifest.json") else dataset
+    output = Output(root)
+    manifest = read_manifest(output)
+    summary: dict[str, Any] = {
+        "dataset": root,
+        "samples": manifest.samples,
+        "classes": len(manifest.classes),
+        "variants": manifest.variants,
+        "shards": len(manifest.shards),
+        "bytes": sum(s.bytes for s in manifest.shards),
+        "rejected": manifest.rejected,
+        "format": manifest.params.get("encode", {}).get("format"),
+        "size": manifest.params.get("resize", {}).get("size"),
+        "mode": manifest.params.get("resize", {}).get("mode"),
+        "created": manifest.created,
+    }
+    result = verify_dataset(output, manifest) if verify else None
+    if result is not None:
+        summary["verified"] = result.ok
+        summary["problems"] = result.problems
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        from .progress import print_inspect
+
+        print_inspect(summary, manifest)
+    if result is not None and not result.ok:
+        sys.exit(MISMATCH)
+
+
+@click.command()
+@click.argument("dataset")
+@reshard_options
+@click.option("--workers", type=int, default=None, help="Prepare processes when re-augmenting (default: available cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@user_errors
+def reshard(dataset: str, workers: int | None, as_json: bool, **options: Any) -> None:
+    """Re-pack DATASET into new shards without decoding (or --reaugment it), here, without the service."""
+    from ..prepare.reshard import reshard_dataset
+
+    result = reshard_dataset(reshard_spec(dataset, options), workers=workers)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    where = f"version {result.version}" if result.version else result.out
+    click.echo(
+        f"{'re-augmented' if result.reaugmented else 're-packed'} {result.dataset}: {result.shards_before} -> "
+        f"{result.shards_after} shards per set ({where}), {result.samples} samples, verified, in {result.seconds:.1f} s"
+    )
+    if result.removed:
+        click.echo("removed old versions: " + ", ".join(v or "(original)" for v in result.removed))
+
+
+@click.command("demo-data")
+@click.argument("directory")
+@click.option("--n", "count", default=1000, show_default=True, help="Number of images.")
+@click.option("--classes", default=4, show_default=True, help="Number of class folders (1-6).")
+@click.option("--min-side", default=800, show_default=True)
+@click.option("--max-side", default=1600, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--workers", type=int, default=None, help="Processes (default: available cores).")
+@user_errors
+def demo_data(directory: str, count: int, classes: int, min_side: int, max_side: int, seed: int, workers: int | None) -> None:
+    """Generate a photo-like ImageFolder dataset of JPEGs in DIRECTORY."""
+    from ..demo import make_demo_dataset
+
+    result = make_demo_dataset(
+        directory, count, classes=classes, min_side=min_side, max_side=max_side, seed=seed, workers=workers
+    )
+    click.echo(
+        f"wrote {result.images} images in {len(result.classes)} classes to {result.root} "
+        f"({result.bytes / 1e6:.1f} MB, {result.bytes / result.images / 1e3:.0f} KB per image)"
+    )
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--redis-url", default=None, help="Redis to check (default: GPUFEED_BROKER_URL or localhost).")
+def doctor(as_json: bool, redis_url: str | None) -> None:
+    """Report Python, torch, the PIL build and its codecs, decoders, cores and Redis."""
+    from ..measure.doctor import collect_report, format_report
+
+    report = collect_report(redis_url=redis_url)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
+COMMANDS = (prepare, inspect, reshard, demo_data, doctor)
