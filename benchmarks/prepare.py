@@ -221,9 +221,9 @@ def floor_candidates() -> dict[str, Callable[[bytes], tuple[int, int]]]:
 
     from pipeline.decode import decode_image
     from pipeline.prepare.encode import encode_image
-    from pipeline.specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec
     from pipeline.prepare.transcode import applies, transcode_jpeg
     from pipeline.prepare.transforms import required_scale, resize_image
+    from pipeline.specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec
 
     lanczos = Image.Resampling.LANCZOS
 

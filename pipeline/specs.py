@@ -25,10 +25,11 @@ class Spec:
     """to_dict/from_dict for the flat frozen dataclasses below."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload, no-any-return]
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
 
     @classmethod
-    def from_dict(cls: type[_SpecT], data: dict[str, Any]) -> _SpecT:
+    def from_dict(cls: type[_SpecT], data: Any) -> _SpecT:
+        """The spec from a JSON object (validated: unknown keys and bad values raise ConfigError)."""
         if not isinstance(data, dict):
             raise ConfigError(f"{cls.__name__} must be a JSON object, not {type(data).__name__}")
         names = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
@@ -208,7 +209,7 @@ class PrepareSpec(Spec):
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PrepareSpec:
+    def from_dict(cls, data: Any) -> PrepareSpec:
         if not isinstance(data, dict):
             raise ConfigError("a prepare spec must be a JSON object")
         nested: dict[str, type[Spec]] = {"resize": ResizeSpec, "augment": AugmentSpec, "encode": EncodeSpec, "shards": ShardSpec}
@@ -216,7 +217,7 @@ class PrepareSpec(Spec):
         for name, spec_type in nested.items():
             if name in values and not isinstance(values[name], spec_type):
                 values[name] = spec_type.from_dict(values[name])
-        return super().from_dict.__func__(cls, values)  # type: ignore[attr-defined, no-any-return]
+        return super().from_dict.__func__(cls, values)  # type: ignore[attr-defined]
 
     def output_identity(self) -> dict[str, Any]:
         """The settings that decide the bytes of the output (source and OUT excluded)."""

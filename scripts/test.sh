@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite on this machine, from nothing: sets up .venv (scripts/setup.sh),
-# makes sure a Redis is there for the tests, then runs pytest with any arguments given:
+# makes sure a Redis is there for the tests, runs the static checks (scripts/check.sh:
+# ruff, mypy, import contracts) when no arguments are given, then pytest with any arguments:
 #   bash scripts/test.sh                      # everything
 #   bash scripts/test.sh tests/test_cli.py -x # a selection
 # Redis: GPUFEED_TEST_REDIS_URL if set (a loopback address), else a private redis-server
@@ -81,6 +82,9 @@ else
 fi
 
 status=0
+if [[ $# == 0 ]]; then  # the whole suite: the static checks first (a selection skips them)
+    bash scripts/check.sh || status=$?
+fi
 "$PY" -m pytest "$@" || status=$?
 if [[ "$status" == 5 ]]; then
     echo "test: FAILED: pytest collected no tests (exit code 5); check the paths and -k/-m filters" >&2

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.manifest import read_manifest, verify_dataset
-from pipeline.io.tar import iter_tar_samples
 from pipeline.io.output import Output
+from pipeline.io.tar import iter_tar_samples
+from pipeline.manifest import read_manifest, verify_dataset
 
 READY_TIMEOUT_S = 60.0
 FAST_SERVICE_ENV = {

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from pipeline.errors import ConfigError
 from pipeline.measure.advise import (
     AdviseInputs,
     Candidate,
@@ -22,7 +23,6 @@ from pipeline.measure.advise import (
     plan_advice,
     shard_bytes_for,
 )
-from pipeline.errors import ConfigError
 
 MiB = 1 << 20
 JPEG = Candidate("jpeg", loader_images_per_s=1200.0, bytes_per_sample=20_000.0)

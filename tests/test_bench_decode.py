@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipeline.demo import render_photo_like
+from pipeline.errors import ConfigError
 from pipeline.measure.decode import (
     available_decoders,
     benchmark_decode,
@@ -20,8 +22,6 @@ from pipeline.measure.decode import (
     read_sample,
     sample_sources,
 )
-from pipeline.demo import render_photo_like
-from pipeline.errors import ConfigError
 from pipeline.specs import EncodeSpec
 
 

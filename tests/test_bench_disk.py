@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.errors import ConfigError, StorageError
 from pipeline.measure import disk as disk_bench
 from pipeline.measure.disk import WORK_PREFIX, benchmark_disk, mean_file_bytes
-from pipeline.errors import ConfigError, StorageError
 
 MiB = 1 << 20
 SMALL = dict(file_bytes=8 * MiB, block_sizes=(MiB, 2 * MiB), duration_s=0.15, threads=4, small_files=24, small_file_bytes=20_000)

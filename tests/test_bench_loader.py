@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from pipeline import PrepareSpec, ResizeSpec, prepare_dataset
+from pipeline.errors import ConfigError
 from pipeline.measure.loader import (
     LoaderPoint,
     benchmark_loader,
@@ -18,7 +19,6 @@ from pipeline.measure.loader import (
     default_worker_counts,
     measure_loader,
 )
-from pipeline.errors import ConfigError
 
 FAST = dict(batch_size=8, crop=48, device="cpu")
 

@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 
 from pipeline import native
+from pipeline.errors import DecodeError
 from pipeline.loader.cpu_decode import decode_into, decode_many, default_decoder
 from pipeline.loader.crops import Affine, CropSpec
-from pipeline.errors import DecodeError
 
 REPO = Path(__file__).resolve().parents[1]
 needs_region = pytest.mark.skipif(native.library() is None, reason=f"region decoder unavailable: {native.problem()}")

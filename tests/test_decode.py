@@ -7,9 +7,6 @@ import math
 
 import numpy as np
 import pytest
-from PIL import Image
-
-import pipeline.decode as decode_module
 from hostile_data import (  # shared with the prepare tests: one place for each kind of hostile file
     BLUE,
     EPS,
@@ -31,6 +28,9 @@ from hostile_data import (  # shared with the prepare tests: one place for each 
     png_header_only,
     stored_for_orientation,
 )
+from PIL import Image
+
+import pipeline.decode as decode_module
 from pipeline.decode import decode_image, to_rgb
 from pipeline.errors import DecodeError
 

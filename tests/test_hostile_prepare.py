@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import pytest
 import webdataset as wds
+from hostile_data import HostileDataset, HostileFile, make_hostile_dataset
 from PIL import Image
 
-from hostile_data import HostileDataset, HostileFile, make_hostile_dataset
 from pipeline import EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
+from pipeline.io.output import Output
 from pipeline.manifest import Manifest, read_manifest, verify_dataset
 from pipeline.prepare.sources import ListingInfo, SourceItem, list_images
-from pipeline.io.output import Output
 
 pytestmark = pytest.mark.filterwarnings("ignore:Corrupt EXIF data:UserWarning")
 

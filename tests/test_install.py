@@ -168,7 +168,7 @@ def test_prepare_and_make_loader_run_on_the_lean_install(installed: Installed) -
     code = f"""
 import json
 from pipeline import make_loader
-from pipeline.loader.crops import default_decoder
+from pipeline.loader.cpu_decode import default_decoder
 loader = make_loader({str(shards)!r}, 4, device="cpu", train=False, crop=32, num_workers=1)
 shapes = [list(images.shape) for images, labels in loader]
 print(json.dumps({{"shapes": shapes, "decoder": default_decoder()}}))

@@ -17,14 +17,14 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+import pipeline.loader.workers as workers_module
 from pipeline import AugmentSpec, ConfigError, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
 from pipeline.demo import make_demo_dataset
-import pipeline.loader.workers as workers_module
+from pipeline.io.output import Output
+from pipeline.io.tar import TarShardWriter
 from pipeline.loader import Loader, LoaderStats, make_loader
 from pipeline.manifest import read_manifest, write_manifest
 from pipeline.specs import IMAGENET_MEAN
-from pipeline.io.tar import TarShardWriter
-from pipeline.io.output import Output
 
 N = 150
 SIZE = 64

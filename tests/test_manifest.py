@@ -11,11 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.errors import ManifestError
-from pipeline.manifest import MANIFEST_FORMAT, MANIFEST_NAME, Manifest, read_manifest, verify_dataset, write_manifest
-from pipeline.manifest import ShardInfo
-from pipeline.io.tar import TarShardWriter
-from pipeline.prepare.plan import shard_name
 from pipeline.io.output import Output
+from pipeline.io.tar import TarShardWriter
+from pipeline.manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    read_manifest,
+    verify_dataset,
+    write_manifest,
+)
+from pipeline.prepare.plan import shard_name
 
 
 def _manifest(shards: list[ShardInfo], samples: int | None = None, **kwargs) -> Manifest:

@@ -27,8 +27,8 @@ from pipeline import (
     prepare_dataset,
 )
 from pipeline.demo import make_demo_dataset
-from pipeline.manifest import read_manifest, verify_dataset
 from pipeline.io.output import Output
+from pipeline.manifest import read_manifest, verify_dataset
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,13 @@ import pytest
 
 from pipeline.demo import make_demo_dataset
 from pipeline.errors import ConfigError, JobConflictError, ManifestError
+from pipeline.io.output import Output
+from pipeline.io.tar import TarShardWriter, iter_tar_samples
+from pipeline.loader.dataset import resolve_dataset
 from pipeline.manifest import read_manifest, verify_dataset
 from pipeline.prepare.job import prepare_dataset
-from pipeline.loader.dataset import resolve_dataset
 from pipeline.prepare.reshard import ReshardSpec, reshard_dataset, target_shard_count
-from pipeline.io.tar import TarShardWriter, iter_tar_samples
 from pipeline.specs import AugmentSpec, PrepareSpec, ShardSpec
-from pipeline.io.output import Output
 
 
 @pytest.fixture(scope="module")

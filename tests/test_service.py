@@ -101,7 +101,8 @@ def test_a_finalize_repeated_after_its_manifest_was_written_succeeds_with_the_sa
     import shutil
 
     from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
-    from worker.client import send_unit
+    from worker.app import app
+    from worker.dispatch import send_unit
 
     out = tmp_path / "out"
     spec = PrepareSpec.from_dict({"source": str(small_raw), "out": str(out), "shards": {"max_samples": 8}})
@@ -118,7 +119,7 @@ def test_a_finalize_repeated_after_its_manifest_was_written_succeeds_with_the_sa
         store.record_shard(job, shard.shard, shard.samples, shard.rejected, shard.samples + shard.rejected, "w@host")
 
     service.start_worker("w1")
-    send_unit(store.require(job), "finalize")
+    send_unit(app, store.require(job), "finalize")
     record = service.wait_finished(job, timeout=60)
     assert record.state == "succeeded", record.error
     assert (out / "manifest.json").read_bytes() == manifest and not (out / ".gpufeed").exists()

@@ -10,11 +10,11 @@ import pytest
 from pipeline.errors import ConfigError, GpufeedError, StorageError
 from pipeline.io.fs import redact_url
 from pipeline.specs import PrepareSpec
+from pipeline.units import parse_duration
 from worker import security
 from worker.app import celery_config, make_app
 from worker.schedules import describe, make_schedule
 from worker.settings import ServiceSettings, settings_from_env
-from pipeline.units import parse_duration
 
 
 def test_defaults_are_safe() -> None:

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.io.tar import member_name, split_key
-from pipeline.prepare.sample import sample_key
 from pipeline.prepare.plan import ShardPlan, permute, plan_shards, shard_name
+from pipeline.prepare.sample import sample_key
 
 # ---------------------------------------------------------------------------
 # permute: a seeded bijection of range(n)

@@ -13,14 +13,14 @@ from hostile_data import exif_with_orientation
 from PIL import Image
 
 from pipeline import EncodeSpec, PrepareSpec, ResizeSpec, native
-from pipeline.prepare import transcode
 from pipeline.decode import decode_image, transpose_method
 from pipeline.demo import render_photo_like
+from pipeline.prepare import transcode
 from pipeline.prepare.encode import encode_image
 from pipeline.prepare.sample import process_item
 from pipeline.prepare.sources import SourceItem
-from pipeline.specs import AugmentSpec
 from pipeline.prepare.transforms import required_scale, resize_image
+from pipeline.specs import AugmentSpec
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.problem()}")
 FILTERS = {

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from pipeline.decode import decode_image
-from pipeline.specs import RESIZE_MODES, AugmentSpec, ResizeSpec
 from pipeline.prepare.transforms import (
     PAD_FILL,
     augment_image,
@@ -20,6 +19,7 @@ from pipeline.prepare.transforms import (
     resize_image,
     variant_rng,
 )
+from pipeline.specs import RESIZE_MODES, AugmentSpec, ResizeSpec
 
 S = 64
 

@@ -16,10 +16,10 @@ import re
 from typing import Any
 
 from pipeline.errors import ConfigError
+from pipeline.units import parse_duration
 
 from .jobs import ServiceError
 from .settings import ServiceSettings
-from pipeline.units import parse_duration
 
 RUN_TASK = "gpufeed.run_schedule"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

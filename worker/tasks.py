@@ -24,8 +24,8 @@ from celery.utils.log import get_task_logger
 
 from pipeline.errors import GpufeedError
 from pipeline.specs import PrepareSpec
-
 from worker import security
+
 from .app import app
 from .client import submit_job
 from .jobs import ACTIVE, JobRecord, JobStopped, JobStore, UnitRun

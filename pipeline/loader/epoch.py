@@ -146,7 +146,7 @@ def shuffle_buffer(items: Iterator[Any], size: int, rng: np.random.Generator, in
             slot = int(rng.integers(len(buffer)))
             buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
             yield buffer.pop()
-    rng.shuffle(buffer)  # type: ignore[arg-type]
+    rng.shuffle(buffer)
     yield from buffer
 
 

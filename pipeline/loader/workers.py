@@ -378,7 +378,7 @@ def next_batch(out: queue.Queue[Any], warn: Callable[[str], None]) -> HostBatch 
         if isinstance(item, tuple):
             warn(item[1])
             continue
-        return item  # type: ignore[no-any-return]
+        return item
 
 
 def stop_run(run: Run, release: Callable[[torch.Tensor], None]) -> None:

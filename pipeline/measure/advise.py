@@ -425,9 +425,9 @@ def advise(
         ConfigError: neither a GPU rate nor a model, or bad settings.
         SourceError: the source cannot be listed.
     """
-    from .decode import read_sample, sample_sources
-    from ..prepare.pool import available_cores
     from ..io.devices import device_info
+    from ..prepare.pool import available_cores
+    from .decode import read_sample, sample_sources
 
     started = time.perf_counter()
     if (gpu_images_per_s is None) == (model is None):
@@ -642,8 +642,8 @@ def _host_to_device_rate(batch_size: int, crop: int, device: str) -> float | Non
 
 
 def _target_disk(target: str, details: dict[str, Any]) -> tuple[float | None, int | None]:
-    from .disk import benchmark_disk
     from ..io.devices import free_bytes
+    from .disk import benchmark_disk
 
     free = free_bytes(target)
     try:
@@ -668,11 +668,11 @@ def _measure_candidate(
 
 def _prepare_sample(items: list[Any], scratch: str, fmt: str, size: int, workers: int) -> tuple[str, float]:
     """`gpufeed prepare` of just the sample into scratch/<fmt>; returns (folder, mean bytes per sample)."""
+    from ..io.fs import local_path
+    from ..io.output import Output
     from ..manifest import read_manifest
     from ..prepare.job import prepare_dataset
-    from ..io.fs import local_path
     from ..specs import EncodeSpec, PrepareSpec, ResizeSpec
-    from ..io.output import Output
 
     listing = os.path.join(scratch, f"sample-{fmt}.jsonl")
     with open(listing, "w", encoding="utf-8") as handle:

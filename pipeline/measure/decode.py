@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from ..decode import pil_image, decode_image, open_image
-from ..prepare.encode import encode_image
+from ..decode import decode_image, open_image, pil_image
 from ..errors import ConfigError, DecodeError
-from ..prepare.sources import SourceItem, list_images
 from ..io.fs import read_source_bytes
-from ..specs import AugmentSpec, EncodeSpec, ResizeSpec
+from ..prepare.encode import encode_image
+from ..prepare.sources import SourceItem, list_images
 from ..prepare.transforms import required_scale, resize_image
+from ..specs import AugmentSpec, EncodeSpec, ResizeSpec
 
 MAX_FILE_BYTES = 512 * 1024 * 1024
 

@@ -250,8 +250,8 @@ def mean_file_bytes(source: str, limit: int = 1000) -> int:
         SourceError: the source cannot be listed.
         ConfigError: it holds no images.
     """
-    from ..prepare.sources import list_images
     from ..io.fs import local_path, open_fs
+    from ..prepare.sources import list_images
 
     sizes = []
     for item in itertools.islice(list_images(source), limit):

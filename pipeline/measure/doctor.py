@@ -508,8 +508,8 @@ def _probe_torchvision(cuda_available: bool) -> dict[str, Any]:
 
 def _probe_ycc_path() -> str:
     """Whether prepare's YCbCr path (transcode.py) turns a 4:2:0 JPEG into one here."""
-    from ..specs import PrepareSpec, ResizeSpec
     from ..prepare.transcode import transcode_jpeg
+    from ..specs import PrepareSpec, ResizeSpec
 
     made = transcode_jpeg(_tiny_jpeg(), PrepareSpec(source="-", out="-", resize=ResizeSpec(size=8)))
     return "YCbCr planes in C" if made is not None and made[2] == (8, 8) else "RGB through PIL (the C path failed)"

@@ -270,8 +270,7 @@ def _read_csv_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or "path" not in reader.fieldnames:
             raise ConfigError(f"{source}: the CSV header must have a 'path' column (and optionally 'label')")
-        for line_no, row in enumerate(reader, start=2):
-            yield line_no, row
+        yield from enumerate(reader, start=2)
 
 
 def _read_jsonl_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
