@@ -28,7 +28,7 @@ from pipeline.cli.common import (
     top_command_name,
     user_errors,
 )
-from pipeline.units import parse_bytes
+from pipeline.units import format_duration, format_rate, parse_bytes
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 WAIT_POLL_S = 0.5
@@ -227,7 +227,7 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
         click.echo(f"  {doc['source']} -> {doc['out']}")
     elif doc.get("out"):
         click.echo(f"  {doc['out']}")
-    seconds = f", {doc['seconds']:.1f} s" if doc.get("seconds") is not None else ""
+    seconds = f", {format_duration(doc['seconds'])}" if doc.get("seconds") is not None else ""
     result = doc.get("result") or {}
     if doc["kind"] == "bench-disk":
         figures = {k: v for k, v in result.items() if isinstance(v, (int, float)) and k.endswith(("_mb_s", "_per_s", "_iops_qd1", "_iops_qdn"))}
@@ -235,7 +235,7 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
         for name, value in figures.items():
             click.echo(f"  {name}: {value:.1f}")
     else:
-        rate = f", {doc['images_per_s']:.1f} images/s" if doc["kind"] == "prepare" or result.get("reaugmented") else ""
+        rate = f", {format_rate(doc['images_per_s'], digits=1)}" if doc["kind"] == "prepare" or result.get("reaugmented") else ""
         click.echo(
             f"  shards {doc['shards_done']}/{doc['shards_total']}, samples {doc['samples']}, rejected {doc['rejected']}"
             f"{rate}{seconds}"

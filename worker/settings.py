@@ -36,7 +36,7 @@ from pipeline.errors import ConfigError
 from pipeline.io.fs import redact_url
 from pipeline.measure.doctor import BROKER_URL_ENV, DEFAULT_BROKER_URL
 from pipeline.specs import DEFAULT_MAX_PIXELS
-from pipeline.units import parse_duration
+from pipeline.units import parse_bytes, parse_duration
 
 HARD_LIMIT_GRACE_S = 60
 KEY_PREFIX = "gpufeed:"
@@ -114,11 +114,11 @@ def settings_from_env(env: Mapping[str, str]) -> ServiceSettings:
         stale_after_s=parse_duration(env.get("GPUFEED_STALE_AFTER", "60s"), "GPUFEED_STALE_AFTER"),
         watchdog_interval_s=parse_duration(env.get("GPUFEED_WATCHDOG_INTERVAL", "15s"), "GPUFEED_WATCHDOG_INTERVAL"),
         beat_interval_s=parse_duration(env.get("GPUFEED_BEAT_INTERVAL", "30s"), "GPUFEED_BEAT_INTERVAL"),
-        max_spec_bytes=_parse_size(env.get("GPUFEED_MAX_SPEC_BYTES", "64KiB")),
+        max_spec_bytes=parse_bytes(env.get("GPUFEED_MAX_SPEC_BYTES", "64KiB")),
         max_attempts=_parse_count(env.get("GPUFEED_MAX_ATTEMPTS", "5"), "GPUFEED_MAX_ATTEMPTS"),
         retry_delay_s=parse_duration(env.get("GPUFEED_RETRY_DELAY", "10s"), "GPUFEED_RETRY_DELAY"),
         max_pixels=_parse_count(env.get("GPUFEED_MAX_PIXELS", str(DEFAULT_MAX_PIXELS)), "GPUFEED_MAX_PIXELS"),
-        max_file_bytes=_parse_size(env.get("GPUFEED_MAX_FILE_BYTES", "512MiB")),
+        max_file_bytes=parse_bytes(env.get("GPUFEED_MAX_FILE_BYTES", "512MiB")),
     )
 
 
@@ -130,12 +130,6 @@ def _parse_count(text: str, name: str) -> int:
     if value < 1:
         raise ConfigError(f"{name} must be at least 1, got {value}")
     return value
-
-
-def _parse_size(text: str) -> int:
-    from pipeline.units import parse_bytes
-
-    return parse_bytes(text)
 
 
 @functools.lru_cache(maxsize=1)

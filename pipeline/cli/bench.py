@@ -6,7 +6,6 @@ Parsing and printing only: the measurements live in pipeline.measure (disk, deco
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -15,7 +14,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from ..units import parse_bytes
+from ..units import format_bytes, parse_bytes, parse_rate
 from .common import exit_on_user_errors, require_extra
 
 # Ctrl-C: the benchmarks have removed their test files by the time this prints.
@@ -44,24 +43,11 @@ def _ints(text: str, name: str) -> list[int]:
     return values
 
 
-_SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-
-
-def parse_rate(text: str, name: str = "--device-flops") -> float:
-    """`312T`, `19.5 TFLOPS`, `2.5e13` -> FLOP/s."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgtp]?)\s*(?:flop/?s|flops)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise click.BadParameter(f"expected a rate like 312T or 19.5TFLOPS, got {text!r}", param_hint=name)
-    return float(match.group(1)) * _SI[match.group(2).lower()]
-
-
-def _bytes(size: float | None) -> str:
-    if size is None:
-        return "n/a"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(size) >= scale:
-            return f"{size / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
-    return f"{size:.0f} B"
+def _rate(text: str, name: str = "--device-flops") -> float:
+    try:
+        return parse_rate(text, name)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint=name) from None
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -165,20 +151,20 @@ def bench_disk(
     if as_json:
         _emit_json(result.to_dict())
         return
-    free = _bytes(result.free_bytes) if result.free_bytes is not None else "n/a"
+    free = format_bytes(result.free_bytes)
     click.echo(f"{result.path}: {result.device_kind} ({result.fstype}{', ' + result.device if result.device else ''}), {free} free")
-    click.echo(f"page cache bypass: {result.cache_bypass}; test file {_bytes(result.file_bytes)}, {duration:g} s per test")
+    click.echo(f"page cache bypass: {result.cache_bypass}; test file {format_bytes(result.file_bytes)}, {duration:g} s per test")
     rows = []
     if result.seq_write_mb_s is not None:
         rows.append(("sequential write (fsync included)", _num(result.seq_write_mb_s), "MB/s", "", ""))
     for block, rate in sorted(result.seq_read_by_block.items()):
-        rows.append((f"sequential read, {_bytes(block)} blocks", _num(rate), "MB/s", "", ""))
+        rows.append((f"sequential read, {format_bytes(block)} blocks", _num(rate), "MB/s", "", ""))
     for point in result.randread_sweep:
         rows.append(
             (f"random 4 KiB read, {point.threads} thread(s)", _num(point.iops), "IOPS",
              f"{point.p50_ms:.3f}", f"{point.p99_ms:.3f}")
         )
-    small_size = _bytes(result.small_file_bytes)
+    small_size = format_bytes(result.small_file_bytes)
     if result.small_file_reads_per_s is not None:
         rows.append((f"small files ({small_size}), 1 thread", _num(result.small_file_reads_per_s_qd1), "files/s", "", ""))
         rows.append(
@@ -419,7 +405,7 @@ def estimate_memory_command(
     """Parameters, gradients, optimizer state, activations, the largest batch, FLOPs and images/s of a model."""
     from ..measure.memory import estimate_memory
 
-    flops = parse_rate(device_flops) if device_flops else None
+    flops = _rate(device_flops) if device_flops else None
     if dataset and loader_images_per_s is None:
         from ..measure.loader import measure_loader
 
@@ -452,21 +438,21 @@ def _print_memory(e: Any) -> None:
     mode = f"training with {e.optimizer}" if e.training else "inference (torch.no_grad)"
     click.echo(f"{e.model}, input {','.join(map(str, e.input_shape))}, {e.dtype}, {mode}")
     rows = [
-        ("parameters", f"{e.parameters:,}", _bytes(e.parameter_bytes)),
-        ("gradients", "", _bytes(e.gradient_bytes)),
-        ("optimizer state", "", _bytes(e.optimizer_state_bytes)),
-        ("buffers", "", _bytes(e.buffer_bytes)),
-        ("fixed total", "", _bytes(e.fixed_bytes)),
-        ("activations per sample", f"x{e.activation_factor}", _bytes(e.activation_bytes_per_sample * e.activation_factor)),
-        ("input per sample", "", _bytes(e.input_bytes_per_sample)),
+        ("parameters", f"{e.parameters:,}", format_bytes(e.parameter_bytes)),
+        ("gradients", "", format_bytes(e.gradient_bytes)),
+        ("optimizer state", "", format_bytes(e.optimizer_state_bytes)),
+        ("buffers", "", format_bytes(e.buffer_bytes)),
+        ("fixed total", "", format_bytes(e.fixed_bytes)),
+        ("activations per sample", f"x{e.activation_factor}", format_bytes(e.activation_bytes_per_sample * e.activation_factor)),
+        ("input per sample", "", format_bytes(e.input_bytes_per_sample)),
         ("FLOPs per sample", "forward", f"{e.flops_per_sample_forward / 1e9:.3f} GFLOP"),
         ("FLOPs per sample", "step" if e.training else "forward", f"{e.flops_per_sample_step / 1e9:.3f} GFLOP"),
     ]
     click.echo(_table(rows, align="llr"))
     if e.vram_bytes:
         click.echo(
-            f"largest batch in {_bytes(e.vram_bytes)} with a {e.safety_margin:.0%} margin: {e.max_batch_size} "
-            f"({_bytes(e.memory_for_batch(e.max_batch_size or 0))})"
+            f"largest batch in {format_bytes(e.vram_bytes)} with a {e.safety_margin:.0%} margin: {e.max_batch_size} "
+            f"({format_bytes(e.memory_for_batch(e.max_batch_size or 0))})"
         )
     for note in e.notes:
         click.echo(f"note: {note}")
@@ -479,7 +465,7 @@ def _print_memory(e: Any) -> None:
             f"batch {t.saturation_batch()} reaches 90 % of it, beyond that a bigger batch only costs memory"
         )
     batches = [
-        (str(r.batch_size), _bytes(r.memory_bytes), "yes" if r.fits else "no", _num(r.images_per_s))
+        (str(r.batch_size), format_bytes(r.memory_bytes), "yes" if r.fits else "no", _num(r.images_per_s))
         for r in e.rows
     ]
     click.echo(_table(batches, ("batch", "memory", "fits", "images/s")))

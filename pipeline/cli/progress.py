@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..prepare.job import PrepareProgress, PrepareResult
+from ..units import format_duration, format_rate
 
 
 @contextlib.contextmanager
@@ -51,7 +52,7 @@ def print_prepare_summary(result: PrepareResult) -> None:
     )
     if result.processed:
         console.print(
-            f"{result.processed} images in {result.seconds:.1f} s = {result.images_per_s:.0f} images/s "
+            f"{result.processed} images in {format_duration(result.seconds)} = {format_rate(result.images_per_s)} "
             f"with {result.workers or 1} worker process(es)"
         )
     if result.rejected:

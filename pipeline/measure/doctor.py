@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from ..io.fs import redact_url
+from ..units import format_bytes
 
 # The service's Redis: doctor checks it, and the service's settings (worker/settings.py) take these from here.
 DEFAULT_BROKER_URL = "redis://localhost:6379/0"
@@ -573,4 +574,4 @@ def _describe(exc: BaseException) -> str:
 
 
 def _gib(value: int | None) -> str:
-    return f"{value / 2**30:.1f} GiB" if value else "unknown"
+    return format_bytes(value) if value else "unknown"
