@@ -223,10 +223,12 @@ def decode_image(
 
 @contextlib.contextmanager
 def pillow_warnings(into: list[str]) -> Iterator[None]:
-    """Collect what Pillow warns about while decoding ("Corrupt EXIF data ...") in `into`, not on stderr.
+    """Collect what Pillow warns about a file while decoding it ("Corrupt EXIF data ...") in `into`.
 
-    Python's warning filters are global to the process, so this is for one
-    thread at a time: prepare's worker processes, the main thread.
+    UserWarnings are the file's (Pillow's words for damage it read past) and
+    are collected instead of printed; other categories are issued again as
+    usual. Python's warning filters are global to the process, so this is for
+    one thread at a time: prepare's worker processes, the main thread.
 
     Args:
         into: where each distinct message is added, its whitespace tidied.
@@ -235,8 +237,11 @@ def pillow_warnings(into: list[str]) -> Iterator[None]:
         warnings.simplefilter("always")
         yield
     for warning in caught:
+        if not issubclass(warning.category, UserWarning):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            continue
         text = " ".join(str(warning.message).split())
-        if issubclass(warning.category, UserWarning) and text not in into:
+        if text not in into:
             into.append(text)
 
 

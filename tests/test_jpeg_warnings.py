@@ -18,6 +18,7 @@ import os
 import struct
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,15 @@ def test_a_refusal_from_another_path_goes_straight_to_pillow(monkeypatch: pytest
     decoded = gate.decode_image(data, refused="the message of the path that refused it")
     assert decoded.warnings[0] == "the message of the path that refused it"
     assert np.array_equal(np.asarray(decoded.image), pillow_pixels(data, (WIDTH, HEIGHT)))
+
+
+def test_pillows_warnings_about_the_file_are_kept_and_others_pass_through() -> None:
+    kept: list[str] = []
+    with pytest.warns(DeprecationWarning, match="an old call"), gate.pillow_warnings(kept):
+        warnings.warn("Corrupt EXIF data.  Expecting to read 12 bytes but only got 4. ", UserWarning, stacklevel=1)
+        warnings.warn("Corrupt EXIF data.  Expecting to read 12 bytes but only got 4. ", UserWarning, stacklevel=1)
+        warnings.warn("an old call", DeprecationWarning, stacklevel=1)
+    assert kept == ["Corrupt EXIF data. Expecting to read 12 bytes but only got 4."]
 
 
 def test_a_file_cut_short_is_still_rejected_with_pillows_reason() -> None:
