@@ -11,19 +11,28 @@ HEIC", ...).
 JPEGs are decoded already scaled down in the DCT domain when the target is
 smaller (libjpeg-turbo's M/8 scaling through simplejpeg when installed, else
 PIL's draft mode), which is most of gpufeed's prepare speed.
+
+The rule for what is accepted is Pillow's: a file is decoded exactly when the
+active PIL can open, fully load and convert it. A fast decoder (simplejpeg
+here, the native YCbCr path in prepare) refuses a JPEG on any libjpeg
+warning, since libjpeg would paper over the damage with grey; such a file
+goes to Pillow, which decides, and when Pillow reads it the warnings are
+kept (`DecodedImage.warnings`) instead of the file being lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from . import native
 from .errors import DecodeError
 
 try:  # optional fast path: libjpeg-turbo with M/8 DCT scaling
@@ -96,11 +105,15 @@ class DecodedImage:
         image: PIL RGB image, possibly already reduced by DCT scaling.
         original_size: (width, height) upright, before any scaling.
         format: the detected file format (JPEG, PNG, ...).
+        warnings: what the decoders said about damage they read past
+            (libjpeg's "Corrupt JPEG data: 5 extraneous bytes before marker
+            0xdb", Pillow's "Corrupt EXIF data"); empty for a clean file.
     """
 
     image: Any
     original_size: tuple[int, int]
     format: str
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def open_image(data: bytes, *, max_pixels: int = 89_478_485, formats: tuple[str, ...] | None = None) -> Any:
@@ -149,6 +162,7 @@ def decode_image(
     max_pixels: int = 89_478_485,
     background: tuple[int, int, int] = (255, 255, 255),
     padded: bool = False,
+    refused: str | None = None,
 ) -> DecodedImage:
     """Decode bytes into an upright RGB image.
 
@@ -162,6 +176,9 @@ def decode_image(
         padded: JPEGs may come back in mode RGBX (RGB plus a padding byte),
             the decoder's own buffer without a copy; ~3 % faster for callers
             that resize and then convert or encode (`encode_image` accepts it).
+        refused: libjpeg's message when a fast path already refused these
+            bytes (prepare's YCbCr path): Pillow decodes the file, and the
+            message becomes a warning of the result if Pillow reads it.
 
     Returns:
         A DecodedImage.
@@ -170,32 +187,69 @@ def decode_image(
         DecodeError: the file is empty, not an image, truncated, too large
             or otherwise unusable; ``reason`` says which.
     """
-    img = open_image(data, max_pixels=max_pixels)
-    Image = pil_image()
-    width, height = img.size
-    scale = min(1.0, scale_for(width, height)) if scale_for else 1.0
-    try:
-        if img.format in _DCT_FORMATS and simplejpeg is not None and img.mode in ("RGB", "L"):
-            orientation = exif_orientation(img)
-            array = _decode_jpeg_scaled(data, width, height, scale, "RGBX" if padded else "RGB")
-            if padded:
-                # The decoder's RGBX buffer becomes the image itself: no copy.
-                rgb = Image.frombuffer("RGBX", (array.shape[1], array.shape[0]), array, "raw", "RGBX", 0, 1)
-            else:
-                rgb = Image.fromarray(array)
-        else:
-            img = _load_with_pil(img, scale)
-            # Read after loading: some PIL loaders (TIFF in current Pillow) apply the
-            # orientation themselves, report the upright size and drop the tag.
-            orientation = exif_orientation(img)
-            rgb = to_rgb(img, background, Image)
-    except DecodeError:
-        raise
-    except Exception as exc:
-        raise DecodeError(f"corrupt or truncated {img.format or 'image'} data: {_describe(exc)}") from None
+    found: list[str] = []
+    with pillow_warnings(found):
+        img = open_image(data, max_pixels=max_pixels)
+        Image = pil_image()
+        width, height = img.size
+        scale = min(1.0, scale_for(width, height)) if scale_for else 1.0
+        try:
+            array = None
+            if refused is None and img.format in _DCT_FORMATS and simplejpeg is not None and img.mode in ("RGB", "L"):
+                array, refused = _decode_jpeg_scaled(data, width, height, scale, "RGBX" if padded else "RGB")
+            if array is not None:
+                orientation = exif_orientation(img)
+                if padded:
+                    # The decoder's RGBX buffer becomes the image itself: no copy.
+                    rgb = Image.frombuffer("RGBX", (array.shape[1], array.shape[0]), array, "raw", "RGBX", 0, 1)
+                else:
+                    rgb = Image.fromarray(array)
+            else:  # Pillow: every other file, and a JPEG a fast decoder refused
+                img = _load_with_pil(img, scale)
+                # Read after loading: some PIL loaders (TIFF in current Pillow) apply the
+                # orientation themselves, report the upright size and drop the tag.
+                orientation = exif_orientation(img)
+                rgb = to_rgb(img, background, Image)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"corrupt or truncated {img.format or 'image'} data: {_describe(exc)}") from None
+    if refused is not None:
+        found[:0] = _refusal_warnings(data, refused)
     rgb = _apply_orientation(rgb, orientation)
     upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
-    return DecodedImage(rgb, upright, img.format or "unknown")
+    return DecodedImage(rgb, upright, img.format or "unknown", found)
+
+
+@contextlib.contextmanager
+def pillow_warnings(into: list[str]) -> Iterator[None]:
+    """Collect what Pillow warns about a file while decoding it ("Corrupt EXIF data ...") in `into`.
+
+    UserWarnings are the file's (Pillow's words for damage it read past) and
+    are collected instead of printed; other categories are issued again as
+    usual. Python's warning filters are global to the process, so this is for
+    one thread at a time: prepare's worker processes, the main thread.
+
+    Args:
+        into: where each distinct message is added, its whitespace tidied.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        if not issubclass(warning.category, UserWarning):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            continue
+        text = " ".join(str(warning.message).split())
+        if text not in into:
+            into.append(text)
+
+
+def _refusal_warnings(data: bytes, refused: str) -> list[str]:
+    """A JPEG that a fast decoder refused and Pillow read (Pillow reports no warnings itself): the
+    fast decoder's message, then every other warning libjpeg gives over the whole file, where the
+    native library is here to list them."""
+    return list(dict.fromkeys([refused, *(native.jpeg_warnings(data) or [])]))
 
 
 # PIL registers some plugins even when the codec library behind them is missing.
@@ -252,15 +306,18 @@ def _describe(exc: BaseException) -> str:
     return text[:200]
 
 
-def _decode_jpeg_scaled(data: bytes, width: int, height: int, scale: float, colorspace: str = "RGB") -> np.ndarray:
+def _decode_jpeg_scaled(
+    data: bytes, width: int, height: int, scale: float, colorspace: str = "RGB"
+) -> tuple[np.ndarray | None, str | None]:
+    """(pixels, None) from simplejpeg, or (None, libjpeg's message) when it refuses the data (then Pillow decides)."""
     kwargs: dict[str, int] = {}
     if scale < 1:
         kwargs = {"min_width": math.ceil(width * scale), "min_height": math.ceil(height * scale)}
     try:
         array: np.ndarray = simplejpeg.decode_jpeg(data, colorspace=colorspace, **kwargs)
-    except ValueError as exc:
-        raise DecodeError(f"corrupt or truncated JPEG data: {_describe(exc)}") from None
-    return array
+    except ValueError as exc:  # corrupt data, or only a warning: simplejpeg stops on both
+        return None, _describe(exc)
+    return array, None
 
 
 def _load_with_pil(img: Any, scale: float) -> Any:

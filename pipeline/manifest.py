@@ -32,7 +32,12 @@ def _as_output(where: DatasetLocation) -> Output:
 
 @dataclasses.dataclass
 class Manifest:
-    """A prepared dataset."""
+    """A prepared dataset.
+
+    `decoded_with_warnings` counts the samples whose decoders warned about
+    damage they read past (each one's json lists the messages); 0 in
+    manifests written before it was counted.
+    """
 
     samples: int
     classes: list[str]
@@ -43,6 +48,7 @@ class Manifest:
     created: str = ""
     variants: int = 0
     format: str = MANIFEST_FORMAT
+    decoded_with_warnings: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +60,7 @@ class Manifest:
             "params": self.params,
             "source": self.source,
             "rejected": self.rejected,
+            "decoded_with_warnings": self.decoded_with_warnings,
             "created": self.created,
         }
 
@@ -76,6 +83,7 @@ class Manifest:
                 rejected=int(data["rejected"]),
                 created=str(data.get("created", "")),
                 variants=int(data.get("variants", 0)),
+                decoded_with_warnings=int(data.get("decoded_with_warnings", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where} is malformed: {exc!r}") from exc

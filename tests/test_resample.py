@@ -184,7 +184,8 @@ def test_one_call_piece_reports_each_bad_sample_and_decodes_the_rest():
     failures = dict(decode_many(list(out), items, spec))
     assert sorted(failures) == [1, 2, 4]
     assert "decompression bomb" in failures[1] and "400x300" in failures[1]
-    assert failures[2].startswith("cannot decode .jpg sample: ") and failures[4].startswith("cannot decode .jpg")
+    # libjpeg refuses the cut header and the junk, and hands them to Pillow, whose reasons they get
+    assert "truncated" in failures[2].lower() and failures[4].startswith("not an image"), failures
     for index in (0, 3, 5):  # decoded (CMYK through Pillow): real pixels, not the zeros they started as
         assert out[index].std() > 0 or index == 3 and out[index].mean() > 0
 

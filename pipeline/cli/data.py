@@ -20,11 +20,20 @@ from .common import MISMATCH, prepare_options, reshard_options, reshard_spec, sp
 @click.argument("out")
 @prepare_options
 @click.option("--workers", type=int, default=None, help="Processes (default: available cores; 0: in-process).")
+@click.option("--strict", is_flag=True, help="Exit non-zero at the first rejected file, publishing nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @user_errors
 def prepare(
-    src: str, out: str, workers: int | None, force: bool, overwrite: bool, as_json: bool, quiet: bool, **options: Any
+    src: str,
+    out: str,
+    workers: int | None,
+    strict: bool,
+    force: bool,
+    overwrite: bool,
+    as_json: bool,
+    quiet: bool,
+    **options: Any,
 ) -> None:
     """Prepare SRC (folder, CSV/JSONL list or URL) into WebDataset shards at OUT."""
     from ..prepare.job import prepare_dataset
@@ -33,7 +42,9 @@ def prepare(
     from .progress import prepare_progress
 
     with prepare_progress(enabled=not quiet) as callback:
-        result = prepare_dataset(spec, workers=workers, force=force, overwrite=overwrite, progress=callback)
+        result = prepare_dataset(
+            spec, workers=workers, force=force, overwrite=overwrite, strict=strict, progress=callback
+        )
     for warning in result.warnings:
         click.echo(f"gpufeed: warning: {warning}", err=True)
     if as_json:

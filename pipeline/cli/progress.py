@@ -46,8 +46,9 @@ def print_prepare_summary(result: PrepareResult) -> None:
     if result.already_complete:
         console.print(f"{result.out}: already prepared with these settings; nothing to do")
     resumed = f", {result.resumed_shards} kept from an earlier run" if result.resumed_shards and not result.already_complete else ""
+    warned = f", {result.decoded_with_warnings} decoded with warnings" if result.decoded_with_warnings else ""
     console.print(
-        f"[bold green]done[/]: {result.samples} samples, {result.rejected} rejected "
+        f"[bold green]done[/]: {result.samples} samples{warned}, {result.rejected} rejected "
         f"(of {result.listed} listed), {result.shards} shards{resumed}, {result.bytes / 1e6:.1f} MB"
     )
     if result.processed:

@@ -12,7 +12,10 @@ Three JPEG paths, fastest first (`default_decoder`): "region" (gpufeed's
 libjpeg-turbo decoder in `pipeline.native`, decoding only the crop's rows and
 iMCU columns; `decode_many` does a whole batch piece in one C call),
 "simplejpeg" (whole image, DCT-scaled) and "pil"; other formats and .npy
-arrays go through Pillow or NumPy.
+arrays go through Pillow or NumPy. The two fast paths refuse a JPEG on any
+libjpeg warning (damage libjpeg would paper over with grey) as on an error;
+Pillow then decodes that sample, and only Pillow's verdict rejects it, the
+same rule as prepare's (`pipeline.decode`).
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def decode_into(
             if failures:
                 raise DecodeError(failures[0][1])
         elif extension in ("jpg", "jpeg") and spec.decoder == "simplejpeg" and simplejpeg is not None:
-            _jpeg_into(slot, data, rng, spec, flip, affine)
+            if not _jpeg_into(slot, data, rng, spec, flip, affine):  # refused: Pillow's verdict stands
+                _pil_into(slot, data, CropRandom(seed) if spec.train else None, spec, flip, affine)
         else:
             _pil_into(slot, data, rng, spec, flip, affine)
     except DecodeError:
@@ -124,8 +128,12 @@ def _as_rgb_array(array: np.ndarray) -> np.ndarray:
 
 def _jpeg_into(
     slot: np.ndarray, data: bytes, rng: CropRandom | None, spec: CropSpec, flip: bool, affine: Any
-) -> None:
-    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+) -> bool:
+    """simplejpeg decodes the sample into `slot`; False when it refuses the data (then Pillow decides)."""
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return False
     check_pixels(width, height, spec)
     left, top, cw, ch = crop_box(rng, width, height, spec)
     scale = min(1.0, max(spec.size / cw, spec.size / ch))
@@ -134,10 +142,14 @@ def _jpeg_into(
         kwargs = {"min_width": math.ceil(width * scale), "min_height": math.ceil(height * scale)}
     # RGBX is PIL's own pixel layout, so the decoded buffer becomes an image
     # without a copy; the resize result is unpacked straight into the slot.
-    array = simplejpeg.decode_jpeg(data, colorspace="RGBX", buffer=_decode_buffer(width * height * 4), **kwargs)
+    try:
+        array = simplejpeg.decode_jpeg(data, colorspace="RGBX", buffer=_decode_buffer(width * height * 4), **kwargs)
+    except ValueError:  # corrupt data, or only a warning
+        return False
     sx, sy = array.shape[1] / width, array.shape[0] / height
     box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
     _rgbx_into(slot, array, array.shape[1], array.shape[0], box, flip, affine)
+    return True
 
 
 def decode_many(
@@ -201,19 +213,23 @@ def _region_many(
         box, eighths, region = region_plan(targets[k], int(info[k, 0]), int(info[k, 1]), rng, spec)
         boxes[k], params[k], sizes[k] = box, (eighths, *region[:4]), region[4]
     failures: list[tuple[int, str]] = []
-    for k in np.flatnonzero(~usable):  # why: libjpeg's reason, or the pixel checks'
-        with _reason_into(failures, batch[k]):
-            check_pixels(*decoder.header(items[batch[k]][1]), spec)
+    for k in np.flatnonzero(~usable):  # libjpeg refused the header (Pillow decides), or the pixel checks say why
+        index = batch[k]
+        with _reason_into(failures, index):
+            if status[k] != 0:
+                _pil_fallback(slots[index], items[index], spec, flips[index], affine)
+            else:
+                check_pixels(int(info[k, 0]), int(info[k, 1]), spec)
     buffer = _decode_buffer(int(sizes.sum()) + 64 * count)
     offsets = np.zeros(count, np.uint64)
     offsets[1:] = np.cumsum(sizes + 64)[:-1]  # 64-byte aligned starts for each image's rows
     outs = np.where(usable, buffer.ctypes.data + offsets, 0).astype(np.uint64)
-    decoded, done, messages = decoder.decode_many(pointers, params, outs, sizes)
+    decoded, done, _ = decoder.decode_many(pointers, params, outs, sizes)
     for k in np.flatnonzero(usable):
         index = batch[k]
         with _reason_into(failures, index):
             if done[k] != 0:
-                _handed_back(decoder, int(done[k]), messages[k], slots[index], items[index], spec, flips[index], affine)
+                _handed_back(decoder, int(done[k]), slots[index], items[index], spec, flips[index], affine)
                 continue
             first, y = int(decoded[k, 0]), int(params[k, 2])
             box = boxes[k]
@@ -239,23 +255,33 @@ def _reason_into(failures: list[tuple[int, str]], index: int) -> Iterator[None]:
 def _handed_back(
     decoder: native.RegionDecoder,
     status: int,
-    message: str,
     slot: np.ndarray,
     item: tuple[str, bytes, int],
     spec: CropSpec,
     flip: bool,
     affine: Affine | None,
 ) -> None:
-    """A sample the C call did not finish (its non-zero status): Pillow decodes a CMYK one, else DecodeError says why."""
-    _, data, seed = item
-    if status == native.UNSUPPORTED:  # CMYK: Pillow converts it
-        _pil_into(slot, data, CropRandom(seed) if spec.train else None, spec, flip, affine)
-    elif status == native.OUT_OF_MEMORY:
+    """A sample the C call did not finish (its non-zero status).
+
+    Pillow decodes a CMYK one, and one libjpeg refused (an error, or only a
+    warning: damage it would paper over with grey), whose verdict then
+    stands; the pixel checks say why one over the limits is refused.
+    """
+    _, data, _ = item
+    if status == native.OUT_OF_MEMORY:
         raise MemoryError("cannot allocate the decode and resize buffers")
-    elif status == native.OVER_LIMITS:
+    if status == native.OVER_LIMITS:
         check_pixels(*decoder.header(data), spec)
-    else:
-        raise DecodeError(f"cannot decode .jpg sample: {message or 'cannot decode'}")
+    else:  # UNSUPPORTED (CMYK) or -1 (libjpeg's message)
+        _pil_fallback(slot, item, spec, flip, affine)
+
+
+def _pil_fallback(
+    slot: np.ndarray, item: tuple[str, bytes, int], spec: CropSpec, flip: bool, affine: Affine | None
+) -> None:
+    """Pillow decodes a sample a fast path handed back: the same crop (from its seed), Pillow's pixels and verdict."""
+    _, data, seed = item
+    _pil_into(slot, data, CropRandom(seed) if spec.train else None, spec, flip, affine)
 
 
 def _crop_many(
@@ -271,7 +297,7 @@ def _crop_many(
     """Every step for items[batch] in one C call; Python only for the samples it hands back."""
     count = len(batch)
     width, height = slot_size(targets[0])
-    done, messages = decoder.crop_many(
+    done, _ = decoder.crop_many(
         [items[i][1] for i in batch], np.fromiter((items[i][2] & SEED_MASK for i in batch), np.uint64, count),
         (spec.train, width, height, spec.size), plan_numbers(spec), spec.max_pixels, targets,
         np.fromiter((flips[i] for i in batch), np.uint8, count), mode, affine.addresses if affine is not None else None,
@@ -280,7 +306,7 @@ def _crop_many(
     for k in np.flatnonzero(done):
         index = batch[k]
         with _reason_into(failures, index):
-            _handed_back(decoder, int(done[k]), messages[k], targets[k], items[index], spec, flips[index], affine)
+            _handed_back(decoder, int(done[k]), targets[k], items[index], spec, flips[index], affine)
     return failures
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "RegionUnsupported",
     "channel_strides",
     "installed_library",
+    "jpeg_warnings",
     "library",
     "library_info",
     "problem",
@@ -131,6 +132,20 @@ def library(*, warn: bool = True) -> ctypes.CDLL | None:
             info.problem, MISSING_COST, MISSING_FIX,
         )  # fmt: skip
     return _library
+
+
+def jpeg_warnings(data: bytes) -> list[str] | None:
+    """libjpeg's warnings for a whole JPEG (see `bindings.jpeg_warnings`), or None without the library.
+
+    Args:
+        data: the whole file.
+
+    Returns:
+        Every distinct warning in the order met ([] for none), or None when
+        there is no library here or libjpeg fails on the data.
+    """
+    lib = library(warn=False)  # an extra for a rare file: no warning about a missing library for it
+    return None if lib is None else bindings.jpeg_warnings(lib, data)
 
 
 def problem() -> str | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 _MESSAGE_SIZE = 200
+_WARNINGS_SIZE = 2048  # gf_jpeg_warnings: room for some 35 distinct messages
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -30,6 +31,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.gf_header.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     lib.gf_header.restype = ctypes.c_int
+    lib.gf_jpeg_warnings.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_int]
+    lib.gf_jpeg_warnings.restype = ctypes.c_int
     lib.gf_decode_region.argtypes = [
         ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
@@ -108,6 +111,26 @@ def built_from(lib: ctypes.CDLL) -> str | None:
     return value.decode() if value is not None else None
 
 
+def jpeg_warnings(lib: ctypes.CDLL, data: bytes) -> list[str] | None:
+    """Every distinct warning libjpeg gives while decoding the whole JPEG, in the order it gives them.
+
+    For a file that a fast decoder refused on a warning and Pillow read
+    (Pillow keeps libjpeg's warnings to itself).
+
+    Args:
+        lib: the loaded native library.
+        data: the whole file.
+
+    Returns:
+        The warnings ([] when libjpeg gives none), or None when libjpeg
+        fails on the data (an error, not a warning) or runs out of memory.
+    """
+    text = ctypes.create_string_buffer(_WARNINGS_SIZE)
+    if lib.gf_jpeg_warnings(data, len(data), text, _WARNINGS_SIZE) < 0:
+        return None
+    return [line for line in text.value.decode(errors="replace").split("\n") if line]
+
+
 def _planar(array: Any) -> bool:
     return bool(array.shape[0] == 3 and array.shape[2] != 3)
 
@@ -157,7 +180,7 @@ class RegionUnsupported(RegionError):
 
 # Status codes, as gpufeed.h defines them.
 UNSUPPORTED = -2  # GF_UNSUPPORTED: CMYK/YCCK
-OUT_OF_MEMORY = -3  # GF_OUT_OF_MEMORY (gf_crop_many): the decode or resize buffers
+OUT_OF_MEMORY = -3  # GF_OUT_OF_MEMORY (gf_crop_many, gf_jpeg_warnings): the decode or resize buffers
 OVER_LIMITS = 2  # GF_OVER_LIMITS (gf_crop_many): the image is empty or over max_pixels
 
 

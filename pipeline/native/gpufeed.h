@@ -22,13 +22,14 @@
 
 /* Status codes: 0 is success and -1 an error with libjpeg's message everywhere. */
 #define GF_UNSUPPORTED -2   /* a CMYK/YCCK JPEG, which libjpeg-turbo cannot convert to RGB */
-#define GF_OUT_OF_MEMORY -3 /* gf_crop_many: the decode or resize buffers */
+#define GF_OUT_OF_MEMORY -3 /* gf_crop_many, gf_jpeg_warnings: the decode or resize buffers */
 #define GF_OVER_LIMITS 2    /* gf_crop_many: the image is empty or over max_pixels */
 #define GF_YCC_OTHER -2     /* gf_ycc_transcode: not an 8-bit YCbCr 4:2:0, 4:2:2 or 4:4:4 JPEG */
 #define GF_YCC_NO_MEMORY -3 /* gf_ycc_transcode: out of memory */
 
 /* jpegregion.c: headers and region decodes of JPEGs. */
 int gf_header(const unsigned char *data, unsigned long size, int *info, char *message, int message_size);
+int gf_jpeg_warnings(const unsigned char *data, unsigned long size, char *message, int message_size);
 int gf_decode_region(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,
                      unsigned char *out, unsigned long out_size, int *out_info, char *message, int message_size);
 long gf_region_jpeg(const unsigned char *data, unsigned long size, int scale_num, int x, int y, int w, int h,

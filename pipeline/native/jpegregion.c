@@ -56,6 +56,50 @@ int gf_header(const unsigned char *data, unsigned long size, int *info, char *me
 }
 
 /*
+ * Every distinct warning libjpeg gives while decoding the whole JPEG, one a
+ * line in `message` (those that fit), for a file that a fast path refused
+ * on a warning and Pillow then read. Decoded at 1/8 scale: the marker reader
+ * and the entropy decoder, which meet the corrupt data, still read every
+ * byte. Returns the number of warnings (0: none; repeats count), -1 with
+ * libjpeg's error in `message` instead, or GF_OUT_OF_MEMORY.
+ */
+int gf_jpeg_warnings(const unsigned char *data, unsigned long size, char *message, int message_size) {
+    struct jpeg_decompress_struct cinfo;
+    struct gf_error error;
+    JSAMPROW row[1];
+    JSAMPLE *volatile buffer = NULL;
+    int warnings;
+
+    gf_setup(&cinfo, &error, message, message_size);
+    error.collect = 1;
+    if (setjmp(error.jump)) {
+        jpeg_destroy_decompress(&cinfo);
+        free(buffer);
+        return -1;
+    }
+    jpeg_create_decompress(&cinfo);
+    jpeg_mem_src(&cinfo, data, size);
+    jpeg_read_header(&cinfo, TRUE);
+    cinfo.scale_num = 1;
+    cinfo.scale_denom = 8;
+    cinfo.do_fancy_upsampling = FALSE;
+    jpeg_start_decompress(&cinfo);
+    buffer = malloc((size_t)cinfo.output_width * (size_t)cinfo.output_components);
+    if (buffer == NULL) {
+        jpeg_destroy_decompress(&cinfo);
+        return GF_OUT_OF_MEMORY;
+    }
+    row[0] = buffer;
+    while (cinfo.output_scanline < cinfo.output_height && jpeg_read_scanlines(&cinfo, row, 1) == 1) {
+    }
+    jpeg_finish_decompress(&cinfo); /* reads on to the end: warnings after the last scan count too */
+    warnings = error.warned;
+    jpeg_destroy_decompress(&cinfo);
+    free(buffer);
+    return warnings;
+}
+
+/*
  * Restart markers make a crop's blocks reachable without entropy-decoding
  * the rest of the image: with a restart every R MCUs (R dividing the MCUs in
  * a row), each run of R MCUs is coded independently (DC prediction restarts

@@ -11,6 +11,12 @@ did not change, keeps every complete and valid shard and writes only the
 rest. The manifest is written last: its presence means the dataset is
 complete.
 
+A file is accepted exactly when Pillow can read it (`sample.py`); a strict
+prepare (`strict=True`, `gpufeed prepare --strict`) instead stops at the
+first rejected file and leaves OUT as it found it: no manifest, none of the
+shards it wrote, no temp files, so the same command without strict still
+runs (and resumes what an earlier run left).
+
 `prepare_dataset` runs all of it in this process and its pool; a distributed
 runner (the service) runs the same job in steps: `plan_prepare` once,
 `write_prepare_shard` per shard anywhere that sees OUT, `finish_prepare` once.
@@ -27,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..errors import ConfigError, JobConflictError, SourceError, StorageError
+from ..errors import ConfigError, JobConflictError, SampleError, SourceError, StorageError
 from ..io.devices import device_info, faster_local_disk, free_bytes
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter
@@ -41,9 +47,12 @@ from .resume import (
     check_existing,
     clear_output,
     finished_manifest,
+    has_shard_record,
     pending_shards,
     read_plan,
+    read_rejects,
     read_shard_record,
+    remove_shards,
     remove_stale_temp_files,
     remove_temp_files,
     remove_work,
@@ -70,14 +79,18 @@ class PrepareProgress:
     rejected: int
     seconds: float
     stage: str = "prepare"
+    warned: int = 0  # samples decoded with warnings
 
 
 @dataclasses.dataclass
 class PrepareResult:
     """Summary of a finished prepare.
 
-    The dataset's counts (`listed` .. `variants`) are those of its manifest;
-    the rest describes the run that ended with it.
+    The dataset's counts (`listed` .. `variants`, `decoded_with_warnings`)
+    are those of its manifest; the rest describes the run that ended with it.
+    `decoded_with_warnings` counts the samples whose decoders warned about
+    damage they read past (each sample's json lists the messages under
+    `decode_warnings`).
     """
 
     out: str
@@ -95,6 +108,7 @@ class PrepareResult:
     workers: int
     already_complete: bool = False
     warnings: list[str] = dataclasses.field(default_factory=list)
+    decoded_with_warnings: int = 0
 
     @property
     def images_per_s(self) -> float:
@@ -143,6 +157,7 @@ def _result(
         workers=workers,
         already_complete=already_complete,
         warnings=list(warnings),
+        decoded_with_warnings=manifest.decoded_with_warnings,
     )
 
 
@@ -160,6 +175,9 @@ class _Job:
     warnings: list[str]
     pool: SamplePool | None = None  # started while planning (the size estimate ran on it)
     cache: dict[int, SampleOutcome] = dataclasses.field(default_factory=dict)  # samples the estimate made
+    planned_here: bool = False  # this run made the plan (else it resumes an earlier run's)
+    written: list[int] = dataclasses.field(default_factory=list)  # shards this run wrote
+    strict: bool = False  # stop at the first rejected file
 
 
 def prepare_dataset(
@@ -168,15 +186,23 @@ def prepare_dataset(
     workers: int | None = None,
     force: bool = False,
     overwrite: bool = False,
+    strict: bool = False,
     progress: ProgressCallback | None = None,
 ) -> PrepareResult:
     """Prepare SRC into verified WebDataset shards at OUT.
+
+    A file is accepted exactly when Pillow can open, fully load and convert
+    it (within `spec.max_pixels`); every other file is rejected with a reason
+    in OUT/rejected.jsonl, and the job goes on without it, unless `strict`.
 
     Args:
         spec: the job (source, out and every setting).
         workers: processes; None uses every available core, 0 runs in-process.
         force: write even when the free-space check says it will not fit.
         overwrite: replace an OUT prepared with different settings.
+        strict: stop at the first rejected file and publish nothing: OUT is
+            left as it was before this run (no manifest, none of this run's
+            shards), so the same job without strict can run after it.
         progress: called with a PrepareProgress after every chunk.
 
     Returns:
@@ -187,6 +213,8 @@ def prepare_dataset(
         SourceError: SRC cannot be listed or has changed since an interrupted run.
         JobConflictError: OUT holds a different job.
         StorageError: OUT cannot be written (e.g. full disk); complete shards are kept.
+        SampleError: with `strict`, a file was rejected (the message names it
+            and the reason), or OUT already holds this dataset with rejects.
     """
     started = time.perf_counter()
     workers = available_cores() if workers is None else workers
@@ -194,13 +222,21 @@ def prepare_dataset(
         raise ConfigError("--workers must be 0 or more")
     job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, workers=workers)
     if isinstance(job_or_done, Manifest):
+        if strict and job_or_done.rejected:
+            _refuse_finished_with_rejects(spec, Output(spec.out), job_or_done)
         seconds = time.perf_counter() - started
         shards = len(job_or_done.shards)
         return _result(spec.out, job_or_done, seconds=seconds, resumed=shards, workers=workers, already_complete=True)
     job = job_or_done
+    job.strict = strict
     try:
+        if strict:
+            _check_known_rejects(job)
         processed, resumed = _write_pending_shards(job, workers, progress, started)
         manifest = _finish(job)
+    except _StrictStop as stop:
+        _abandon(job)
+        raise SampleError(stop.message) from None
     finally:
         job.listing.close()
     seconds = time.perf_counter() - started
@@ -283,7 +319,7 @@ def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool, 
         if pool is not None:
             pool.terminate()
         raise
-    return _Job(spec, output, listing, plan, classes, listed, info.ignored, warnings, pool, cache)
+    return _Job(spec, output, listing, plan, classes, listed, info.ignored, warnings, pool, cache, planned_here=True)
 
 
 def _saved_plan_of(spec: PrepareSpec, output: Output, digest: str, listed: int, overwrite: bool) -> dict[str, Any] | None:
@@ -391,16 +427,17 @@ def _write_one_shard(
     sets = set_prefixes(job.spec.augment.variants)
     writers = [TarShardWriter(job.output.local(prefix + shard_name(shard))) for _, prefix in sets]
     rejected: list[dict[str, str]] = []
+    warned_before = state.warned
     window = max(2, pool.workers * 3)  # chunks in flight: keeps every worker busy, bounds memory
     with _ExitAll(writers):
         in_flight: deque[tuple[PendingChunk, Chunk]] = deque()
         for chunk in _chunks(job, shard, pool.workers):
             in_flight.append((pool.submit(chunk, job.cache), chunk))
             if len(in_flight) >= window:
-                _drain(pool.result(*in_flight.popleft()), writers, rejected, state)
+                _drain(pool.result(*in_flight.popleft()), writers, rejected, state, job.strict)
                 _report(state, progress, started)
         while in_flight:
-            _drain(pool.result(*in_flight.popleft()), writers, rejected, state)
+            _drain(pool.result(*in_flight.popleft()), writers, rejected, state, job.strict)
             _report(state, progress, started)
         infos = []
         for writer, (variant, prefix) in zip(writers, sets):
@@ -408,7 +445,8 @@ def _write_one_shard(
                 info = writer.commit(prefix + shard_name(shard), variant)
                 job.output.publish(info.path)
                 infos.append(info)
-    write_shard_record(job.output, shard, infos, rejected)
+    write_shard_record(job.output, shard, infos, rejected, state.warned - warned_before)
+    job.written.append(shard)
 
 
 def _chunks(job: _Job, shard: int, workers: int) -> Iterator[Chunk]:
@@ -435,14 +473,21 @@ class _ExitAll:
 
 
 def _drain(
-    outcomes: list[SampleOutcome], writers: list[TarShardWriter], rejected: list[dict[str, str]], state: PrepareProgress
+    outcomes: list[SampleOutcome],
+    writers: list[TarShardWriter],
+    rejected: list[dict[str, str]],
+    state: PrepareProgress,
+    strict: bool = False,
 ) -> None:
     for outcome in outcomes:
         state.done += 1
         if outcome.tars is None:
+            if strict:
+                raise _StrictStop(outcome.source, outcome.reason)
             rejected.append({"source": outcome.source, "reason": outcome.reason})
             state.rejected += 1
             continue
+        state.warned += bool(outcome.warnings)
         for writer, blob in zip(writers, outcome.tars):
             writer.write_sample_bytes(blob)
 
@@ -454,17 +499,68 @@ def _report(state: PrepareProgress, progress: ProgressCallback | None, started: 
 
 
 # ---------------------------------------------------------------------------
+# A strict prepare: the first reject stops it, and OUT is left as this run found it
+
+
+class _StrictStop(Exception):
+    """A strict prepare met a rejected file: unwinds the writing, then becomes a SampleError."""
+
+    def __init__(self, source: str, reason: str, earlier: bool = False) -> None:
+        by = " (rejected by an earlier run of this job)" if earlier else ""
+        self.message = (
+            f"strict prepare stopped at a rejected file: {source}: {reason}{by}; nothing was published "
+            "(fix or remove that file, or prepare without --strict to leave it out)"
+        )
+        super().__init__(self.message)
+
+
+def _check_known_rejects(job: _Job) -> None:
+    """Stop now for a reject already known: among the samples the size estimate made, or in a kept shard."""
+    for index in sorted(job.cache):
+        outcome = job.cache[index]
+        if outcome.tars is None:
+            raise _StrictStop(outcome.source, outcome.reason)
+    for shard in range(job.plan.shards):  # a recorded reject stands even if its shard must be written again
+        if has_shard_record(job.output, shard):
+            for entry in read_shard_record(job.output, shard)["rejected"][:1]:
+                raise _StrictStop(entry["source"], entry["reason"], earlier=True)
+
+
+def _abandon(job: _Job) -> None:
+    """Take back what a stopped strict run wrote: everything when it planned the job, else its own shards."""
+    if job.pool is not None:
+        job.pool.terminate()  # the estimate's pool, when no shard was started yet
+    job.listing.close()
+    if job.planned_here:
+        clear_output(job.output)
+        remove_temp_files(job.output)
+        remove_work(job.output)
+    else:
+        remove_shards(job.output, sorted(set(job.written)))
+
+
+def _refuse_finished_with_rejects(spec: PrepareSpec, output: Output, manifest: Manifest) -> None:
+    first = next(iter(read_rejects(output)), {"source": "?", "reason": "see rejected.jsonl"})
+    raise SampleError(
+        f"{spec.out} already holds this dataset, prepared without --strict: it left out {manifest.rejected} "
+        f"rejected file(s), the first {first['source']}: {first['reason']}; pass --overwrite to prepare it again"
+    )
+
+
+# ---------------------------------------------------------------------------
 # Finishing: rejected.jsonl, then the manifest (the switch), then the work folder goes
 
 
 def _finish(job: _Job) -> Manifest:
     shards: list[ShardInfo] = []
     rejected_lines: list[bytes] = []
+    warned = 0
     for shard in range(job.plan.shards):
         record = read_shard_record(job.output, shard)
         for info in record["shards"]:
             shards.append(ShardInfo(info["path"], info["samples"], info["bytes"], info["sha256"], info.get("variant")))
         rejected_lines += [json.dumps(entry).encode("ascii") + b"\n" for entry in record["rejected"]]
+        warned += record.get("warned", 0)
     rejected = len(rejected_lines)
     samples = sum(s.samples for s in shards) // max(1, job.spec.augment.variants)
     if samples + rejected != job.listed:
@@ -481,6 +577,7 @@ def _finish(job: _Job) -> Manifest:
         source=job.spec.source,
         rejected=rejected,
         variants=job.spec.augment.variants,
+        decoded_with_warnings=warned,
     )
     write_manifest(job.output, manifest)
     job.listing.close()

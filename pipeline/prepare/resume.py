@@ -54,16 +54,41 @@ def _shard_record_rel(shard: int) -> str:
     return f"{WORK_DIR}/shards/{shard:06d}.json"
 
 
-def write_shard_record(output: Output, shard: int, infos: list[ShardInfo], rejected: list[dict[str, str]]) -> None:
-    """Record a written shard: its files (one per variant set that got samples) and its rejects."""
-    record = {"shard": shard, "shards": [info.to_dict() for info in infos], "rejected": rejected}
+def write_shard_record(
+    output: Output, shard: int, infos: list[ShardInfo], rejected: list[dict[str, str]], warned: int = 0
+) -> None:
+    """Record a written shard: its files (one per variant set that got samples), its rejects, and how
+    many of its samples were decoded with warnings."""
+    record = {"shard": shard, "shards": [info.to_dict() for info in infos], "rejected": rejected, "warned": warned}
     output.write_bytes_atomic(_shard_record_rel(shard), json.dumps(record).encode("utf-8"))
 
 
 def read_shard_record(output: Output, shard: int) -> dict[str, Any]:
-    """A written shard's record: `shards` (file dicts) and `rejected` (source, reason) entries."""
+    """A written shard's record: `shards` (file dicts), `rejected` (source, reason) entries, `warned`
+    (0 in records of older versions, which did not count)."""
     record: dict[str, Any] = json.loads(output.read_bytes(_shard_record_rel(shard)))
     return record
+
+
+def remove_shards(output: Output, shards: list[int]) -> None:
+    """Remove written shards: their files and their records (the plan stays, so they are pending again)."""
+    for shard in shards:
+        if has_shard_record(output, shard):
+            for info in read_shard_record(output, shard)["shards"]:
+                output.remove(info["path"])
+            output.remove(_shard_record_rel(shard))
+
+
+def read_rejects(output: Output) -> list[dict[str, str]]:
+    """The entries of a finished dataset's rejected.jsonl ([] when it has none)."""
+    if not output.exists(REJECTED_NAME):
+        return []
+    return [json.loads(line) for line in output.read_bytes(REJECTED_NAME).splitlines() if line.strip()]
+
+
+def has_shard_record(output: Output, shard: int) -> bool:
+    """Whether a run wrote and recorded the shard (its files are not checked: see `shard_is_complete`)."""
+    return output.exists(_shard_record_rel(shard))
 
 
 def shard_is_complete(output: Output, shard: int) -> bool:

@@ -2,8 +2,12 @@
 
 A JPEG that only needs a resize takes the YCbCr path (`transcode.py`: no RGB
 in between, about twice as fast); everything else is decoded to RGB, resized
-or augmented into its variant sets, and encoded. A bad image never raises:
-its outcome carries the reason, and the job writes it to `rejected.jsonl`.
+or augmented into its variant sets, and encoded. A file the YCbCr path
+refuses (libjpeg warned or failed) is decoded by Pillow, whose verdict
+decides: the rule is that a file is accepted exactly when Pillow can read it.
+What the decoders warned about is kept in the sample's json
+(`decode_warnings`). A bad image never raises: its outcome carries the
+reason, and the job writes it to `rejected.jsonl`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from ..io.tar import sample_tar_bytes
 from ..specs import PrepareSpec
 from .encode import encode_image
 from .sources import SourceItem
+from .transcode import TranscodeRefused, transcode_jpeg
 from .transcode import applies as transcode_applies
-from .transcode import transcode_jpeg
 from .transforms import augment_image, required_scale, resize_image, resize_op, variant_rng
 
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
@@ -51,13 +55,18 @@ def sample_key(rel: str) -> str:
 
 @dataclasses.dataclass
 class SampleOutcome:
-    """What became of one source: its tar bytes per variant set, or a reject reason."""
+    """What became of one source: its tar bytes per variant set, or a reject reason.
+
+    `warnings` lists what the decoders warned about in an accepted file (also
+    in its samples' json as `decode_warnings`).
+    """
 
     index: int
     key: str
     source: str
     tars: list[bytes] | None = None
     reason: str = ""
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[str, int]) -> SampleOutcome:
@@ -82,7 +91,7 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
         return outcome
     label = classes.get(item.label) if item.label is not None else None
     try:
-        outcome.tars = _render(data, key, item, spec, label)
+        outcome.tars, outcome.warnings = _render(data, key, item, spec, label)
     except DecodeError as exc:
         outcome.reason = exc.reason
     except (OSError, ValueError, MemoryError) as exc:
@@ -90,21 +99,30 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
     return outcome
 
 
-def _render(data: bytes, key: str, item: SourceItem, spec: PrepareSpec, label: int | None) -> list[bytes]:
-    # The YCbCr path returns None for what it does not handle (not a JPEG, CMYK, ...): RGB then.
-    fast = transcode_jpeg(data, spec) if transcode_applies(spec) else None
-    if fast is not None:
-        payload, original_size, size = fast
-        meta = _meta(key, item, spec, original_size, size, None, [resize_op(spec.resize)])
-        return [sample_tar_bytes(key, _members(spec, label, meta, payload))]
+def _render(
+    data: bytes, key: str, item: SourceItem, spec: PrepareSpec, label: int | None
+) -> tuple[list[bytes], list[str]]:
+    """The tar blobs of the file's sample(s) and the decoders' warnings."""
+    refused = None
+    if transcode_applies(spec):
+        try:  # None for what the YCbCr path does not handle (not a JPEG, CMYK, ...): RGB then
+            fast = transcode_jpeg(data, spec)
+        except TranscodeRefused as exc:  # Pillow decides, and the message is a warning if it reads the file
+            fast, refused = None, exc.message
+        if fast is not None:
+            warned = list(fast.warnings)
+            meta = _meta(key, item, spec, fast.original_size, fast.size, None, [resize_op(spec.resize)], warned)
+            return [sample_tar_bytes(key, _members(spec, label, meta, fast.payload))], warned
     decoded = decode_image(
         data,
         scale_for=lambda w, h: required_scale(spec.resize, spec.augment, w, h),
         max_pixels=spec.max_pixels,
         background=spec.background,
         padded=True,
+        refused=refused,
     )
-    return [sample_tar_bytes(key, members) for members in _render_variants(decoded, key, item, spec, label)]
+    blobs = [sample_tar_bytes(key, members) for members in _render_variants(decoded, key, item, spec, label)]
+    return blobs, decoded.warnings
 
 
 def _render_variants(
@@ -121,7 +139,7 @@ def _render_variants(
         else:
             rng = variant_rng(spec.seed, key, variant)
             image, ops = augment_image(decoded.image, decoded.original_size, spec.resize, spec.augment, rng)
-        meta = _meta(key, item, spec, decoded.original_size, image.size, variant, ops)
+        meta = _meta(key, item, spec, decoded.original_size, image.size, variant, ops, decoded.warnings)
         members_per_set.append(_members(spec, label, meta, encode_image(image, spec.encode)))
     return members_per_set
 
@@ -134,8 +152,9 @@ def _meta(
     size: tuple[int, int],
     variant: int | None,
     ops: list[dict[str, Any]],
+    warnings: list[str],
 ) -> dict[str, Any]:
-    return {
+    meta: dict[str, Any] = {
         "key": key,
         "source": item.url,
         "label": item.label,
@@ -145,6 +164,9 @@ def _meta(
         "seed": spec.seed,
         "ops": ops,
     }
+    if warnings:  # only then: a clean file's json (and so its shard's bytes) is as before
+        meta["decode_warnings"] = warnings
+    return meta
 
 
 def _members(spec: PrepareSpec, label: int | None, meta: dict[str, Any], payload: bytes) -> dict[str, bytes]:

@@ -14,9 +14,10 @@ The pixels are not bit-identical to the RGB path's but the same picture
 (37-47 dB PSNR between the two on demo photos, the difference of two
 equally valid resamplings); the output's size, orientation and metadata are
 the same. Everything else (other formats, grey and CMYK JPEGs, pad mode,
-variants, WebP/PNG/npy output, a missing C compiler) takes the RGB path, and
-so does any file libjpeg finds corrupt, which then gets the RGB path's
-reason.
+variants, WebP/PNG/npy output, a missing C compiler) takes the RGB path.
+So does a file libjpeg refuses here, with an error or only a warning (data
+it would paper over with grey): `TranscodeRefused` carries libjpeg's message
+and the RGB path hands the file to Pillow, whose verdict stands.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import native
-from ..decode import exif_orientation, open_image
+from ..decode import exif_orientation, open_image, pillow_warnings
 from ..errors import DecodeError
 from ..specs import PrepareSpec
 from .transforms import output_size, required_scale
@@ -38,6 +39,35 @@ _MODES = ("shorter", "longer", "center-crop", "none")
 _REVERSED_X = (2, 3, 7, 8)
 _REVERSED_Y = (3, 4, 6, 7)
 _local = threading.local()
+
+
+class Transcoded(NamedTuple):
+    """What the YCbCr path made of a JPEG.
+
+    Attributes:
+        payload: the output JPEG.
+        original_size: the source's upright (width, height).
+        size: the output's upright (width, height).
+        warnings: what Pillow said about a broken Exif block (the pixels
+            came through libjpeg without a warning).
+    """
+
+    payload: bytes
+    original_size: tuple[int, int]
+    size: tuple[int, int]
+    warnings: tuple[str, ...] = ()
+
+
+class TranscodeRefused(Exception):
+    """libjpeg refused the data on this path (an error, or a warning): the RGB path hands it to Pillow.
+
+    Attributes:
+        message: libjpeg's message.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 def applies(spec: PrepareSpec) -> bool:
@@ -84,51 +114,67 @@ def regions(
     return (x0, y0, x1, y1), (cx0, cy0, cx1, cy1), out_w, out_h
 
 
-def transcode_jpeg(data: bytes, spec: PrepareSpec) -> tuple[bytes, tuple[int, int], tuple[int, int]] | None:
-    """(JPEG bytes, upright original size, upright output size), or None for the RGB path.
+def transcode_jpeg(data: bytes, spec: PrepareSpec) -> Transcoded | None:
+    """The resized JPEG and its sizes, or None when this file is not for this path.
 
-    Never raises for a bad file: anything that is not a good YCbCr JPEG
-    within the job's limits returns None, so that the RGB path decides
-    and words the reason.
+    Anything that is not a YCbCr JPEG within the job's limits returns None,
+    so that the RGB path decides and words the reason.
+
+    Raises:
+        TranscodeRefused: libjpeg refused the data (corrupt, or a warning):
+            the RGB path gives the file to Pillow with the message.
     """
     if not data.startswith(b"\xff\xd8\xff"):
         return None
-    try:
-        # JPEG only: the RGB path's open tries every format, importing all of Pillow's plugins.
-        img = open_image(data, max_pixels=spec.max_pixels, formats=("JPEG",))
-    except DecodeError:
-        return None  # the RGB path words the reason
-    if img.mode != "RGB" or [layer[1:3] for layer in img.layer][1:] != [(1, 1), (1, 1)]:
-        return None  # grey, CMYK, or chroma sampled unlike 4:2:0, 4:2:2, 4:4:4 (ycc.c checks the luma)
+    warned: list[str] = []  # Pillow's, about a broken Exif block
+    with pillow_warnings(warned):
+        try:
+            # JPEG only: the RGB path's open tries every format, importing all of Pillow's plugins.
+            img = open_image(data, max_pixels=spec.max_pixels, formats=("JPEG",))
+        except DecodeError:
+            return None  # the RGB path words the reason
+        if img.mode != "RGB" or [layer[1:3] for layer in img.layer][1:] != [(1, 1), (1, 1)]:
+            return None  # grey, CMYK, or chroma sampled unlike 4:2:0, 4:2:2, 4:4:4 (ycc.c checks the luma)
+        orientation = exif_orientation(img)
     lib = native.library()
     if lib is None:
         return None
     width, height = img.size
-    orientation = exif_orientation(img)
     m = dct_scale(width, height, required_scale(spec.resize, spec.augment, width, height))
     box, chroma_box, out_w, out_h = regions(spec, width, height, orientation)
     capacity = int(_BYTES_PER_PIXEL * out_w * out_h) + 65536
+    message = _message_buffer()
     for _ in range(3):
         out = _buffer(capacity)
         length = lib.gf_ycc_transcode(
             data, len(data), m, (ctypes.c_double * 4)(*box), (ctypes.c_double * 4)(*chroma_box), out_w, out_h,
             _FILTERS[spec.resize.resample], orientation, spec.encode.quality, spec.encode.restart, out, capacity,
-            None, 0,  # no message: a file this path refuses gets its reason from the RGB path
+            message, len(message),
         )  # fmt: skip
         if length != 0:
             break
         capacity *= 4  # the buffer was too small
+    if length == -1:
+        raise TranscodeRefused(message.value.decode(errors="replace") or "libjpeg refused the data")
     if length <= 0:
-        return None
+        return None  # not a layout ycc.c takes (GF_YCC_OTHER), or out of memory: the RGB path
     turned = orientation >= 5
     original = (height, width) if turned else (width, height)
     size = (out_h, out_w) if turned else (out_w, out_h)
-    return ctypes.string_at(out, length), original, size
+    return Transcoded(ctypes.string_at(out, length), original, size, tuple(warned))
 
 
 # 4:2:0 is 1.5 bytes a pixel raw; a JPEG of noise at quality 100 takes about 2.
 _BYTES_PER_PIXEL = 2.0
 _KEPT_BUFFER = 16 << 20  # a larger output buffer (a huge image with --mode none) is not kept
+
+
+def _message_buffer() -> Any:
+    """This thread's buffer for libjpeg's message."""
+    message = getattr(_local, "message", None)
+    if message is None:
+        message = _local.message = ctypes.create_string_buffer(200)
+    return message
 
 
 def _buffer(size: int) -> Any:
