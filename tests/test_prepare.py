@@ -520,3 +520,50 @@ def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
         assert sizes[-1] <= TAIL_CHUNK_ITEMS
     assert chunk_sizes(0, 2) == []
     assert chunk_sizes(10_000, 2)[0] == CHUNK_ITEMS
+
+
+# ---------------------------------------------------------------------------
+# Re-runs: SRC however it is spelled, a damaged dataset repaired, a source without usable images
+
+
+def test_images_beside_class_folders_are_rejected_with_a_reason(raw: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    images = sorted(raw.rglob("*.jpg"))
+    for i, path in enumerate(images[:7]):
+        (src / ("cats" if i % 2 else "dogs")).mkdir(parents=True, exist_ok=True)
+        (src / ("cats" if i % 2 else "dogs") / path.name).write_bytes(path.read_bytes())
+    (src / "stray.jpg").write_bytes(images[7].read_bytes())
+    (src / "notes.txt").write_text("not an image: ignored")
+    result = prepare_dataset(spec_for(src, tmp_path / "out"), workers=0)
+    assert (result.listed, result.samples, result.rejected, result.ignored) == (8, 7, 1, 1)
+    assert result.classes == ["cats", "dogs"]
+    rejected = [json.loads(line) for line in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert [entry["source"] for entry in rejected] == [str(src / "stray.jpg")]
+    assert rejected[0]["reason"].startswith("not in a class folder")
+
+
+def test_listing_through_fsspec_rejects_images_beside_class_folders_too(raw: Path, tmp_path: Path) -> None:
+    import fsspec
+
+    from pipeline.prepare.sources import NOT_IN_A_CLASS_FOLDER, ListingInfo, list_images
+
+    image = next(raw.rglob("*.jpg")).read_bytes()
+    memory = fsspec.filesystem("memory")
+    base = f"/beside-{os.getpid()}"
+    for rel in ("cats/a.jpg", "dogs/b.jpg", "stray.jpg", "notes.txt"):
+        memory.pipe(f"{base}/{rel}", image)
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(image)
+    try:
+        listed = {}
+        for source in (str(tmp_path), f"memory://{base}"):
+            info = ListingInfo()
+            listed[source] = [(item.rel, item.label, item.rejected) for item in list_images(source, info)]
+            assert info.ignored == 1 and info.classes == ["cats", "dogs"]
+        assert listed[str(tmp_path)] == listed[f"memory://{base}"] == [
+            ("stray.jpg", None, NOT_IN_A_CLASS_FOLDER),
+            ("cats/a.jpg", "cats", ""),
+            ("dogs/b.jpg", "dogs", ""),
+        ]
+    finally:
+        memory.rm(base, recursive=True)

@@ -35,7 +35,7 @@ from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, write_manifest
 from ..specs import PrepareSpec
 from .listing import Listing, class_names
 from .plan import ShardPlan, plan_shards, shard_name
-from .pool import Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes
+from .pool import Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes, make_outcome
 from .resume import (
     WORK_DIR,
     check_existing,
@@ -52,7 +52,7 @@ from .resume import (
     write_plan,
     write_shard_record,
 )
-from .sample import SampleOutcome, process_item
+from .sample import SampleOutcome
 from .sources import ListingInfo, list_images
 
 ESTIMATE_SAMPLES = 16
@@ -313,7 +313,7 @@ def _estimate_sample_bytes(
     chunk = [(index, listing.get(index)) for index in range(0, listed, step)[:ESTIMATE_SAMPLES]]
     if pool is None:
         class_index = {name: i for i, name in enumerate(classes)}
-        outcomes = [process_item(item, index, spec, class_index) for index, item in chunk]
+        outcomes = [make_outcome(item, index, spec, class_index) for index, item in chunk]
     else:
         per_worker = max(1, -(-len(chunk) // max(1, pool.workers)))
         pieces = [chunk[i : i + per_worker] for i in range(0, len(chunk), per_worker)]
