@@ -292,3 +292,24 @@ def test_plot_without_matplotlib_prints_the_install_line_before_measuring(args: 
     assert result.returncode == 1
     assert result.stderr == "gpufeed: error: --plot needs the plots extra: pip install 'gpufeed[plots]'\n"
     assert list(tmp_path.iterdir()) == []  # refused before anything was measured or written
+
+
+# ---------------------------------------------------------------------------
+# Re-running prepare: SRC however it is spelled, repairs, counts in words
+
+
+def test_prepare_of_a_source_without_usable_images_fails_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "broken.jpg").write_bytes(b"not an image")
+    result = run("prepare", str(tmp_path / "raw"), "out", "--workers", "0", "--quiet", cwd=tmp_path)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [
+        f"gpufeed: error: no usable images in {tmp_path / 'raw'}: 1 file listed, 1 rejected (see out/rejected.jsonl)"
+    ], result.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists() and (tmp_path / "out" / "rejected.jsonl").exists()
+    Image.new("RGB", (40, 30), (10, 200, 30)).save(tmp_path / "raw" / "good.jpg")
+    fixed = run("prepare", "raw", "out", "--size", "16", "--workers", "0", "--quiet", cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "done: 1 sample, 1 rejected (of 2 listed), 1 shard, " in fixed.stdout
+    assert "2 images in" in fixed.stdout

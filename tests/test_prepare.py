@@ -19,6 +19,7 @@ from pipeline import (
     ConfigError,
     EncodeSpec,
     JobConflictError,
+    NoImagesError,
     PrepareSpec,
     ResizeSpec,
     ShardSpec,
@@ -226,7 +227,7 @@ def test_bad_sources_are_clear_errors(tmp_path: Path) -> None:
         prepare_dataset(spec_for(tmp_path / "missing", tmp_path / "out"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("hello")
-    with pytest.raises(ConfigError, match="no images found"):
+    with pytest.raises(NoImagesError, match="no images found"):
         prepare_dataset(spec_for(tmp_path / "empty", tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
 
@@ -524,6 +525,30 @@ def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
 
 # ---------------------------------------------------------------------------
 # Re-runs: SRC however it is spelled, a damaged dataset repaired, a source without usable images
+
+
+def test_a_source_whose_every_file_is_rejected_fails_without_a_manifest(tmp_path: Path) -> None:
+    from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "broken.jpg").write_bytes(b"not a JPEG at all")
+    out = tmp_path / "out"
+    expected = rf"no usable images in {tmp_path / 'src'}: 1 file listed, 1 rejected \(see {out}/rejected.jsonl\)"
+    with pytest.raises(NoImagesError, match=expected):
+        prepare_dataset(spec_for(tmp_path / "src", out), workers=0)
+    assert not (out / "manifest.json").exists() and not (out / ".gpufeed").exists()
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [entry["source"] for entry in rejected] == [str(tmp_path / "src" / "broken.jpg")]
+    spec = spec_for(tmp_path / "src", tmp_path / "steps")
+    for shard in range(plan_prepare(spec).shards):
+        write_prepare_shard(spec, shard)
+    with pytest.raises(NoImagesError):
+        finish_prepare(spec)
+    assert not (tmp_path / "steps" / "manifest.json").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NoImagesError, match="no images found"):
+        prepare_dataset(spec_for(tmp_path / "empty", tmp_path / "none"), workers=0)
+    assert not (tmp_path / "none" / "manifest.json").exists() and not (tmp_path / "none" / ".gpufeed").exists()
 
 
 def test_images_beside_class_folders_are_rejected_with_a_reason(raw: Path, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ small record of it (counts, hashes, rejects) is saved next to the plan
 (`resume.py`). A re-run of the same job lists again, checks that the source
 did not change, keeps every complete and valid shard and writes only the
 rest. The manifest is written last: its presence means the dataset is
-complete.
+complete. A source that gives no usable image gets no manifest at all.
 
 `prepare_dataset` runs all of it in this process and its pool; a distributed
 runner (the service) runs the same job in steps: `plan_prepare` once,
@@ -27,12 +27,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..errors import ConfigError, JobConflictError, SourceError, StorageError
+from ..errors import ConfigError, JobConflictError, NoImagesError, SourceError, StorageError
 from ..io.devices import device_info, faster_local_disk, free_bytes
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, write_manifest
 from ..specs import PrepareSpec
+from ..units import format_count
 from .listing import Listing, class_names
 from .plan import ShardPlan, plan_shards, shard_name
 from .pool import Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes, make_outcome
@@ -183,7 +184,8 @@ def prepare_dataset(
         A PrepareResult summary.
 
     Raises:
-        ConfigError: bad settings, or no images in SRC.
+        ConfigError: bad settings.
+        NoImagesError: SRC gave no usable image (none listed, or every one rejected); no manifest is written.
         SourceError: SRC cannot be listed or has changed since an interrupted run.
         JobConflictError: OUT holds a different job.
         StorageError: OUT cannot be written (e.g. full disk); complete shards are kept.
@@ -248,15 +250,18 @@ def _refuse_out_inside_source(spec: PrepareSpec) -> None:
 
 def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool, workers: int | None) -> _Job:
     work = output.local(WORK_DIR)
+    had_plan = read_plan(output) is not None
     os.makedirs(os.path.join(work, "shards"), exist_ok=True)
     listing = Listing(work)
     info = ListingInfo()
     listed, digest, labels = listing.write(list_images(spec.source, info))
     if listed == 0:
         listing.close()
-        raise ConfigError(
+        if not had_plan:
+            output.remove(WORK_DIR)  # this run made it: an empty source leaves nothing behind
+        raise NoImagesError(
             f"no images found in {spec.source}"
-            + (f" ({info.ignored} files without an image extension were ignored)" if info.ignored else "")
+            + (f" ({format_count(info.ignored, 'file')} without an image extension ignored)" if info.ignored else "")
         )
     classes = class_names(info, labels)
     saved = _saved_plan_of(spec, output, digest, listed, overwrite)
@@ -473,6 +478,13 @@ def _finish(job: _Job) -> Manifest:
             f"remove {job.spec.out} and run again"
         )
     job.output.write_bytes_atomic(REJECTED_NAME, b"".join(rejected_lines))
+    if samples == 0:  # a manifest of no samples is no dataset: keep the reasons, write nothing else
+        job.listing.close()
+        remove_work(job.output)
+        raise NoImagesError(
+            f"no usable images in {job.spec.source}: {format_count(job.listed, 'file')} listed, {rejected} rejected "
+            f"(see {job.spec.out.rstrip('/')}/{REJECTED_NAME})"
+        )
     manifest = Manifest(
         samples=samples,
         classes=job.classes,
@@ -605,6 +617,7 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
     Raises:
         ConfigError: OUT holds neither a planned prepare nor the finished dataset (run `plan_prepare` first).
         JobConflictError: OUT holds a planned prepare of different settings.
+        NoImagesError: every listed file was rejected (rejected.jsonl is written, no manifest).
         StorageError: a shard is missing or does not match its record (nothing is published).
     """
     output = Output(spec.out)
