@@ -527,6 +527,59 @@ def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
 # Re-runs: SRC however it is spelled, a damaged dataset repaired, a source without usable images
 
 
+def test_the_same_source_spelled_otherwise_is_the_same_job(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.chdir(raw.parent)
+    first = prepare_dataset(spec_for(raw.name, out), workers=0)
+    manifest = read_manifest(out)
+    assert manifest.source == str(raw) and manifest.params["source"] == str(raw)  # resolved, not as typed
+    for spelling in (f"{raw.name}/", f"./{raw.name}", str(raw), f"file://{raw}/"):
+        again = prepare_dataset(spec_for(spelling, out), workers=0)
+        assert again.already_complete and again.processed == 0, spelling
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert prepare_dataset(spec_for(os.path.relpath(raw), out), workers=0).already_complete
+    (tmp_path / "link").symlink_to(raw)
+    assert prepare_dataset(spec_for(tmp_path / "link", out), workers=0).already_complete
+    # Resolved, the shards are those of an absolute SRC, byte for byte (what the service writes).
+    prepare_dataset(spec_for(raw, tmp_path / "absolute"), workers=0)
+    assert shard_bytes(out) == shard_bytes(tmp_path / "absolute") and first.samples == 60
+
+
+def test_an_interrupted_job_resumes_whatever_the_spelling(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.prepare.job import plan_prepare, write_prepare_shard
+
+    out = tmp_path / "out"
+    monkeypatch.chdir(raw.parent)
+    assert plan_prepare(spec_for(raw.name, out)).pending == [0, 1, 2, 3]
+    write_prepare_shard(spec_for(f"./{raw.name}/", out), 1)
+    monkeypatch.chdir(tmp_path)
+    result = prepare_dataset(spec_for(raw, out), workers=0)
+    assert result.resumed_shards == 1 and result.processed == 44
+
+
+def test_other_settings_are_refused_naming_each_difference(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out), workers=0)
+    other = spec_for(raw, out, resize=ResizeSpec(size=32, upscale=True), seed=3)
+    with pytest.raises(JobConflictError) as refused:
+        prepare_dataset(other, workers=0)
+    message = str(refused.value)
+    where = f"{out}/manifest.json"
+    assert f"--size: 32 here, 64 in {where}" in message
+    assert f"--upscale: given here, not given in {where}" in message
+    assert f"--seed: 3 here, 0 in {where}" in message
+    assert "--mode" not in message and "--overwrite" in message
+    (tmp_path / "other").mkdir()
+    with pytest.raises(JobConflictError, match=f"SRC: {tmp_path / 'other'} here, {raw} in {where}"):
+        prepare_dataset(spec_for(tmp_path / "other", out), workers=0)
+    from pipeline.prepare.job import plan_prepare
+
+    plan_prepare(spec_for(raw, tmp_path / "unfinished"))
+    with pytest.raises(JobConflictError, match="unfinished prepare with different settings.*--shard-count: 8 here, 16 in"):
+        prepare_dataset(spec_for(raw, tmp_path / "unfinished", shards=ShardSpec(max_bytes=None, max_samples=8)), workers=0)
+
+
 def test_a_source_whose_every_file_is_rejected_fails_without_a_manifest(tmp_path: Path) -> None:
     from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -29,10 +30,13 @@ pytest_plugins = ["service_fixtures"]  # service, small_raw, slow_raw
 
 
 def local_prepare_of(service: Service, job: str, out: Path) -> Path:
-    """Prepare locally, in this process, exactly what the job was asked to do."""
+    """Prepare locally, in this process, exactly what the job was asked to do, SRC relative as a user types it."""
     spec = dict(service.record(job).payload["spec"])
+    source = Path(spec["source"])
     spec["out"] = str(out)
-    prepare_dataset(PrepareSpec.from_dict(spec), workers=0)
+    spec["source"] = source.name
+    with contextlib.chdir(source.parent):
+        prepare_dataset(PrepareSpec.from_dict(spec), workers=0)
     return out
 
 

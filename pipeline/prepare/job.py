@@ -11,6 +11,10 @@ did not change, keeps every complete and valid shard and writes only the
 rest. The manifest is written last: its presence means the dataset is
 complete. A source that gives no usable image gets no manifest at all.
 
+A job's SRC is recorded resolved (`io.fs.resolve_location`), so `raw`,
+`./raw/` and `/data/raw` are the same job, and shards record their sources
+the same way whatever the folder a prepare ran from.
+
 `prepare_dataset` runs all of it in this process and its pool; a distributed
 runner (the service) runs the same job in steps: `plan_prepare` once,
 `write_prepare_shard` per shard anywhere that sees OUT, `finish_prepare` once.
@@ -27,8 +31,9 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..errors import ConfigError, JobConflictError, NoImagesError, SourceError, StorageError
+from ..errors import ConfigError, NoImagesError, SourceError, StorageError
 from ..io.devices import device_info, faster_local_disk, free_bytes
+from ..io.fs import resolve_location, same_location
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, write_manifest
@@ -43,8 +48,10 @@ from .resume import (
     clear_output,
     finished_manifest,
     pending_shards,
+    planned_conflict,
     read_plan,
     read_shard_record,
+    recorded_source,
     remove_stale_temp_files,
     remove_temp_files,
     remove_work,
@@ -174,7 +181,7 @@ def prepare_dataset(
     """Prepare SRC into verified WebDataset shards at OUT.
 
     Args:
-        spec: the job (source, out and every setting).
+        spec: the job (source, out and every setting); SRC may be relative, it is recorded resolved.
         workers: processes; None uses every available core, 0 runs in-process.
         force: write even when the free-space check says it will not fit.
         overwrite: replace an OUT prepared with different settings.
@@ -187,7 +194,7 @@ def prepare_dataset(
         ConfigError: bad settings.
         NoImagesError: SRC gave no usable image (none listed, or every one rejected); no manifest is written.
         SourceError: SRC cannot be listed or has changed since an interrupted run.
-        JobConflictError: OUT holds a different job.
+        JobConflictError: OUT holds a different job (the message names the settings that differ).
         StorageError: OUT cannot be written (e.g. full disk); complete shards are kept.
     """
     started = time.perf_counter()
@@ -228,13 +235,27 @@ def _open_or_plan(spec: PrepareSpec, *, force: bool, overwrite: bool, workers: i
     With `workers`, the job's pool starts here (the size estimate runs on it);
     without, the estimate runs in this process.
     """
-    _refuse_out_inside_source(spec)
     output = Output(spec.out)
+    spec = _as_recorded(spec, output)
+    _refuse_out_inside_source(spec)
     finished = check_existing(output, spec, overwrite)
     if finished is not None:
         return finished
     output.makedirs()
     return _start_job(spec, output, force, overwrite, workers)
+
+
+def _as_recorded(spec: PrepareSpec, output: Output) -> PrepareSpec:
+    """`spec` with SRC resolved, or spelled as OUT records it when that names the same place (through symlinks).
+
+    Samples record their source path, so a job resumed or repaired through
+    another spelling of the same folder still writes the bytes it first wrote.
+    """
+    source = resolve_location(spec.source)
+    recorded = recorded_source(output)
+    if recorded is not None and recorded != source and same_location(recorded, source):
+        source = recorded
+    return spec if source == spec.source else dataclasses.replace(spec, source=source)
 
 
 def _refuse_out_inside_source(spec: PrepareSpec) -> None:
@@ -621,6 +642,7 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
         StorageError: a shard is missing or does not match its record (nothing is published).
     """
     output = Output(spec.out)
+    spec = _as_recorded(spec, output)
     manifest = finished_manifest(output, spec)
     if manifest is not None:
         remove_work(output)  # the leftovers of a finish that stopped right after its manifest
@@ -654,11 +676,12 @@ def discard_prepare(spec: PrepareSpec) -> None:
 
 def _load_planned_job(spec: PrepareSpec) -> _Job:
     output = Output(spec.out)
+    spec = _as_recorded(spec, output)
     saved = read_plan(output)
     if saved is None:
         raise ConfigError(f"{spec.out} has no planned prepare; run plan_prepare first")
     if saved.get("identity") != spec.output_identity():
-        raise JobConflictError(f"{spec.out} holds a planned prepare with different settings")
+        raise planned_conflict(spec, saved.get("identity") or {})
     listing = Listing(output.local(WORK_DIR))
     plan = ShardPlan(**saved["plan"])
     return _Job(spec, output, listing, plan, saved["classes"], saved["listed"], saved.get("ignored", 0), [])
