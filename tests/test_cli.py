@@ -298,6 +298,31 @@ def test_plot_without_matplotlib_prints_the_install_line_before_measuring(args: 
 # Re-running prepare: SRC however it is spelled, repairs, counts in words
 
 
+def test_prepare_rerun_from_anywhere_resumes_names_differences_and_repairs(small_source: Path, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "raw").symlink_to(small_source, target_is_directory=True)
+    flags = ("--size", "64", "--shard-count", "1", "--workers", "0", "--quiet")
+    first = run("prepare", "raw", "shards", *flags, cwd=work)
+    assert first.returncode == 0, first.stderr
+    assert "done: 4 samples, 0 rejected (of 4 listed), 4 shards" in first.stdout
+    assert "4 images in" in first.stdout and "with 1 worker process" in first.stdout
+    (work / "sub").mkdir()
+    for src, out, cwd in (("raw/", "shards", work), ("./raw", "shards", work), (str(work / "raw"), "../shards", work / "sub")):
+        again = run("prepare", src, out, *flags, cwd=cwd)
+        assert again.returncode == 0, again.stderr
+        assert "already prepared with these settings" in again.stdout and "nothing to do" in again.stdout, src
+    refused = run("prepare", "raw", "shards", "--size", "32", *flags[2:], cwd=work)
+    assert refused.returncode == 1
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--size: 32 here, 64 in shards/manifest.json" in lines[0], refused.stderr
+    (work / "shards" / "shard-000002.tar").unlink()
+    repaired = run("prepare", "raw", "shards", *flags, cwd=work)
+    assert repaired.returncode == 0, repaired.stderr
+    assert "rewrote 1 of 4 shards: shard-000002.tar was missing" in repaired.stdout
+    assert run("inspect", "shards", "--verify", cwd=work).returncode == 0
+
+
 def test_prepare_of_a_source_without_usable_images_fails_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "broken.jpg").write_bytes(b"not an image")

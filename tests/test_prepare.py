@@ -580,6 +580,92 @@ def test_other_settings_are_refused_naming_each_difference(raw: Path, tmp_path: 
         prepare_dataset(spec_for(raw, tmp_path / "unfinished", shards=ShardSpec(max_bytes=None, max_samples=8)), workers=0)
 
 
+def test_rerun_rewrites_a_missing_or_truncated_shard(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out), workers=0)
+    before, manifest_bytes = shard_bytes(out), (out / "manifest.json").read_bytes()
+    untouched = (out / "shard-000000.tar").stat().st_mtime_ns
+    (out / "shard-000002.tar").unlink()
+    repaired = prepare_dataset(spec_for(raw, out), workers=0)
+    assert repaired.repaired == {"shard-000002.tar": "was missing"}
+    assert not repaired.already_complete and repaired.processed == 16 and repaired.shards == 4
+    assert shard_bytes(out) == before and (out / "manifest.json").read_bytes() == manifest_bytes
+    assert (out / "shard-000000.tar").stat().st_mtime_ns == untouched
+    assert verify_dataset(out).ok and not (out / ".gpufeed").exists()
+    shard = out / "shard-000003.tar"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:5000])
+    repaired = prepare_dataset(spec_for(raw, out), workers=2)
+    assert repaired.repaired == {"shard-000003.tar": f"had 5000 bytes, the manifest says {size}"}
+    assert shard_bytes(out) == before and verify_dataset(out).ok
+
+
+def test_rerun_with_verify_rewrites_a_shard_whose_bytes_changed(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out), workers=0)
+    before = shard_bytes(out)
+    shard = out / "shard-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[3000] ^= 0x01  # same size: only a hash sees it
+    shard.write_bytes(bytes(data))
+    assert prepare_dataset(spec_for(raw, out), workers=0).already_complete
+    repaired = prepare_dataset(spec_for(raw, out), workers=0, verify=True)
+    assert repaired.repaired == {"shard-000001.tar": "did not match its sha256"}
+    assert shard_bytes(out) == before
+    checked = prepare_dataset(spec_for(raw, out), workers=0, verify=True)
+    assert checked.already_complete and checked.verified
+
+
+def test_rerun_rewrites_only_the_damaged_file_of_a_variant_set(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    spec = spec_for(raw, out, augment=AugmentSpec(variants=2))
+    prepare_dataset(spec, workers=0)
+    before = shard_bytes(out)
+    kept = (out / "v0" / "shard-000001.tar").stat().st_mtime_ns
+    (out / "v1" / "shard-000001.tar").unlink()
+    assert prepare_dataset(spec, workers=0).repaired == {"v1/shard-000001.tar": "was missing"}
+    assert shard_bytes(out) == before
+    assert (out / "v0" / "shard-000001.tar").stat().st_mtime_ns == kept
+
+
+def test_a_repair_from_a_changed_source_is_refused(raw: Path, tmp_path: Path) -> None:
+    import shutil
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(raw, src)
+    prepare_dataset(spec_for(src, out), workers=0)
+    victim = next(iter(read_samples(out, "shard-000002.tar")))["json"]["source"]
+    other = next(p for p in sorted(src.rglob("*.jpg")) if str(p) != victim)
+    Path(victim).write_bytes(other.read_bytes())  # the same number of files, one with other bytes
+    (out / "shard-000002.tar").unlink()
+    with pytest.raises(SourceError, match="shard-000002.tar made again from .* is not the file the manifest records"):
+        prepare_dataset(spec_for(src, out), workers=0)
+    assert not (out / "shard-000002.tar").exists() and not (out / ".gpufeed").exists()
+    next(src.rglob("*.jpg")).unlink()
+    with pytest.raises(SourceError, match="lists 59 files, 60 when"):
+        prepare_dataset(spec_for(src, out), workers=0)
+
+
+def test_step_api_repairs_a_damaged_dataset(raw: Path, tmp_path: Path) -> None:
+    from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
+
+    out = tmp_path / "out"
+    spec = spec_for(raw, out)
+    prepare_dataset(spec, workers=0)
+    before = shard_bytes(out)
+    (out / "shard-000001.tar").unlink()
+    plan = plan_prepare(spec)
+    assert not plan.already_complete and plan.pending == [1]
+    with pytest.raises(StorageError, match="shard-000001.tar"):
+        finish_prepare(spec)
+    written = [write_prepare_shard(spec, shard) for shard in range(plan.shards)]
+    assert [record.skipped for record in written] == [True, False, True, True]
+    assert write_prepare_shard(spec, 1).skipped  # a re-delivered task finds it repaired
+    assert finish_prepare(spec).samples == 60
+    assert shard_bytes(out) == before and verify_dataset(out).ok and not (out / ".gpufeed").exists()
+    assert plan_prepare(spec).already_complete
+
+
 def test_a_source_whose_every_file_is_rejected_fails_without_a_manifest(tmp_path: Path) -> None:
     from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
 

@@ -44,8 +44,16 @@ def print_prepare_summary(result: PrepareResult) -> None:
 
     console = Console()
     if result.already_complete:
-        console.print(f"{result.out}: already prepared with these settings; nothing to do")
-    resumed = f", {result.resumed_shards} kept from an earlier run" if result.resumed_shards and not result.already_complete else ""
+        checked = "sha256" if result.verified else "size"
+        console.print(f"{result.out}: already prepared with these settings, every shard at its recorded {checked}; nothing to do")
+    if result.repaired:
+        damage = ", ".join(f"{path} {problem}" for path, problem in result.repaired.items())
+        console.print(f"rewrote {len(result.repaired)} of {format_count(result.shards, 'shard')}: {damage}")
+    resumed = (
+        f", {result.resumed_shards} kept from an earlier run"
+        if result.resumed_shards and not result.already_complete and not result.repaired
+        else ""
+    )
     console.print(
         f"[bold green]done[/]: {format_count(result.samples, 'sample')}, {result.rejected} rejected "
         f"(of {result.listed} listed), {format_count(result.shards, 'shard')}{resumed}, {result.bytes / 1e6:.1f} MB"

@@ -7,10 +7,14 @@ complete when its record exists and every file it names still has the
 recorded size (and, locally, sha256). The manifest is written last: once OUT
 holds a manifest of the same settings the dataset is complete, and whatever
 is left of the work folder is a leftover of a run that stopped just after.
+A finished dataset is checked too: a shard file that is missing or has
+another size than its manifest entry (with `verify`, another sha256) is
+damaged, and a re-run writes it again (see `job.py`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -109,6 +113,38 @@ def remove_temp_files(output: Output) -> None:
 
 def _is_temp_shard(name: str) -> bool:
     return name.startswith(".shard-") and ".tmp-" in name
+
+
+def shard_file_problem(output: Output, info: ShardInfo, *, verify: bool = False) -> str:
+    """What is wrong with a finished dataset's shard file on disk, phrased to follow its name; "" when nothing.
+
+    Cheap by default (the file is there with its recorded size); with
+    `verify`, its sha256 is computed and compared too.
+    """
+    size = output.size(info.path)
+    if size is None:
+        return "was missing"
+    if size != info.bytes:
+        return f"had {size} bytes, the manifest says {info.bytes}"
+    if verify and _sha256_of(output, info.path) != info.sha256:
+        return "did not match its sha256"
+    return ""
+
+
+def damaged_shards(output: Output, manifest: Manifest, *, verify: bool = False) -> dict[str, str]:
+    """The manifest's shard files that are missing or damaged in OUT: path -> what is wrong (see `shard_file_problem`)."""
+    problems = {info.path: shard_file_problem(output, info, verify=verify) for info in manifest.shards}
+    return {path: problem for path, problem in problems.items() if problem}
+
+
+def _sha256_of(output: Output, rel: str) -> str:
+    if output.is_local:
+        return file_sha256(output.local(rel))[0]
+    digest = hashlib.sha256()
+    with output.open_read(rel) as handle:
+        while block := handle.read(4 * 1024 * 1024):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def recorded_source(output: Output) -> str | None:
