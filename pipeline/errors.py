@@ -29,6 +29,14 @@ class SourceError(GpufeedError):
     """The source dataset cannot be listed or read."""
 
 
+class NoImagesError(SourceError):
+    """SRC gave no usable image: nothing was listed, or every listed file was rejected.
+
+    No manifest is written (a dataset without samples is no dataset); when
+    files were rejected, OUT/rejected.jsonl says why each one was.
+    """
+
+
 class SampleError(GpufeedError):
     """One sample cannot be used; the job goes on without it."""
 

@@ -226,6 +226,35 @@ class PrepareSpec(Spec):
         return data
 
 
+PREPARE_OPTION_NAMES = {
+    "source": "SRC",
+    "resize.size": "--size",
+    "resize.mode": "--mode",
+    "resize.upscale": "--upscale",
+    "resize.resample": "--resample",
+    "augment.variants": "--variants",
+    "augment.scale": "--crop-scale",
+    "augment.ratio": "--crop-ratio",
+    "augment.flip": "--no-flip",
+    "augment.jitter": "--jitter",
+    "augment.rotate": "--rotate",
+    "encode.format": "--format",
+    "encode.quality": "--quality",
+    "encode.restart": "--jpeg-restart",
+    "shards.max_bytes": "--shard-size",
+    "shards.max_samples": "--shard-count",
+    "seed": "--seed",
+    "max_pixels": "--max-pixels",
+}
+"""How `gpufeed prepare` spells each PrepareSpec setting (dotted path -> SRC or option), for messages.
+
+Settings without an option (`max_file_bytes`, `background`) keep their dotted path.
+"""
+
+PREPARE_FLAG_VALUES = {"resize.upscale": True, "augment.flip": False}
+"""The value a setting takes when its flag option (`--upscale`, `--no-flip`) is given."""
+
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DTYPES = ("float32", "float16", "bfloat16", "uint8")

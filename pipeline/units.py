@@ -1,4 +1,4 @@
-"""Sizes, durations and rates: one parser and one formatter for each, shared by every stage.
+"""Sizes, durations and rates (one parser and one formatter for each) and counts, shared by every stage.
 
 Sizes are bytes (`256MB` = 256 * 10**6, `1.5GiB` = 1.5 * 2**30), durations seconds
 (`90`, `90s`, `10m`, `6h`, `7d`), rates per second with an SI prefix (`312T`,
@@ -114,3 +114,14 @@ def format_rate(value: float | None, unit: str = "images/s", digits: int = 0) ->
         digits: decimals shown.
     """
     return "n/a" if value is None else f"{value:.{digits}f} {unit}"
+
+
+def format_count(count: int, noun: str, plural: str | None = None) -> str:
+    """`1 image`, `2 images`, `1 worker process`: a count with its noun in the right number.
+
+    Args:
+        count: how many.
+        noun: the singular (`"image"`).
+        plural: the plural when it is not the singular plus `s` (`"worker processes"`).
+    """
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"

@@ -25,6 +25,7 @@ PUBLIC_API = [
     "LoaderStats",
     "Manifest",
     "ManifestError",
+    "NoImagesError",
     "PrepareResult",
     "PrepareSpec",
     "ReshardResult",

@@ -292,3 +292,49 @@ def test_plot_without_matplotlib_prints_the_install_line_before_measuring(args: 
     assert result.returncode == 1
     assert result.stderr == "gpufeed: error: --plot needs the plots extra: pip install 'gpufeed[plots]'\n"
     assert list(tmp_path.iterdir()) == []  # refused before anything was measured or written
+
+
+# ---------------------------------------------------------------------------
+# Re-running prepare: SRC however it is spelled, repairs, counts in words
+
+
+def test_prepare_rerun_from_anywhere_resumes_names_differences_and_repairs(small_source: Path, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "raw").symlink_to(small_source, target_is_directory=True)
+    flags = ("--size", "64", "--shard-count", "1", "--workers", "0", "--quiet")
+    first = run("prepare", "raw", "shards", *flags, cwd=work)
+    assert first.returncode == 0, first.stderr
+    assert "done: 4 samples, 0 rejected (of 4 listed), 4 shards" in first.stdout
+    assert "4 images in" in first.stdout and "with 1 worker process" in first.stdout
+    (work / "sub").mkdir()
+    for src, out, cwd in (("raw/", "shards", work), ("./raw", "shards", work), (str(work / "raw"), "../shards", work / "sub")):
+        again = run("prepare", src, out, *flags, cwd=cwd)
+        assert again.returncode == 0, again.stderr
+        assert "already prepared with these settings" in again.stdout and "nothing to do" in again.stdout, src
+    refused = run("prepare", "raw", "shards", "--size", "32", *flags[2:], cwd=work)
+    assert refused.returncode == 1
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--size: 32 here, 64 in shards/manifest.json" in lines[0], refused.stderr
+    (work / "shards" / "shard-000002.tar").unlink()
+    repaired = run("prepare", "raw", "shards", *flags, cwd=work)
+    assert repaired.returncode == 0, repaired.stderr
+    assert "rewrote 1 of 4 shards: shard-000002.tar was missing" in repaired.stdout
+    assert run("inspect", "shards", "--verify", cwd=work).returncode == 0
+
+
+def test_prepare_of_a_source_without_usable_images_fails_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "broken.jpg").write_bytes(b"not an image")
+    result = run("prepare", str(tmp_path / "raw"), "out", "--workers", "0", "--quiet", cwd=tmp_path)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [
+        f"gpufeed: error: no usable images in {tmp_path / 'raw'}: 1 file listed, 1 rejected (see out/rejected.jsonl)"
+    ], result.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists() and (tmp_path / "out" / "rejected.jsonl").exists()
+    Image.new("RGB", (40, 30), (10, 200, 30)).save(tmp_path / "raw" / "good.jpg")
+    fixed = run("prepare", "raw", "out", "--size", "16", "--workers", "0", "--quiet", cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "done: 1 sample, 1 rejected (of 2 listed), 1 shard, " in fixed.stdout
+    assert "2 images in" in fixed.stdout

@@ -33,7 +33,7 @@ from PIL import Image
 
 from pipeline import EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec, native, prepare_dataset
 from pipeline import decode as gate
-from pipeline.errors import DecodeError, SampleError
+from pipeline.errors import DecodeError, NoImagesError, SampleError
 from pipeline.loader.cpu_decode import decode_into
 from pipeline.loader.crops import CropSpec
 from pipeline.prepare import transcode
@@ -463,10 +463,16 @@ def test_random_damage_is_accepted_exactly_when_pillow_reads_it(
     spec = PrepareSpec(
         source=str(src), out=str(out), resize=ResizeSpec(size=40), encode=EncodeSpec(format=fmt), max_pixels=MAX_PIXELS
     )
-    result = prepare_dataset(spec, workers=0)
+    try:
+        result = prepare_dataset(spec, workers=0)
+        samples, rejects, listed = result.samples, result.rejected, result.listed
+    except NoImagesError:  # every file rejected: no dataset, and rejected.jsonl says why
+        assert not (out / "manifest.json").exists()
+        samples, rejects, listed = 0, len(files), len(files)
     rejected = {Path(entry["source"]).name: entry["reason"] for entry in map(json.loads, (out / "rejected.jsonl").read_text().splitlines())}
-    accepted = set(_read_samples(out, "jpg" if fmt == "jpeg" else fmt)) if result.samples else set()
-    assert result.samples + result.rejected == result.listed == len(files)
+    accepted = set(_read_samples(out, "jpg" if fmt == "jpeg" else fmt)) if samples else set()
+    assert samples + rejects == listed == len(files)
+    assert len(rejected) == rejects
     assert {Path(name).stem for name, ok in expected.items() if ok} == accepted, rejected
     assert {name for name, ok in expected.items() if not ok} == set(rejected)
     assert all(rejected.values())

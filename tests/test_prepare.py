@@ -19,6 +19,7 @@ from pipeline import (
     ConfigError,
     EncodeSpec,
     JobConflictError,
+    NoImagesError,
     PrepareSpec,
     ResizeSpec,
     ShardSpec,
@@ -226,7 +227,7 @@ def test_bad_sources_are_clear_errors(tmp_path: Path) -> None:
         prepare_dataset(spec_for(tmp_path / "missing", tmp_path / "out"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("hello")
-    with pytest.raises(ConfigError, match="no images found"):
+    with pytest.raises(NoImagesError, match="no images found"):
         prepare_dataset(spec_for(tmp_path / "empty", tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
 
@@ -520,3 +521,213 @@ def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
         assert sizes[-1] <= TAIL_CHUNK_ITEMS
     assert chunk_sizes(0, 2) == []
     assert chunk_sizes(10_000, 2)[0] == CHUNK_ITEMS
+
+
+# ---------------------------------------------------------------------------
+# Re-runs: SRC however it is spelled, a damaged dataset repaired, a source without usable images
+
+
+def test_the_same_source_spelled_otherwise_is_the_same_job(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.chdir(raw.parent)
+    first = prepare_dataset(spec_for(raw.name, out), workers=0)
+    manifest = read_manifest(out)
+    assert manifest.source == str(raw) and manifest.params["source"] == str(raw)  # resolved, not as typed
+    for spelling in (f"{raw.name}/", f"./{raw.name}", str(raw), f"file://{raw}/"):
+        again = prepare_dataset(spec_for(spelling, out), workers=0)
+        assert again.already_complete and again.processed == 0, spelling
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert prepare_dataset(spec_for(os.path.relpath(raw), out), workers=0).already_complete
+    (tmp_path / "link").symlink_to(raw)
+    assert prepare_dataset(spec_for(tmp_path / "link", out), workers=0).already_complete
+    # Resolved, the shards are those of an absolute SRC, byte for byte (what the service writes).
+    prepare_dataset(spec_for(raw, tmp_path / "absolute"), workers=0)
+    assert shard_bytes(out) == shard_bytes(tmp_path / "absolute") and first.samples == 60
+
+
+def test_an_interrupted_job_resumes_whatever_the_spelling(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.prepare.job import plan_prepare, write_prepare_shard
+
+    out = tmp_path / "out"
+    monkeypatch.chdir(raw.parent)
+    assert plan_prepare(spec_for(raw.name, out)).pending == [0, 1, 2, 3]
+    write_prepare_shard(spec_for(f"./{raw.name}/", out), 1)
+    monkeypatch.chdir(tmp_path)
+    result = prepare_dataset(spec_for(raw, out), workers=0)
+    assert result.resumed_shards == 1 and result.processed == 44
+
+
+def test_other_settings_are_refused_naming_each_difference(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out), workers=0)
+    other = spec_for(raw, out, resize=ResizeSpec(size=32, upscale=True), seed=3)
+    with pytest.raises(JobConflictError) as refused:
+        prepare_dataset(other, workers=0)
+    message = str(refused.value)
+    where = f"{out}/manifest.json"
+    assert f"--size: 32 here, 64 in {where}" in message
+    assert f"--upscale: given here, not given in {where}" in message
+    assert f"--seed: 3 here, 0 in {where}" in message
+    assert "--mode" not in message and "--overwrite" in message
+    (tmp_path / "other").mkdir()
+    with pytest.raises(JobConflictError, match=f"SRC: {tmp_path / 'other'} here, {raw} in {where}"):
+        prepare_dataset(spec_for(tmp_path / "other", out), workers=0)
+    from pipeline.prepare.job import plan_prepare
+
+    plan_prepare(spec_for(raw, tmp_path / "unfinished"))
+    with pytest.raises(JobConflictError, match="unfinished prepare with different settings.*--shard-count: 8 here, 16 in"):
+        prepare_dataset(spec_for(raw, tmp_path / "unfinished", shards=ShardSpec(max_bytes=None, max_samples=8)), workers=0)
+
+
+def test_rerun_rewrites_a_missing_or_truncated_shard(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out), workers=0)
+    before, manifest_bytes = shard_bytes(out), (out / "manifest.json").read_bytes()
+    untouched = (out / "shard-000000.tar").stat().st_mtime_ns
+    (out / "shard-000002.tar").unlink()
+    repaired = prepare_dataset(spec_for(raw, out), workers=0)
+    assert repaired.repaired == {"shard-000002.tar": "was missing"}
+    assert not repaired.already_complete and repaired.processed == 16 and repaired.shards == 4
+    assert shard_bytes(out) == before and (out / "manifest.json").read_bytes() == manifest_bytes
+    assert (out / "shard-000000.tar").stat().st_mtime_ns == untouched
+    assert verify_dataset(out).ok and not (out / ".gpufeed").exists()
+    shard = out / "shard-000003.tar"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:5000])
+    repaired = prepare_dataset(spec_for(raw, out), workers=2)
+    assert repaired.repaired == {"shard-000003.tar": f"had 5000 bytes, the manifest says {size}"}
+    assert shard_bytes(out) == before and verify_dataset(out).ok
+
+
+def test_rerun_with_verify_rewrites_a_shard_whose_bytes_changed(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(spec_for(raw, out), workers=0)
+    before = shard_bytes(out)
+    shard = out / "shard-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[3000] ^= 0x01  # same size: only a hash sees it
+    shard.write_bytes(bytes(data))
+    assert prepare_dataset(spec_for(raw, out), workers=0).already_complete
+    repaired = prepare_dataset(spec_for(raw, out), workers=0, verify=True)
+    assert repaired.repaired == {"shard-000001.tar": "did not match its sha256"}
+    assert shard_bytes(out) == before
+    checked = prepare_dataset(spec_for(raw, out), workers=0, verify=True)
+    assert checked.already_complete and checked.verified
+
+
+def test_rerun_rewrites_only_the_damaged_file_of_a_variant_set(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    spec = spec_for(raw, out, augment=AugmentSpec(variants=2))
+    prepare_dataset(spec, workers=0)
+    before = shard_bytes(out)
+    kept = (out / "v0" / "shard-000001.tar").stat().st_mtime_ns
+    (out / "v1" / "shard-000001.tar").unlink()
+    assert prepare_dataset(spec, workers=0).repaired == {"v1/shard-000001.tar": "was missing"}
+    assert shard_bytes(out) == before
+    assert (out / "v0" / "shard-000001.tar").stat().st_mtime_ns == kept
+
+
+def test_a_repair_from_a_changed_source_is_refused(raw: Path, tmp_path: Path) -> None:
+    import shutil
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(raw, src)
+    prepare_dataset(spec_for(src, out), workers=0)
+    victim = next(iter(read_samples(out, "shard-000002.tar")))["json"]["source"]
+    other = next(p for p in sorted(src.rglob("*.jpg")) if str(p) != victim)
+    Path(victim).write_bytes(other.read_bytes())  # the same number of files, one with other bytes
+    (out / "shard-000002.tar").unlink()
+    with pytest.raises(SourceError, match="shard-000002.tar made again from .* is not the file the manifest records"):
+        prepare_dataset(spec_for(src, out), workers=0)
+    assert not (out / "shard-000002.tar").exists() and not (out / ".gpufeed").exists()
+    next(src.rglob("*.jpg")).unlink()
+    with pytest.raises(SourceError, match="lists 59 files, 60 when"):
+        prepare_dataset(spec_for(src, out), workers=0)
+
+
+def test_step_api_repairs_a_damaged_dataset(raw: Path, tmp_path: Path) -> None:
+    from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
+
+    out = tmp_path / "out"
+    spec = spec_for(raw, out)
+    prepare_dataset(spec, workers=0)
+    before = shard_bytes(out)
+    (out / "shard-000001.tar").unlink()
+    plan = plan_prepare(spec)
+    assert not plan.already_complete and plan.pending == [1]
+    with pytest.raises(StorageError, match="shard-000001.tar"):
+        finish_prepare(spec)
+    written = [write_prepare_shard(spec, shard) for shard in range(plan.shards)]
+    assert [record.skipped for record in written] == [True, False, True, True]
+    assert write_prepare_shard(spec, 1).skipped  # a re-delivered task finds it repaired
+    assert finish_prepare(spec).samples == 60
+    assert shard_bytes(out) == before and verify_dataset(out).ok and not (out / ".gpufeed").exists()
+    assert plan_prepare(spec).already_complete
+
+
+def test_a_source_whose_every_file_is_rejected_fails_without_a_manifest(tmp_path: Path) -> None:
+    from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "broken.jpg").write_bytes(b"not a JPEG at all")
+    out = tmp_path / "out"
+    expected = rf"no usable images in {tmp_path / 'src'}: 1 file listed, 1 rejected \(see {out}/rejected.jsonl\)"
+    with pytest.raises(NoImagesError, match=expected):
+        prepare_dataset(spec_for(tmp_path / "src", out), workers=0)
+    assert not (out / "manifest.json").exists() and not (out / ".gpufeed").exists()
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [entry["source"] for entry in rejected] == [str(tmp_path / "src" / "broken.jpg")]
+    spec = spec_for(tmp_path / "src", tmp_path / "steps")
+    for shard in range(plan_prepare(spec).shards):
+        write_prepare_shard(spec, shard)
+    with pytest.raises(NoImagesError):
+        finish_prepare(spec)
+    assert not (tmp_path / "steps" / "manifest.json").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NoImagesError, match="no images found"):
+        prepare_dataset(spec_for(tmp_path / "empty", tmp_path / "none"), workers=0)
+    assert not (tmp_path / "none" / "manifest.json").exists() and not (tmp_path / "none" / ".gpufeed").exists()
+
+
+def test_images_beside_class_folders_are_rejected_with_a_reason(raw: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    images = sorted(raw.rglob("*.jpg"))
+    for i, path in enumerate(images[:7]):
+        (src / ("cats" if i % 2 else "dogs")).mkdir(parents=True, exist_ok=True)
+        (src / ("cats" if i % 2 else "dogs") / path.name).write_bytes(path.read_bytes())
+    (src / "stray.jpg").write_bytes(images[7].read_bytes())
+    (src / "notes.txt").write_text("not an image: ignored")
+    result = prepare_dataset(spec_for(src, tmp_path / "out"), workers=0)
+    assert (result.listed, result.samples, result.rejected, result.ignored) == (8, 7, 1, 1)
+    assert result.classes == ["cats", "dogs"]
+    rejected = [json.loads(line) for line in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert [entry["source"] for entry in rejected] == [str(src / "stray.jpg")]
+    assert rejected[0]["reason"].startswith("not in a class folder")
+
+
+def test_listing_through_fsspec_rejects_images_beside_class_folders_too(raw: Path, tmp_path: Path) -> None:
+    import fsspec
+
+    from pipeline.prepare.sources import NOT_IN_A_CLASS_FOLDER, ListingInfo, list_images
+
+    image = next(raw.rglob("*.jpg")).read_bytes()
+    memory = fsspec.filesystem("memory")
+    base = f"/beside-{os.getpid()}"
+    for rel in ("cats/a.jpg", "dogs/b.jpg", "stray.jpg", "notes.txt"):
+        memory.pipe(f"{base}/{rel}", image)
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(image)
+    try:
+        listed = {}
+        for source in (str(tmp_path), f"memory://{base}"):
+            info = ListingInfo()
+            listed[source] = [(item.rel, item.label, item.rejected) for item in list_images(source, info)]
+            assert info.ignored == 1 and info.classes == ["cats", "dogs"]
+        assert listed[str(tmp_path)] == listed[f"memory://{base}"] == [
+            ("stray.jpg", None, NOT_IN_A_CLASS_FOLDER),
+            ("cats/a.jpg", "cats", ""),
+            ("dogs/b.jpg", "dogs", ""),
+        ]
+    finally:
+        memory.rm(base, recursive=True)

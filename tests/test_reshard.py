@@ -303,3 +303,18 @@ def test_the_reshard_command(raw: Path, tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert bad.returncode == 1 and bad.stderr.startswith("gpufeed: error: ") and "Traceback" not in bad.stderr
+
+
+def test_reaugment_from_another_folder_finds_a_source_prepared_relative(
+    raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(raw.parent)
+    spec = PrepareSpec(
+        source=raw.name, out=str(tmp_path / "ds"), shards=ShardSpec(max_samples=7), augment=AugmentSpec(variants=1)
+    )
+    prepare_dataset(spec, workers=0)
+    assert read_manifest(Output(str(tmp_path / "ds"))).source == str(raw)  # what `submit reshard`'s worker checks
+    monkeypatch.chdir(tmp_path)
+    result = reshard_dataset(ReshardSpec(dataset=str(tmp_path / "ds"), reaugment=True, seed=4), workers=0)
+    assert result.reaugmented and result.samples == 30
+    verified(tmp_path / "ds")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -21,6 +22,7 @@ from service_harness import (
     shard_bytes,
 )
 
+from pipeline.manifest import read_manifest
 from pipeline.prepare.job import prepare_dataset
 from pipeline.specs import PrepareSpec
 
@@ -29,10 +31,13 @@ pytest_plugins = ["service_fixtures"]  # service, small_raw, slow_raw
 
 
 def local_prepare_of(service: Service, job: str, out: Path) -> Path:
-    """Prepare locally, in this process, exactly what the job was asked to do."""
+    """Prepare locally, in this process, exactly what the job was asked to do, SRC relative as a user types it."""
     spec = dict(service.record(job).payload["spec"])
+    source = Path(spec["source"])
     spec["out"] = str(out)
-    prepare_dataset(PrepareSpec.from_dict(spec), workers=0)
+    spec["source"] = source.name
+    with contextlib.chdir(source.parent):
+        prepare_dataset(PrepareSpec.from_dict(spec), workers=0)
     return out
 
 
@@ -368,3 +373,28 @@ def test_a_disk_benchmark_runs_on_a_worker(service: Service, tmp_path: Path) -> 
     assert report["path"] == str(disk) and report["file_bytes"] >= 4 << 20
     assert report["seq_read_by_block"] and all(rate > 0 for rate in report["seq_read_by_block"].values())
     assert list(disk.iterdir()) == []  # the benchmark removed its test files
+
+
+def test_the_service_repairs_a_dataset_and_reaugments_one_prepared_from_a_relative_src(
+    service: Service, small_raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service.start_worker("w1")
+    out = tmp_path / "ds"
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "5")
+    assert service.wait_finished(job, timeout=60).state == "succeeded"
+    before = shard_bytes(out)
+    (out / "shard-000003.tar").unlink()
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "5")  # the same job again
+    record = service.wait_finished(job, timeout=60)
+    assert record.state == "succeeded", record.error
+    assert shard_bytes(out) == before and not (out / ".gpufeed").exists()
+    assert_verified(out)
+
+    local = tmp_path / "local"
+    monkeypatch.chdir(small_raw.parent)
+    spec = {"source": small_raw.name, "out": str(local), "shards": {"max_samples": 5}, "augment": {"variants": 1}}
+    prepare_dataset(PrepareSpec.from_dict(spec), workers=0)
+    job = service.submit("reshard", str(local), "--reaugment", "--seed", "7")  # the worker needs an absolute SRC
+    record = service.wait_finished(job, timeout=60)
+    assert record.state == "succeeded", record.error
+    assert read_manifest(local).params["seed"] == 7

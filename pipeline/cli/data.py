@@ -21,6 +21,9 @@ from .common import MISMATCH, prepare_options, reshard_options, reshard_spec, sp
 @prepare_options
 @click.option("--workers", type=int, default=None, help="Processes (default: available cores; 0: in-process).")
 @click.option("--strict", is_flag=True, help="Exit non-zero at the first rejected file, publishing nothing.")
+@click.option(
+    "--verify", is_flag=True, help="When OUT is already prepared, check every shard's sha256 (not only its size) and rewrite those that differ."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the final summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @user_errors
@@ -31,11 +34,16 @@ def prepare(
     strict: bool,
     force: bool,
     overwrite: bool,
+    verify: bool,
     as_json: bool,
     quiet: bool,
     **options: Any,
 ) -> None:
-    """Prepare SRC (folder, CSV/JSONL list or URL) into WebDataset shards at OUT."""
+    """Prepare SRC (folder, CSV/JSONL list or URL) into WebDataset shards at OUT.
+
+    Run again, it does what is left: an interrupted run resumes, and missing or
+    damaged shards of a finished one are written again.
+    """
     from ..prepare.job import prepare_dataset
 
     spec = spec_from_options(src, out, options)
@@ -43,7 +51,7 @@ def prepare(
 
     with prepare_progress(enabled=not quiet) as callback:
         result = prepare_dataset(
-            spec, workers=workers, force=force, overwrite=overwrite, strict=strict, progress=callback
+            spec, workers=workers, force=force, overwrite=overwrite, strict=strict, verify=verify, progress=callback
         )
     for warning in result.warnings:
         click.echo(f"gpufeed: warning: {warning}", err=True)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..prepare.job import PrepareProgress, PrepareResult
-from ..units import format_duration, format_rate
+from ..units import format_count, format_duration, format_rate
 
 
 @contextlib.contextmanager
@@ -44,17 +44,25 @@ def print_prepare_summary(result: PrepareResult) -> None:
 
     console = Console()
     if result.already_complete:
-        console.print(f"{result.out}: already prepared with these settings; nothing to do")
-    resumed = f", {result.resumed_shards} kept from an earlier run" if result.resumed_shards and not result.already_complete else ""
+        checked = "sha256" if result.verified else "size"
+        console.print(f"{result.out}: already prepared with these settings, every shard at its recorded {checked}; nothing to do")
+    if result.repaired:
+        damage = ", ".join(f"{path} {problem}" for path, problem in result.repaired.items())
+        console.print(f"rewrote {len(result.repaired)} of {format_count(result.shards, 'shard')}: {damage}")
+    resumed = (
+        f", {result.resumed_shards} kept from an earlier run"
+        if result.resumed_shards and not result.already_complete and not result.repaired
+        else ""
+    )
     warned = f", {result.decoded_with_warnings} decoded with warnings" if result.decoded_with_warnings else ""
     console.print(
-        f"[bold green]done[/]: {result.samples} samples{warned}, {result.rejected} rejected "
-        f"(of {result.listed} listed), {result.shards} shards{resumed}, {result.bytes / 1e6:.1f} MB"
+        f"[bold green]done[/]: {format_count(result.samples, 'sample')}{warned}, {result.rejected} rejected "
+        f"(of {result.listed} listed), {format_count(result.shards, 'shard')}{resumed}, {result.bytes / 1e6:.1f} MB"
     )
     if result.processed:
         console.print(
-            f"{result.processed} images in {format_duration(result.seconds)} = {format_rate(result.images_per_s)} "
-            f"with {result.workers or 1} worker process(es)"
+            f"{format_count(result.processed, 'image')} in {format_duration(result.seconds)} = {format_rate(result.images_per_s)} "
+            f"with {format_count(result.workers or 1, 'worker process', 'worker processes')}"
         )
     if result.rejected:
         console.print(f"rejected files and reasons: {result.out.rstrip('/')}/rejected.jsonl")
@@ -77,6 +85,6 @@ def print_inspect(summary: dict[str, Any], manifest: Any) -> None:
         if summary["verified"]:
             console.print("[bold green]verified[/]: every shard matches its sha256, size and sample count")
         else:
-            console.print(f"[bold red]verification failed[/]: {len(summary['problems'])} problem(s)")
+            console.print(f"[bold red]verification failed[/]: {format_count(len(summary['problems']), 'problem')}")
             for problem in summary["problems"]:
                 console.print(f"  {problem}")

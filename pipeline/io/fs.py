@@ -23,6 +23,36 @@ def local_path(path: str) -> str | None:
     return path
 
 
+def resolve_location(path: str) -> str:
+    """`path` spelled one way wherever it was typed from: what a job records as its SRC.
+
+    A local path is made absolute and normalised (`raw`, `raw/`, `./raw` and
+    `/data/raw` from /data are all `/data/raw`; `~` is expanded); symlinks
+    are kept as written (`same_location` looks through them). A URL stays a
+    URL, trailing slashes dropped.
+
+    Args:
+        path: a local path or a URL.
+
+    Returns:
+        The resolved spelling.
+    """
+    if "://" in path:
+        scheme, rest = path.split("://", 1)
+        return f"{scheme}://{rest.rstrip('/')}" if rest.strip("/") else path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def same_location(first: str, second: str) -> bool:
+    """Whether two spellings name the same place: equal once resolved, or local and the same folder through symlinks."""
+    if resolve_location(first) == resolve_location(second):
+        return True
+    local_first, local_second = local_path(first), local_path(second)
+    if local_first is None or local_second is None:
+        return False
+    return os.path.realpath(local_first) == os.path.realpath(local_second)
+
+
 def redact_url(url: str) -> str:
     """`url` with its password, if any, replaced by ``***``: fit for messages, logs and reports.
 

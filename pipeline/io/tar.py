@@ -168,6 +168,28 @@ class TarShardWriter:
 
     def commit(self, relative_path: str, variant: int | None = None) -> ShardInfo:
         """Finish the tar, make it durable, rename it to its final name."""
+        info = self._seal(relative_path, variant)
+        self._rename()
+        return info
+
+    def commit_if_same(self, expected: ShardInfo) -> bool:
+        """Finish the tar and give it its final name only if it is exactly `expected` (size and sha256).
+
+        For a shard written again to repair a dataset: the file the manifest
+        records, or nothing. A tar that differs is left to be removed when the
+        writer's block ends.
+
+        Returns:
+            Whether the tar was `expected` and now has its final name.
+        """
+        info = self._seal(expected.path, expected.variant)
+        if (info.bytes, info.sha256) != (expected.bytes, expected.sha256):
+            return False
+        self._rename()
+        return True
+
+    def _seal(self, relative_path: str, variant: int | None) -> ShardInfo:
+        """End the archive and make the temp file durable."""
         assert self._raw is not None
         end = 2 * TAR_BLOCK
         end += -(self.bytes + end) % TAR_RECORD
@@ -176,10 +198,15 @@ class TarShardWriter:
             self._raw.flush()
             os.fsync(self._raw.fileno())
             self._raw.close()
-            os.replace(self.temp_path, self.final_path)
         except OSError as exc:
             raise write_failure(self.final_path, exc) from exc
         return ShardInfo(relative_path, self.samples, self.bytes, self._sha256.hexdigest(), variant)
+
+    def _rename(self) -> None:
+        try:
+            os.replace(self.temp_path, self.final_path)
+        except OSError as exc:
+            raise write_failure(self.final_path, exc) from exc
 
     def __exit__(self, *exc_info: object) -> None:
         if self._raw is not None and not self._raw.closed:

@@ -26,9 +26,18 @@ def load(path: Path) -> ctypes.CDLL:
         The library, its functions ready to call.
 
     Raises:
-        OSError: the file does not load (not a library, a missing libjpeg).
+        OSError: the file does not load (not a library, a missing libjpeg), or it
+            lacks a function this version calls (a build of older sources).
     """
     lib = ctypes.CDLL(str(path))
+    try:
+        _declare(lib)
+    except AttributeError as exc:  # a build of older sources: a function this version calls is not in it
+        raise OSError(f"{path.name} was built from other sources: {exc}") from None
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.gf_header.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     lib.gf_header.restype = ctypes.c_int
     lib.gf_jpeg_warnings.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_int]
@@ -89,7 +98,6 @@ def load(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]  # fmt: skip
     lib.gf_ycc_transcode.restype = ctypes.c_long
-    return lib
 
 
 def built_from(lib: ctypes.CDLL) -> str | None:

@@ -9,7 +9,17 @@ small record of it (counts, hashes, rejects) is saved next to the plan
 (`resume.py`). A re-run of the same job lists again, checks that the source
 did not change, keeps every complete and valid shard and writes only the
 rest. The manifest is written last: its presence means the dataset is
-complete.
+complete. A source that gives no usable image gets no manifest at all.
+
+A job's SRC is recorded resolved (`io.fs.resolve_location`), so `raw`,
+`./raw/` and `/data/raw` are the same job, and shards record their sources
+the same way whatever the folder a prepare ran from.
+
+A re-run of a finished job checks its shard files (sizes; with `verify`,
+sha256) and writes the damaged ones again: the plan is made again from the
+same listing, and a shard is rebuilt byte for byte (it depends only on the
+spec and its index), so the manifest stays as it is. A rebuilt file that is
+not the one the manifest records (the source changed since) is refused.
 
 A file is accepted exactly when Pillow can read it (`sample.py`); a strict
 prepare (`strict=True`, `gpufeed prepare --strict`) instead stops at the
@@ -31,37 +41,44 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
-from ..errors import ConfigError, JobConflictError, SampleError, SourceError, StorageError
+from ..errors import ConfigError, ManifestError, NoImagesError, SampleError, SourceError, StorageError
 from ..io.devices import device_info, faster_local_disk, free_bytes
+from ..io.fs import resolve_location, same_location
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, write_manifest
 from ..specs import PrepareSpec
+from ..units import format_count
 from .listing import Listing, class_names
-from .plan import ShardPlan, plan_shards, shard_name
-from .pool import Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes
+from .plan import ShardPlan, plan_shards, planned_shard_of, shard_name
+from .pool import Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes, make_outcome
 from .resume import (
     WORK_DIR,
     check_existing,
     clear_output,
+    damaged_shards,
     finished_manifest,
     has_shard_record,
     pending_shards,
+    planned_conflict,
     read_plan,
     read_rejects,
     read_shard_record,
+    recorded_source,
     remove_shards,
     remove_stale_temp_files,
     remove_temp_files,
     remove_work,
     set_prefixes,
+    shard_file_problem,
     shard_is_complete,
     write_plan,
     write_shard_record,
 )
-from .sample import SampleOutcome, process_item
+from .sample import SampleOutcome
 from .sources import ListingInfo, list_images
 
 ESTIMATE_SAMPLES = 16
@@ -90,7 +107,10 @@ class PrepareResult:
     are those of its manifest; the rest describes the run that ended with it.
     `decoded_with_warnings` counts the samples whose decoders warned about
     damage they read past (each sample's json lists the messages under
-    `decode_warnings`).
+    `decode_warnings`). `repaired` maps each shard file this run wrote again
+    to what was wrong with it (`"was missing"`), and `verified` says whether
+    the finished dataset's shards were hashed against the manifest before
+    they were kept.
     """
 
     out: str
@@ -109,6 +129,8 @@ class PrepareResult:
     already_complete: bool = False
     warnings: list[str] = dataclasses.field(default_factory=list)
     decoded_with_warnings: int = 0
+    repaired: dict[str, str] = dataclasses.field(default_factory=dict)
+    verified: bool = False
 
     @property
     def images_per_s(self) -> float:
@@ -140,6 +162,8 @@ def _result(
     workers: int = 0,
     already_complete: bool = False,
     warnings: Sequence[str] = (),
+    repaired: dict[str, str] | None = None,
+    verified: bool = False,
 ) -> PrepareResult:
     return PrepareResult(
         out=out,
@@ -158,7 +182,25 @@ def _result(
         already_complete=already_complete,
         warnings=list(warnings),
         decoded_with_warnings=manifest.decoded_with_warnings,
+        repaired=dict(repaired or {}),
+        verified=verified,
     )
+
+
+@dataclasses.dataclass
+class _Repair:
+    """A finished dataset whose damaged files a job writes again: its manifest, and path -> what was wrong."""
+
+    manifest: Manifest
+    damaged: dict[str, str]
+    _by_path: dict[str, ShardInfo] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_path = {info.path: info for info in self.manifest.shards}
+
+    def recorded(self, rel: str) -> ShardInfo | None:
+        """The manifest's entry of a shard file, None when the manifest has no such file."""
+        return self._by_path.get(rel)
 
 
 @dataclasses.dataclass
@@ -178,6 +220,7 @@ class _Job:
     planned_here: bool = False  # this run made the plan (else it resumes an earlier run's)
     written: list[int] = dataclasses.field(default_factory=list)  # shards this run wrote
     strict: bool = False  # stop at the first rejected file
+    repair: _Repair | None = None  # set when the job writes a finished dataset's damaged files again
 
 
 def prepare_dataset(
@@ -187,6 +230,7 @@ def prepare_dataset(
     force: bool = False,
     overwrite: bool = False,
     strict: bool = False,
+    verify: bool = False,
     progress: ProgressCallback | None = None,
 ) -> PrepareResult:
     """Prepare SRC into verified WebDataset shards at OUT.
@@ -195,23 +239,32 @@ def prepare_dataset(
     it (within `spec.max_pixels`); every other file is rejected with a reason
     in OUT/rejected.jsonl, and the job goes on without it, unless `strict`.
 
+    Run again, it does only what is left: an interrupted job resumes, and a
+    finished one has its shard files checked (sizes; sha256 with `verify`)
+    and the missing or damaged ones written again.
+
     Args:
-        spec: the job (source, out and every setting).
+        spec: the job (source, out and every setting); SRC may be relative, it is recorded resolved.
         workers: processes; None uses every available core, 0 runs in-process.
         force: write even when the free-space check says it will not fit.
         overwrite: replace an OUT prepared with different settings.
         strict: stop at the first rejected file and publish nothing: OUT is
             left as it was before this run (no manifest, none of this run's
             shards), so the same job without strict can run after it.
+        verify: when OUT holds the finished dataset, hash every shard against
+            the manifest (not only its size) and write again those that differ.
         progress: called with a PrepareProgress after every chunk.
 
     Returns:
         A PrepareResult summary.
 
     Raises:
-        ConfigError: bad settings, or no images in SRC.
-        SourceError: SRC cannot be listed or has changed since an interrupted run.
-        JobConflictError: OUT holds a different job.
+        ConfigError: bad settings.
+        NoImagesError: SRC gave no usable image (none listed, or every one rejected); no manifest is written.
+        SourceError: SRC cannot be listed or has changed since an interrupted run (or, for a
+            repair, since the dataset was prepared).
+        JobConflictError: OUT holds a different job (the message names the settings that differ).
+        ManifestError: a damaged shard lies where prepare does not write (the dataset was re-packed).
         StorageError: OUT cannot be written (e.g. full disk); complete shards are kept.
         SampleError: with `strict`, a file was rejected (the message names it
             and the reason), or OUT already holds this dataset with rejects.
@@ -220,23 +273,30 @@ def prepare_dataset(
     workers = available_cores() if workers is None else workers
     if workers < 0:
         raise ConfigError("--workers must be 0 or more")
-    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, workers=workers)
+    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, workers=workers, verify=verify)
     if isinstance(job_or_done, Manifest):
         if strict and job_or_done.rejected:
             _refuse_finished_with_rejects(spec, Output(spec.out), job_or_done)
         seconds = time.perf_counter() - started
         shards = len(job_or_done.shards)
-        return _result(spec.out, job_or_done, seconds=seconds, resumed=shards, workers=workers, already_complete=True)
+        return _result(
+            spec.out, job_or_done, seconds=seconds, resumed=shards, workers=workers, already_complete=True, verified=verify
+        )
     job = job_or_done
     job.strict = strict
     try:
         if strict:
             _check_known_rejects(job)
         processed, resumed = _write_pending_shards(job, workers, progress, started)
-        manifest = _finish(job)
+        manifest = _finish(job) if job.repair is None else _finish_repair(job)
     except _StrictStop as stop:
         _abandon(job)
         raise SampleError(stop.message) from None
+    except BaseException:
+        if job.repair is not None:  # a repair starts from a fresh listing every time: nothing to resume
+            job.listing.close()
+            job.output.remove(WORK_DIR)
+        raise
     finally:
         job.listing.close()
     seconds = time.perf_counter() - started
@@ -249,6 +309,8 @@ def prepare_dataset(
         resumed=resumed,
         workers=workers,
         warnings=job.warnings,
+        repaired=job.repair.damaged if job.repair is not None else None,
+        verified=verify and job.repair is not None,
     )
 
 
@@ -256,19 +318,38 @@ def prepare_dataset(
 # Opening a job: what OUT holds, the listing, the plan
 
 
-def _open_or_plan(spec: PrepareSpec, *, force: bool, overwrite: bool, workers: int | None = None) -> _Job | Manifest:
-    """The finished dataset's manifest when OUT holds it, else the job opened (planned now or resumed).
+def _open_or_plan(
+    spec: PrepareSpec, *, force: bool, overwrite: bool, workers: int | None = None, verify: bool = False
+) -> _Job | Manifest:
+    """The finished dataset's manifest when OUT holds it intact, else the job opened (planned now, resumed, or a repair).
 
     With `workers`, the job's pool starts here (the size estimate runs on it);
     without, the estimate runs in this process.
     """
-    _refuse_out_inside_source(spec)
     output = Output(spec.out)
+    spec = _as_recorded(spec, output)
+    _refuse_out_inside_source(spec)
     finished = check_existing(output, spec, overwrite)
     if finished is not None:
-        return finished
+        damaged = damaged_shards(output, finished, verify=verify)
+        if not damaged:
+            return finished
+        return _start_repair(spec, output, _Repair(finished, damaged), workers)
     output.makedirs()
     return _start_job(spec, output, force, overwrite, workers)
+
+
+def _as_recorded(spec: PrepareSpec, output: Output) -> PrepareSpec:
+    """`spec` with SRC resolved, or spelled as OUT records it when that names the same place (through symlinks).
+
+    Samples record their source path, so a job resumed or repaired through
+    another spelling of the same folder still writes the bytes it first wrote.
+    """
+    source = resolve_location(spec.source)
+    recorded = recorded_source(output)
+    if recorded is not None and recorded != source and same_location(recorded, source):
+        source = recorded
+    return spec if source == spec.source else dataclasses.replace(spec, source=source)
 
 
 def _refuse_out_inside_source(spec: PrepareSpec) -> None:
@@ -282,20 +363,27 @@ def _refuse_out_inside_source(spec: PrepareSpec) -> None:
         raise ConfigError(f"OUT ({spec.out}) is inside SRC ({spec.source}): its shards would be listed as a class; put OUT elsewhere")
 
 
-def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool, workers: int | None) -> _Job:
+def _start_job(
+    spec: PrepareSpec, output: Output, force: bool, overwrite: bool, workers: int | None, repair: _Repair | None = None
+) -> _Job:
     work = output.local(WORK_DIR)
+    had_plan = read_plan(output) is not None
     os.makedirs(os.path.join(work, "shards"), exist_ok=True)
     listing = Listing(work)
     info = ListingInfo()
     listed, digest, labels = listing.write(list_images(spec.source, info))
+    classes = class_names(info, labels)
+    if repair is not None:
+        _check_repairable(spec, repair, listed, classes)
     if listed == 0:
         listing.close()
-        raise ConfigError(
+        if not had_plan:
+            output.remove(WORK_DIR)  # this run made it: an empty source leaves nothing behind
+        raise NoImagesError(
             f"no images found in {spec.source}"
-            + (f" ({info.ignored} files without an image extension were ignored)" if info.ignored else "")
+            + (f" ({format_count(info.ignored, 'file')} without an image extension ignored)" if info.ignored else "")
         )
-    classes = class_names(info, labels)
-    saved = _saved_plan_of(spec, output, digest, listed, overwrite)
+    saved = _saved_plan_of(spec, output, digest, listed, overwrite) if repair is None else None
     if saved is not None:
         return _Job(spec, output, listing, ShardPlan(**saved["plan"]), classes, listed, info.ignored, [])
     # The worker pool starts now: it measures the size estimate in parallel,
@@ -304,7 +392,11 @@ def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool, 
     try:
         per_sample, cache = _estimate_sample_bytes(listing, listed, spec, classes, pool)
         plan = plan_shards(listed, _samples_per_shard(spec, per_sample), spec.seed)
-        warnings = _check_placement(spec, per_sample * listed * max(1, spec.augment.variants), force)
+        if repair is None:
+            warnings = _check_placement(spec, per_sample * listed * max(1, spec.augment.variants), force)
+        else:
+            warnings = []  # a repair writes a few shards, not the dataset
+            _check_planned(spec, repair, plan)
         record = {
             "identity": spec.output_identity(),
             "listing_sha256": digest,
@@ -314,12 +406,55 @@ def _start_job(spec: PrepareSpec, output: Output, force: bool, overwrite: bool, 
             "estimated_sample_bytes": per_sample,
             "ignored": info.ignored,
         }
+        if repair is not None:
+            record["repair"] = repair.damaged
         write_plan(output, record)
     except BaseException:
         if pool is not None:
             pool.terminate()
         raise
-    return _Job(spec, output, listing, plan, classes, listed, info.ignored, warnings, pool, cache, planned_here=True)
+    return _Job(spec, output, listing, plan, classes, listed, info.ignored, warnings, pool, cache, planned_here=True, repair=repair)
+
+
+def _start_repair(spec: PrepareSpec, output: Output, repair: _Repair, workers: int | None) -> _Job:
+    """Open the job that writes a finished dataset's damaged files again, from a fresh listing and plan."""
+    foreign = [path for path in repair.damaged if planned_shard_of(path) is None]
+    if foreign:
+        raise ManifestError(
+            f"cannot repair {spec.out}: {foreign[0]} {repair.damaged[foreign[0]]}, and it is not where prepare writes "
+            "its shards (the dataset was re-packed since); prepare it again with --overwrite"
+        )
+    output.remove(WORK_DIR)  # what an earlier repair or finish left: the plan is made again from the listing
+    try:
+        return _start_job(spec, output, True, False, workers, repair)
+    except BaseException:
+        output.remove(WORK_DIR)
+        raise
+
+
+def _check_repairable(spec: PrepareSpec, repair: _Repair, listed: int, classes: list[str]) -> None:
+    """Refuse a repair when SRC no longer lists what the dataset was made from."""
+    then = repair.manifest.samples + repair.manifest.rejected
+    if listed != then or classes != repair.manifest.classes:
+        counts = f"lists {format_count(listed, 'file')}, {then} when it was prepared" if listed != then else "has other classes"
+        raise SourceError(
+            f"cannot repair {spec.out}: {spec.source} {counts}, so its shards cannot be made again; "
+            "prepare it again with --overwrite"
+        )
+
+
+def _check_planned(spec: PrepareSpec, repair: _Repair, plan: ShardPlan) -> None:
+    for path in repair.damaged:
+        shard = planned_shard_of(path)
+        if shard is None or shard >= plan.shards:
+            raise _not_the_recorded_file(spec, path)
+
+
+def _not_the_recorded_file(spec: PrepareSpec, rel: str) -> SourceError:
+    return SourceError(
+        f"cannot repair {spec.out}: {rel} made again from {spec.source} is not the file the manifest records, "
+        "so the source changed since the dataset was prepared; prepare it again with --overwrite"
+    )
 
 
 def _saved_plan_of(spec: PrepareSpec, output: Output, digest: str, listed: int, overwrite: bool) -> dict[str, Any] | None:
@@ -349,7 +484,7 @@ def _estimate_sample_bytes(
     chunk = [(index, listing.get(index)) for index in range(0, listed, step)[:ESTIMATE_SAMPLES]]
     if pool is None:
         class_index = {name: i for i, name in enumerate(classes)}
-        outcomes = [process_item(item, index, spec, class_index) for index, item in chunk]
+        outcomes = [make_outcome(item, index, spec, class_index) for index, item in chunk]
     else:
         per_worker = max(1, -(-len(chunk) // max(1, pool.workers)))
         pieces = [chunk[i : i + per_worker] for i in range(0, len(chunk), per_worker)]
@@ -401,19 +536,33 @@ def _write_pending_shards(
     job: _Job, workers: int, progress: ProgressCallback | None, started: float
 ) -> tuple[int, int]:
     remove_stale_temp_files(job.output, job.spec.augment.variants)
-    pending = pending_shards(job.output, job.plan.shards)
+    rewrites = _rewrites(job) if job.repair is not None else {}
+    pending = sorted(rewrites) if job.repair is not None else pending_shards(job.output, job.plan.shards)
     resumed = job.plan.shards - len(pending)
     total = sum(len(job.plan.positions(s)) for s in pending)
     state = PrepareProgress(0, total, 0, 0.0)
     pool = job.pool or SamplePool(workers, job.spec, job.classes)
     try:
         for shard in pending:
-            _write_one_shard(job, shard, pool, state, progress, started)
+            _write_one_shard(job, shard, pool, state, progress, started, rewrites.get(shard, set()))
         pool.close()
     except BaseException:
         pool.terminate()
         raise
     return total, resumed
+
+
+def _rewrites(job: _Job, only: int | None = None) -> dict[int, set[str]]:
+    """A repair's files still damaged (an earlier delivery may have repaired some), by planned shard."""
+    assert job.repair is not None
+    rewrites: dict[int, set[str]] = {}
+    for rel in job.repair.damaged:
+        shard, recorded = planned_shard_of(rel), job.repair.recorded(rel)
+        if shard is None or (only is not None and shard != only):
+            continue
+        if recorded is None or shard_file_problem(job.output, recorded, verify=True):
+            rewrites.setdefault(shard, set()).add(rel)
+    return rewrites
 
 
 def _write_one_shard(
@@ -423,7 +572,9 @@ def _write_one_shard(
     state: PrepareProgress,
     progress: ProgressCallback | None,
     started: float,
+    rewrite: AbstractSet[str] = frozenset(),
 ) -> None:
+    """Write a planned shard's files (one per variant set); in a repair, only those in `rewrite`, each checked."""
     sets = set_prefixes(job.spec.augment.variants)
     writers = [TarShardWriter(job.output.local(prefix + shard_name(shard))) for _, prefix in sets]
     rejected: list[dict[str, str]] = []
@@ -441,12 +592,30 @@ def _write_one_shard(
             _report(state, progress, started)
         infos = []
         for writer, (variant, prefix) in zip(writers, sets):
-            if writer.samples:
-                info = writer.commit(prefix + shard_name(shard), variant)
+            rel = prefix + shard_name(shard)
+            if job.repair is not None:
+                infos += _commit_repaired(job, writer, rel, rel in rewrite)
+            elif writer.samples:
+                info = writer.commit(rel, variant)
                 job.output.publish(info.path)
                 infos.append(info)
     write_shard_record(job.output, shard, infos, rejected, state.warned - warned_before)
     job.written.append(shard)
+
+
+def _commit_repaired(job: _Job, writer: TarShardWriter, rel: str, rewrite: bool) -> list[ShardInfo]:
+    """In a repair: publish the rebuilt file when it is to be rewritten and is the one the manifest records."""
+    assert job.repair is not None
+    recorded = job.repair.recorded(rel)
+    if (recorded is None) != (writer.samples == 0):
+        raise _not_the_recorded_file(job.spec, rel)
+    if recorded is None:
+        return []  # every sample of this set was rejected, then as now
+    if rewrite:
+        if not writer.commit_if_same(recorded):
+            raise _not_the_recorded_file(job.spec, rel)
+        job.output.publish(rel)
+    return [recorded]
 
 
 def _chunks(job: _Job, shard: int, workers: int) -> Iterator[Chunk]:
@@ -527,11 +696,18 @@ def _check_known_rejects(job: _Job) -> None:
 
 
 def _abandon(job: _Job) -> None:
-    """Take back what a stopped strict run wrote: everything when it planned the job, else its own shards."""
+    """Take back what a stopped strict run wrote: everything when it planned the job, else its own shards.
+
+    A repair leaves the finished dataset as it is: the files it rewrote are byte for byte the ones the
+    manifest records.
+    """
     if job.pool is not None:
         job.pool.terminate()  # the estimate's pool, when no shard was started yet
     job.listing.close()
-    if job.planned_here:
+    if job.repair is not None:  # the finished dataset stays: a repair only rewrites files equal to the manifest's
+        remove_temp_files(job.output)
+        job.output.remove(WORK_DIR)
+    elif job.planned_here:
         clear_output(job.output)
         remove_temp_files(job.output)
         remove_work(job.output)
@@ -569,6 +745,13 @@ def _finish(job: _Job) -> Manifest:
             f"remove {job.spec.out} and run again"
         )
     job.output.write_bytes_atomic(REJECTED_NAME, b"".join(rejected_lines))
+    if samples == 0:  # a manifest of no samples is no dataset: keep the reasons, write nothing else
+        job.listing.close()
+        remove_work(job.output)
+        raise NoImagesError(
+            f"no usable images in {job.spec.source}: {format_count(job.listed, 'file')} listed, {rejected} rejected "
+            f"(see {job.spec.out.rstrip('/')}/{REJECTED_NAME})"
+        )
     manifest = Manifest(
         samples=samples,
         classes=job.classes,
@@ -583,6 +766,14 @@ def _finish(job: _Job) -> Manifest:
     job.listing.close()
     remove_work(job.output)
     return manifest
+
+
+def _finish_repair(job: _Job) -> Manifest:
+    """A repair rewrote files exactly as recorded: the manifest and rejected.jsonl stay; the work folder goes."""
+    assert job.repair is not None
+    job.listing.close()
+    remove_work(job.output)
+    return job.repair.manifest
 
 
 # ---------------------------------------------------------------------------
@@ -617,13 +808,18 @@ class ShardRecord:
     skipped: bool
 
 
-def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = False) -> PreparePlanInfo:
+def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = False, verify: bool = False) -> PreparePlanInfo:
     """List SRC and plan the shards (kept in OUT/.gpufeed); resumable like `prepare_dataset`.
+
+    When OUT holds the finished dataset with damaged shard files, this plans
+    their repair: `pending` are the planned shards holding them, and
+    `write_prepare_shard` writes those files again.
 
     Args:
         spec: the job.
         force: plan even when the free-space check says it will not fit.
         overwrite: replace an OUT prepared (or being prepared) with different settings.
+        verify: check a finished dataset's shards by sha256, not only by size.
 
     Returns:
         The plan: shards per variant set, and which of them still need writing.
@@ -631,7 +827,7 @@ def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = Fa
     Raises:
         The same errors as `prepare_dataset`.
     """
-    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite)
+    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, verify=verify)
     if isinstance(job_or_done, Manifest):
         done = job_or_done
         shards = len(done.shards) // max(1, done.variants)
@@ -639,7 +835,7 @@ def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = Fa
     job = job_or_done
     try:
         remove_stale_temp_files(job.output, spec.augment.variants)
-        pending = pending_shards(job.output, job.plan.shards)
+        pending = sorted(_rewrites(job)) if job.repair is not None else pending_shards(job.output, job.plan.shards)
     finally:
         job.listing.close()
     return PreparePlanInfo(job.plan.shards, job.listed, job.ignored, job.classes, pending, False, job.warnings)
@@ -647,6 +843,9 @@ def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = Fa
 
 def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCallback | None = None) -> ShardRecord:
     """Write one planned shard in this process; a complete and valid shard is left as it is.
+
+    In a planned repair (see `plan_prepare`), only the shard's damaged files
+    are written, each published only if it is the file the manifest records.
 
     Idempotent: the bytes depend only on (spec, shard), temp files are
     per host and process, and the final rename is atomic, so a duplicate or
@@ -665,16 +864,22 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
     Raises:
         ConfigError: the job was not planned (run `plan_prepare` first) or the index is out of range.
         JobConflictError: OUT holds a planned prepare of different settings.
+        SourceError: in a repair, the file made again is not the one the manifest records.
         StorageError: OUT cannot be written.
     """
     job = _load_planned_job(spec)
     try:
         if not 0 <= shard < job.plan.shards:
             raise ConfigError(f"shard {shard} is outside the plan (0..{job.plan.shards - 1})")
-        skipped = shard_is_complete(job.output, shard)
+        rewrite = _rewrites(job, shard).get(shard, set()) if job.repair is not None else set()
+        skipped = not rewrite if job.repair is not None else shard_is_complete(job.output, shard)
         if not skipped:
             state = PrepareProgress(0, len(job.plan.positions(shard)), 0, 0.0)
-            _write_one_shard(job, shard, SamplePool(0, job.spec, job.classes), state, progress, time.perf_counter())
+            pool = SamplePool(0, job.spec, job.classes)
+            _write_one_shard(job, shard, pool, state, progress, time.perf_counter(), rewrite)
+        if job.repair is not None and skipped:  # an intact shard of a repaired dataset has no record
+            files = [info for info in job.repair.manifest.shards if planned_shard_of(info.path) == shard]
+            return ShardRecord(shard, max((info.samples for info in files), default=0), 0, True)
         record = read_shard_record(job.output, shard)
     finally:
         job.listing.close()
@@ -702,12 +907,19 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
     Raises:
         ConfigError: OUT holds neither a planned prepare nor the finished dataset (run `plan_prepare` first).
         JobConflictError: OUT holds a planned prepare of different settings.
-        StorageError: a shard is missing or does not match its record (nothing is published).
+        NoImagesError: every listed file was rejected (rejected.jsonl is written, no manifest).
+        StorageError: a shard is missing or does not match its record (nothing is published),
+            or a finished dataset's shard file is still missing or damaged.
     """
     output = Output(spec.out)
+    spec = _as_recorded(spec, output)
     manifest = finished_manifest(output, spec)
     if manifest is not None:
-        remove_work(output)  # the leftovers of a finish that stopped right after its manifest
+        damaged = damaged_shards(output, manifest)
+        if damaged:
+            listed = ", ".join(f"{path} {problem}" for path, problem in list(damaged.items())[:10])
+            raise StorageError(f"cannot finish {spec.out}: {listed}; write those shards first (plan_prepare plans them)")
+        remove_work(output)  # the leftovers of a finish that stopped right after its manifest (or of a repair)
         return _result(spec.out, manifest)
     job = _load_planned_job(spec)
     try:
@@ -738,11 +950,18 @@ def discard_prepare(spec: PrepareSpec) -> None:
 
 def _load_planned_job(spec: PrepareSpec) -> _Job:
     output = Output(spec.out)
+    spec = _as_recorded(spec, output)
     saved = read_plan(output)
     if saved is None:
         raise ConfigError(f"{spec.out} has no planned prepare; run plan_prepare first")
     if saved.get("identity") != spec.output_identity():
-        raise JobConflictError(f"{spec.out} holds a planned prepare with different settings")
+        raise planned_conflict(spec, saved.get("identity") or {})
+    repair = None
+    if saved.get("repair"):
+        manifest = finished_manifest(output, spec)
+        if manifest is None:
+            raise ConfigError(f"{spec.out} has no planned prepare (its planned repair lost its manifest); run plan_prepare first")
+        repair = _Repair(manifest, dict(saved["repair"]))
     listing = Listing(output.local(WORK_DIR))
     plan = ShardPlan(**saved["plan"])
-    return _Job(spec, output, listing, plan, saved["classes"], saved["listed"], saved.get("ignored", 0), [])
+    return _Job(spec, output, listing, plan, saved["classes"], saved["listed"], saved.get("ignored", 0), [], repair=repair)

@@ -9,10 +9,12 @@ shards needs no in-memory list.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_OWN_SHARD_PATH = re.compile(r"(?:v\d+/)?shard-(\d{6,})\.tar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,3 +93,13 @@ def plan_shards(items: int, samples_per_shard: int, seed: int) -> ShardPlan:
 
 def shard_name(index: int) -> str:
     return f"shard-{index:06d}.tar"
+
+
+def planned_shard_of(path: str) -> int | None:
+    """The planned shard a file of a prepare's own layout belongs to, from its path in OUT.
+
+    `shard-000002.tar` and `v1/shard-000002.tar` -> 2; None for any other path
+    (a re-pack's version folder `r0001/…` is not a prepare's layout).
+    """
+    match = _OWN_SHARD_PATH.fullmatch(path)
+    return int(match.group(1)) if match else None

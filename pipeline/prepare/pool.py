@@ -82,9 +82,16 @@ def _init_worker(spec_dict: dict[str, Any], classes: list[str]) -> None:
     _WORKER["classes"] = {name: i for i, name in enumerate(classes)}
 
 
+def make_outcome(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[str, int]) -> SampleOutcome:
+    """What becomes of one listed source: rejected unread when its listing already says why, else `process_item`."""
+    if item.rejected:
+        return SampleOutcome(index, sample_key(item.rel), item.url, reason=item.rejected)
+    return process_item(item, index, spec, classes)
+
+
 def _process_chunk(chunk: Chunk) -> list[SampleOutcome]:
     spec, classes = _WORKER["spec"], _WORKER["classes"]
-    return [process_item(item, index, spec, classes) for index, item in chunk]
+    return [make_outcome(item, index, spec, classes) for index, item in chunk]
 
 
 class SamplePool:

@@ -7,10 +7,14 @@ complete when its record exists and every file it names still has the
 recorded size (and, locally, sha256). The manifest is written last: once OUT
 holds a manifest of the same settings the dataset is complete, and whatever
 is left of the work folder is a leftover of a run that stopped just after.
+A finished dataset is checked too: a shard file that is missing or has
+another size than its manifest entry (with `verify`, another sha256) is
+damaged, and a re-run writes it again (see `job.py`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,7 +26,8 @@ from ..io.fs import file_sha256
 from ..io.output import Output
 from ..io.tar import ShardInfo
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest
-from ..specs import PrepareSpec
+from ..specs import PREPARE_FLAG_VALUES, PREPARE_OPTION_NAMES, PrepareSpec
+from ..units import format_bytes
 
 WORK_DIR = ".gpufeed"
 PLAN_REL = f"{WORK_DIR}/plan.json"
@@ -135,6 +140,100 @@ def _is_temp_shard(name: str) -> bool:
     return name.startswith(".shard-") and ".tmp-" in name
 
 
+def shard_file_problem(output: Output, info: ShardInfo, *, verify: bool = False) -> str:
+    """What is wrong with a finished dataset's shard file on disk, phrased to follow its name; "" when nothing.
+
+    Cheap by default (the file is there with its recorded size); with
+    `verify`, its sha256 is computed and compared too.
+    """
+    size = output.size(info.path)
+    if size is None:
+        return "was missing"
+    if size != info.bytes:
+        return f"had {size} bytes, the manifest says {info.bytes}"
+    if verify and _sha256_of(output, info.path) != info.sha256:
+        return "did not match its sha256"
+    return ""
+
+
+def damaged_shards(output: Output, manifest: Manifest, *, verify: bool = False) -> dict[str, str]:
+    """The manifest's shard files that are missing or damaged in OUT: path -> what is wrong (see `shard_file_problem`)."""
+    problems = {info.path: shard_file_problem(output, info, verify=verify) for info in manifest.shards}
+    return {path: problem for path, problem in problems.items() if problem}
+
+
+def _sha256_of(output: Output, rel: str) -> str:
+    if output.is_local:
+        return file_sha256(output.local(rel))[0]
+    digest = hashlib.sha256()
+    with output.open_read(rel) as handle:
+        while block := handle.read(4 * 1024 * 1024):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def recorded_source(output: Output) -> str | None:
+    """The SRC that OUT's dataset, or its unfinished prepare, records; None when OUT holds neither."""
+    if output.exists(MANIFEST_NAME):
+        try:
+            source = read_manifest(output).params.get("source")
+        except ManifestError:
+            return None
+    else:
+        source = ((read_plan(output) or {}).get("identity") or {}).get("source")
+    return source if isinstance(source, str) else None
+
+
+def setting_differences(here: dict[str, Any], recorded: dict[str, Any], where: str) -> list[str]:
+    """Every setting in which two jobs' identities differ, in `gpufeed prepare`'s spelling.
+
+    Args:
+        here: this job's `PrepareSpec.output_identity()`.
+        recorded: the identity OUT records (a manifest's params, a plan's identity).
+        where: what holds `recorded`, as the message names it (`shards/manifest.json`).
+
+    Returns:
+        One line per setting, e.g. `--size: 256 here, 224 in shards/manifest.json`.
+    """
+    mine, theirs = _flatten(here), _flatten(recorded)
+    keys = list(mine) + [key for key in theirs if key not in mine]
+    return [
+        f"{PREPARE_OPTION_NAMES.get(key, key)}: {_shown(key, mine, key in mine)} here, "
+        f"{_shown(key, theirs, key in theirs)} in {where}"
+        for key in keys
+        if (key in mine, mine.get(key)) != (key in theirs, theirs.get(key))
+    ]
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def _shown(key: str, values: dict[str, Any], present: bool) -> str:
+    if not present:
+        return "nothing recorded"
+    value = values[key]
+    if key in PREPARE_FLAG_VALUES:
+        return "given" if value == PREPARE_FLAG_VALUES[key] else "not given"
+    if value is None:
+        return "not given"
+    if key == "shards.max_bytes" and isinstance(value, int):
+        return format_bytes(value, exact=True)
+    if isinstance(value, list):
+        return ",".join(str(item) for item in value)
+    return str(value)
+
+
+def _conflict(differences: list[str]) -> str:
+    return f" ({'; '.join(differences)})" if differences else ""
+
+
 def finished_manifest(output: Output, spec: PrepareSpec) -> Manifest | None:
     """OUT's manifest when OUT holds the finished dataset of exactly these settings, else None."""
     if not output.exists(MANIFEST_NAME):
@@ -150,28 +249,41 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool) -> Manife
     """The existing manifest when OUT already holds this exact job, else None (OUT cleared when asked).
 
     Raises:
-        JobConflictError: OUT holds another job's dataset or unfinished work and `overwrite` is False.
+        JobConflictError: OUT holds another job's dataset or unfinished work and
+            `overwrite` is False; the message names each setting that differs.
     """
+    identity = spec.output_identity()
     if output.exists(MANIFEST_NAME):
-        finished = finished_manifest(output, spec)
-        if finished is not None and not overwrite:
-            return finished
-        if not overwrite:
-            raise JobConflictError(
-                f"{spec.out} already holds a dataset prepared with different settings; "
-                "choose another OUT or pass --overwrite to replace it"
-            )
-        clear_output(output)
-        return None
+        if overwrite:
+            clear_output(output)
+            return None
+        try:
+            manifest = read_manifest(output)
+        except ManifestError as exc:
+            raise JobConflictError(f"{exc}; choose another OUT or pass --overwrite to replace it") from exc
+        if manifest.params == identity:
+            return manifest
+        differences = setting_differences(identity, manifest.params, f"{spec.out.rstrip('/')}/{MANIFEST_NAME}")
+        raise JobConflictError(
+            f"{spec.out} already holds a dataset prepared with different settings{_conflict(differences)}; "
+            "choose another OUT or pass --overwrite to replace it"
+        )
     plan = read_plan(output)
-    if plan is not None and plan.get("identity") != spec.output_identity():
+    if plan is not None and plan.get("identity") != identity:
         if not overwrite:
+            differences = setting_differences(identity, plan.get("identity") or {}, "the unfinished prepare")
             raise JobConflictError(
-                f"{spec.out} holds an unfinished prepare with different settings; "
+                f"{spec.out} holds an unfinished prepare with different settings{_conflict(differences)}; "
                 "re-run that command to finish it, choose another OUT, or pass --overwrite"
             )
         clear_output(output)
     return None
+
+
+def planned_conflict(spec: PrepareSpec, planned: dict[str, Any]) -> JobConflictError:
+    """The error for a step of a job whose OUT holds a planned prepare of other settings (`planned`: its identity)."""
+    differences = setting_differences(spec.output_identity(), planned, "the planned prepare")
+    return JobConflictError(f"{spec.out} holds a planned prepare with different settings{_conflict(differences)}")
 
 
 def clear_output(output: Output) -> None:

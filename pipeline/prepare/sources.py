@@ -3,7 +3,12 @@
 A source is a directory (ImageFolder layout: one sub-folder per class; or a
 flat folder without labels), a CSV/JSONL list with `path` and optional
 `label`, or any fsspec URL to either. Listing yields one `SourceItem` at a
-time in a deterministic order so millions of files never sit in memory at once."""
+time in a deterministic order so millions of files never sit in memory at once.
+
+No image file is passed over in silence: an image at the top of a folder
+that has class folders belongs to no class, so it is listed already
+rejected (`SourceItem.rejected`), and the job records it in rejected.jsonl.
+"""
 
 from __future__ import annotations
 
@@ -25,34 +30,43 @@ IMAGE_EXTENSIONS = frozenset(
 
 
 LIST_EXTENSIONS = (".csv", ".jsonl", ".ndjson")
+NOT_IN_A_CLASS_FOLDER = (
+    "not in a class folder: SRC has class sub-folders, and the ImageFolder layout takes "
+    "each image's label from the sub-folder it is in"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceItem:
-    """One listed input: where to read it, its path relative to the source, its label name."""
+    """One listed input: where to read it, its path relative to the source, its label name.
+
+    `rejected`, when set, is why the listing already rejects it (the file is
+    not read): the reason rejected.jsonl records.
+    """
 
     url: str
     rel: str
     label: str | None
+    rejected: str = ""
 
     def to_json(self) -> str:
         # ASCII escapes keep names that are not valid UTF-8 (surrogate-escaped) intact.
-        return json.dumps([self.url, self.rel, self.label])
+        fields = [self.url, self.rel, self.label] + ([self.rejected] if self.rejected else [])
+        return json.dumps(fields)
 
     @classmethod
     def from_json(cls, line: str | bytes) -> SourceItem:
-        url, rel, label = json.loads(line)
-        return cls(url, rel, label)
+        return cls(*json.loads(line))
 
 
 @dataclasses.dataclass
 class ListingInfo:
     """Counts kept while listing: classes seen and entries passed over.
 
-    `ignored` counts files without an image extension, files beside class
-    folders, special files (FIFOs, sockets, devices) and symlinks that lead
-    back into a folder being listed. Hidden entries (``.name``) are skipped
-    without counting.
+    `ignored` counts files without an image extension, special files (FIFOs,
+    sockets, devices) and symlinks that lead back into a folder being
+    listed. Hidden entries (``.name``) are skipped without counting. Images
+    beside class folders are not ignored: they are listed, rejected.
     """
 
     kind: str = ""
@@ -68,7 +82,8 @@ def list_images(source: str, info: ListingInfo | None = None) -> Iterator[Source
         info: filled in while listing (kind, class names, files ignored).
 
     Yields:
-        SourceItem for each file with an image extension (or each list row).
+        SourceItem for each file with an image extension (or each list row);
+        an image beside class folders comes first, already rejected.
 
     Raises:
         SourceError: when the source does not exist or cannot be read.
@@ -143,7 +158,11 @@ def _list_local_dir(root: str, info: ListingInfo) -> Iterator[SourceItem]:
         return
     info.kind = "imagefolder"
     info.classes = [_printable(name) for name in top_dirs]
-    info.ignored += len(top_files)  # files beside class folders belong to no class
+    for name in top_files:  # beside the class folders: no class to take a label from
+        if not _is_image_name(name):
+            info.ignored += 1
+            continue
+        yield SourceItem(os.path.join(root, name), name, None, NOT_IN_A_CLASS_FOLDER)
     for name in top_dirs:
         yield from _walk_dir(root, name, _printable(name), info, ancestors)
 
@@ -212,7 +231,12 @@ def _list_fs_dir(fs: Any, root: str, info: ListingInfo) -> Iterator[SourceItem]:
     if not top_dirs:
         walks: list[tuple[str, str | None]] = [(root, None)]
     else:
-        info.ignored += sum(1 for e in top if e["type"] != "directory" and not _basename(e["name"]).startswith("."))
+        beside = sorted(_basename(e["name"]) for e in top if e["type"] != "directory")
+        for name in (name for name in beside if not name.startswith(".")):
+            if not _is_image_name(name):
+                info.ignored += 1
+                continue
+            yield SourceItem(url_of(f"{root}/{name}"), name, None, NOT_IN_A_CLASS_FOLDER)
         walks = [(f"{root}/{name}", name) for name in top_dirs]
     for base, label in walks:
         # fs.walk yields one directory at a time: memory holds one folder's names.
