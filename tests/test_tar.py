@@ -389,6 +389,14 @@ def test_reader_refuses_a_damaged_header_and_a_truncated_member():
         list(iter_tar_members(io.BytesIO(bytes(data[:2048]))))
 
 
+def test_a_file_cut_at_a_header_ends_there_even_in_a_reused_buffer():
+    members = [(f"k{i}.jpg", os.urandom(700 + i)) for i in range(6)]
+    data = _tar_bytes(members, tarfile.USTAR_FORMAT)
+    assert list(iter_tar_members(io.BytesIO(data))) == members  # its buffer, given back, holds these bytes
+    cut = 3 * (512 + 1024)  # each member: a header and two blocks of data
+    assert list(iter_tar_members(io.BytesIO(data[:cut]))) == members[:3]  # not an earlier read's headers
+
+
 def test_reader_refuses_a_header_whose_numbers_are_not_numbers():
     garbage = b"this is not a tar file at all" * 40
     with pytest.raises(TarFormatError, match="corrupt tar header"):

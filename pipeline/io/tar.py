@@ -283,9 +283,11 @@ def _members(handle: Any, url: str, buffer: bytearray) -> Iterator[tuple[str, by
     while True:
         if end - start < TAR_BLOCK:
             start, end = _refill(handle, buffer, start, end, TAR_BLOCK)
+        if end - start < TAR_BLOCK:  # what lies beyond `end` in the reused buffer is an earlier read's
+            return  # a file cut at a header: what tarfile also accepts
         header = bytes(view[start : start + TAR_BLOCK])
-        if len(header) < TAR_BLOCK or header == _ZERO_BLOCK:
-            return  # the end of the archive (or a file cut at a header: what tarfile also accepts)
+        if header == _ZERO_BLOCK:
+            return  # the end of the archive
         try:
             stored, size = _octal(header[148:156]), _octal(header[124:136])
         except ValueError:
