@@ -271,6 +271,17 @@ def test_a_batch_with_no_decodable_sample_borrows_from_the_next(copy: Path) -> N
     assert loader.stats.skipped == loader.stats.replaced == 4
 
 
+def test_an_epoch_left_after_borrowing_gives_every_buffer_back(copy: Path) -> None:
+    break_samples(copy, "shard-000000.tar", garbage=(0, 1, 2, 3))
+    loader = loader_for(copy, train=False, batch_size=4)
+    iterator = iter(loader)
+    images, _ = next(iterator)  # borrowed from the next batch, which was looked at but not delivered
+    assert images.shape[0] == 4
+    iterator.close()
+    loader.close()
+    assert not loader._finish.outputs._busy  # every output buffer can be used again
+
+
 def test_no_decodable_sample_anywhere_is_a_clear_error(copy: Path) -> None:
     for index in range(N // PER_SHARD):
         break_samples(copy, f"shard-{index:06d}.tar", garbage=tuple(range(PER_SHARD)))

@@ -143,25 +143,28 @@ class DeviceFinish:
         side = torch.cuda.Stream(self.device) if cuda else None
         ready: deque[Ready] = deque()
         exhausted = False
-        while True:
-            while not exhausted and len(ready) < (self.spec.prefetch if cuda else 1):
-                batch = upcoming.next()
-                if batch is None:
-                    exhausted = True
-                    break
-                ready.append(self._to_device(epoch, batch, free, side, pool, report, upcoming))
-            if not ready:
-                return
-            images, labels, done = ready.popleft()
-            if done is not None:
-                # The training stream waits for this batch only, not for later ones
-                # already queued on the side stream; the caching allocator must know
-                # the tensors are used there.
-                current = torch.cuda.current_stream(self.device)
-                current.wait_event(done)
-                images.record_stream(current)
-                labels.record_stream(current)
-            yield images, labels
+        try:
+            while True:
+                while not exhausted and len(ready) < (self.spec.prefetch if cuda else 1):
+                    batch = upcoming.next()
+                    if batch is None:
+                        exhausted = True
+                        break
+                    ready.append(self._to_device(epoch, batch, free, side, pool, report, upcoming))
+                if not ready:
+                    return
+                images, labels, done = ready.popleft()
+                if done is not None:
+                    # The training stream waits for this batch only, not for later ones
+                    # already queued on the side stream; the caching allocator must know
+                    # the tensors are used there.
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(done)
+                    images.record_stream(current)
+                    labels.record_stream(current)
+                yield images, labels
+        finally:
+            upcoming.close(self.outputs.release)
 
     def _to_device(
         self,

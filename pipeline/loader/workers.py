@@ -334,6 +334,7 @@ class Run:
     inflight: list[Any]
     producer: threading.Thread | None = None
     backlog: Backlog | None = None  # thread workers only
+    unqueued: list[HostBatch] = dataclasses.field(default_factory=list)  # submitted, then stopped before queued
 
     def matches(self, epoch: int, skip: int) -> bool:
         return self.epoch == epoch and self.skip == skip
@@ -393,7 +394,8 @@ def _produce(run: Run, pool: DecodePool, batch_size: int, drop_last: bool, prest
                 return
             batch = pool.submit(index, slot, chunk, run.epoch, run.backlog)
             run.inflight.extend(batch.pending)
-            _put(run.out, batch, run.stop)
+            if not _put(run.out, batch, run.stop):
+                run.unqueued.append(batch)
             time.sleep(0)  # let go of the GIL: the decode threads start on this batch now, not at the next switch
             index += 1
         _pass_damage(damage, run)
@@ -468,6 +470,13 @@ class Upcoming:
                 self._ahead.append(batch)
             yield from self._ahead[depth].donors(failed_samples(self._ahead[depth]))
 
+    def close(self, release: Callable[[torch.Tensor], None]) -> None:
+        """The run ends here: batches looked at and never delivered give their CPU output buffers back."""
+        while self._ahead:
+            batch = self._ahead.pop()
+            if batch.finished is not None:
+                release(batch.finished)
+
 
 def stop_run(run: Run, release: Callable[[torch.Tensor], None]) -> None:
     """Stop the run's producer and wait for its decodes; give back its slots and undelivered output buffers.
@@ -489,6 +498,9 @@ def stop_run(run: Run, release: Callable[[torch.Tensor], None]) -> None:
             break
         if isinstance(item, HostBatch) and item.finished is not None:
             release(item.finished)
+    for batch in run.unqueued:
+        if batch.finished is not None:
+            release(batch.finished)
     run.free.release_all()
     with contextlib.suppress(queue.Full):  # an iterator still holding this run ends instead of waiting
         run.out.put_nowait(END)
@@ -503,10 +515,12 @@ def _get(source: queue.Queue[int], stop: threading.Event) -> int | None:
     return None
 
 
-def _put(target: queue.Queue[Any], item: Any, stop: threading.Event) -> None:
+def _put(target: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put `item` into `target`, waiting as long as it is full and `stop` is not set; whether it went in."""
     while not stop.is_set():
         try:
             target.put(item, timeout=0.1)
-            return
+            return True
         except queue.Full:
             continue
+    return False
