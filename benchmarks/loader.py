@@ -7,6 +7,9 @@ row, --workers 2, CPU device) over the same demo images, measured in one run:
   gpufeed (processes)  make_loader(worker_type="process"); the faster of the two is
                        the headline row
   gpufeed dtype=uint8  informational: threads, uint8 output like FFCV's row
+  gpufeed verify=True  informational: threads, every shard hashed (sha256) as it streams
+                       and checked against the manifest: the cost of verify=True next to
+                       the threads row
   webdataset           plain wds.WebDataset(...).decode("pil") + torchvision-style
                        RandomResizedCrop + ToTensor + torch DataLoader, same pixels
   imagefolder-raw      an ImageFolder-style Dataset over the raw (~1 MP) JPEGs: PIL
@@ -99,6 +102,7 @@ ROW_TITLES = {
     "gpufeed-thread": "gpufeed make_loader (threads)",
     "gpufeed-process": "gpufeed make_loader (processes)",
     "gpufeed-uint8": "gpufeed dtype=uint8 (threads)",
+    "gpufeed-verify": "gpufeed verify=True (threads)",
     "webdataset": "plain WebDataset + DataLoader",
     "imagefolder": "ImageFolder over raw JPEGs + DataLoader",
     "ffcv": "FFCV Loader (.beton, 256 px JPEG), uint8",
@@ -729,6 +733,7 @@ def speedups(rows: dict[str, Row], best: str) -> dict[str, float | None]:
         "of_ceiling": ratio("ceiling"),
         "vs_ffcv_float": ratio("ffcv-float"),  # same output as gpufeed; informational, no target
         "uint8_vs_ffcv": _ratio(rows, "gpufeed-uint8", "ffcv"),  # both uint8; informational
+        "verify_vs_threads": _ratio(rows, "gpufeed-verify", "gpufeed-thread"),  # verify=True's cost; informational
     }
 
 
@@ -845,6 +850,9 @@ def _print_summary(ratios: dict[str, float | None], stall: StallResult | None) -
         f"loader speedup: {times(ratios['vs_webdataset'])} vs webdataset, {times(ratios['vs_imagefolder'])} vs "
         f"imagefolder-raw, {times(ratios['vs_ffcv'])} vs ffcv, {ceiling} of decode ceiling"
     )
+    verify = ratios["verify_vs_threads"]
+    if verify is not None:
+        print(f"verify=True: {verify:.1%} of the threads row's images/s (every shard hashed as it streams)")
 
 
 # ---------------------------------------------------------------------------
@@ -992,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpufeed-thread": lambda: run_gpufeed(prepared, "thread", workers),
         "gpufeed-process": lambda: run_gpufeed(prepared, "process", workers),
         "gpufeed-uint8": lambda: run_gpufeed(prepared, "thread", workers, dtype="uint8"),
+        "gpufeed-verify": lambda: run_gpufeed(prepared, "thread", workers, verify=True),
         "webdataset": lambda: run_dataloader(make_webdataset_loader(plain, workers)),
         "imagefolder": lambda: run_dataloader(make_imagefolder_loader(raw, workers)),
         "ffcv": lambda: run_ffcv_subprocess(python, data, workers, "uint8"),

@@ -38,7 +38,22 @@ class NoImagesError(SourceError):
 
 
 class SampleError(GpufeedError):
-    """One sample cannot be used; the job goes on without it."""
+    """One sample, or a shard of them, cannot be used.
+
+    Prepare goes on without it; the loader too, unless `on_error="raise"`
+    asks it to stop there.
+
+    Attributes:
+        shard: the shard it was read from, when known ("" otherwise).
+        sample: the sample's key ("" for a whole shard, or when not known).
+        reason: what is wrong, without those names.
+    """
+
+    def __init__(self, message: str, *, shard: str = "", sample: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.sample = sample
+        self.reason = reason or message
 
 
 class DecodeError(SampleError):

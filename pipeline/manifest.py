@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 from typing import Any
 
 from .errors import ManifestError
 from .io.output import Output
-from .io.tar import ShardInfo, TarFormatError, iter_tar_samples
+from .io.tar import DigestReader, ShardInfo, TarFormatError, iter_tar_samples
 
 MANIFEST_FORMAT = "gpufeed-manifest/1"
 MANIFEST_NAME = "manifest.json"
@@ -184,37 +183,12 @@ def verify_dataset(where: DatasetLocation, manifest: Manifest | None = None) -> 
     return result
 
 
-class _DigestReader:
-    """Hashes a stream while the tar reader reads it: one pass checks both."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.sha256 = hashlib.sha256()
-        self.bytes = 0
-
-    def readinto(self, buffer: memoryview) -> int:
-        if hasattr(self.raw, "readinto"):
-            got = self.raw.readinto(buffer) or 0
-            self.sha256.update(buffer[:got])
-            self.bytes += got
-            return got
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def read(self, size: int = -1) -> bytes:
-        data: bytes = self.raw.read(size)
-        self.sha256.update(data)
-        self.bytes += len(data)
-        return data
-
-
 def _scan_shard(output: Output, rel: str) -> tuple[str, int, int, str]:
     """(sha256, bytes, samples, error) of one shard, hashing the bytes as the tar reader streams them."""
     error = ""
     samples = 0
     with output.open_read(rel) as raw:
-        reader = _DigestReader(raw)
+        reader = DigestReader(raw)
         try:
             for _ in iter_tar_samples(reader, rel):
                 samples += 1
@@ -222,6 +196,5 @@ def _scan_shard(output: Output, rel: str) -> tuple[str, int, int, str]:
             error = exc.reason
         except OSError as exc:
             error = str(exc) or type(exc).__name__
-        while reader.read(1 << 20):  # hash what lies after the end of the archive
-            pass
-    return reader.sha256.hexdigest(), reader.bytes, samples, error
+        reader.drain()  # hash what lies after the end of the archive
+    return reader.hexdigest(), reader.bytes, samples, error

@@ -17,6 +17,7 @@ FORMATS = ("jpeg", "webp", "png", "npy")
 FORMAT_EXTENSIONS = {"jpeg": "jpg", "webp": "webp", "png": "png", "npy": "npy"}
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own bomb threshold: 0.25 GiB of RGBA
+ON_ERROR = ("skip", "raise")  # the loader's error policies
 
 _SpecT = TypeVar("_SpecT", bound="Spec")
 
@@ -286,6 +287,11 @@ class LoaderSpec(Spec):
         decoder: "auto" (the fastest present), "region" (libjpeg-turbo decoding
             only the crop's region, compiled on first use), "simplejpeg", "pil",
             or "nvjpeg" (GPU, needs torchvision with CUDA).
+        on_error: what a damaged shard or an undecodable sample does: "skip"
+            (warn, count, and re-draw replacements so every batch stays full)
+            or "raise" (stop with a SampleError naming it).
+        verify: hash each shard as it streams and compare with the manifest's
+            sha256 (needs a manifest); a mismatch is damage under `on_error`.
     """
 
     batch_size: int
@@ -307,6 +313,8 @@ class LoaderSpec(Spec):
     flip: bool = True
     eval_fraction: float = 0.875
     decoder: str = "auto"
+    on_error: str = "skip"
+    verify: bool = False
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, 1 << 16)
@@ -334,6 +342,13 @@ class LoaderSpec(Spec):
         check_number("eval_fraction", self.eval_fraction, 0.1, 1.0)
         if self.decoder not in ("auto", "region", "simplejpeg", "pil", "nvjpeg"):
             raise ConfigError(f"decoder must be auto, region, simplejpeg, pil or nvjpeg, got {self.decoder!r}")
+        if self.on_error not in ON_ERROR:
+            raise ConfigError(
+                f"on_error must be 'skip' (warn, count, replace) or 'raise' (stop at the first damage), "
+                f"got {self.on_error!r}"
+            )
+        if not isinstance(self.verify, bool):
+            raise ConfigError(f"verify must be True or False, got {self.verify!r}")
 
     @property
     def effective_drop_last(self) -> bool:

@@ -1,10 +1,9 @@
-"""`make_loader` over real prepared shards: correctness, determinism, resume, bad data, DDP."""
+"""`make_loader` over real prepared shards: correctness, determinism, resume, DDP (damaged data: test_loader_damage.py)."""
 
 from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -14,46 +13,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import webdataset as wds
+from loader_data import prepare_labelled, shard_samples
 from PIL import Image
 
 import pipeline.loader.workers as workers_module
-from pipeline import AugmentSpec, ConfigError, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
-from pipeline.demo import make_demo_dataset
+from pipeline import AugmentSpec, ConfigError
 from pipeline.io.output import Output
-from pipeline.io.tar import TarShardWriter
 from pipeline.loader import Loader, LoaderStats, make_loader
-from pipeline.manifest import read_manifest, write_manifest
+from pipeline.manifest import read_manifest
 from pipeline.specs import IMAGENET_MEAN
 
 N = 150
-SIZE = 64
 CROP = 56  # 56 / 64 = 0.875: eval mode is an exact centre crop of the prepared image
 MEAN = np.array([0.485, 0.456, 0.406]) * 255
 STD = np.array([0.229, 0.224, 0.225]) * 255
 
 
-def _prepare_labelled(tmp: Path, name: str, count: int, min_side: int = 90, **changes: object) -> Path:
-    """A dataset whose label is each image's own index: labels identify samples."""
-    raw = tmp / f"{name}-raw"
-    make_demo_dataset(raw, count, classes=3, min_side=min_side, max_side=min_side + 70, workers=1)
-    files = sorted(raw.rglob("*.jpg"))
-    (tmp / f"{name}.jsonl").write_text("".join(json.dumps({"path": str(p), "label": i}) + "\n" for i, p in enumerate(files)))
-    out = tmp / name
-    spec = PrepareSpec(
-        source=str(tmp / f"{name}.jsonl"),
-        out=str(out),
-        resize=ResizeSpec(size=SIZE),
-        shards=ShardSpec(max_bytes=None, max_samples=20),
-        **changes,  # type: ignore[arg-type]
-    )
-    prepare_dataset(spec, workers=2)
-    return out
-
-
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _prepare_labelled(tmp_path_factory.mktemp("loader"), "ds", N)
+    return prepare_labelled(tmp_path_factory.mktemp("loader"), "ds", N)
 
 
 def loader_for(source: Path | str, batch_size: int = 16, **options: object):
@@ -74,11 +52,6 @@ def reference_eval(jpeg: bytes) -> np.ndarray:
     top, left = round((height - CROP) / 2), round((width - CROP) / 2)
     crop = image[top : top + CROP, left : left + CROP]
     return ((crop - MEAN) / STD).transpose(2, 0, 1)
-
-
-def shard_samples(root: Path, pattern: str = "shard-*.tar") -> list[dict]:
-    urls = sorted(str(p) for p in root.glob(pattern))
-    return list(wds.WebDataset(urls, shardshuffle=False))
 
 
 def test_shapes_dtypes_and_memory_format(dataset: Path) -> None:
@@ -175,7 +148,7 @@ def test_resume_mid_epoch_continues_exactly(dataset: Path) -> None:
 
 def test_variant_sets_switch_with_epoch(tmp_path: Path) -> None:
     # Raw images large enough that every random crop still yields a 64 px shorter side.
-    root = _prepare_labelled(tmp_path, "variants", 40, min_side=240, augment=AugmentSpec(variants=2))
+    root = prepare_labelled(tmp_path, "variants", 40, min_side=240, augment=AugmentSpec(variants=2))
     loader = loader_for(root, train=False, batch_size=8)
     for epoch in (0, 1, 2):
         loader.set_epoch(epoch)
@@ -183,53 +156,6 @@ def test_variant_sets_switch_with_epoch(tmp_path: Path) -> None:
         expected = shard_samples(root, f"v{epoch % 2}/shard-*.tar")
         reference = np.stack([reference_eval(s["jpg"]) for s in expected])
         assert np.abs(images - reference).max() < 1.01 / 255 / 0.224, f"epoch {epoch}"
-
-
-def _rewrite_shard(root: Path, shard_path: str, damage) -> None:
-    output = Output(str(root))
-    manifest = read_manifest(output)
-    target = root / shard_path
-    samples = shard_samples(root, shard_path)
-    with TarShardWriter(str(target)) as writer:
-        for index, sample in enumerate(samples):
-            members = {k: v for k, v in sample.items() if not k.startswith("__")}
-            writer.write_sample(sample["__key__"], damage(index, members))
-        info = writer.commit(shard_path)
-    manifest.shards = [info if s.path == shard_path else s for s in manifest.shards]
-    write_manifest(output, manifest)
-
-
-def test_corrupt_sample_is_skipped_with_a_warning(dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    import shutil
-
-    root = tmp_path / "copy"
-    shutil.copytree(dataset, root)
-
-    def damage(index: int, members: dict[str, bytes]) -> dict[str, bytes]:
-        if index == 3:
-            members["jpg"] = members["jpg"][:200] + b"\x00garbage" * 10
-        return members
-
-    _rewrite_shard(root, "shard-000001.tar", damage)
-    loader = loader_for(root, drop_last=False)
-    with caplog.at_level(logging.WARNING, logger="gpufeed.loader"):
-        labels = all_labels(loader)
-    assert len(labels) == N - 1 and len(set(labels)) == N - 1
-    assert loader.stats.skipped == 1
-    assert any("skipping sample" in record.message for record in caplog.records)
-
-
-def test_truncated_shard_skips_its_rest_and_goes_on(dataset: Path, tmp_path: Path) -> None:
-    import shutil
-
-    root = tmp_path / "copy"
-    shutil.copytree(dataset, root)
-    shard = root / "shard-000002.tar"
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2 + 100])
-    loader = loader_for(root, drop_last=False, train=False)
-    labels = all_labels(loader)
-    assert 0 < N - len(labels) < 20 and len(set(labels)) == len(labels)
-    assert loader.stats.skipped >= 1
 
 
 def test_sources_manifest_directory_and_brace_pattern(dataset: Path) -> None:

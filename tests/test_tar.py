@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import itertools
 import json
 import os
 import pickle
@@ -21,6 +22,7 @@ from pipeline.errors import StorageError
 from pipeline.io.fs import file_sha256
 from pipeline.io.tar import (
     TAR_MTIME,
+    DigestReader,
     ShardInfo,
     TarFormatError,
     TarShardWriter,
@@ -387,6 +389,25 @@ def test_reader_refuses_a_damaged_header_and_a_truncated_member():
         list(iter_tar_members(io.BytesIO(damaged)))
     with pytest.raises(TarFormatError, match="truncated"):
         list(iter_tar_members(io.BytesIO(bytes(data[:2048]))))
+
+
+def test_a_file_cut_at_a_header_ends_there_even_in_a_reused_buffer():
+    members = [(f"k{i}.jpg", os.urandom(700 + i)) for i in range(6)]
+    data = _tar_bytes(members, tarfile.USTAR_FORMAT)
+    assert list(iter_tar_members(io.BytesIO(data))) == members  # its buffer, given back, holds these bytes
+    cut = 3 * (512 + 1024)  # each member: a header and two blocks of data
+    assert list(iter_tar_members(io.BytesIO(data[:cut]))) == members[:3]  # not an earlier read's headers
+
+
+@pytest.mark.parametrize("stop_after", [0, 2, None])
+def test_digest_reader_hashes_every_byte_however_much_the_reader_took(stop_after):
+    data = _tar_bytes([(f"k{i}.jpg", os.urandom(300_000 + i)) for i in range(8)]) + b"after the end"
+    reader = DigestReader(io.BytesIO(data))
+    members = iter_tar_members(reader)
+    assert len(list(itertools.islice(members, stop_after))) == (8 if stop_after is None else stop_after)
+    members.close()
+    reader.drain()
+    assert (reader.hexdigest(), reader.bytes) == (hashlib.sha256(data).hexdigest(), len(data))
 
 
 def test_reader_refuses_a_header_whose_numbers_are_not_numbers():

@@ -21,7 +21,7 @@ import hashlib
 import os
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any, BinaryIO
 
 from ..errors import StorageError, write_failure
@@ -239,7 +239,58 @@ class TarFormatError(ValueError):
         return f"{self.url}: {self.reason}" if self.url else self.reason
 
 
-def iter_tar_samples(source: Any, url: str = "") -> Iterator[tuple[str, dict[str, bytes]]]:
+class DigestReader:
+    """A binary file wrapper that hashes what is read through it, so one pass reads and checks a shard.
+
+    Give it to `iter_tar_samples` in place of the file: every byte the tar
+    reader takes (through `readinto` or `read`) goes through sha256 on the
+    way; `drain` reads and hashes whatever the reader left behind (the end
+    of the archive, or the rest of a shard read only in part).
+
+    Attributes:
+        sha256: the running hash of the bytes read so far.
+        bytes: how many bytes were read so far.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def readinto(self, buffer: memoryview) -> int:
+        """Read into `buffer` (a memoryview) and hash what came; returns how many bytes."""
+        if hasattr(self.raw, "readinto"):
+            got = self.raw.readinto(buffer) or 0
+            self.sha256.update(buffer[:got])
+            self.bytes += got
+            return got
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        """Read up to `size` bytes (all with -1) and hash them."""
+        data: bytes = self.raw.read(size)
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return data
+
+    def drain(self) -> None:
+        """Read (and hash) to the end of the file."""
+        buffer = _take_buffer()
+        try:
+            view = memoryview(buffer)
+            while self.readinto(view):
+                pass
+        finally:
+            _give_back(buffer)
+
+    def hexdigest(self) -> str:
+        """The sha256 of everything read so far, in hex."""
+        return self.sha256.hexdigest()
+
+
+def iter_tar_samples(source: Any, url: str = "") -> Generator[tuple[str, dict[str, bytes]], None, None]:
     """Yield (key, {extension: data}), grouping consecutive members by `split_key`.
 
     Args:
@@ -310,9 +361,11 @@ def _members(handle: Any, url: str, buffer: bytearray) -> Iterator[tuple[str, by
     while True:
         if end - start < TAR_BLOCK:
             start, end = _refill(handle, buffer, start, end, TAR_BLOCK)
+        if end - start < TAR_BLOCK:  # what lies beyond `end` in the reused buffer is an earlier read's
+            return  # a file cut at a header: what tarfile also accepts
         header = bytes(view[start : start + TAR_BLOCK])
-        if len(header) < TAR_BLOCK or header == _ZERO_BLOCK:
-            return  # the end of the archive (or a file cut at a header: what tarfile also accepts)
+        if header == _ZERO_BLOCK:
+            return  # the end of the archive
         try:
             stored, size = _octal(header[148:156]), _octal(header[124:136])
         except ValueError:

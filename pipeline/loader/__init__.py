@@ -3,6 +3,7 @@
     loader.py      make_loader() and Loader: settings, epochs and the runs over them, state, stats
     dataset.py     what a source names: a manifest, a dataset folder or a brace pattern -> shards
     epoch.py       each epoch's order (seed, epoch, rank), segments of shards, the shuffle buffer
+    damage.py      the error policy: damaged shards and samples counted, named once, replaced
     workers.py     the host side of a run: ring slots, the producer thread, the decode pool
     device.py      the device side: flip, float, normalise; the CPU finish; CUDA side-stream prefetch
     crops.py       the crop plan: each sample's random-resized or centre crop box, from its seed and size

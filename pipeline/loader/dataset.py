@@ -15,10 +15,12 @@ from ..manifest import MANIFEST_NAME, read_manifest
 
 @dataclasses.dataclass(frozen=True)
 class ShardRef:
-    """One shard the loader can read."""
+    """One shard the loader can read: where, how many samples, and (from a manifest) its size and sha256."""
 
     url: str
     samples: int
+    bytes: int | None = None
+    sha256: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,11 @@ class DatasetInfo:
     @property
     def variants(self) -> int:
         return len(self.sets)
+
+    @property
+    def hashed(self) -> bool:
+        """Whether every shard has a sha256 to check (a manifest's shards do, a brace pattern's not)."""
+        return all(shard.sha256 for shards in self.sets for shard in shards)
 
 
 def resolve_dataset(source: str | os.PathLike[str]) -> DatasetInfo:
@@ -57,7 +64,7 @@ def resolve_dataset(source: str | os.PathLike[str]) -> DatasetInfo:
     sets: dict[int | None, list[ShardRef]] = {}
     for shard in manifest.shards:
         url = output.local(shard.path) if output.is_local else f"{output.url}/{shard.path}"
-        sets.setdefault(shard.variant, []).append(ShardRef(url, shard.samples))
+        sets.setdefault(shard.variant, []).append(ShardRef(url, shard.samples, shard.bytes, shard.sha256))
     ordered = [sets[key] for key in sorted(sets, key=lambda v: -1 if v is None else v)]
     return DatasetInfo(ordered, manifest.classes, manifest.samples, root)
 
@@ -90,6 +97,12 @@ def _from_pattern(pattern: str) -> DatasetInfo:
 
 
 def open_shard(url: str) -> Any:
+    """A binary file object over the shard at `url`, local or remote.
+
+    Raises:
+        ManifestError: a local shard that cannot be opened (missing, no permission).
+        OSError: a remote one that cannot be opened.
+    """
     from ..io.fs import local_path, open_fs
 
     local = local_path(url)

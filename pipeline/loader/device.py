@@ -25,7 +25,8 @@ import torch
 
 from ..specs import LoaderSpec
 from .crops import Affine, CropSpec
-from .workers import CpuFinish, DecodePool, HostBatch, Run, RunSlots, next_batch
+from .damage import Item, Report
+from .workers import CpuFinish, DecodePool, HostBatch, Run, RunSlots, Upcoming
 
 Ready = tuple[torch.Tensor, torch.Tensor, Any]  # images, labels, and the side stream's event (None off CUDA)
 
@@ -123,7 +124,7 @@ class DeviceFinish:
     # -- handing batches to the training loop -------------------------------
 
     def deliver(
-        self, epoch: int, run: Run, pool: DecodePool, warn: Callable[[str], None]
+        self, epoch: int, run: Run, pool: DecodePool, report: Report
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The run's batches on the device, in order: `prefetch` of them in flight on CUDA.
 
@@ -131,45 +132,56 @@ class DeviceFinish:
             epoch: the run's epoch (it seeds the flips).
             run: the run whose queue holds the decoded batches.
             pool: the decode pool whose ring holds their pixels.
-            warn: reports each sample or shard part skipped.
+            report: receives the damage met (shards, samples) and what replaced it.
 
         Yields:
-            (images, labels) on the device, ready for the training stream.
+            (images, labels) on the device, ready for the training stream, every batch full.
         """
-        out, free = run.out, run.free
+        free = run.free
+        upcoming = Upcoming(run.out, report, depth=pool.ring.shape[0] - 1)
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
         ready: deque[Ready] = deque()
         exhausted = False
-        while True:
-            while not exhausted and len(ready) < (self.spec.prefetch if cuda else 1):
-                batch = next_batch(out, warn)
-                if batch is None:
-                    exhausted = True
-                    break
-                ready.append(self._to_device(epoch, batch, free, side, pool, warn))
-            if not ready:
-                return
-            images, labels, done = ready.popleft()
-            if done is not None:
-                # The training stream waits for this batch only, not for later ones
-                # already queued on the side stream; the caching allocator must know
-                # the tensors are used there.
-                current = torch.cuda.current_stream(self.device)
-                current.wait_event(done)
-                images.record_stream(current)
-                labels.record_stream(current)
-            yield images, labels
+        try:
+            while True:
+                while not exhausted and len(ready) < (self.spec.prefetch if cuda else 1):
+                    batch = upcoming.next()
+                    if batch is None:
+                        exhausted = True
+                        break
+                    ready.append(self._to_device(epoch, batch, free, side, pool, report, upcoming))
+                if not ready:
+                    return
+                images, labels, done = ready.popleft()
+                if done is not None:
+                    # The training stream waits for this batch only, not for later ones
+                    # already queued on the side stream; the caching allocator must know
+                    # the tensors are used there.
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(done)
+                    images.record_stream(current)
+                    labels.record_stream(current)
+                yield images, labels
+        finally:
+            upcoming.close(self.outputs.release)
 
     def _to_device(
-        self, epoch: int, batch: HostBatch, free: RunSlots, side: Any, pool: DecodePool, warn: Callable[[str], None]
+        self,
+        epoch: int,
+        batch: HostBatch,
+        free: RunSlots,
+        side: Any,
+        pool: DecodePool,
+        report: Report,
+        upcoming: Upcoming,
     ) -> Ready:
         if self._gpu_decode:
-            return self._gpu_decoded(epoch, batch, free, side, warn)
+            return self._gpu_decoded(epoch, batch, free, side, pool, report, upcoming)
         if batch.finished is not None:
-            return self._cpu_finished(batch, free, pool, warn)
-        host_images, host_labels, keep = pool.collect(batch, warn)
-        flips = self._flips(epoch, batch, keep)
+            return self._cpu_finished(batch, free, pool, report, upcoming)
+        host_images, host_labels = pool.collect(batch, report, upcoming.later())
+        flips = self._flips(epoch, batch)
         if side is None:
             images = self._finish_on_device(host_images, flips)
             free.put(batch.slot)
@@ -188,35 +200,37 @@ class DeviceFinish:
         free.put(batch.slot)
         return images, labels, done
 
-    def _cpu_finished(self, batch: HostBatch, free: RunSlots, pool: DecodePool, warn: Callable[[str], None]) -> Ready:
-        _, labels, keep = pool.collect(batch, warn)
+    def _cpu_finished(
+        self, batch: HostBatch, free: RunSlots, pool: DecodePool, report: Report, upcoming: Upcoming
+    ) -> Ready:
+        _, labels = pool.collect(batch, report, upcoming.later())
         free.put(batch.slot)
         assert batch.finished is not None
-        images = batch.finished[:] if keep is None else batch.finished[torch.from_numpy(keep)]
+        images = batch.finished[:]
         self.outputs.release(batch.finished)
         if self._dtype not in (torch.float32, torch.uint8):
             images = images.to(self._dtype)
         return images, labels, None
 
     def _gpu_decoded(
-        self, epoch: int, batch: HostBatch, free: RunSlots, side: Any, warn: Callable[[str], None]
+        self,
+        epoch: int,
+        batch: HostBatch,
+        free: RunSlots,
+        side: Any,
+        pool: DecodePool,
+        report: Report,
+        upcoming: Upcoming,
     ) -> Ready:
         """nvjpeg: decode the batch's JPEGs on the GPU, crop and resize there too."""
         from .gpu_decode import decode_batch_on_gpu
 
         with torch.cuda.stream(side):
             pixels, failures = decode_batch_on_gpu(batch.items, self._crop, self.device)
-            keep = None
-            labels = torch.from_numpy(batch.labels)
             if failures:
-                for position, reason in failures:
-                    warn(f"skipping sample {batch.keys[position]}: {reason}")
-                bad = {position for position, _ in failures}
-                keep = np.array([i for i in range(batch.count) if i not in bad], dtype=np.int64)
-                pixels = pixels[torch.from_numpy(keep).to(self.device)]
-                labels = labels[torch.from_numpy(keep)]
-            images = self._normalise(pixels, self._flips(epoch, batch, keep))
-            labels = labels.to(self.device, non_blocking=True)
+                pool.replace(batch, failures, report, upcoming.later(), self._gpu_redecode(pixels))
+            images = self._normalise(pixels, self._flips(epoch, batch))
+            labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
         free.put(batch.slot)
@@ -276,8 +290,19 @@ class DeviceFinish:
         rng = np.random.default_rng([self.spec.seed, epoch, self.rank, index, 0xF1])
         return rng.random(count) < 0.5
 
-    def _flips(self, epoch: int, batch: HostBatch, keep: np.ndarray | None) -> torch.Tensor | None:
+    def _flips(self, epoch: int, batch: HostBatch) -> torch.Tensor | None:
         mask = self._flip_mask(epoch, batch.index, batch.count)
-        if mask is None:
-            return None
-        return torch.from_numpy(mask if keep is None else mask[keep])
+        return None if mask is None else torch.from_numpy(mask)
+
+    def _gpu_redecode(self, pixels: torch.Tensor) -> Callable[[int, Item], bool]:
+        """Decode one item on the GPU into a position of a batch's pixels: True when it decoded."""
+        from .gpu_decode import decode_batch_on_gpu
+
+        def decode_at(position: int, item: Item) -> bool:
+            decoded, failures = decode_batch_on_gpu([item], self._crop, self.device)
+            if failures:
+                return False
+            pixels[position] = decoded[0]
+            return True
+
+        return decode_at

@@ -7,19 +7,22 @@ end), a few shards are interleaved, then a seeded shuffle buffer mixes
 samples. Because the order is deterministic, resuming mid-epoch is just
 replaying the order and skipping what was already delivered.
 `epoch_records` puts these steps together: the records a run's producer
-batches (`workers.py`)."""
+batches (`workers.py`). Damaged shards are reported as they are met and the
+samples lost with them made up at the end of the epoch (`damage.py`), so the
+epoch still has its planned number of records."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
 
-from ..errors import ManifestError
-from ..io.tar import TarFormatError, iter_tar_samples
+from ..errors import ManifestError, SampleError
+from ..io.tar import DigestReader, TarFormatError, iter_tar_samples
 from ..specs import LoaderSpec
+from .damage import Damage, Report, ignore
 from .dataset import ShardRef, open_shard
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "npy", "ppm", "bmp", "tif", "tiff")
@@ -44,9 +47,7 @@ def plan_epoch(
     ranks that come up short wrap around to the start (padding, as
     torch's DistributedSampler does).
     """
-    order = list(range(len(shards)))
-    if shuffle:
-        np.random.default_rng([seed, epoch, 0x5A4D]).shuffle(order)
+    order = shard_order(len(shards), seed=seed, epoch=epoch, shuffle=shuffle)
     total = sum(s.samples for s in shards)
     per_rank = total // world if drop_last else -(-total // world)
     start = rank * per_rank
@@ -56,6 +57,14 @@ def plan_epoch(
         if hi > lo:
             segments.extend(_cut(shards, order, lo, hi))
     return segments, per_rank
+
+
+def shard_order(count: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The epoch's order of its `count` shards (the same on every rank)."""
+    order = list(range(count))
+    if shuffle:
+        np.random.default_rng([seed, epoch, 0x5A4D]).shuffle(order)
+    return order
 
 
 def _cut(shards: list[ShardRef], order: list[int], lo: int, hi: int) -> list[Segment]:
@@ -90,19 +99,36 @@ def pick_image(members: dict[str, bytes]) -> tuple[str, bytes] | None:
     return None
 
 
+@dataclasses.dataclass
+class ReadLog:
+    """How reading an epoch's segments went: where to report damage, and which parts read without fault.
+
+    Attributes:
+        report: receives a Damage for each damaged shard met.
+        verify: check each shard's sha256 (and size) against the manifest's as it streams.
+        good: the parts read without fault, by segment number: what makes up for lost samples.
+    """
+
+    report: Report
+    verify: bool = False
+    good: dict[int, Segment] = dataclasses.field(default_factory=dict)
+
+
 def read_segments(
-    shards: list[ShardRef], segments: list[Segment], interleave: int, on_error: Any
+    shards: list[ShardRef], segments: list[Segment], interleave: int, log: ReadLog
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Samples of the segments, `interleave` shards open at once, taken in turn.
 
-    A corrupt shard part is reported through `on_error(message)` and the
-    rest of that shard is skipped; the epoch goes on.
+    A shard that cannot be opened, is corrupt or ends early (or, with
+    `log.verify`, does not match its sha256) is reported once to
+    `log.report`, with the samples of the segment lost; the rest of that
+    shard is skipped and the epoch goes on.
     """
-    pending = list(segments)
+    pending = list(enumerate(segments))
     active: list[Iterator[tuple[str, dict[str, bytes]]]] = []
     while pending or active:
         while pending and len(active) < interleave:
-            active.append(_segment_samples(shards, pending.pop(0), on_error))
+            active.append(_segment_samples(shards, *pending.pop(0), log))
         for stream in list(active):
             item = next(stream, None)
             if item is None:
@@ -111,17 +137,60 @@ def read_segments(
                 yield item
 
 
-def _segment_samples(shards: list[ShardRef], segment: Segment, on_error: Any) -> Iterator[tuple[str, dict[str, bytes]]]:
-    url = shards[segment.shard].url
+def _segment_samples(
+    shards: list[ShardRef], number: int, segment: Segment, log: ReadLog
+) -> Iterator[tuple[str, dict[str, bytes]]]:
+    shard = shards[segment.shard]
+    url = shard.url
+    read = 0  # samples of the shard read so far, from its start
+    hashed = False  # the damage is a hash mismatch: what was read cannot be trusted either
     try:
         with open_shard(url) as handle:
-            for position, sample in enumerate(iter_tar_samples(handle, url)):
-                if position >= segment.stop:
-                    return
-                if position >= segment.start:
-                    yield sample
-    except (TarFormatError, OSError, ManifestError) as exc:
-        on_error(f"{url}: {exc}; skipping the rest of this shard")
+            reader = DigestReader(handle) if log.verify else handle
+            samples = iter_tar_samples(reader, url)
+            try:
+                for read, sample in enumerate(samples, 1):
+                    if read > segment.stop:
+                        break
+                    if read > segment.start:
+                        yield sample
+            finally:
+                samples.close()
+            reason = f"it ends after {read} samples, the manifest says {shard.samples}" if read < segment.stop else ""
+            if not reason and isinstance(reader, DigestReader):
+                reason = _hash_problem(shard, reader)
+                hashed = bool(reason)
+    except TarFormatError as exc:
+        reason = exc.reason
+    except (OSError, ManifestError) as exc:
+        reason = _open_problem(exc)
+    intact = min(max(read, segment.start), segment.stop)  # the segment's samples read before the damage
+    if not reason:
+        log.good[number] = segment
+        return
+    lost = segment.stop - intact
+    if intact > segment.start and not hashed:  # what was read before the damage is good
+        log.good[number] = Segment(segment.shard, segment.start, intact)
+    said = f"{lost} of this epoch's samples lost with it" if lost else "its samples were already read"
+    log.report(Damage(f"damaged shard {url}: {reason} ({said})", lost=lost, shard=url, reason=reason))
+
+
+def _hash_problem(shard: ShardRef, reader: DigestReader) -> str:
+    """Why a shard whose samples all read is still damaged under verify=True ("" when it is not)."""
+    reader.drain()  # the rest of the shard (a segment may end inside it): the hash covers every byte
+    if shard.bytes is not None and reader.bytes != shard.bytes:
+        return f"{reader.bytes} bytes, the manifest says {shard.bytes} (sha256 mismatch)"
+    if reader.hexdigest() != shard.sha256:
+        return "its bytes do not match the manifest's sha256"
+    return ""
+
+
+def _open_problem(exc: BaseException) -> str:
+    """What stopped a shard from being read, without the shard's name (the message adds it once)."""
+    cause = exc.__cause__ if isinstance(exc, ManifestError) and isinstance(exc.__cause__, OSError) else exc
+    if isinstance(cause, OSError):
+        return f"cannot read it: {cause.strerror or type(cause).__name__}"
+    return str(exc)
 
 
 def shuffle_buffer(items: Iterator[Any], size: int, rng: np.random.Generator, initial: int = 64) -> Iterator[Any]:
@@ -151,42 +220,97 @@ def shuffle_buffer(items: Iterator[Any], size: int, rng: np.random.Generator, in
 
 
 def epoch_records(
-    shards: list[Any], spec: LoaderSpec, epoch: int, rank: int, world_size: int, errors: list[str]
+    shards: list[Any], spec: LoaderSpec, epoch: int, rank: int, world_size: int, report: Report
 ) -> Iterator[Record]:
     """This rank's samples of an epoch, in their deterministic order.
 
+    As many as the epoch's batches take: every sample of the rank's plan
+    (`plan_epoch`), or with `drop_last` the full batches' worth of them.
+    Samples lost to damage are made up at the end by reading again this
+    rank's parts of the epoch that read without fault (`damage.py`).
+
     Args:
         shards: the shards the epoch reads (one variant set of the dataset).
-        spec: the loader's settings (seed, shuffling, interleave, drop_last).
+        spec: the loader's settings (seed, shuffling, interleave, drop_last, verify).
         epoch: the epoch number.
         rank: this process's rank.
         world_size: the number of ranks.
-        errors: receives a message for each shard part or sample skipped.
+        report: receives a Damage for each damaged shard or sample, and one
+            for the replacements; under on_error="raise" it raises instead.
 
     Yields:
-        Records with consecutive ordinals from 0, at most as many as each rank gets.
+        Records with consecutive ordinals from 0.
+
+    Raises:
+        SampleError: nothing of the epoch's shards can be read to make up for lost samples.
     """
+    drop_last = spec.effective_drop_last
     segments, per_rank = plan_epoch(
-        shards,
-        seed=spec.seed,
-        epoch=epoch,
-        rank=rank,
-        world=world_size,
-        shuffle=spec.train,
-        drop_last=spec.effective_drop_last,
+        shards, seed=spec.seed, epoch=epoch, rank=rank, world=world_size, shuffle=spec.train, drop_last=drop_last
     )
-    samples = read_segments(shards, segments, spec.interleave if spec.train else 1, errors.append)
+    wanted = per_rank // spec.batch_size * spec.batch_size if drop_last else per_rank
+    log = ReadLog(report, spec.verify)
+    samples = read_segments(shards, segments, spec.interleave if spec.train else 1, log)
     if spec.train:
-        rng = np.random.default_rng([spec.seed, epoch, rank, 0x5B])
-        samples = shuffle_buffer(samples, spec.shuffle_buffer, rng)
-    ordinal = 0
+        samples = shuffle_buffer(samples, spec.shuffle_buffer, np.random.default_rng([spec.seed, epoch, rank, 0x5B]))
+    delivered = yield from _records(samples, 0, wanted, report)
+    for _ in samples:  # the rest of the plan: damage in the last shards is seen, verify hashes them whole
+        pass
+    if delivered < wanted:
+        report(Damage("", replaced=wanted - delivered))
+        stand_ins = _stand_ins(shards, segments, log, spec, epoch, rank, wanted - delivered)
+        yield from _records(stand_ins, delivered, wanted, ignore)
+
+
+def _records(
+    samples: Iterator[tuple[str, dict[str, bytes]]], ordinal: int, wanted: int, report: Report
+) -> Generator[Record, None, int]:
+    """Records numbered from `ordinal` until `wanted`; returns where the numbering stopped."""
+    if ordinal >= wanted:
+        return ordinal
     for key, members in samples:
         picked = pick_image(members)
         if picked is None:
-            errors.append(f"sample {key} has no image member ({', '.join(sorted(members))})")
+            reason = f"no image member ({', '.join(sorted(members))})"
+            report(Damage(f"sample {key}: {reason}", lost=1, sample=key, reason=reason))
             continue
         label = int(members["cls"]) if members.get("cls", b"").strip().lstrip(b"-").isdigit() else -1
         yield Record(key, picked[1], picked[0], label, ordinal)
         ordinal += 1
-        if ordinal >= per_rank:
-            return
+        if ordinal >= wanted:
+            break
+    return ordinal
+
+
+def _stand_ins(
+    shards: list[ShardRef], segments: list[Segment], log: ReadLog, spec: LoaderSpec, epoch: int, rank: int, count: int
+) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Samples to make up for `count` lost ones: the rank's good parts again, wrapping around (see `damage.py`)."""
+    parts = [log.good[number] for number in sorted(log.good)]
+    if not parts:  # nothing of this rank's own read: the epoch's other shards, in the epoch's order
+        mine = {segment.shard for segment in segments}
+        order = shard_order(len(shards), seed=spec.seed, epoch=epoch, shuffle=spec.train)
+        parts = [Segment(index, 0, shards[index].samples) for index in order if index not in mine]
+    stand_ins = _wrapping(shards, parts, count)
+    if spec.train:
+        rng = np.random.default_rng([spec.seed, epoch, rank, 0x5C])
+        stand_ins = shuffle_buffer(stand_ins, min(spec.shuffle_buffer, count), rng)
+    return stand_ins
+
+
+def _wrapping(shards: list[ShardRef], parts: list[Segment], count: int) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """At least `count` samples with an image from `parts`, read again and again in order."""
+    given = 0
+    while given < count:
+        before = given
+        for key, members in read_segments(shards, parts, 1, ReadLog(ignore)):
+            if pick_image(members) is not None:
+                yield key, members
+                given += 1
+                if given >= count:
+                    return
+        if given == before:
+            raise SampleError(
+                f"{count} samples of this epoch were lost to damage and none of its shards "
+                "can be read to make up for them; check the dataset with `gpufeed inspect --verify`"
+            )

@@ -14,6 +14,9 @@ buffers (`workers.py`); the device side converts to float, flips,
 normalises and sets the memory format, on CUDA on a side stream a few
 batches ahead (`device.py`). Once an epoch's last batch is queued the next
 epoch starts decoding, so the training loop does not wait at the boundary.
+Damaged shards and samples are handled by the error policy (`damage.py`):
+every rank still yields `len(loader)` full batches, or the first damage
+raises.
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ from ..errors import ConfigError
 from ..specs import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
 from .cpu_decode import default_decoder
 from .crops import CropSpec
+from .damage import Damage, DamageLog
 from .dataset import DatasetInfo, resolve_dataset
 from .device import DeviceFinish
 from .epoch import epoch_records
 from .workers import DecodePool, Run, new_run, stop_run
 
 log = logging.getLogger("gpufeed.loader")
+WARNINGS_LIMIT = 100  # damage warnings a loader logs at most (one per shard, one per sample)
 _LIVE_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
 
 
@@ -73,7 +78,14 @@ class LoaderStats:
         samples: samples delivered.
         wait_s: seconds the training loop waited for data inside `next()`.
         step_s: seconds the training loop spent between batches (its own work).
-        skipped: corrupt samples or shard parts skipped.
+        skipped: samples lost to damage: in shards that are missing, unreadable
+            or cut short (counted from the manifest's sample counts), without
+            an image, or that did not decode.
+        replaced: samples re-drawn in place of lost ones, so every batch is
+            full (fewer than `skipped` when drop_last would have dropped as
+            many samples anyway).
+        bad_shards: damaged shards met (missing, unreadable, cut short, or
+            failing verify=True), once per epoch that read them.
     """
 
     batches: int = 0
@@ -81,6 +93,8 @@ class LoaderStats:
     wait_s: float = 0.0
     step_s: float = 0.0
     skipped: int = 0
+    replaced: int = 0
+    bad_shards: int = 0
 
     @property
     def stall_fraction(self) -> float:
@@ -104,7 +118,8 @@ class LoaderStats:
     def __str__(self) -> str:
         return (
             f"{self.batches} batches, {self.samples} samples, {self.images_per_s:.0f} images/s, "
-            f"waited {self.wait_s:.2f} s for data, stall fraction {self.stall_fraction:.1%}, {self.skipped} skipped"
+            f"waited {self.wait_s:.2f} s for data, stall fraction {self.stall_fraction:.1%}, "
+            f"{self.skipped} skipped, {self.replaced} replaced, {self.bad_shards} bad shards"
         )
 
 
@@ -143,7 +158,8 @@ class Loader:
         self._runs: set[Run] = set()  # started and not yet stopped
         self._run_lock = threading.Lock()
         self._closed = False
-        self._warned: set[str] = set()
+        self._warned: set[str] = set()  # the shards and samples whose damage was logged
+        self._silenced = False  # WARNINGS_LIMIT reached
         _LIVE_LOADERS.add(self)
 
     # -- sizes and epochs -------------------------------------------------
@@ -209,11 +225,23 @@ class Loader:
         )
         self._closed = False
 
-    def _warn(self, message: str) -> None:
-        self.stats.skipped += 1
-        if message not in self._warned and len(self._warned) < 100:
-            self._warned.add(message)
-            log.warning(message)
+    def _report(self, damage: Damage) -> None:
+        """Count damage in the stats; log it once per shard or sample, WARNINGS_LIMIT times at most."""
+        self.stats.skipped += damage.lost
+        self.stats.replaced += damage.replaced
+        self.stats.bad_shards += bool(damage.shard)
+        if not damage.message:  # the stand-ins for what reading lost: the shards' warnings said why
+            log.info("%d samples lost this epoch re-drawn from this rank's own samples", damage.replaced)
+            return
+        name = damage.shard or damage.sample
+        if name in self._warned or self._silenced:
+            return
+        if len(self._warned) < WARNINGS_LIMIT:
+            log.warning(damage.message)
+            self._warned.add(name)
+        else:
+            log.warning("more damaged shards or samples than this: not logged, loader.stats counts them")
+            self._silenced = True
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self._ensure_workers()
@@ -230,7 +258,7 @@ class Loader:
         self._delivered = skip
         finished = False
         try:
-            yield from self._timed(self._finish.deliver(epoch, run, self._pool, self._warn))
+            yield from self._timed(self._finish.deliver(epoch, run, self._pool, self._report))
             finished = not run.stop.is_set()  # else a newer iteration took over: this one moves nothing on
         finally:
             self._stop_run(run)
@@ -273,9 +301,9 @@ class Loader:
 
     def _start_run(self, epoch: int, skip: int) -> Run:
         assert self._pool is not None
-        errors: list[str] = []
-        records = epoch_records(self._shards(epoch), self.spec, epoch, self.rank, self.world_size, errors)
-        run = new_run(epoch, skip, records, errors, self._pool, self.spec, weakref.WeakMethod(self._prestart))
+        damage = DamageLog(self.spec.on_error)
+        records = epoch_records(self._shards(epoch), self.spec, epoch, self.rank, self.world_size, damage)
+        run = new_run(epoch, skip, records, damage, self._pool, self.spec, weakref.WeakMethod(self._prestart))
         self._runs.add(run)
         assert run.producer is not None
         run.producer.start()
@@ -367,6 +395,8 @@ def make_loader(
     flip: bool = True,
     eval_fraction: float = 0.875,
     decoder: str = "auto",
+    on_error: str = "skip",
+    verify: bool = False,
     rank: int | None = None,
     world_size: int | None = None,
     **unknown: NoReturn,
@@ -407,6 +437,18 @@ def make_loader(
         decoder: "auto" (the fastest present), "region" (libjpeg-turbo
             decoding only the crop's region), "simplejpeg", "pil", or
             "nvjpeg" (on the GPU; needs a CUDA device and torchvision with CUDA).
+        on_error: what damage does: "skip" (warn once per shard or sample,
+            count it in `stats.skipped`, and re-draw replacements, counted in
+            `stats.replaced`, from this rank's own samples of the epoch, so
+            every rank still yields `len(loader)` full batches) or "raise"
+            (stop at the first damaged shard or sample with a SampleError
+            naming it). Damage: a shard missing, unreadable or holding fewer
+            samples than the manifest says; a sample without an image or
+            whose bytes do not decode.
+        verify: hash each shard with sha256 as it streams and compare with
+            the manifest's at its end; a mismatch is a damaged shard (its
+            samples, already read, stay delivered; under "raise" it raises).
+            Needs a manifest: a brace pattern has no hashes.
         rank: this process's rank; None: what torch.distributed reports (else 0).
         world_size: the number of ranks; None: what torch.distributed reports (else 1).
         **unknown: refused: a misspelt setting is an error, never ignored.
@@ -416,7 +458,8 @@ def make_loader(
         `stats`, `state_dict`, `load_state_dict`, `close`.
 
     Raises:
-        ConfigError: invalid settings (checked before anything is built).
+        ConfigError: invalid settings (checked before anything is built), or
+            verify=True over a source without sha256s.
         ManifestError: the source is not a prepared dataset.
     """
     if unknown:
@@ -441,6 +484,8 @@ def make_loader(
         flip=flip,
         eval_fraction=eval_fraction,
         decoder=decoder,
+        on_error=on_error,
+        verify=verify,
     )
     resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":
@@ -451,6 +496,11 @@ def make_loader(
     dataset = resolve_dataset(source)
     if dataset.samples == 0:
         raise ConfigError(f"{os.fspath(source)} holds no samples")
+    if spec.verify and not dataset.hashed:
+        raise ConfigError(
+            f"verify=True checks shards against their manifest's sha256, and {os.fspath(source)} has none "
+            "(a brace pattern): give the dataset's folder or manifest.json"
+        )
     return Loader(dataset, spec, resolved, rank, world_size)
 
 

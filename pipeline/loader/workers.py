@@ -7,6 +7,8 @@ it reads the epoch's records (`epoch.py`), cuts them into batches, takes a
 free ring slot for each and hands the batch to the workers in pieces, one
 per worker; its queue carries the batches, in order, to the device side
 (`device.py`), which gives each slot back once the batch is on the device.
+A sample that did not decode is replaced in its slot when the batch is
+collected (`damage.py`), so every batch leaves here full.
 Thread workers (the default: the decoders release the GIL) are paced by a
 backlog; process workers are a fork pool writing into the shared ring, so
 no pixels go through pipes.
@@ -21,7 +23,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch
 from ..specs import LoaderSpec
 from .cpu_decode import decode_many
 from .crops import Affine, CropSpec
+from .damage import Damage, DamageLog, Donor, Item, Report, replace_failures
 from .epoch import Record
 
 END = object()  # the last item of a run's queue
@@ -101,6 +104,11 @@ def piece_result(pending: Any) -> Any:
     return pending.result() if isinstance(pending, Future) else pending.get()
 
 
+def failed_samples(batch: Any) -> list[tuple[int, str]]:
+    """Wait for the batch's pieces: (position, reason) of each sample that did not decode."""
+    return [failure for pending in batch.pending for failure in piece_result(pending)]
+
+
 class RunSlots:
     """A run's view of the loader's ring slots.
 
@@ -168,14 +176,23 @@ def _run_piece(backlog: Backlog, *args: Any) -> list[tuple[int, str]]:
 class HostBatch:
     """A batch handed to the decode workers: where its pixels go and what is known of its samples."""
 
+    epoch: int
     index: int
     slot: int
     count: int
     labels: np.ndarray
     pending: list[Any]
     keys: list[str]
-    items: list[tuple[str, bytes, int]]
+    items: list[Item]
     finished: torch.Tensor | None = None  # the CPU device's output, written by the decode threads
+    finish: CpuFinish | None = None  # how the decode threads write into `finished`
+
+    def donors(self, failures: list[tuple[int, str]]) -> Iterator[Donor]:
+        """The batch's samples that decoded, as stand-ins for a batch behind it with none of its own."""
+        bad = {position for position, _ in failures}
+        for position in range(self.count):
+            if position not in bad:
+                yield self.items[position], int(self.labels[position]), self.keys[position]
 
 
 class DecodePool:
@@ -204,6 +221,7 @@ class DecodePool:
         cpu_finish: Callable[[int, int, int], tuple[torch.Tensor | None, CpuFinish | None]],
     ) -> None:
         self.workers = workers
+        self.strict = spec.on_error == "raise"
         self._seed, self._rank = spec.seed, rank
         self._crop = crop
         self._threads = spec.worker_type == "thread"
@@ -246,28 +264,57 @@ class DecodePool:
             pending.append(self._executor.submit(decode, ring, slot, start, piece, self._crop, finish))
         labels = np.array([r.label for r in chunk], dtype=np.int64)
         keys = [r.key for r in chunk]
-        return HostBatch(index, slot, len(chunk), labels, pending, keys, items, finished)
+        return HostBatch(epoch, index, slot, len(chunk), labels, pending, keys, items, finished, finish)
 
-    def collect(
-        self, batch: HostBatch, warn: Callable[[str], None]
-    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
-        """Wait for the batch's pieces: its pixels in the ring, its labels, and which positions to keep.
+    def collect(self, batch: HostBatch, report: Report, later: Iterable[Donor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the batch's pieces: its pixels in the ring (or its finished output) and its labels.
 
-        Each sample that could not be decoded is reported through `warn` and
-        left out; `keep` is None when every sample decoded.
+        A sample that could not be decoded is replaced in place by another
+        (`damage.py`) and reported through `report`; with on_error="raise"
+        the first one raises instead.
+
+        Args:
+            batch: the batch handed to the workers.
+            report: receives a Damage per replaced sample.
+            later: samples of the batches behind this one (for a batch none of whose samples decodes).
+
+        Raises:
+            SampleError: on_error="raise" and a sample did not decode, or nothing could replace it.
         """
-        failures = [failure for pending in batch.pending for failure in piece_result(pending)]
-        images = self.ring[batch.slot, : batch.count]
-        labels = torch.from_numpy(batch.labels)
-        keep = None
+        failures = failed_samples(batch)
         if failures:
-            bad = {position for position, _ in failures}
-            for position, reason in failures:
-                warn(f"skipping sample {batch.keys[position]}: {reason}")
-            keep = np.array([i for i in range(batch.count) if i not in bad], dtype=np.int64)
-            images = images[torch.from_numpy(keep)]
-            labels = labels[torch.from_numpy(keep)]
-        return images, labels, keep
+            self.replace(batch, failures, report, later, self._redecode(batch))
+        return self.ring[batch.slot, : batch.count], torch.from_numpy(batch.labels)
+
+    def replace(
+        self,
+        batch: HostBatch,
+        failures: list[tuple[int, str]],
+        report: Report,
+        later: Iterable[Donor],
+        decode_at: Callable[[int, Item], bool],
+    ) -> None:
+        """The error policy for samples of `batch` that did not decode: raise, or fill their positions."""
+        if self.strict:
+            position, reason = failures[0]
+            key = batch.keys[position]
+            raise Damage(f"sample {key}: {reason}", lost=1, sample=key, reason=reason).error()
+        rng = np.random.default_rng([self._seed, batch.epoch, self._rank, batch.index, 0xD0])
+        for damage in replace_failures(failures, batch.items, batch.labels, batch.keys, decode_at, rng, later):
+            report(damage)
+
+    def _redecode(self, batch: HostBatch) -> Callable[[int, Item], bool]:
+        """Decode one item into a position of the batch, where the workers would have: True when it decoded."""
+        finish = batch.finish
+        ring = self.ring.numpy()
+
+        def decode_at(position: int, item: Item) -> bool:
+            if finish is None:
+                return not decode_many([ring[batch.slot, position]], [item], self._crop)
+            slot, flip = finish.out[position], finish.flip(position)
+            return not decode_many([slot], [item], self._crop, flips=[flip], affine=finish.affine)
+
+        return decode_at
 
     def shutdown(self) -> None:
         self._executor.shutdown()
@@ -280,13 +327,14 @@ class Run:
     epoch: int
     skip: int
     records: Iterator[Record]
-    errors: list[str]  # what `records` skipped, not yet reported
+    damage: DamageLog  # what `records` met, not yet passed on
     out: queue.Queue[Any]
     free: RunSlots
     stop: threading.Event
     inflight: list[Any]
     producer: threading.Thread | None = None
     backlog: Backlog | None = None  # thread workers only
+    unqueued: list[HostBatch] = dataclasses.field(default_factory=list)  # submitted, then stopped before queued
 
     def matches(self, epoch: int, skip: int) -> bool:
         return self.epoch == epoch and self.skip == skip
@@ -296,7 +344,7 @@ def new_run(
     epoch: int,
     skip: int,
     records: Iterator[Record],
-    errors: list[str],
+    damage: DamageLog,
     pool: DecodePool,
     spec: LoaderSpec,
     prestart: Prestart,
@@ -306,14 +354,14 @@ def new_run(
     Args:
         epoch: the epoch the records belong to.
         skip: batches already delivered (resume): replayed, not decoded.
-        records: the epoch's records in order; `errors` receives what they skip.
-        errors: the list `records` appends its messages to.
+        records: the epoch's records in order; `damage` receives what they met.
+        damage: the log `records` reports to.
         pool: the decode pool and ring the run uses.
         spec: the loader's settings (batch size, drop_last, queue depth, worker type).
         prestart: a weak reference to the hook that starts the next epoch.
     """
     out: queue.Queue[Any] = queue.Queue(maxsize=spec.prefetch)
-    run = Run(epoch, skip, records, errors, out, pool.run_slots(), threading.Event(), [])
+    run = Run(epoch, skip, records, damage, out, pool.run_slots(), threading.Event(), [])
     run.backlog = Backlog() if spec.worker_type == "thread" else None
     arguments = (run, pool, spec.batch_size, spec.effective_drop_last, prestart)
     run.producer = threading.Thread(target=_produce, args=arguments, daemon=True)
@@ -327,7 +375,7 @@ def _produce(run: Run, pool: DecodePool, batch_size: int, drop_last: bool, prest
     waits, so a loader the program drops is collected (and its workers
     stopped) even with a pre-started epoch waiting in its queue.
     """
-    errors = run.errors
+    damage = run.damage.pending
     try:
         records = run.records
         for _ in range(run.skip * batch_size):  # resume: replay the order without decoding
@@ -338,7 +386,7 @@ def _produce(run: Run, pool: DecodePool, batch_size: int, drop_last: bool, prest
             if run.backlog is not None:
                 run.backlog.wait_below(pool.workers, run.stop)
             chunk = [r for _, r in zip(range(batch_size), records)]
-            _flush_errors(errors, run)
+            _pass_damage(damage, run)
             if not chunk or (len(chunk) < batch_size and drop_last):
                 break
             slot = run.free.get(run.stop)
@@ -346,10 +394,11 @@ def _produce(run: Run, pool: DecodePool, batch_size: int, drop_last: bool, prest
                 return
             batch = pool.submit(index, slot, chunk, run.epoch, run.backlog)
             run.inflight.extend(batch.pending)
-            _put(run.out, batch, run.stop)
+            if not _put(run.out, batch, run.stop):
+                run.unqueued.append(batch)
             time.sleep(0)  # let go of the GIL: the decode threads start on this batch now, not at the next switch
             index += 1
-        _flush_errors(errors, run)
+        _pass_damage(damage, run)
         _put(run.out, END, run.stop)
         start_next = prestart()
         if start_next is not None and not run.stop.is_set():
@@ -359,15 +408,15 @@ def _produce(run: Run, pool: DecodePool, batch_size: int, drop_last: bool, prest
         _put(run.out, exc, run.stop)
 
 
-def _flush_errors(errors: list[str], run: Run) -> None:
-    while errors:
-        _put(run.out, ("error", errors.pop(0)), run.stop)
+def _pass_damage(damage: list[Damage], run: Run) -> None:
+    while damage:
+        _put(run.out, damage.pop(0), run.stop)
 
 
-def next_batch(out: queue.Queue[Any], warn: Callable[[str], None]) -> HostBatch | None:
+def next_batch(out: queue.Queue[Any], report: Report) -> HostBatch | None:
     """The run's next batch from its producer, None at the end; a producer's error is raised here.
 
-    Messages about skipped shard parts and samples on the way go to `warn`.
+    Damage the producer met on the way goes to `report`.
     """
     while True:
         item = out.get()
@@ -375,10 +424,58 @@ def next_batch(out: queue.Queue[Any], warn: Callable[[str], None]) -> HostBatch 
             return None
         if isinstance(item, BaseException):
             raise item
-        if isinstance(item, tuple):
-            warn(item[1])
+        if isinstance(item, Damage):
+            report(item)
             continue
         return item
+
+
+class Upcoming:
+    """A run's decoded batches in order, able to look at those behind the next one for stand-in samples.
+
+    Looking ahead holds those batches' ring slots, so it stops one short of
+    the ring's size: the producer always has the slot it needs.
+
+    Args:
+        out: the run's queue.
+        report: receives the damage the producer passes on.
+        depth: batches it may look ahead at most.
+    """
+
+    def __init__(self, out: queue.Queue[Any], report: Report, depth: int) -> None:
+        self._out = out
+        self._report = report
+        self._depth = depth
+        self._ahead: list[HostBatch] = []
+        self._ended = False
+
+    def next(self) -> HostBatch | None:
+        """The next batch, None at the end of the run."""
+        if self._ahead:
+            return self._ahead.pop(0)
+        if self._ended:
+            return None
+        return next_batch(self._out, self._report)
+
+    def later(self) -> Iterator[Donor]:
+        """The samples that decoded in the batches behind the one being collected, in order."""
+        for depth in range(self._depth):
+            if depth == len(self._ahead):
+                if self._ended:
+                    return
+                batch = next_batch(self._out, self._report)
+                if batch is None:
+                    self._ended = True
+                    return
+                self._ahead.append(batch)
+            yield from self._ahead[depth].donors(failed_samples(self._ahead[depth]))
+
+    def close(self, release: Callable[[torch.Tensor], None]) -> None:
+        """The run ends here: batches looked at and never delivered give their CPU output buffers back."""
+        while self._ahead:
+            batch = self._ahead.pop()
+            if batch.finished is not None:
+                release(batch.finished)
 
 
 def stop_run(run: Run, release: Callable[[torch.Tensor], None]) -> None:
@@ -401,6 +498,9 @@ def stop_run(run: Run, release: Callable[[torch.Tensor], None]) -> None:
             break
         if isinstance(item, HostBatch) and item.finished is not None:
             release(item.finished)
+    for batch in run.unqueued:
+        if batch.finished is not None:
+            release(batch.finished)
     run.free.release_all()
     with contextlib.suppress(queue.Full):  # an iterator still holding this run ends instead of waiting
         run.out.put_nowait(END)
@@ -415,10 +515,12 @@ def _get(source: queue.Queue[int], stop: threading.Event) -> int | None:
     return None
 
 
-def _put(target: queue.Queue[Any], item: Any, stop: threading.Event) -> None:
+def _put(target: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put `item` into `target`, waiting as long as it is full and `stop` is not set; whether it went in."""
     while not stop.is_set():
         try:
             target.put(item, timeout=0.1)
-            return
+            return True
         except queue.Full:
             continue
+    return False
