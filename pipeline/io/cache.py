@@ -68,7 +68,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, cast
@@ -83,7 +82,8 @@ STORE_CHUNK = 8 << 20  # bytes per read from the store: few requests, bytes arri
 STORE_BLOCK = 8 << 20  # the store file's own read-ahead block
 VERIFY_TAIL = 4 << 20  # close() reads at most this much more to check a shard (a tar's end padding is 10 KiB)
 PREFETCH_THREADS = 6  # downloads in flight: sized for the store's latency, not for the cores
-_POLL_MIN_S, _POLL_MAX_S = 0.001, 0.02  # how often a reader that caught up with its fill looks again
+# How often a reader that caught up with a fill looks again (a fill of this process wakes it at once).
+_POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _PARTIAL = re.compile(r"(?P<digest>[0-9a-f]{64})-(?P<size>\d+)\.(?:part|done)")
@@ -158,6 +158,8 @@ class ShardCache:
     # What belongs to one process (made again after a fork): see _runtime.
     _pid: int
     _state: threading.Lock
+    _progress: threading.Condition
+    _generation: int
     _pool: ThreadPoolExecutor | None
     _threads: list[threading.Thread]
     _pending: set[str]
@@ -215,6 +217,7 @@ class ShardCache:
         shard = _shard(url, sha256, size)
         poll = _POLL_MIN_S
         while True:
+            seen = self._generation
             cached = self._open_complete(shard)
             if cached is not None:
                 return cached
@@ -229,7 +232,7 @@ class ShardCache:
             reader = self._follow(shard)
             if reader is not None:
                 return reader
-            time.sleep(poll)  # its lock is taken but no fill is there yet (or it has just been published)
+            self._wait_for_progress(seen, poll)  # its lock is taken but no fill is there yet (or it was just published)
             poll = min(poll * 2, _POLL_MAX_S)
 
     def prefetch(self, shards: Iterable[ShardAddress]) -> int:
@@ -397,9 +400,12 @@ class ShardCache:
         part, done = self._partial_path(shard, "part"), self._partial_path(shard, "done")
         published = False
         try:
-            digest, count = copy_from_store(shard.url, fd, shard.size, storage_options=self.storage_options)
+            digest, count = copy_from_store(
+                shard.url, fd, shard.size, storage_options=self.storage_options, on_chunk=lambda _: self._notify()
+            )
             if count == shard.size and digest == shard.digest:
                 os.replace(part, done)  # the bytes are right: readers may stop waiting
+                self._notify()
                 os.fsync(fd)
                 os.replace(done, self.path_for(shard.digest))
                 published = True
@@ -420,6 +426,7 @@ class ShardCache:
                 _remove(part)
                 _remove(done)
             _unlock(lock)
+            self._notify()
 
     def _prefetch_one(self, shard: _Shard) -> None:
         try:
@@ -529,6 +536,18 @@ class ShardCache:
             "shard cache %s: %s; the shards it does not hold are read from the store from now on", self.directory, reason
         )
 
+    def _notify(self) -> None:
+        """Wake this process's readers waiting for a fill: it wrote more, or it ended."""
+        with self._progress:
+            self._generation += 1
+            self._progress.notify_all()
+
+    def _wait_for_progress(self, seen: int, timeout: float) -> None:
+        """Sleep until a fill of this process moves on from generation `seen`, or `timeout` (for other processes' fills)."""
+        with self._progress:
+            if self._generation == seen:
+                self._progress.wait(timeout)
+
     def _count(self, name: str) -> None:
         with self._state:
             setattr(self._stats, name, getattr(self._stats, name) + 1)
@@ -539,6 +558,8 @@ class ShardCache:
             return
         self._pid = os.getpid()
         self._state = threading.Lock()
+        self._progress = threading.Condition()
+        self._generation = 0
         self._pool = None
         self._threads = []
         self._pending = set()
@@ -636,13 +657,14 @@ class _ShardReader(io.RawIOBase):
             return self._read_store(view)
         poll = _POLL_MIN_S
         while True:
+            seen = self._cache._generation
             got = self._part.readinto(view)
             if got:
                 return got
             if not self._fill_alive():
                 self._switch_to_store()
                 return self._read_store(view)
-            time.sleep(poll)
+            self._cache._wait_for_progress(seen, poll)
             poll = min(poll * 2, _POLL_MAX_S)
 
     def _read_store(self, view: memoryview) -> int:
@@ -711,6 +733,7 @@ class _ShardReader(io.RawIOBase):
         mine = (st.st_dev, st.st_ino)
         poll = _POLL_MIN_S
         while True:
+            seen = cache._generation
             if mine in (cache._identity(cache.path_for(shard.digest)), cache._identity(cache._partial_path(shard, "done"))):
                 return True
             if cache._identity(cache._partial_path(shard, "part")) != mine:
@@ -719,7 +742,7 @@ class _ShardReader(io.RawIOBase):
             if lock is not None:
                 _unlock(lock)
                 break
-            time.sleep(poll)  # the filler is checking the last bytes
+            cache._wait_for_progress(seen, poll)  # the filler is checking the last bytes
             poll = min(poll * 2, _POLL_MAX_S)
         hasher = hashlib.sha256()
         _hash_prefix(self._part.fileno(), shard.size, hasher)
