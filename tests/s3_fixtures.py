@@ -5,7 +5,9 @@
 - `s3_server` (session): an `S3Server` on a free 127.0.0.1 port, with dummy
   credentials in the environment (so child processes reach it too);
 - `s3_dataset` (session): a small prepared dataset on local disk;
+- `s3_variant_dataset` (session): one with two variant sets (``v0/``, ``v1/``);
 - `s3_bucket`: a fresh bucket of this test's own holding a copy of `s3_dataset`;
+- `s3_upload`: ``s3_upload(folder)`` -> a fresh `Bucket` holding a copy of any local folder;
 - `small_tmpfs`: a 2 MiB tmpfs of this test's own, for full-disk cases (needs the
   right to mount; skipped where it is missing).
 
@@ -24,7 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +189,12 @@ def s3_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("s3-data"), images=24, per_shard=4)
 
 
+@pytest.fixture(scope="session")
+def s3_variant_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared dataset with two variant sets of 16 images, 4 samples a shard (8 shards)."""
+    return make_dataset(tmp_path_factory.mktemp("s3-variants"), images=16, per_shard=4, variants=2)
+
+
 def make_dataset(root: Path, *, images: int, per_shard: int, variants: int = 0) -> Path:
     """Generate images and prepare them under `root`; returns the dataset folder."""
     from pipeline import PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
@@ -218,6 +226,19 @@ def upload(server: S3Server, local: Path, name: str | None = None, prefix: str =
         if path.is_file():
             fs.put_file(str(path), f"{name}/{prefix}/{path.relative_to(local).as_posix()}")
     return Bucket(server, name, prefix, local)
+
+
+@pytest.fixture
+def s3_upload(s3_server: S3Server) -> Callable[[Path], Bucket]:
+    """``s3_upload(folder)``: a fresh bucket holding a copy of `folder`; the read counts start at zero."""
+
+    def make(local: Path) -> Bucket:
+        bucket = upload(s3_server, local)
+        s3_server.throttle(0)
+        s3_server.reset_reads()
+        return bucket
+
+    return make
 
 
 @pytest.fixture
