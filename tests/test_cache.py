@@ -340,6 +340,43 @@ def test_a_filler_killed_mid_fill_leaves_nothing_complete_and_its_readers_go_on(
     cache.close()
 
 
+def test_a_forked_child_does_not_keep_its_parents_fill_locked(s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path) -> None:
+    import multiprocessing
+
+    url, sha256, size, rel = addresses(s3_bucket)[3]
+    damaged = bytearray((s3_bucket.local / rel).read_bytes())
+    damaged[0] ^= 0xFF
+    s3_bucket.put(rel, bytes(damaged))
+    s3_server.throttle(60_000)  # the fill takes half a second: the fork happens while it holds the shard's lock
+    cache = ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options)
+    handle = cache.open(url, sha256, size)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()
+    try:
+        with pytest.raises(ManifestError):
+            handle.read()
+        handle.close()
+        cache.wait()
+        s3_server.throttle(0)
+        outcome: list[BaseException] = []
+
+        def open_again() -> None:
+            try:
+                read_shard(cache, url, sha256, size)
+            except ManifestError as exc:
+                outcome.append(exc)
+
+        again = threading.Thread(target=open_again, daemon=True)
+        again.start()
+        again.join(timeout=20)
+        assert not again.is_alive(), "the lock of the failed fill is still held by the forked child"
+        assert len(outcome) == 1
+    finally:
+        child.kill()
+        child.join()
+    cache.close()
+
+
 def test_leftovers_of_a_dead_fill_are_removed_when_the_space_is_counted(s3_server: S3Server, tmp_path: Path) -> None:
     directory = tmp_path / "cache"
     cache = ShardCache(directory, "1MiB")

@@ -51,7 +51,8 @@ What it guarantees:
   match the manifest, and nothing is cached. Cached shards are trusted: their size is
   checked when they are opened, their sha256 was checked when they were filled.
 - *Processes*: a `ShardCache` may be made before the loader's worker processes fork;
-  each process starts its own threads and store connections on first use.
+  each process starts its own threads and store connections on first use, and a forked
+  child lets go of its copies of the parent's locks at once.
 
 Warnings go to the ``gpufeed.cache`` logger; `stats` counts what this process did.
 """
@@ -218,22 +219,27 @@ class ShardCache:
         poll = _POLL_MIN_S
         while True:
             seen = self._generation
-            cached = self._open_complete(shard)
-            if cached is not None:
-                return cached
-            if self._unusable:
-                return self._from_store(shard)
-            lock = _try_lock(self._lock_path(shard))
-            if lock is not None:
-                reader = self._start_fill(shard, lock)
-                if reader is not None:
-                    return reader
-                continue
-            reader = self._follow(shard)
+            try:
+                reader = self._open_from_cache(shard)
+            except OSError as exc:  # the cache folder itself fails (permissions, no inodes left, …)
+                self._cache_unwritable(exc)
+                reader = None
             if reader is not None:
                 return reader
+            if self._unusable:
+                return self._from_store(shard)
             self._wait_for_progress(seen, poll)  # its lock is taken but no fill is there yet (or it was just published)
             poll = min(poll * 2, _POLL_MAX_S)
+
+    def _open_from_cache(self, shard: _Shard) -> BinaryIO | None:
+        """One try: the cached shard, a new fill, a fill in progress, or the store; None to try again shortly."""
+        cached = self._open_complete(shard)
+        if cached is not None or self._unusable:
+            return cached
+        lock = _try_lock(self._lock_path(shard))
+        if lock is not None:
+            return self._start_fill(shard, lock)
+        return self._follow(shard)
 
     def prefetch(self, shards: Iterable[ShardAddress]) -> int:
         """Start filling shards that are not cached yet, in the background, so `open` finds them local or in flight.
@@ -432,7 +438,11 @@ class ShardCache:
         try:
             if self._unusable or os.path.exists(self.path_for(shard.digest)):
                 return
-            lock = _try_lock(self._lock_path(shard))
+            try:
+                lock = _try_lock(self._lock_path(shard))
+            except OSError as exc:
+                self._cache_unwritable(exc)
+                return
             if lock is None:
                 return  # being filled (or checked) by someone else
             try:
@@ -506,12 +516,11 @@ class ShardCache:
 
     @contextlib.contextmanager
     def _space_lock(self) -> Iterator[None]:
-        fd = os.open(os.path.join(self.directory, "cache.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _lock(os.path.join(self.directory, "cache.lock"))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)
+            _unlock(fd)
 
     def _say_full(self, used: int, shards: int) -> None:
         with self._state:
@@ -816,22 +825,64 @@ def _check_digest(sha256: str) -> str:
     return digest
 
 
-def _try_lock(path: str) -> int | None:
-    """An exclusive flock on `path` (created if missing) as a descriptor, or None when another holder has it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
+# Every descriptor that holds (or is about to take) a flock, so that a forked child can close its copies:
+# a flock belongs to the open file, which a child's copy would keep locked after the parent let go.
+_lock_files: set[int] = set()
+_lock_files_guard = threading.Lock()
+
+
+def _open_lock_file(path: str) -> int:
+    with _lock_files_guard:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        _lock_files.add(fd)
     return fd
 
 
 def _unlock(fd: int) -> None:
-    os.close(fd)  # closing the last descriptor of the open file releases its flock
+    """Release a flock taken by `_try_lock` or `_lock` (closing its descriptor)."""
+    with _lock_files_guard:
+        _lock_files.discard(fd)
+        os.close(fd)
+
+
+def _try_lock(path: str) -> int | None:
+    """An exclusive flock on `path` (created if missing) as a descriptor, or None when another holder has it."""
+    fd = _open_lock_file(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        _unlock(fd)
+        return None
+    except BaseException:
+        _unlock(fd)
+        raise
+    return fd
+
+
+def _lock(path: str) -> int:
+    """An exclusive flock on `path`, waiting for it."""
+    fd = _open_lock_file(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        _unlock(fd)
+        raise
+    return fd
+
+
+def _close_inherited_locks() -> None:
+    for fd in _lock_files:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _lock_files.clear()
+    _lock_files_guard.release()
+
+
+os.register_at_fork(
+    before=_lock_files_guard.acquire,
+    after_in_parent=_lock_files_guard.release,
+    after_in_child=_close_inherited_locks,
+)
 
 
 def _remove(path: str) -> None:
