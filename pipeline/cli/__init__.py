@@ -5,6 +5,7 @@ The group is assembled here from its modules, none of which imports this one:
 - `common`: one-line errors, the group class, missing extras, shared options;
 - `data`: prepare, inspect, reshard, demo-data, doctor;
 - `bench`: bench disk|decode|loader, advise, estimate-memory;
+- `stage`: stage (copy a dataset to local disk);
 - `progress`: the progress bar and the summaries;
 - `plugins`: commands of other packages (the `gpufeed.commands` entry points),
   among them the service's `worker`, `beat`, `submit`, `status`, `jobs`,
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import click
 
-from . import bench, data
+from . import bench, data, stage
 from .common import GpufeedGroup
 
 __all__ = ["main"]
@@ -29,6 +30,7 @@ def main() -> None:
 
 for _command in (*data.COMMANDS, *bench.COMMANDS):
     main.add_command(_command)
+main.add_command(stage.stage)
 
 
 if __name__ == "__main__":  # pragma: no cover

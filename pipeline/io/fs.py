@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -76,13 +77,19 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
-def open_fs(url: str) -> tuple[Any, str]:
-    """(fsspec filesystem, path inside it) for a URL; errors become SourceError."""
+def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """(fsspec filesystem, path inside it) for a URL; errors become SourceError.
+
+    Args:
+        url: a local path or an fsspec URL (``s3://bucket/key``, ``gs://…``).
+        storage_options: keyword arguments for the filesystem (e.g. ``endpoint_url``,
+            ``profile``, ``anon``); credentials otherwise come from the usual places.
+    """
     import fsspec
 
     try:
-        fs, path = fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as exc:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ImportError, TypeError, ValueError) as exc:
         raise SourceError(f"cannot open {url}: {exc}") from exc
     return fs, path
 

@@ -1,0 +1,94 @@
+"""A local S3-compatible server for the tests: moto's server mode, plus a request counter and a throttle.
+
+Run as ``python s3_server.py PORT``; it listens on 127.0.0.1 only. Every GET of an
+object is counted (requests and body bytes, by ``bucket/key``), so a test can tell how
+many times a shard was downloaded, also by other processes. Three extra routes, under
+a prefix no bucket name can take (bucket names have no underscore):
+
+- ``GET /_test/reads``: the counts as JSON, ``{"bucket/key": {"gets": n, "bytes": b}}``;
+- ``POST /_test/reset``: zero the counts;
+- ``POST /_test/throttle?bytes_per_s=N``: serve object bodies at about N bytes/s (0: full speed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+from werkzeug.serving import make_server
+
+LOOPBACK = "127.0.0.1"
+THROTTLE_PIECE = 4096
+
+
+class CountingApp:
+    """WSGI middleware in front of moto: counts object reads, throttles bodies, answers /_test/."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
+        self.app = app
+        self.lock = threading.Lock()
+        self.reads: dict[str, dict[str, int]] = {}
+        self.bytes_per_s = 0
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = unquote(environ.get("PATH_INFO", ""))
+        if path.startswith("/_test/"):
+            return self._control(path, environ, start_response)
+        method = environ.get("REQUEST_METHOD", "")
+        key = path.lstrip("/")
+        counted = method == "GET" and "/" in key and not environ.get("QUERY_STRING")
+        body = self.app(environ, start_response)
+        if not counted:
+            return body
+        with self.lock:
+            self.reads.setdefault(key, {"gets": 0, "bytes": 0})["gets"] += 1
+        return self._count(key, body)
+
+    def _count(self, key: str, body: Iterable[bytes]) -> Iterator[bytes]:
+        try:
+            for chunk in body:
+                for start in range(0, len(chunk), THROTTLE_PIECE if self.bytes_per_s else max(len(chunk), 1)):
+                    piece = chunk[start : start + THROTTLE_PIECE] if self.bytes_per_s else chunk
+                    with self.lock:
+                        self.reads[key]["bytes"] += len(piece)
+                    if self.bytes_per_s:
+                        time.sleep(len(piece) / self.bytes_per_s)
+                    yield piece
+        finally:
+            close = getattr(body, "close", None)
+            if close is not None:
+                close()
+
+    def _control(self, path: str, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        with self.lock:
+            if path == "/_test/reads":
+                payload = json.dumps(self.reads).encode()
+            elif path == "/_test/reset":
+                self.reads = {}
+                payload = b"{}"
+            elif path == "/_test/throttle":
+                self.bytes_per_s = int(query.get("bytes_per_s", ["0"])[0])
+                payload = b"{}"
+            else:
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"unknown test route"]
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
+        return [payload]
+
+
+def main(port: int) -> None:
+    app = CountingApp(DomainDispatcherApplication(create_backend_app))
+    server = make_server(LOOPBACK, port, app, threaded=True, request_handler=MotoRequestHandler)
+    print(f"listening on {LOOPBACK}:{port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
