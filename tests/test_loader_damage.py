@@ -237,7 +237,7 @@ def test_undecodable_and_imageless_samples_are_replaced(
         labels = labels_of(batches)
         assert set(labels) == set(range(N)) - set(bad_labels) and len(labels) - len(set(labels)) == 2
     assert loader.stats.skipped == loader.stats.replaced == 4 and loader.stats.bad_shards == 0
-    for key, words in zip(keys, ("cannot decode", "no image member")):
+    for key, words in zip(keys, ("corrupt or truncated", "no image member")):
         warnings = damage_warnings(caplog, key)
         assert len(warnings) == 1 and words in warnings[0], warnings  # once, over both epochs
 
@@ -393,7 +393,7 @@ def test_raise_stops_at_an_undecodable_sample_naming_it(copy: Path, worker_type:
     (key,) = break_samples(copy, "shard-000001.tar", garbage=(3,))
     with pytest.raises(SampleError) as caught:
         run_epochs(loader_for(copy, on_error="raise", worker_type=worker_type), (0,))
-    assert caught.value.sample == key and "cannot decode" in caught.value.reason and key in str(caught.value)
+    assert caught.value.sample == key and "corrupt or truncated" in caught.value.reason and key in str(caught.value)
 
 
 def test_raise_on_clean_data_changes_nothing(dataset: Path) -> None:
