@@ -160,11 +160,11 @@ class ShardSpec(Spec):
 
     def __post_init__(self) -> None:
         if self.max_bytes is None and self.max_samples is None:
-            raise ConfigError("give --shard-size, --shard-count or both")
+            raise ConfigError("give --shard-size, --shard-samples or both")
         if self.max_bytes is not None:
             check_int("--shard-size", self.max_bytes, 64 * 1024)
         if self.max_samples is not None:
-            check_int("--shard-count", self.max_samples, 1)
+            check_int("--shard-samples", self.max_samples, 1)
 
 
 @dataclasses.dataclass(frozen=True)
