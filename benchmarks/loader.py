@@ -40,13 +40,13 @@ per batch; loader.stats.stall_fraction must stay under 5 %.
 
 Data, made with the CLI once and cached under --data (default
 benchmarks/results/loader-data):
-    gpufeed demo-data DATA/raw --n 2000 --min-side 800 --max-side 1250
-    gpufeed prepare DATA/raw DATA/prepared --size 256 --shard-count 250
-    gpufeed prepare DATA/raw DATA/prepared-plain --size 256 --shard-count 250 --jpeg-restart 0
+    gpufeed demo-data DATA/raw -n 2000 --min-side 800 --max-side 1250
+    gpufeed prepare DATA/raw DATA/prepared --size 256 --shard-samples 250
+    gpufeed prepare DATA/raw DATA/prepared-plain --size 256 --shard-samples 250 --jpeg-restart 0
 (gpufeed's rows and the ceiling read DATA/prepared, whose JPEGs carry a
 restart marker every MCU, gpufeed prepare's default; WebDataset and FFCV read
 DATA/prepared-plain: the same pixels without them, as their users have them.)
-(--shard-count gives 8 shards, so each of WebDataset's 2 workers gets some;
+(--shard-samples gives 8 shards, so each of WebDataset's 2 workers gets some;
 gpufeed's loader does not need it.) The .beton goes to DATA/ffcv/.
 
 Usage:
@@ -621,7 +621,7 @@ def ensure_data(data: str, n: int) -> tuple[str, str, str]:
         if found and not os.path.exists(marker):
             raise SystemExit(f"{raw} holds {found} JPEGs (fewer than --n {n}) that this benchmark did not generate")
         _gpufeed_cli(
-            "demo-data", raw, "--n", str(n), "--min-side", str(DEMO_SIDES[0]), "--max-side", str(DEMO_SIDES[1])
+            "demo-data", raw, "-n", str(n), "--min-side", str(DEMO_SIDES[0]), "--max-side", str(DEMO_SIDES[1])
         )
         with open(marker, "w") as handle:
             json.dump({"n": n, "min_side": DEMO_SIDES[0], "max_side": DEMO_SIDES[1]}, handle)
@@ -632,7 +632,7 @@ def ensure_data(data: str, n: int) -> tuple[str, str, str]:
         if _prepared_samples(out, restart) != found:
             common.fresh_dir(out)
             _gpufeed_cli(
-                "prepare", raw, out, "--size", str(SIZE), "--shard-count", str(SHARD_COUNT),
+                "prepare", raw, out, "--size", str(SIZE), "--shard-samples", str(SHARD_COUNT),
                 "--jpeg-restart", str(restart), "--quiet",
             )  # fmt: skip
     return raw, prepared, plain

@@ -21,7 +21,7 @@ Targets (2-core development machine): service overhead <= 10 % at equal
 processes; 2 workers >= 1.7x one worker.
 
 Usage:
-    python benchmarks/service.py [--data DIR] [--shard-count 100] [--rounds 2] [--json FILE]
+    python benchmarks/service.py [--data DIR] [--shard-samples 100] [--rounds 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -197,7 +197,10 @@ def main() -> None:
     parser.add_argument("--data", default=DEFAULT_DATA, help="ImageFolder of JPEGs (generated when missing)")
     parser.add_argument("--n", type=int, default=1000, help="images to generate when --data has fewer")
     parser.add_argument("--out", default=DEFAULT_OUT)
-    parser.add_argument("--shard-count", type=int, default=100, help="samples per shard (the job's --shard-count)")
+    parser.add_argument(
+        "--shard-samples", "--shard-count", dest="shard_count", type=int, default=100,
+        help="samples per shard (the job's --shard-samples)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", dest="json_path", default=None, help="write every figure here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")

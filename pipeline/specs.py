@@ -161,11 +161,11 @@ class ShardSpec(Spec):
 
     def __post_init__(self) -> None:
         if self.max_bytes is None and self.max_samples is None:
-            raise ConfigError("give --shard-size, --shard-count or both")
+            raise ConfigError("give --shard-size, --shard-samples or both")
         if self.max_bytes is not None:
             check_int("--shard-size", self.max_bytes, 64 * 1024)
         if self.max_samples is not None:
-            check_int("--shard-count", self.max_samples, 1)
+            check_int("--shard-samples", self.max_samples, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +243,7 @@ PREPARE_OPTION_NAMES = {
     "encode.quality": "--quality",
     "encode.restart": "--jpeg-restart",
     "shards.max_bytes": "--shard-size",
-    "shards.max_samples": "--shard-count",
+    "shards.max_samples": "--shard-samples",
     "seed": "--seed",
     "max_pixels": "--max-pixels",
 }

@@ -13,8 +13,8 @@ export PATH="$ROOT/.venv/bin:$PATH"
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "gpufeed demo-data demo/raw --n 300"
-gpufeed demo-data demo/raw --n 300
+step "gpufeed demo-data demo/raw -n 300"
+gpufeed demo-data demo/raw -n 300
 
 step "gpufeed prepare demo/raw demo/shards --size 256"
 rm -rf demo/shards  # a fresh run each time; a re-run over complete shards would only resume
@@ -55,4 +55,6 @@ for images, labels in loader:
     pass
 print(f"{len(loader)} batches of {tuple(images.shape)} {images.dtype} on {images.device}")
 print(f"loader stats: {loader.stats}")
+print("(stall fraction: the share of the loop's time spent waiting for data; this loop does nothing with")
+print(" the batches, so it waits nearly all the time: in training, the GPU's work fills that time)")
 PYEOF

@@ -228,5 +228,5 @@ def skip_without_redis_server() -> None:
 
 # 40 photo-like images of 800-1200 px prepared to 512 px PNGs: about 0.1 s per image,
 # so a job lasts long enough to be interrupted. With variants the cost triples.
-SLOW_FLAGS = ["--size", "512", "--format", "png", "--shard-count", "4"]
+SLOW_FLAGS = ["--size", "512", "--format", "png", "--shard-samples", "4"]
 SLOWER_FLAGS = [*SLOW_FLAGS, "--variants", "2"]

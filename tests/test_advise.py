@@ -115,6 +115,14 @@ def test_gpu_bottleneck_says_loading_faster_will_not_help() -> None:
     assert "already feeds the GPU" in advice.reasons[1]
 
 
+def test_preparing_helps_only_when_the_data_pipeline_is_the_bottleneck() -> None:
+    assert plan_advice(inputs()).prepare_helps
+    assert not plan_advice(inputs(ceilings=Ceilings(gpu=100.0, cpu_decode=300.0, storage=5000.0))).prepare_helps
+    # The data pipeline limits, but the prepared data would be no faster (a slow target disk): nothing to gain either.
+    slow_target = plan_advice(inputs(target_read_mb_s=1.0))
+    assert slow_target.bottleneck == "cpu_decode" and not slow_target.prepare_helps
+
+
 def test_a_model_timed_on_the_cpu_is_named_as_such() -> None:
     advice = plan_advice(inputs(ceilings=Ceilings(gpu=100.0, cpu_decode=300.0), consumer="model on the CPU"))
     assert advice.sentence.startswith("The model on the CPU is the bottleneck")
@@ -182,7 +190,7 @@ def test_real_run_names_cpu_decode_and_its_prediction_holds(raw_photos: Path, tm
     source = os.path.relpath(raw_photos, tmp_path)  # relative paths, as a user types them
     result = subprocess.run(
         [sys.executable, "-m", "pipeline", "advise", source, "--target", "fast-disk",
-         "--gpu-images-per-s", "20000", "--batch-size", "16", "--sample", "32", "--seconds", "1",
+         "--gpu-images-per-s", "20000", "--batch-size", "16", "--sample", "32", "--duration", "1",
          "--apply", "fast-disk/prepared", "--json", "--plot", "advise.png"],
         capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
     )
@@ -219,3 +227,34 @@ def test_gpu_rate_from_a_model_on_synthetic_batches(raw_photos: Path, tmp_path: 
     if result.advice.bottleneck == "gpu":
         assert result.advice.sentence.startswith("The model on the CPU is the bottleneck")
     assert list((tmp_path / "t").iterdir()) == []
+
+
+def _advise_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", "advise", *args], capture_output=True, text=True, timeout=300, check=False, cwd=cwd
+    )
+
+
+def test_cli_gpu_bottleneck_recommends_nothing_and_a_raised_sample_says_so(raw_photos: Path, tmp_path: Path) -> None:
+    result = _advise_cli(
+        str(raw_photos), "--target", "t", "--gpu-images-per-s", "5", "--batch-size", "8", "--sample", "4",
+        "--duration", "0.3", "--device", "cpu", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "note: --sample 4 was raised to 16: each loader measurement needs two batches of --batch-size 8" in out
+    assert "(sample of 16)" in out
+    assert "The GPU is the bottleneck" in out
+    assert "recommended: nothing to prepare for speed: training stays at the GPU's 5 images/s" in out
+    assert "gpufeed prepare" not in out and "predicted:" not in out
+
+
+def test_cli_target_that_is_a_file_is_refused_before_measuring(raw_photos: Path, tmp_path: Path) -> None:
+    (tmp_path / "target.txt").write_text("a file")
+    result = _advise_cli(str(raw_photos), "--target", "target.txt", "--gpu-images-per-s", "100", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr == (
+        f"gpufeed: error: --target target.txt is a file; give the folder the shards would go to, e.g. {tmp_path}\n"
+    )
+    as_json = _advise_cli(str(raw_photos), "--target", "target.txt", "--gpu-images-per-s", "100", "--json", cwd=tmp_path)
+    assert as_json.returncode == 1 and json.loads(as_json.stdout)["error"].startswith("--target target.txt is a file")

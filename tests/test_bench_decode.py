@@ -12,12 +12,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipeline import native
 from pipeline.demo import render_photo_like
 from pipeline.errors import ConfigError
 from pipeline.measure.decode import (
+    DECODERS,
+    JPEG_ONLY,
     available_decoders,
     benchmark_decode,
     decode_npy,
+    decoder_name,
     prepare_in_memory,
     read_sample,
     sample_sources,
@@ -67,7 +71,10 @@ def test_decoders_resize_to_the_target(raw_images: Path) -> None:
             try:
                 out = decoder(data, 100)
             except Exception:
-                assert name in ("simplejpeg", "PyTurboJPEG"), f"{name} failed on a readable image"
+                assert name in JPEG_ONLY, f"{name} failed on a readable image"
+                continue
+            if name == "region":  # the loader's crop: 3 x target x target, planar
+                assert out.shape == (3, 100, 100), out.shape
                 continue
             width, height = (out.shape[1], out.shape[0]) if isinstance(out, np.ndarray) else out.size
             assert min(width, height) == 100, name
@@ -79,8 +86,26 @@ def test_decoders_resize_to_the_target(raw_images: Path) -> None:
 def test_only_requested_decoders_run(raw_images: Path) -> None:
     result = benchmark_decode(str(raw_images), sample=4, decoders=["PIL + draft"], min_seconds=0.01)
     assert [row.decoder for row in result.rows] == ["PIL + draft", "npy (no decode)"]
-    with pytest.raises(ConfigError, match="not available"):
+    by_option = benchmark_decode(str(raw_images), sample=4, decoders=["pil-draft", "PIL"], min_seconds=0.01)
+    assert [row.decoder for row in by_option.rows] == ["PIL + draft", "PIL", "npy (no decode)"]
+    with pytest.raises(ConfigError, match="unknown decoder 'nvjpeg-on-a-toaster'; choose from region, pil, pil-draft"):
         benchmark_decode(str(raw_images), sample=4, decoders=["nvjpeg-on-a-toaster"], min_seconds=0.01)
+
+
+def test_decoder_names_are_what_the_option_takes_or_what_the_rows_say() -> None:
+    assert [decoder_name(name) for name in DECODERS] == list(DECODERS.values())
+    assert decoder_name("PIL + draft") == decoder_name("pil-draft") == "PIL + draft"
+    assert decoder_name("PyTurboJPEG") == decoder_name("pyturbojpeg") == "PyTurboJPEG"
+
+
+@pytest.mark.skipif(native.library(warn=False) is None, reason="gpufeed's native library is not built here")
+def test_the_loaders_region_decoder_is_measured(raw_images: Path) -> None:
+    result = benchmark_decode(str(raw_images), sample=4, decoders=["region", "pil"], min_seconds=0.02)
+    region = result.rows[0]
+    assert region.decoder == "region" and "the loader's" in region.note and "JPEG files only" in region.note
+    assert region.raw_images_per_s and region.prepared_images_per_s  # the JPEGs of the sample decode
+    # It decodes only the blocks of a crop, not the whole picture: faster than a full PIL decode on raw JPEGs.
+    assert region.raw_images_per_s > result.rows[1].raw_images_per_s  # type: ignore[operator]
 
 
 def test_sample_is_even_deterministic_and_in_listing_order(tmp_path: Path) -> None:
@@ -105,11 +130,25 @@ def test_no_images_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_cli_table_and_json(raw_images: Path) -> None:
-    base = [sys.executable, "-m", "pipeline", "bench", "decode", str(raw_images), "--sample", "3", "--seconds", "0.02"]
+    base = [sys.executable, "-m", "pipeline", "bench", "decode", str(raw_images), "--sample", "3", "--duration", "0.02"]
     table = subprocess.run(base, capture_output=True, text=True, timeout=120, check=False)
     assert table.returncode == 0, table.stderr
     assert "decoder" in table.stdout and "PIL + draft" in table.stdout and "npy (no decode)" in table.stdout
-    result = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run([*base, "--crop", "200", "--json"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["samples"] == 3 and data["prepared_size"] == 256 and data["target"] == 224
+    assert data["samples"] == 3 and data["prepared_size"] == 256 and data["target"] == 200
+
+
+def test_cli_decoder_names_are_listed_and_checked(raw_images: Path) -> None:
+    usage = subprocess.run(
+        [sys.executable, "-m", "pipeline", "bench", "decode", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert usage.returncode == 0, usage.stderr
+    helped = " ".join(usage.stdout.split())
+    assert "region (the loader's), pil, pil-draft, simplejpeg, pyturbojpeg, opencv" in helped
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipeline", "bench", "decode", str(raw_images), "--decoder", "turbo"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert bad.returncode == 2 and "unknown decoder 'turbo'; choose from region, pil" in bad.stderr, bad.stderr

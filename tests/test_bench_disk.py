@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import signal
@@ -128,7 +129,7 @@ def test_only_the_tests_asked_for_run(tmp_path: Path) -> None:
 
 def test_refuses_when_the_disk_is_too_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(disk_bench, "free_bytes", lambda path: 4 * MiB)
-    with pytest.raises(StorageError, match="smaller --size"):
+    with pytest.raises(StorageError, match="smaller --file-size"):
         benchmark_disk(str(tmp_path), **SMALL)
     assert _leftovers(tmp_path) == []
 
@@ -152,6 +153,56 @@ def test_remote_paths_are_refused() -> None:
         benchmark_disk("s3://bucket/data")
 
 
+def test_a_file_is_refused_as_a_folder_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("not a folder")
+    with pytest.raises(ConfigError, match="is a file; bench disk measures a folder"):
+        benchmark_disk(str(path), **SMALL)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "bench", "disk", str(path), "--file-size", "8MiB"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr == f"gpufeed: error: {path} is a file; bench disk measures a folder on the disk: give one, e.g. {tmp_path}\n"
+
+
+def _measured(kernel_kind: str, iops: float, p50_ms: float) -> disk_bench.DiskBenchResult:
+    result = disk_bench.DiskBenchResult(
+        path="/data", device_kind=kernel_kind, kernel_kind=kernel_kind, fstype="ext4", device="vda", free_bytes=None,
+        direct_io=True, cache_bypass="O_DIRECT", file_bytes=MiB, threads=16,
+    )  # fmt: skip
+    result.randread_4k_iops_qd1, result.randread_4k_p50_ms_qd1 = iops, p50_ms
+    return result
+
+
+def test_a_disk_the_kernel_calls_rotational_is_classified_by_its_random_reads() -> None:
+    virtio = _measured("rotational", 65_000.0, 0.06)  # a virtual disk: the kernel's flag says rotational
+    disk_bench.classify_measured(virtio)
+    assert (virtio.device_kind, virtio.kernel_kind) == ("ssd", "rotational")
+    assert "the kernel marks vda as rotational" in virtio.kind_note and "0.06 ms" in virtio.kind_note
+    assert "65,000 IOPS" in virtio.kind_note and virtio.kind_note.endswith("counted as ssd")
+    assert virtio.to_dict()["kernel_kind"] == "rotational"
+    spinning = _measured("rotational", 150.0, 6.5)  # a real hard disk stays one
+    disk_bench.classify_measured(spinning)
+    assert (spinning.device_kind, spinning.kind_note) == ("rotational", "")
+    nvme = _measured("nvme", 90_000.0, 0.05)  # nothing to correct
+    disk_bench.classify_measured(nvme)
+    assert (nvme.device_kind, nvme.kind_note) == ("nvme", "")
+
+
+def test_the_kind_is_measured_when_the_kernel_says_rotational(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = disk_bench.device_info(str(tmp_path))
+    monkeypatch.setattr(disk_bench, "device_info", lambda path: dataclasses.replace(kernel, kind="rotational"))
+    result = benchmark_disk(str(tmp_path), tests=("randread",), **SMALL)
+    assert result.kernel_kind == "rotational"
+    p50 = result.randread_4k_p50_ms_qd1
+    assert p50 is not None
+    if p50 < disk_bench.FLASH_P50_MS and (result.randread_4k_iops_qd1 or 0) > disk_bench.ROTATIONAL_MAX_IOPS:
+        assert result.device_kind == "ssd" and "rotational" in result.kind_note
+    else:
+        assert result.device_kind == "rotational" and result.kind_note == ""
+
+
 def test_mean_file_bytes_of_a_dataset(tmp_path: Path) -> None:
     for index, size in enumerate((1000, 2000, 6000)):
         (tmp_path / f"img{index}.jpg").write_bytes(b"x" * size)
@@ -163,7 +214,7 @@ def test_mean_file_bytes_of_a_dataset(tmp_path: Path) -> None:
 def test_interrupted_run_removes_its_files(tmp_path: Path, signum: int) -> None:
     command = [
         sys.executable, "-m", "pipeline", "bench", "disk", str(tmp_path),
-        "--size", "64MiB", "--duration", "20", "--threads", "2", "--small-files", "8",
+        "--file-size", "64MiB", "--duration", "20", "--threads", "2", "--small-files", "8",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -187,7 +238,7 @@ def test_interrupted_run_removes_its_files(tmp_path: Path, signum: int) -> None:
 def test_cli_json(tmp_path: Path) -> None:
     target = tmp_path / "disk"
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline", "bench", "disk", str(target), "--size", "8MiB", "--block-sizes", "1MiB",
+        [sys.executable, "-m", "pipeline", "bench", "disk", str(target), "--file-size", "8MiB", "--block-sizes", "1MiB",
          "--duration", "0.1", "--threads", "2", "--small-files", "8", "--small-file-size", "16kB", "--json"],
         capture_output=True, text=True, timeout=120, check=False,
     )

@@ -90,18 +90,33 @@ def test_default_worker_counts() -> None:
     assert default_worker_counts(1) == [1, 2]
 
 
-def test_cli_json(dataset: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline", "bench", "loader", dataset, "--workers", "1,2", "--batch-size", "8",
-         "--seconds", "0.2", "--device", "cpu", "--gpu-images-per-s", "5000", "--json"],
-        capture_output=True, text=True, timeout=120, check=False,
+def _bench_loader(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", "bench", "loader", *args], capture_output=True, text=True, timeout=120, check=False
     )
+
+
+def test_cli_json(dataset: str) -> None:
+    result = _bench_loader(
+        dataset, "--num-workers", "1,2", "--batch-size", "8", "--duration", "0.2", "--device", "cpu",
+        "--gpu-images-per-s", "5000", "--json",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert [p["num_workers"] for p in data["points"]] == [1, 2]
     assert data["consumer_images_per_s"] == 5000
-    bad = subprocess.run(
-        [sys.executable, "-m", "pipeline", "bench", "loader", dataset, "--workers", "0"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )
-    assert bad.returncode == 2 and "--workers" in bad.stderr
+    bad = _bench_loader(dataset, "--num-workers", "0")
+    assert bad.returncode == 2 and "--num-workers" in bad.stderr
+
+
+def test_cli_table_has_a_stall_column_only_against_a_consumer_and_says_what_it_means(dataset: str) -> None:
+    common = (dataset, "--num-workers", "1", "--batch-size", "8", "--duration", "0.2", "--device", "cpu")
+    free = _bench_loader(*common)
+    assert free.returncode == 0, free.stderr
+    assert "against an infinitely fast consumer" in free.stdout
+    assert "stall" not in free.stdout  # the loop waits for data all the time: no figure to show
+    paced = _bench_loader(*common, "--gpu-images-per-s", "500")
+    assert paced.returncode == 0, paced.stderr
+    header = paced.stdout.splitlines()[1]
+    assert header.split()[:3] == ["num_workers", "images/s", "stall"]
+    assert "(stall: the share of the training loop's time spent waiting for data)" in paced.stdout

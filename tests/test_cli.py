@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import click
 import pytest
 from PIL import Image
 
@@ -102,6 +105,9 @@ def test_prepare_rejects_bad_input_with_one_line(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("gpufeed: error: "), result.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
+    as_json = run("prepare", str(src), str(tmp_path / "out"), "--quiet", "--workers", "0", "--json", *flags)
+    assert as_json.returncode == result.returncode and as_json.stderr == ""
+    assert json.loads(as_json.stdout) == {"error": lines[0].removeprefix("gpufeed: error: ")}
 
 
 # ---------------------------------------------------------------------------
@@ -237,7 +243,7 @@ def run_without(hidden: tuple[str, ...], *args: str, timeout: float = 120) -> su
         ["worker", "--concurrency", "2", "--pool", "solo"],
         ["beat"],
         ["submit", "prepare", "/data/raw", "/data/out", "--size", "128"],
-        ["submit", "reshard", "/data/out", "--shard-count", "4"],
+        ["submit", "reshard", "/data/out", "--shard-samples", "4"],
         ["submit", "bench-disk", "/data"],
         ["status", "abc123"],
         ["jobs"],
@@ -278,7 +284,7 @@ def test_doctor_without_redis_py_says_so_and_succeeds() -> None:
 @pytest.mark.parametrize(
     "args",
     [
-        ["bench", "disk", "{tmp}/disk", "--size", "1MiB"],
+        ["bench", "disk", "{tmp}/disk", "--file-size", "1MiB"],
         ["bench", "decode", "{tmp}/raw"],
         ["bench", "loader", "{tmp}/shards"],
         ["advise", "{tmp}/raw", "--target", "{tmp}/target"],
@@ -302,7 +308,7 @@ def test_prepare_rerun_from_anywhere_resumes_names_differences_and_repairs(small
     work = tmp_path / "work"
     work.mkdir()
     (work / "raw").symlink_to(small_source, target_is_directory=True)
-    flags = ("--size", "64", "--shard-count", "1", "--workers", "0", "--quiet")
+    flags = ("--size", "64", "--shard-samples", "1", "--workers", "0", "--quiet")
     first = run("prepare", "raw", "shards", *flags, cwd=work)
     assert first.returncode == 0, first.stderr
     assert "done: 4 samples, 0 rejected (of 4 listed), 4 shards" in first.stdout
@@ -338,3 +344,255 @@ def test_prepare_of_a_source_without_usable_images_fails_with_one_line(tmp_path:
     assert fixed.returncode == 0, fixed.stderr
     assert "done: 1 sample, 1 rejected (of 2 listed), 1 shard, " in fixed.stdout
     assert "2 images in" in fixed.stdout
+
+
+# One vocabulary: every option documented, renamed options keep their old spelling as hidden aliases
+
+
+def all_commands() -> list[tuple[str, click.Command]]:
+    """(`gpufeed …` path, command) for the group and every command under it, the service's included."""
+    from pipeline.cli import main
+
+    found: list[tuple[str, click.Command]] = []
+
+    def walk(path: str, command: click.Command) -> None:
+        found.append((path, command))
+        if isinstance(command, click.Group):
+            ctx = click.Context(command, info_name=path)
+            for name in command.list_commands(ctx):
+                sub = command.get_command(ctx, name)
+                assert sub is not None, f"{path} {name} cannot be loaded"
+                walk(f"{path} {name}", sub)
+
+    walk("gpufeed", main)
+    return found
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    commands = dict(all_commands())
+    assert {"gpufeed submit prepare", "gpufeed schedule add", "gpufeed bench loader", "gpufeed worker"} <= set(commands)
+    missing = [
+        f"{path} {param.opts[0]}"
+        for path, command in commands.items()
+        for param in command.params
+        if isinstance(param, click.Option) and not param.hidden and not (param.help or "").strip()
+    ]
+    assert missing == []
+
+
+def test_old_spellings_stay_out_of_the_help() -> None:
+    from pipeline.cli.common import RenamedOption
+
+    for path, command in all_commands():
+        renamed = [param for param in command.params if isinstance(param, RenamedOption)]
+        if not renamed:
+            continue
+        text = command.get_help(click.Context(command, info_name=path))
+        names = {name for param in command.params if isinstance(param, click.Option) for name in param.opts}
+        for param in renamed:
+            for old in param.old_names:
+                if old not in names:  # the same word may be another option's (bench decode --size)
+                    assert f"{old} " not in text and f"{old}," not in text, (path, old)
+
+
+def parsed(path: str, *args: str) -> dict[str, Any]:
+    """The parameters `gpufeed PATH ARGS` parses to (nothing runs)."""
+    command = dict(all_commands())[path]
+    return dict(command.make_context(path, list(args)).params)
+
+
+RENAMES = [
+    # (command, new spelling, old spelling, value, parameter, parsed value)
+    ("gpufeed prepare", "--shard-samples", "--shard-count", "100", "shard_samples", 100),
+    ("gpufeed submit prepare", "--shard-samples", "--shard-count", "100", "shard_samples", 100),
+    ("gpufeed reshard", "--shard-samples", "--shard-count", "50", "shard_samples", 50),
+    ("gpufeed submit reshard", "--shard-samples", "--shard-count", "50", "shard_samples", 50),
+    ("gpufeed bench disk", "--file-size", "--size", "64MiB", "file_size", "64MiB"),
+    ("gpufeed bench decode", "--crop", "--target", "160", "crop", 160),
+    ("gpufeed bench decode", "--duration", "--seconds", "0.25", "duration", 0.25),
+    ("gpufeed bench loader", "--num-workers", "--workers", "1,2", "num_workers", "1,2"),
+    ("gpufeed bench loader", "--duration", "--seconds", "3", "duration", 3.0),
+    ("gpufeed advise", "--duration", "--seconds", "1m", "duration", 60.0),
+    ("gpufeed demo-data", "-n", "--n", "12", "count", 12),
+]
+ARGUMENTS = {"gpufeed advise": ["raw", "--target", "t"], "gpufeed submit prepare": ["raw", "out"], "gpufeed prepare": ["raw", "out"]}
+
+
+@pytest.mark.parametrize(("path", "new", "old", "value", "name", "expected"), RENAMES, ids=lambda v: str(v))
+def test_a_renamed_option_and_its_old_spelling_mean_the_same(
+    path: str, new: str, old: str, value: str, name: str, expected: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ARGUMENTS.get(path, ["x"])
+    assert parsed(path, *args, new, value)[name] == expected
+    assert capsys.readouterr().err == ""
+    assert parsed(path, *args, old, value)[name] == expected
+    spelled = "/".join(next(p for p in dict(all_commands())[path].params if p.name == name).opts)
+    assert capsys.readouterr().err == f"gpufeed: note: {old} is deprecated; use {spelled}\n"
+    with pytest.raises(click.UsageError, match=f"give .* once: {old} is its old name"):
+        parsed(path, *args, new, value, old, value)
+
+
+def test_format_jpg_is_jpeg_and_durations_take_units() -> None:
+    assert parsed("gpufeed prepare", "raw", "out", "--format", "jpg")["fmt"] == "jpeg"
+    assert parsed("gpufeed submit prepare", "raw", "out", "--format", "JPG")["fmt"] == "jpeg"
+    assert parsed("gpufeed bench disk", "x", "--duration", "2s")["duration"] == 2.0
+    assert parsed("gpufeed submit bench-disk", "x", "--duration", "1m")["duration"] == 60.0
+    with pytest.raises(click.BadParameter, match="not a duration: 'soon'"):
+        parsed("gpufeed bench disk", "x", "--duration", "soon")
+
+
+def test_renamed_options_work_end_to_end(small_source: Path, tmp_path: Path) -> None:
+    made = run("demo-data", str(tmp_path / "raw"), "-n", "3", "--min-side", "32", "--max-side", "48", "--workers", "0")
+    assert made.returncode == 0 and "wrote 3 images" in made.stdout, made.stderr
+    new = run("prepare", str(small_source), str(tmp_path / "new"), "--shard-samples", "1", "--format", "jpg", "-q", "--workers", "0")
+    assert new.returncode == 0 and new.stderr == "", new.stderr
+    old = run("prepare", str(small_source), str(tmp_path / "old"), "--shard-count", "1", "--format", "jpg", "-q", "--workers", "0")
+    assert old.returncode == 0, old.stderr
+    assert old.stderr == "gpufeed: note: --shard-count is deprecated; use --shard-samples\n"
+    for out in ("new", "old"):
+        manifest = json.loads((tmp_path / out / "manifest.json").read_text())
+        assert len(manifest["shards"]) == 4 and manifest["params"]["encode"]["format"] == "jpeg"  # 4 images, 1 a shard
+
+
+def test_reshard_shards_sets_the_number_of_shards(small_source: Path, tmp_path: Path) -> None:
+    dataset = tmp_path / "ds"
+    assert run("prepare", str(small_source), str(dataset), "-q", "--workers", "0").returncode == 0
+    result = run("reshard", str(dataset), "--shards", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["shards_before"], summary["shards_after"], summary["samples"]) == (1, 3, 4)
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    assert sorted(shard["samples"] for shard in manifest["shards"]) == [1, 1, 2]
+    for extra in (["--multiple-of", "2"], ["--shard-samples", "2"]):
+        refused = run("reshard", str(dataset), "--shards", "2", *extra)
+        assert refused.returncode == 2 and f"--shards sets the layout on its own; leave out {extra[0]}" in refused.stderr
+
+
+# ---------------------------------------------------------------------------
+# Errors are one line (or, with --json, one JSON object on stdout), never a traceback
+
+
+def json_commands() -> set[str]:
+    return {path for path, command in all_commands() if any(param.name == "as_json" for param in command.params)}
+
+
+@pytest.fixture
+def no_redis(get_free_port: Callable[[], int]) -> dict[str, str]:
+    return {**os.environ, "GPUFEED_BROKER_URL": f"redis://127.0.0.1:{get_free_port()}/0", "GPUFEED_ALLOWED_ROOTS": "/"}
+
+
+JSON_ERRORS = {
+    "gpufeed prepare": ["prepare", "{tmp}/missing", "{tmp}/out", "-q"],
+    "gpufeed inspect": ["inspect", "{tmp}/missing"],
+    "gpufeed reshard": ["reshard", "{tmp}/missing", "--shards", "2"],
+    "gpufeed bench disk": ["bench", "disk", "{tmp}/disk", "--file-size", "lots"],
+    "gpufeed bench decode": ["bench", "decode", "{tmp}/missing"],
+    "gpufeed bench loader": ["bench", "loader", "{tmp}/missing"],
+    "gpufeed advise": ["advise", "{tmp}/missing", "--target", "{tmp}/t"],
+    "gpufeed estimate-memory": ["estimate-memory", "--model", "no_such_module:make"],
+    "gpufeed submit prepare": ["submit", "prepare", "{tmp}/raw", "{tmp}/out"],
+    "gpufeed submit reshard": ["submit", "reshard", "{tmp}/ds", "--shards", "2"],
+    "gpufeed submit bench-disk": ["submit", "bench-disk", "{tmp}"],
+    "gpufeed status": ["status", "abc"],
+    "gpufeed jobs": ["jobs"],
+    "gpufeed cancel": ["cancel", "abc"],
+    "gpufeed schedule add": ["schedule", "add", "nightly", "--every", "1d", "<json>", "reshard", "{tmp}/ds", "--shards", "2"],
+    "gpufeed schedule list": ["schedule", "list"],
+    "gpufeed stage": ["stage", "{tmp}/missing", "{tmp}/dest"],
+}
+
+
+def test_every_command_with_json_is_checked_below() -> None:
+    # doctor reports what it finds (Redis down included) as its result, and succeeds.
+    assert json_commands() == set(JSON_ERRORS) | {"gpufeed doctor"}
+
+
+@pytest.mark.parametrize("path", sorted(JSON_ERRORS))
+def test_with_json_an_error_is_one_json_object_on_stdout(path: str, tmp_path: Path, no_redis: dict[str, str]) -> None:
+    args = [arg.format(tmp=tmp_path) for arg in JSON_ERRORS[path]]
+    if "<json>" not in args:
+        args.append("<json>")
+    command = [sys.executable, "-m", "pipeline"]
+    plain = subprocess.run(
+        [*command, *(a for a in args if a != "<json>")], capture_output=True, text=True, env=no_redis, timeout=120
+    )
+    assert plain.returncode != 0 and plain.stdout == ""
+    assert plain.stderr.startswith("gpufeed: error: ") and len(plain.stderr.splitlines()) == 1, plain.stderr
+    as_json = subprocess.run(
+        [*command, *("--json" if a == "<json>" else a for a in args)], capture_output=True, text=True, env=no_redis,
+        timeout=120,
+    )  # fmt: skip
+    assert as_json.returncode == plain.returncode, as_json.stderr
+    assert "Traceback" not in as_json.stderr
+    assert json.loads(as_json.stdout) == {"error": plain.stderr.removeprefix("gpufeed: error: ").rstrip("\n")}
+
+
+@pytest.fixture
+def read_only_out(tmp_path: Path) -> Iterator[Path]:
+    """An existing OUT that cannot be written: a read-only tmpfs (as root), else a folder without write permission."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        (mount / "out").mkdir()
+        (mount / "out").chmod(0o555)
+        yield mount / "out"
+        (mount / "out").chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("root here cannot mount a read-only tmpfs (and permission bits do not stop root)")
+    try:
+        (mount / "out").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, capture_output=True)
+        yield mount / "out"
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_read_only_out_is_one_line_that_says_what_to_do(small_source: Path, read_only_out: Path) -> None:
+    result = run("prepare", str(small_source), str(read_only_out), "-q", "--workers", "0")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"gpufeed: error: {read_only_out}"), result.stderr
+    assert "read-only file system: choose a folder on a disk you can write to" in lines[0] or (
+        "no permission to use" in lines[0] and "change its permissions or choose another folder" in lines[0]
+    )
+
+
+# ---------------------------------------------------------------------------
+# The README and the demo script speak the same vocabulary
+
+
+def command_lines(text: str) -> list[list[str]]:
+    """Every `gpufeed …` command line in a text (README code blocks, a shell script), as arguments."""
+    lines = []
+    for raw in text.splitlines():
+        line = raw.strip().removeprefix("docker compose exec worker ")
+        if line.startswith("gpufeed ") and "<<" not in line:
+            words = shlex.split(line, comments=True)
+            lines.append([word for word in words[1:] if word != "&"])
+    return lines
+
+
+def test_the_readme_and_the_demo_use_no_old_spelling() -> None:
+    from pipeline.cli.common import RenamedOption
+
+    commands = dict(all_commands())
+    texts = [(ROOT / "README.md").read_text(), (ROOT / "scripts" / "demo.sh").read_text()]
+    checked = 0
+    for text in texts:
+        for words in command_lines(text):
+            path, rest = "gpufeed", list(words)
+            while rest and f"{path} {rest[0]}" in commands:
+                path = f"{path} {rest.pop(0)}"
+            if path == "gpufeed schedule add" and "reshard" in rest:
+                path, rest = "gpufeed reshard", rest[rest.index("reshard") + 1 :]
+            old = {name for p in commands[path].params if isinstance(p, RenamedOption) for name in p.old_names}
+            valid = {name for p in commands[path].params if isinstance(p, click.Option) for name in p.opts}
+            used = {word.split("=")[0] for word in rest if word.startswith("-")}
+            assert not (used & (old - valid)), (path, words)
+            assert used <= valid | {"-h", "--help"}, (path, words, used - valid)
+            checked += 1
+    assert checked >= 20
+    readme = texts[0]
+    for retired in ("`--shard-count N`", "demo-data demo/raw --n", "`--size` sets the test file", "`--target 224`", "`--workers 1,2"):
+        assert retired not in readme, retired

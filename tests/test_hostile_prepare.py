@@ -70,7 +70,7 @@ def _prepare_with_cli(dataset: HostileDataset, out: Path, fmt: str) -> dict[str,
     command = [
         sys.executable, "-m", "pipeline", "prepare", str(dataset.root), str(out),
         "--json", "--quiet", "--format", fmt, "--size", str(SIZE),
-        "--shard-count", str(SHARD_SAMPLES), "--workers", "2",
+        "--shard-samples", str(SHARD_SAMPLES), "--workers", "2",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"gpufeed prepare failed ({done.returncode}):\n{done.stderr}"

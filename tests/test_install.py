@@ -158,7 +158,7 @@ def test_gpufeed_doctor_runs_clean(installed: Installed) -> None:
 def test_prepare_and_make_loader_run_on_the_lean_install(installed: Installed) -> None:
     gpufeed = str(installed.venv / "bin" / "gpufeed")
     raw, shards = installed.work / "raw", installed.work / "shards"
-    made = installed.run(gpufeed, "demo-data", str(raw), "--n", "12", "--min-side", "64", "--max-side", "96")
+    made = installed.run(gpufeed, "demo-data", str(raw), "-n", "12", "--min-side", "64", "--max-side", "96")
     assert made.returncode == 0, made.stderr
     prepared = installed.run(
         gpufeed, "prepare", str(raw), str(shards), "--size", "48", "--workers", "0", "-q", "--json"

@@ -17,6 +17,7 @@ import pipeline
 from pipeline.errors import ConfigError
 from pipeline.measure.memory import (
     ThroughputModel,
+    check_model_input,
     count_activations,
     estimate_memory,
     fit_step_times,
@@ -250,6 +251,66 @@ def test_cli(tmp_path: Path) -> None:
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
     )
     assert bad.returncode == 1 and "cannot import" in bad.stderr
+
+
+MISTAKES = """
+from torch import nn
+
+def needs_width(width):
+    return nn.Linear(width, 2)
+
+def broken():
+    raise RuntimeError("weights file missing")
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(
+            ["--model", "mistakes.py:needs_width"],
+            "--model mistakes.py:needs_width needs arguments (width); it is called without any: give a function that "
+            "takes none",
+            id="factory-needs-arguments",
+        ),
+        pytest.param(
+            ["--model", "mistakes.py:broken"],
+            "--model mistakes.py:broken failed when called: RuntimeError: weights file missing",
+            id="factory-raises",
+        ),
+        pytest.param(
+            ["--model", "mistakes.py:cnn", "--input", "224,224,3"],
+            "mistakes.py:cnn cannot take --input 224,224,3 (one sample's shape): RuntimeError: ",
+            id="input-channels-last",
+        ),
+    ],
+)
+def test_a_model_that_cannot_be_built_or_run_is_one_line_that_says_what_to_do(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    (tmp_path / "mistakes.py").write_text(MISTAKES)
+    command = [sys.executable, "-m", "pipeline", "estimate-memory", *args, "--device-flops", "1T"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"gpufeed: error: {message}"), result.stderr
+    if "--input" in args:
+        assert lines[0].endswith("--input is channels first: did you mean 3,224,224?")
+    as_json = subprocess.run([*command, "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert as_json.returncode == 1 and as_json.stderr == ""
+    assert json.loads(as_json.stdout)["error"].startswith(message)
+
+
+def test_check_model_input_runs_one_sample_and_leaves_the_mode_alone() -> None:
+    model = small_cnn().train()
+    check_model_input(model, (3, 32, 32))
+    assert model.training
+    with pytest.raises(ConfigError, match=r"cannot take --input 32,32,3 .* did you mean 3,32,32\?"):
+        check_model_input(model, (32, 32, 3))
+    assert model.training
 
 
 @pytest.mark.cuda

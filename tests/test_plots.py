@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -104,11 +107,114 @@ def test_advise_chart_shows_the_ceilings_prediction_and_measurement(tmp_path: Pa
     result, applied = advise_result()
     figure = plots.advise_figure(result, applied)
     axis = figure.axes[0]
-    assert axis.get_ylabel() == "images/s (log scale)"
+    assert axis.get_ylabel() == "images/s" and axis.get_yscale() == "linear"  # 829 looks as far below 3,000 as it is
     assert "CPU decode" in axis.get_title()
     names = [tick.get_text() for tick in axis.get_xticklabels()]
     assert len(names) == 5 and "measured" in names[-1] and "predicted" in names[-2]
+    values = [text.get_text() for text in axis.texts]
+    assert values == ["3,000", "300", "4,000", "1,500", "1,400"]  # every bar carries its value
     _check_png(Path(plots.plot_advise(result, tmp_path / "advise.png", applied)))
+
+
+# ---------------------------------------------------------------------------
+# Every chart at its default size: no two labels overlap, no empty panel
+
+
+def _drawn_texts(figure: Any) -> list[Any]:
+    """The non-empty text artists the canvas drew (tick labels outside the view limits are not drawn)."""
+    from matplotlib.text import Text
+
+    figure.canvas.draw()
+    undrawn = set()
+    for axes in figure.axes:
+        for axis in (axes.xaxis, axes.yaxis):
+            low, high = sorted(axis.get_view_interval())
+            slack = 1e-9 * (high - low)
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not low - slack <= tick.get_loc() <= high + slack:
+                    undrawn |= {id(tick.label1), id(tick.label2)}
+    return [t for t in figure.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in undrawn]
+
+
+def _overlapping_labels(figure: Any) -> list[tuple[str, str]]:
+    renderer = figure.canvas.get_renderer()
+    boxes = [(text.get_text(), text.get_window_extent(renderer)) for text in _drawn_texts(figure)]
+    return [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2) if box_a.overlaps(box_b)]
+
+
+def _memory(vram: str, flops: float, loader: float) -> Any:
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 30 * 30, 10))
+    return estimate_memory(model, (3, 32, 32), vram=vram, device_flops=flops, loader_images_per_s=loader)
+
+
+def _charts() -> dict[str, tuple[str, tuple[Any, ...]]]:
+    disk = disk_result()
+    loader = loader_result()
+    advice, applied = advise_result()
+    return {
+        "disk": ("disk", (disk,)),
+        "disk-randread-only": ("disk", (dataclasses.replace(disk, seq_read_by_block={}, seq_write_mb_s=None),)),
+        "disk-sequential-only": ("disk", (dataclasses.replace(disk, randread_sweep=[]),)),
+        "disk-small-files-only": (
+            "disk",
+            (dataclasses.replace(
+                disk, randread_sweep=[], seq_read_by_block={}, seq_write_mb_s=None, small_file_bytes=110_000,
+                small_file_reads_per_s=9000.0, small_file_reads_per_s_qd1=2500.0,
+            ),),
+        ),  # fmt: skip
+        "disk-measured-kind": ("disk", (dataclasses.replace(disk, device_kind="ssd", kernel_kind="rotational"),)),
+        "decode": ("decode", (decode_result(),)),
+        "loader": ("loader", (loader,)),
+        "loader-no-consumer": ("loader", (dataclasses.replace(loader, consumer_images_per_s=None),)),
+        "loader-many-workers": (
+            "loader",
+            (LoaderBenchResult("shards", 64, 900.0, "cpu", "process", [
+                LoaderPoint(w, 300.0 * min(w, 3), 0.5 / w, 10, 640, 2.0) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+            ]),),
+        ),  # fmt: skip
+        "advise": ("advise", (advice,)),
+        "advise-applied": ("advise", (advice, applied)),
+        "memory-small-vram": ("memory", (_memory("64MiB", 1e9, 100.0),)),
+        "memory-thousands-of-batches": ("memory", (_memory("3GiB", 1e11, 5000.0),)),
+        "memory-batch-3000": ("memory", (_memory("230MiB", 1e11, 60000.0),)),
+        "memory-batch-just-above-1024": ("memory", (_memory("83MiB", 1e11, 60000.0),)),
+    }
+
+
+@pytest.mark.parametrize("chart", sorted(_charts()))
+def test_no_two_labels_of_a_chart_overlap_at_its_default_size(chart: str, tmp_path: Path) -> None:
+    kind, args = _charts()[chart]
+    figure = getattr(plots, f"{kind}_figure")(*args)
+    assert _overlapping_labels(figure) == []
+    for axes in figure.axes:  # no panel without data
+        assert axes.lines or axes.patches, f"{chart}: an empty panel titled {axes.get_title()!r}"
+    _check_png(Path(getattr(plots, f"plot_{kind}")(*args[:1], tmp_path / f"{chart}.png", *args[1:])))
+
+
+def test_the_disk_chart_has_a_panel_only_for_the_tests_that_ran() -> None:
+    disk = disk_result()
+    only_random = plots.disk_figure(dataclasses.replace(disk, seq_read_by_block={}, seq_write_mb_s=None))
+    assert [axes.get_title() for axes in only_random.axes if axes.get_title()] == ["random 4 KiB reads"]
+    measured = plots.disk_figure(dataclasses.replace(disk, device_kind="ssd", kernel_kind="rotational"))
+    assert "ssd as measured (the kernel says rotational)" in measured.get_suptitle()
+
+
+def test_without_a_consumer_the_loader_chart_draws_no_stall_fraction() -> None:
+    loader = loader_result()
+    with_consumer = plots.loader_figure(loader)
+    without = plots.loader_figure(dataclasses.replace(loader, consumer_images_per_s=None))
+    assert "stall" in _labels(with_consumer) and "stall" not in _labels(without)
+    assert len(without.axes) == 1
+
+
+def test_the_memory_chart_puts_memory_and_images_per_s_in_panels_of_their_own() -> None:
+    figure = plots.memory_figure(_memory("3GiB", 1e11, 5000.0))
+    memory, speed = figure.axes
+    assert memory.get_ylabel() == "device memory (GiB)" and speed.get_ylabel() == "images/s (training)"
+    assert {line.get_label() for line in memory.lines} >= {"VRAM (3 GiB)", "usable (10% margin)"}
+    assert "loader images/s" in {line.get_label() for line in speed.lines}
 
 
 def test_importing_the_plots_module_does_not_import_matplotlib() -> None:
@@ -121,7 +227,7 @@ def test_importing_the_plots_module_does_not_import_matplotlib() -> None:
 def test_cli_plot_option_writes_a_png(tmp_path: Path) -> None:
     path = tmp_path / "disk.png"
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline", "bench", "disk", str(tmp_path / "d"), "--size", "8MiB", "--block-sizes",
+        [sys.executable, "-m", "pipeline", "bench", "disk", str(tmp_path / "d"), "--file-size", "8MiB", "--block-sizes",
          "1MiB,2MiB", "--duration", "0.05", "--threads", "4", "--small-files", "4", "--plot", str(path)],
         capture_output=True, text=True, timeout=120, check=False,
     )

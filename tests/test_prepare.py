@@ -80,7 +80,7 @@ def test_jpeg_restart_markers_change_the_coding_not_the_pixels(raw: Path, tmp_pa
     """Default JPEGs carry a restart marker every MCU (DRI = 1); --jpeg-restart 0 writes none, same pixels."""
     marked, plain = tmp_path / "marked", tmp_path / "plain"
     prepare_dataset(spec_for(raw, marked), workers=0)
-    cli = [sys.executable, "-m", "pipeline", "prepare", str(raw), str(plain), "--size", "64", "--shard-count", "16"]
+    cli = [sys.executable, "-m", "pipeline", "prepare", str(raw), str(plain), "--size", "64", "--shard-samples", "16"]
     subprocess.run([*cli, "--quiet", "--jpeg-restart", "0"], check=True, capture_output=True)
     urls = {name: sorted(str(p) for p in out.glob("shard-*.tar")) for name, out in (("m", marked), ("p", plain))}
     coded = {name: {s["__key__"]: s["jpg"] for s in wds.WebDataset(u, shardshuffle=False)} for name, u in urls.items()}
@@ -286,7 +286,7 @@ def test_full_tmpfs_gives_clear_error(raw: Path, tmp_path: Path) -> None:
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}); the injected test covers it")
     try:
-        cmd = [sys.executable, "-m", "pipeline", "prepare", str(raw), str(mount / "out"), "--size", "128", "--shard-count", "8"]
+        cmd = [sys.executable, "-m", "pipeline", "prepare", str(raw), str(mount / "out"), "--size", "128", "--shard-samples", "8"]
         refused = subprocess.run(cmd + ["--quiet"], capture_output=True, text=True)
         assert refused.returncode == 1 and "free" in refused.stderr and "Traceback" not in refused.stderr
         forced = subprocess.run(cmd + ["--quiet", "--force"], capture_output=True, text=True)
@@ -321,7 +321,7 @@ def test_sigkill_midway_then_rerun_completes_exactly(raw: Path, tmp_path: Path) 
     big = tmp_path / "big"
     make_demo_dataset(big, 160, classes=4, min_side=400, max_side=700, workers=2)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "pipeline", "prepare", str(big), str(out), "--size", "96", "--shard-count", "10", "--quiet", "--workers", "1"]
+    cmd = [sys.executable, "-m", "pipeline", "prepare", str(big), str(out), "--size", "96", "--shard-samples", "10", "--quiet", "--workers", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 120
     seen_partial_names = set()
@@ -576,7 +576,7 @@ def test_other_settings_are_refused_naming_each_difference(raw: Path, tmp_path: 
     from pipeline.prepare.job import plan_prepare
 
     plan_prepare(spec_for(raw, tmp_path / "unfinished"))
-    with pytest.raises(JobConflictError, match="unfinished prepare with different settings.*--shard-count: 8 here, 16 in"):
+    with pytest.raises(JobConflictError, match="unfinished prepare with different settings.*--shard-samples: 8 here, 16 in"):
         prepare_dataset(spec_for(raw, tmp_path / "unfinished", shards=ShardSpec(max_bytes=None, max_samples=8)), workers=0)
 
 

@@ -271,7 +271,7 @@ def test_publish_reaugment_to_out_twice_gives_the_same_result(raw: Path, tmp_pat
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({}, "--shard-count, --shard-size or --multiple-of"),
+        ({}, "--shard-samples, --shards, --shard-size or --multiple-of"),
         ({"seed": 3}, "only applies with --reaugment"),
         ({"reaugment": True}, "needs --seed"),
         ({"reaugment": True, "seed": 1, "multiple_of": 4}, "cannot be combined"),

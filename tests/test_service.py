@@ -71,7 +71,7 @@ def test_two_workers_share_a_job_and_match_a_local_prepare(service: Service, slo
 
 def test_status_json_jobs_and_records_outlive_the_workers(service: Service, small_raw: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "5")
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-samples", "5")
     queued = service.status(job)  # no worker yet: the job waits in Redis
     assert queued["state"] == "queued" and queued["shards_done"] == 0
     for field in ("state", "shards_done", "shards_total", "samples", "rejected", "error", "images_per_s", "created"):
@@ -144,7 +144,7 @@ def test_finished_jobs_expire_after_the_configured_time(private_redis: Any, smal
     logs.mkdir()
     for service in service_fixture(private_redis.url, [small_raw.parent, tmp_path], logs, GPUFEED_JOB_TTL="2s"):
         service.start_worker("w1")
-        job = service.submit("prepare", str(small_raw), str(tmp_path / "out"), "--shard-count", "12")
+        job = service.submit("prepare", str(small_raw), str(tmp_path / "out"), "--shard-samples", "12")
         assert service.wait_finished(job, timeout=60).state == "succeeded"
         deadline = time.monotonic() + 10
         while service.store.get(job) is not None and time.monotonic() < deadline:
@@ -282,7 +282,7 @@ def test_a_password_protected_redis_works_through_the_url(private_redis: Any, sm
     logs.mkdir()
     for service in service_fixture(url, [small_raw, tmp_path], logs):
         service.start_worker("w1")
-        job = service.submit("prepare", str(small_raw), str(tmp_path / "out"), "--shard-count", "8")
+        job = service.submit("prepare", str(small_raw), str(tmp_path / "out"), "--shard-samples", "8")
         assert service.wait_finished(job, timeout=60).state == "succeeded"
         assert_verified(tmp_path / "out")
         for bad_url in (f"redis://127.0.0.1:{server.port}/0", f"redis://:wrong@127.0.0.1:{server.port}/0"):
@@ -298,7 +298,7 @@ def test_a_password_protected_redis_works_through_the_url(private_redis: Any, sm
         pytest.param(["submit", "prepare", "{data}", "{out}", "--quality", "500"], "--quality", id="bad-quality"),
         pytest.param(["submit", "prepare", "{data}", "{out}", "--shard-size", "lots"], "not a size", id="bad-size"),
         pytest.param(["submit", "prepare", "{data}", "{out}", "--mode", "sideways"], "--mode", id="bad-mode"),
-        pytest.param(["submit", "reshard", "{out}"], "--shard-count", id="reshard-without-layout"),
+        pytest.param(["submit", "reshard", "{out}"], "--shard-samples", id="reshard-without-layout"),
         pytest.param(["submit", "reshard", "{out}", "--seed", "3"], "--reaugment", id="seed-without-reaugment"),
         pytest.param(["submit", "bench-disk", "{out}", "--duration", "9999"], "duration_s", id="bench-too-long"),
         pytest.param(["status", "nosuchjob"], "no job", id="unknown-job"),
@@ -337,7 +337,7 @@ def test_without_allowed_roots_every_job_is_refused(service: Service, small_raw:
 def test_reshard_and_reaugment_through_the_service(service: Service, small_raw: Path, tmp_path: Path) -> None:
     service.start_worker("w1")
     out = tmp_path / "ds"
-    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "5", "--variants", "2", "--size", "64")
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-samples", "5", "--variants", "2", "--size", "64")
     assert service.wait_finished(job, timeout=60).state == "succeeded"
     before = dataset_samples(out)
 
@@ -380,11 +380,11 @@ def test_the_service_repairs_a_dataset_and_reaugments_one_prepared_from_a_relati
 ) -> None:
     service.start_worker("w1")
     out = tmp_path / "ds"
-    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "5")
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-samples", "5")
     assert service.wait_finished(job, timeout=60).state == "succeeded"
     before = shard_bytes(out)
     (out / "shard-000003.tar").unlink()
-    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "5")  # the same job again
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-samples", "5")  # the same job again
     record = service.wait_finished(job, timeout=60)
     assert record.state == "succeeded", record.error
     assert shard_bytes(out) == before and not (out / ".gpufeed").exists()

@@ -269,7 +269,7 @@ def _start_failing_worker(service: Service, tmp_path: Path, failures: int, **env
 def test_a_storage_error_is_retried_and_the_job_succeeds(service: Service, small_raw: Path, tmp_path: Path) -> None:
     marker = _start_failing_worker(service, tmp_path, failures=1)
     out = tmp_path / "out"
-    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "8")
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-samples", "8")
     record = service.wait_finished(job, timeout=120)
 
     assert record.state == "succeeded", record.error
@@ -285,7 +285,7 @@ def test_a_storage_error_that_persists_fails_the_job_after_the_allowed_runs(
 ) -> None:
     marker = _start_failing_worker(service, tmp_path, failures=100, GPUFEED_MAX_ATTEMPTS="3")
     out = tmp_path / "out"
-    job = service.submit("prepare", str(small_raw), str(out), "--shard-count", "8")
+    job = service.submit("prepare", str(small_raw), str(out), "--shard-samples", "8")
     record = service.wait_finished(job, timeout=120)
 
     assert record.state == "failed"

@@ -19,7 +19,7 @@ def _reshard_jobs(service: Service) -> list[dict[str, object]]:
 
 def test_a_scheduled_reshard_fires_from_a_running_beat(service: Service, small_raw: Path, tmp_path: Path) -> None:
     dataset = tmp_path / "ds"
-    prepared = service.cli("prepare", str(small_raw), str(dataset), "--shard-count", "5", "--workers", "0", "-q")
+    prepared = service.cli("prepare", str(small_raw), str(dataset), "--shard-samples", "5", "--workers", "0", "-q")
     assert prepared.returncode == 0, prepared.stderr
     before = dataset_samples(dataset)
 

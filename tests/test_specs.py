@@ -58,8 +58,8 @@ from pipeline.units import parse_bytes
         (EncodeSpec, {"quality": 90.5}, "--quality"),
         (ShardSpec, {"max_bytes": 1024}, "--shard-size"),
         (ShardSpec, {"max_bytes": "256MB"}, "--shard-size"),
-        (ShardSpec, {"max_samples": 0}, "--shard-count"),
-        (ShardSpec, {"max_samples": -5}, "--shard-count"),
+        (ShardSpec, {"max_samples": 0}, "--shard-samples"),
+        (ShardSpec, {"max_samples": -5}, "--shard-samples"),
     ],
 )
 def test_bad_value_is_config_error_naming_the_flag(spec_type, kwargs, flag):
@@ -77,7 +77,7 @@ def test_config_error_is_a_value_error():
 
 
 def test_shard_spec_needs_a_bound():
-    with pytest.raises(ConfigError, match="--shard-size.*--shard-count"):
+    with pytest.raises(ConfigError, match="--shard-size.*--shard-samples"):
         ShardSpec(max_bytes=None, max_samples=None)
     assert ShardSpec(max_bytes=None, max_samples=10).max_samples == 10
     assert ShardSpec().max_bytes == DEFAULT_SHARD_BYTES

@@ -19,6 +19,8 @@ from typing import Any
 import click
 
 from pipeline.cli.common import (
+    Duration,
+    exit_on_user_errors,
     fail,
     prepare_options,
     require_extra,
@@ -26,12 +28,19 @@ from pipeline.cli.common import (
     reshard_spec,
     spec_from_options,
     top_command_name,
-    user_errors,
 )
 from pipeline.units import format_duration, format_rate, parse_bytes
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 WAIT_POLL_S = 0.5
+# A job still queued this long under `--wait` has the workers asked whether anyone consumes its queue
+# (again every NO_WORKER_RECHECK_S until one does).
+NO_WORKER_AFTER_S = 3.0
+NO_WORKER_RECHECK_S = 10.0
+LOGLEVEL_HELP = "Log level: DEBUG, INFO, WARNING, ERROR."
+
+# The service's commands: errors as one line; Ctrl-C only stops this command, never a job.
+user_errors = exit_on_user_errors("interrupted")
 # What `pip install 'gpufeed[service]'` brings (pyproject.toml) and the commands import.
 SERVICE_MODULES = ("celery", "redbeat", "redis")
 
@@ -62,7 +71,7 @@ def _settings() -> Any:
 @click.option("--concurrency", "-c", type=int, default=None, help="Processes (default: the cores of this machine).")
 @click.option("-n", "--hostname", "name", default=None, help="Worker name, e.g. w1@%h (unique per worker on a machine).")
 @click.option("--queues", "-Q", default=None, help="Queues to consume, comma-separated (default: GPUFEED_QUEUE).")
-@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.option("--loglevel", "-l", default="INFO", show_default=True, help=LOGLEVEL_HELP)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 @needs_service
@@ -82,7 +91,7 @@ def worker(concurrency: int | None, name: str | None, queues: str | None, loglev
 
 
 @click.command(context_settings=PASS_THROUGH)
-@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.option("--loglevel", "-l", default="INFO", show_default=True, help=LOGLEVEL_HELP)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 @needs_service
@@ -142,7 +151,7 @@ def submit_reshard(dataset: str, wait: bool, as_json: bool, quiet: bool, **optio
 @submit.command("bench-disk")
 @click.argument("path")
 @click.option("--file-size", default=None, help="Size of the test file (default 1GiB; larger than any cache).")
-@click.option("--duration", type=float, default=None, help="Seconds each read test runs (default 2).")
+@click.option("--duration", type=Duration(), default=None, help="How long each read test runs (default 2s).")
 @click.option("--threads", type=int, default=None, help="Reads in flight for the queue-depth-N figures (default 16).")
 @_wait_options
 @user_errors
@@ -174,17 +183,54 @@ def _submit(kind: str, payload: dict[str, Any], wait: bool, as_json: bool, quiet
             return
         if not as_json:
             click.echo(f"job {job_id} queued ({kind})", err=True)
-        record = _wait_for(store, job_id, show_bar=not quiet and not as_json)
+        try:
+            record = _wait_for(store, job_id, show_bar=not quiet and not as_json)
+        except KeyboardInterrupt:  # the job is the service's now: it goes on without us
+            fail(
+                f"stopped waiting; job {job_id} continues on the service: follow it with gpufeed status {job_id}, "
+                f"stop it with gpufeed cancel {job_id}",
+                130,
+            )
     _print_status(record.to_status(), as_json)
     if record.state != "succeeded":
         sys.exit(1)
+
+
+def no_worker_line(queue: str) -> str:
+    """What to say when nobody consumes `queue`."""
+    return (
+        f"no worker is listening on queue {queue!r}, so the job waits: start one with gpufeed worker "
+        "(with the same GPUFEED_BROKER_URL and GPUFEED_QUEUE)"
+    )
+
+
+class _WorkerWatch:
+    """Under `--wait`: once a job has been queued a few seconds, ask whether any worker consumes its queue."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.started = time.monotonic()
+        self.next_check = self.started + NO_WORKER_AFTER_S
+        self.warned = False
+
+    def check(self, record: Any) -> None:
+        if record.state != "queued" or self.warned or time.monotonic() < self.next_check:
+            return
+        from .client import listening_workers
+
+        if listening_workers(record.queue) == []:
+            self.say(f"gpufeed: warning: {no_worker_line(record.queue)}")
+            self.warned = True
+        self.next_check = time.monotonic() + NO_WORKER_RECHECK_S
 
 
 def _wait_for(store: Any, job_id: str, show_bar: bool) -> Any:
     from .jobs import FINAL
 
     if not show_bar or not sys.stderr.isatty():
+        watch = _WorkerWatch(lambda line: click.echo(line, err=True))
         while (record := store.require(job_id)).state not in FINAL:
+            watch.check(record)
             time.sleep(WAIT_POLL_S)
         return record
     from rich.console import Console
@@ -199,8 +245,10 @@ def _wait_for(store: Any, job_id: str, show_bar: bool) -> Any:
     )
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(job_id, total=None, state="queued", samples=0, rate=0.0)
+        watch = _WorkerWatch(lambda line: bar.console.print(line, markup=False, highlight=False))
         while True:
             record = store.require(job_id)
+            watch.check(record)
             bar.update(
                 task,
                 total=record.shards_total or None,
@@ -223,6 +271,8 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
         click.echo(json.dumps(doc, indent=2))
         return
     click.echo(f"job {doc['job']}  {doc['kind']}  {doc['state']}")
+    if doc.get("listening_workers") == []:
+        click.echo(f"  {no_worker_line(doc['queue'])}")
     if doc.get("source") and doc.get("out") and doc["source"] != doc["out"]:
         click.echo(f"  {doc['source']} -> {doc['out']}")
     elif doc.get("out"):
@@ -262,13 +312,24 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
 @user_errors
 @needs_service
 def status(job: str, as_json: bool) -> None:
-    """Show a job: state (queued, running, succeeded, failed, cancelled), shards, samples, rejects, images/s, error."""
+    """Show a job: state (queued, running, succeeded, failed, cancelled), shards, samples, rejects, images/s, error.
+
+    JOB is a job id or its start, when that names one job. A queued job also
+    says whether any worker is listening on its queue.
+    """
+    from .client import listening_workers
     from .jobs import JobStore, redis_errors
 
     settings = _settings()
     with redis_errors(settings):
-        record = JobStore(settings).require(job)
-    _print_status(record.to_status(), as_json)
+        store = JobStore(settings)
+        record = store.require(store.resolve(job))
+    doc = record.to_status()
+    if record.state == "queued":
+        listening = listening_workers(record.queue)
+        if listening is not None:
+            doc["queue"], doc["listening_workers"] = record.queue, listening
+    _print_status(doc, as_json)
 
 
 @click.command()
@@ -305,13 +366,18 @@ def jobs(limit: int, as_json: bool) -> None:
 @user_errors
 @needs_service
 def cancel(job: str, as_json: bool) -> None:
-    """Cancel a job: no more of its shards start, its partial output is removed, no manifest is written."""
+    """Cancel a job: no more of its shards start, its partial output is removed, no manifest is written.
+
+    JOB is a job id or its start, when that names one job.
+    """
     from .client import cancel_job
     from .jobs import JobStore, redis_errors
 
     settings = _settings()
     with redis_errors(settings):
-        record = cancel_job(job, settings, JobStore(settings))
+        store = JobStore(settings)
+        job = store.resolve(job)
+        record = cancel_job(job, settings, store)
     if as_json:
         click.echo(json.dumps(record.to_status(), indent=2))
     else:

@@ -54,3 +54,18 @@ def cancel_job(job_id: str, settings: ServiceSettings, store: JobStore | None = 
     record = store.require(job_id)
     send_unit(app, record, "cleanup")
     return record
+
+
+def listening_workers(queue: str, timeout: float = 1.0) -> list[str] | None:
+    """The workers consuming `queue` now, asked through the broker (they answer within `timeout` seconds).
+
+    Returns:
+        Their names (empty: no worker listens), or None when the broker could not be asked.
+    """
+    from .app import app
+
+    try:
+        replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    except Exception:  # an unreachable broker is reported by the job store's own calls
+        return None
+    return sorted(name for name, queues in replies.items() if any(q.get("name") == queue for q in queues or []))

@@ -426,6 +426,28 @@ class JobStore:
             raise ServiceError(f"no job {job_id!r} (finished jobs are forgotten after GPUFEED_JOB_TTL); see gpufeed jobs")
         return record
 
+    def resolve(self, job: str) -> str:
+        """The id of the job that `job` names: its id, or the start of exactly one job's id.
+
+        Raises:
+            ServiceError: no job's id starts so, or several do (they are listed).
+        """
+        job = job.strip().lower()
+        if job and self.client.exists(self.job_key(job)):
+            return job
+        if not job or any(char not in "0123456789abcdef" for char in job):  # ids are hex: nothing to match
+            self.require(job)
+        base = self.job_key("")
+        pattern = f"{self.job_key(job)}*"
+        matches = sorted({key[len(base) :] for key in self.client.scan_iter(match=pattern, count=1000)} - {""})
+        matches = [match for match in matches if ":" not in match]  # a job's :shards and :running keys
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            self.require(job)
+        shown = ", ".join(matches[:10]) + (f" and {len(matches) - 10} more" if len(matches) > 10 else "")
+        raise ServiceError(f"{job!r} is the start of {len(matches)} job ids: {shown}; give more of the id")
+
     def list_jobs(self, limit: int = 50) -> list[JobRecord]:
         ids = self.client.zrevrange(self.index_key, 0, limit - 1)
         records = []

@@ -55,7 +55,7 @@ def job_errors(job_id: str, what: str) -> Iterator[None]:
     except SoftTimeLimitExceeded:
         limit = get_settings().shard_time_limit_s
         store().fail(
-            job_id, f"{what} ran past the time limit ({limit:.0f} s): use smaller shards (--shard-count) or raise GPUFEED_SHARD_TIME_LIMIT"
+            job_id, f"{what} ran past the time limit ({limit:.0f} s): use smaller shards (--shard-samples) or raise GPUFEED_SHARD_TIME_LIMIT"
         )
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         logger.warning("job %s: %s lost Redis (%s); requeueing", job_id, what, exc)

@@ -15,7 +15,7 @@ import click
 
 from ..errors import ConfigError
 from ..units import format_bytes, parse_bytes, parse_rate
-from .common import exit_on_user_errors, require_extra
+from .common import Duration, exit_on_user_errors, renamed_option, require_extra
 
 # Ctrl-C: the benchmarks have removed their test files by the time this prints.
 _measure_errors = exit_on_user_errors("interrupted; temporary test files were removed")
@@ -29,6 +29,13 @@ def _say(text: str) -> None:
 def _sizes(text: str, name: str) -> list[int]:
     try:
         return [parse_bytes(part) for part in text.split(",") if part.strip()]
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint=name) from None
+
+
+def _size(text: str, name: str) -> int:
+    try:
+        return parse_bytes(text)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint=name) from None
 
@@ -103,23 +110,28 @@ def bench() -> None:
 
 @bench.command("disk")
 @click.argument("path")
-@click.option("--size", "size", default="1GiB", show_default=True, help="Test file size (larger than any device cache).")
+@renamed_option(
+    "--file-size", default="1GiB", show_default=True, old=("--size",), help="Test file size (larger than any device cache)."
+)
 @click.option("--block-sizes", default="1MiB,2MiB,4MiB", show_default=True, help="Sequential block sizes.")
-@click.option("--duration", default=2.0, show_default=True, help="Seconds per read test.")
+@click.option("--duration", type=Duration(), default="2s", show_default=True, help="How long each read test runs (2, 0.5s, 1m).")
 @click.option("--threads", default=16, show_default=True, help="Reads in flight for the queue-depth-N figures.")
 @click.option("--small-file-size", default=None, help="Small-file size (default: the --dataset mean, else 110kB).")
 @click.option("--dataset", default=None, help="Take the small-file size from this dataset's mean file size.")
 @click.option("--small-files", default=512, show_default=True, help="How many small files to read.")
 @click.option("--no-direct", is_flag=True, help="Do not try O_DIRECT; evict files with posix_fadvise instead.")
 @click.option(
-    "--tests", default="seq_write,seq_read,randread,small_files", show_default=True, help="Which tests to run."
+    "--tests",
+    default="seq_write,seq_read,randread,small_files",
+    show_default=True,
+    help="Which tests to run, comma-separated: seq_write, seq_read, randread, small_files.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @plot_option("Write a PNG chart (IOPS vs threads, MB/s vs block size).")
 @_measure_errors
 def bench_disk(
     path: str,
-    size: str,
+    file_size: str,
     block_sizes: str,
     duration: float,
     threads: int,
@@ -138,7 +150,7 @@ def bench_disk(
     _say(f"measuring {path}")
     result = benchmark_disk(
         path,
-        file_bytes=parse_bytes(size),
+        file_bytes=_size(file_size, "--file-size"),
         block_sizes=_sizes(block_sizes, "--block-sizes"),
         duration_s=duration,
         threads=threads,
@@ -153,6 +165,8 @@ def bench_disk(
         return
     free = format_bytes(result.free_bytes)
     click.echo(f"{result.path}: {result.device_kind} ({result.fstype}{', ' + result.device if result.device else ''}), {free} free")
+    if result.kind_note:
+        click.echo(f"note: {result.kind_note}")
     click.echo(f"page cache bypass: {result.cache_bypass}; test file {format_bytes(result.file_bytes)}, {duration:g} s per test")
     rows = []
     if result.seq_write_mb_s is not None:
@@ -175,19 +189,47 @@ def bench_disk(
         click.echo(f"gpufeed: warning: {warning}", err=True)
 
 
+def _decoder_names(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    from ..measure.decode import decoder_name
+
+    try:
+        return tuple(decoder_name(value) for value in values)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
 @bench.command("decode")
 @click.argument("src")
 @click.option("--sample", default=32, show_default=True, help="Images sampled from SRC.")
-@click.option("--size", default=256, show_default=True, help="Shorter side of the prepared copy (prepare --size).")
-@click.option("--target", default=224, show_default=True, help="Shorter side every decode is resized to.")
+@click.option("--size", default=256, show_default=True, help="Shorter side of the prepared copy in pixels (prepare --size).")
+@renamed_option(
+    "--crop",
+    default=224,
+    show_default=True,
+    old=("--target",),
+    help="The training input in pixels: every decode is resized to this shorter side (region: a crop this size).",
+)
 @click.option("--quality", default=90, show_default=True, help="JPEG quality of the prepared copy.")
-@click.option("--seconds", default=0.5, show_default=True, help="Minimum timed seconds per decoder and sample.")
-@click.option("--decoder", "decoders", multiple=True, help="Only these decoders (repeatable).")
+@renamed_option(
+    "--duration",
+    type=Duration(),
+    default="0.5s",
+    show_default=True,
+    old=("--seconds",),
+    help="Minimum time measured per decoder and sample (0.5, 2s).",
+)
+@click.option(
+    "--decoder",
+    "decoders",
+    multiple=True,
+    callback=_decoder_names,
+    help="Only this decoder (repeatable): region (the loader's), pil, pil-draft, simplejpeg, pyturbojpeg, opencv.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @plot_option("Write a PNG chart (images/s per core by decoder).")
 @_measure_errors
 def bench_decode(
-    src: str, sample: int, size: int, target: int, quality: int, seconds: float, decoders: tuple[str, ...],
+    src: str, sample: int, size: int, crop: int, quality: int, duration: float, decoders: tuple[str, ...],
     as_json: bool, plot: str | None,
 ) -> None:
     """Per-core decode + resize images/s on a sample of SRC, raw vs prepared, for each decoder."""
@@ -195,7 +237,7 @@ def bench_decode(
 
     _say(f"decoding a sample of {src}")
     result = benchmark_decode(
-        src, sample=sample, target=target, size=size, quality=quality, min_seconds=seconds, decoders=list(decoders) or None
+        src, sample=sample, target=crop, size=size, quality=quality, min_seconds=duration, decoders=list(decoders) or None
     )
     _plot("decode", plot, result)
     if as_json:
@@ -215,31 +257,57 @@ def bench_decode(
     click.echo(_table(rows, ("decoder", "raw", "prepared", "speedup", "note"), "lrrrl"))
 
 
+STALL_MEANING = "stall: the share of the training loop's time spent waiting for data"
+
+
 @bench.command("loader")
 @click.argument("dataset")
-@click.option("--workers", "workers", default=None, help="num_workers values, e.g. 1,2,4 (default: 1,2,4 … 2 x cores).")
-@click.option("--batch-size", default=64, show_default=True)
-@click.option("--gpu-images-per-s", type=float, default=None, help="Simulated consumer rate (default: infinitely fast).")
-@click.option("--seconds", default=2.0, show_default=True, help="Seconds measured per num_workers value.")
+@renamed_option(
+    "--num-workers",
+    default=None,
+    old=("--workers",),
+    help="The loader's num_workers values to measure, e.g. 1,2,4 (default: 1,2,4 … 2 x cores).",
+)
+@click.option("--batch-size", default=64, show_default=True, help="Samples per batch.")
+@click.option(
+    "--gpu-images-per-s",
+    type=float,
+    default=None,
+    help="Simulated consumer rate; without it the consumer is infinitely fast and there is no stall to measure.",
+)
+@renamed_option(
+    "--duration",
+    type=Duration(),
+    default="2s",
+    show_default=True,
+    old=("--seconds",),
+    help="Time measured per num_workers value (2, 0.5s, 1m).",
+)
 @click.option("--device", default="auto", show_default=True, help="The loader's device: auto, cpu, cuda.")
-@click.option("--worker-type", type=click.Choice(["thread", "process"]), default="thread", show_default=True)
+@click.option(
+    "--worker-type",
+    type=click.Choice(["thread", "process"]),
+    default="thread",
+    show_default=True,
+    help="Decode in threads of this process or in worker processes.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@plot_option("Write a PNG chart (images/s and stall fraction vs num_workers).")
+@plot_option("Write a PNG chart (images/s, and the stall fraction against a consumer rate, vs num_workers).")
 @_measure_errors
 def bench_loader(
-    dataset: str, workers: str | None, batch_size: int, gpu_images_per_s: float | None, seconds: float, device: str,
-    worker_type: str, as_json: bool, plot: str | None,
+    dataset: str, num_workers: str | None, batch_size: int, gpu_images_per_s: float | None, duration: float,
+    device: str, worker_type: str, as_json: bool, plot: str | None,
 ) -> None:
-    """The loader's images/s and stall fraction over DATASET for a range of num_workers."""
+    """The loader's images/s (and stall fraction, against --gpu-images-per-s) over DATASET for a range of num_workers."""
     from ..measure.loader import benchmark_loader
 
     _say(f"running the loader over {dataset}")
     result = benchmark_loader(
         dataset,
-        workers=_ints(workers, "--workers") if workers else None,
+        workers=_ints(num_workers, "--num-workers") if num_workers else None,
         batch_size=batch_size,
         consumer_images_per_s=gpu_images_per_s,
-        min_seconds=seconds,
+        min_seconds=duration,
         device=device,
         worker_type=worker_type,
     )
@@ -249,12 +317,16 @@ def bench_loader(
         return
     consumer = f"a consumer of {gpu_images_per_s:g} images/s" if gpu_images_per_s else "an infinitely fast consumer"
     click.echo(f"loader over {dataset}, batch {batch_size}, {worker_type} workers, against {consumer}:")
-    rows = [
-        (str(p.num_workers), _num(p.images_per_s), f"{p.stall_fraction:.1%}",
-         "n/a" if p.others_cpu_share is None else f"{p.others_cpu_share:.0%}")
-        for p in result.points
-    ]
-    click.echo(_table(rows, ("num_workers", "images/s", "stall", "CPU used by other processes")))
+    rows: list[tuple[str, ...]] = []
+    for p in result.points:
+        busy = "n/a" if p.others_cpu_share is None else f"{p.others_cpu_share:.0%}"
+        # Against an infinitely fast consumer the loop always waits for data: that says nothing, so no column.
+        stall = (f"{p.stall_fraction:.1%}",) if gpu_images_per_s else ()
+        rows.append((str(p.num_workers), _num(p.images_per_s), *stall, busy))
+    header = ("num_workers", "images/s", *(("stall",) if gpu_images_per_s else ()), "CPU used by other processes")
+    click.echo(_table(rows, header))
+    if gpu_images_per_s:
+        click.echo(f"({STALL_MEANING})")
     click.echo(f"best: num_workers={result.best.num_workers} ({result.best.images_per_s:.0f} images/s)")
 
 
@@ -267,11 +339,20 @@ def bench_loader(
 @click.option("--target", required=True, help="Local folder where the shards would go (its disk is measured).")
 @click.option("--gpu-images-per-s", type=float, default=None, help="The GPU's consumption rate, if known.")
 @click.option("--model", default=None, help="Else time this model on synthetic batches: module:factory.")
-@click.option("--input", "input_shape", default="3,224,224", show_default=True, help="The model's input for one sample.")
+@click.option(
+    "--input", "input_shape", default="3,224,224", show_default=True, help="The model's input for one sample, channels first."
+)
 @click.option("--batch-size", default=64, show_default=True, help="Training batch size.")
-@click.option("--crop", default=224, show_default=True, help="The loader's crop size.")
-@click.option("--sample", default=128, show_default=True, help="Images sampled from SRC for the measurements.")
-@click.option("--seconds", default=2.0, show_default=True, help="Seconds per loader measurement.")
+@click.option("--crop", default=224, show_default=True, help="The loader's crop in pixels (the recommended --size is crop / 0.875).")
+@click.option(
+    "--sample",
+    default=128,
+    show_default=True,
+    help="Images sampled from SRC for the measurements (at least two batches: 2 x --batch-size).",
+)
+@renamed_option(
+    "--duration", type=Duration(), default="2s", show_default=True, old=("--seconds",), help="Time per loader measurement."
+)
 @click.option("--device", default="auto", show_default=True, help="Device of the loader and the model.")
 @click.option("--apply", "apply_out", default=None, help="Run the recommended prepare into OUT and measure the loader on it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -279,7 +360,7 @@ def bench_loader(
 @_measure_errors
 def advise(
     src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, batch_size: int,
-    crop: int, sample: int, seconds: float, device: str, apply_out: str | None, as_json: bool, plot: str | None,
+    crop: int, sample: int, duration: float, device: str, apply_out: str | None, as_json: bool, plot: str | None,
 ) -> None:
     """Diagnose why the GPU would wait on SRC, and print the `gpufeed prepare` command that fixes it."""
     from ..measure.advise import advise as run_advise
@@ -294,7 +375,7 @@ def advise(
         batch_size=batch_size,
         crop=crop,
         sample=sample,
-        measure_seconds=seconds,
+        measure_seconds=duration,
         device=device,
         out=apply_out,
         progress=_say,
@@ -304,7 +385,7 @@ def advise(
     applied = None
     if apply_out:
         _say("running the recommended prepare")
-        applied = apply_advice(result, apply_out, measure_seconds=seconds)
+        applied = apply_advice(result, apply_out, measure_seconds=duration)
         if not as_json:
             _print_applied(applied)
     _plot("advise", plot, result, applied=applied)
@@ -330,6 +411,15 @@ def _print_applied(applied: Any) -> None:
         f"(the prediction is re-run on the sample alongside the measurement; "
         f"advise printed {applied.predicted_loader_images_per_s:.0f}, {applied.error_advise_time:+.0%})"
     )
+
+
+def _print_no_prepare(result: Any) -> None:
+    advice = result.advice
+    if advice.bottleneck == "gpu":
+        why = f"training stays at the {result.inputs.consumer}'s {advice.predicted_before:,.0f} images/s whatever the data pipeline does"
+    else:
+        why = f"the prepared data would give {advice.predicted_after:,.0f} images/s, no more than today's {advice.predicted_before:,.0f}"
+    click.echo(f"\nrecommended: nothing to prepare for speed: {why}.")
 
 
 def _print_advice(result: Any) -> None:
@@ -360,7 +450,12 @@ def _print_advice(result: Any) -> None:
             f"(loader rates are scaled to an otherwise idle machine: other processes used {busy:.0%} of the CPU "
             "while they were measured)"
         )
+    for note in result.notes:
+        click.echo(f"note: {note}")
     click.echo(f"\n{advice.sentence}")
+    if not advice.prepare_helps:
+        _print_no_prepare(result)
+        return
     click.echo("\nrecommended:")
     click.echo("  " + shlex.join(result.command))
     click.echo(
@@ -382,9 +477,21 @@ def _print_advice(result: Any) -> None:
 
 @click.command("estimate-memory")
 @click.option("--model", required=True, help="module:factory returning a torch.nn.Module.")
-@click.option("--input", "input_shape", default="3,224,224", show_default=True, help="One sample's shape.")
-@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="adam", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "float64"]), default="float32", show_default=True)
+@click.option("--input", "input_shape", default="3,224,224", show_default=True, help="One sample's shape, channels first.")
+@click.option(
+    "--optimizer",
+    type=click.Choice(["sgd", "momentum", "adam"]),
+    default="adam",
+    show_default=True,
+    help="Its state: sgd none, momentum one copy of the parameters, adam two.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16", "float64"]),
+    default="float32",
+    show_default=True,
+    help="Bytes per element of everything counted.",
+)
 @click.option("--vram", default=None, help="Device memory, e.g. 16GiB or 80GB.")
 @click.option("--margin", default=0.1, show_default=True, help="Share of VRAM kept free.")
 @click.option("--inference", is_flag=True, help="Inference under torch.no_grad: no gradients or optimizer state.")

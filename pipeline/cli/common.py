@@ -1,4 +1,4 @@
-"""What every `gpufeed` command shares: one-line errors, the group, missing extras, the prepare and reshard options.
+"""What every `gpufeed` command shares: one-line errors, the group, missing extras, renamed options, the prepare and reshard options.
 
 Command modules (here and in other packages, e.g. `worker/cli.py`) import from
 this module; it imports none of them.
@@ -6,9 +6,11 @@ this module; it imports none of them.
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib
 import importlib.metadata
+import json
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -17,23 +19,40 @@ import click
 
 from ..errors import GpufeedError
 from ..specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
-from ..units import parse_bytes
+from ..units import parse_bytes, parse_duration
 from .plugins import command_entry_points
 
 if TYPE_CHECKING:
+    from click.decorators import FC
+
     from ..prepare.reshard import ReshardSpec
 
 SUCCESS, FAILURE, MISMATCH = 0, 1, 3
 
 
-def fail(message: str, code: int = FAILURE) -> NoReturn:
-    """Print `gpufeed: error: MESSAGE` on stderr and exit with `code`."""
-    click.echo(f"gpufeed: error: {message}", err=True)
+def fail(message: str, code: int = FAILURE, *, as_json: bool | None = None) -> NoReturn:
+    """Print `gpufeed: error: MESSAGE` on stderr and exit with `code`.
+
+    A command run with `--json` prints ``{"error": MESSAGE}`` on stdout
+    instead, so a script reads one JSON object whatever happened.
+
+    Args:
+        message: what went wrong and what to do about it.
+        code: the exit status.
+        as_json: print the JSON object (None: when the running command was given `--json`).
+    """
+    if as_json is None:
+        ctx = click.get_current_context(silent=True)
+        as_json = bool(ctx is not None and ctx.params.get("as_json"))
+    if as_json:
+        click.echo(json.dumps({"error": message}))
+    else:
+        click.echo(f"gpufeed: error: {message}", err=True)
     sys.exit(code)
 
 
 def exit_on_user_errors(interrupted: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A decorator: gpufeed errors become one line and exit 1; Ctrl-C prints `interrupted`, exit 130."""
+    """A decorator: gpufeed errors and failed file operations become one line and exit 1; Ctrl-C prints `interrupted`, exit 130."""
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)
@@ -42,12 +61,34 @@ def exit_on_user_errors(interrupted: str) -> Callable[[Callable[..., Any]], Call
                 return func(*args, **kwargs)
             except GpufeedError as exc:
                 fail(str(exc))
+            except OSError as exc:  # what the file system refused, said as what to do
+                fail(describe_os_error(exc))
             except KeyboardInterrupt:
                 fail(interrupted, 130)
 
         return wrapper
 
     return decorate
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for a failed file operation: what was refused, where, and what to do.
+
+    Args:
+        exc: the error, with its `filename` where the operation named one.
+    """
+    path = exc.filename if exc.filename is not None else "a file"
+    what = {
+        errno.EROFS: f"{path} is on a read-only file system: choose a folder on a disk you can write to",
+        errno.EACCES: f"no permission to use {path}: change its permissions or choose another folder",
+        errno.EPERM: f"no permission to use {path}: change its permissions or choose another folder",
+        errno.ENOSPC: f"no space left on the device while writing {path}: free some space and run the same command again",
+        errno.EEXIST: f"{path} is a file, not a folder: give a folder",
+        errno.ENOTDIR: f"{path}: part of this path is a file, not a folder",
+        errno.EISDIR: f"{path} is a folder, not a file",
+        errno.ENOENT: f"not found: {path}",
+    }
+    return what.get(exc.errno or 0, f"{path}: {exc.strerror or exc}")
 
 
 user_errors = exit_on_user_errors("interrupted; complete shards are kept, run the same command again to resume")
@@ -114,6 +155,10 @@ class GpufeedGroup(click.Group):
         except click.UsageError as exc:
             _usage_error(exc)
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[_ARGS] = list(args)  # for a usage error under --json: the command's params are not parsed then
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -121,11 +166,89 @@ class GpufeedGroup(click.Group):
             _usage_error(exc)
 
 
+_ARGS = "gpufeed.args"
+
+
 def _usage_error(exc: click.UsageError) -> NoReturn:
     if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):
         raise exc  # `gpufeed` alone: click prints the help
     hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
-    fail(exc.format_message() + hint, 2)
+    fail(exc.format_message() + hint, 2, as_json=_json_asked(exc.ctx))
+
+
+def _json_asked(ctx: click.Context | None) -> bool:
+    """Whether a command that has `--json` was given it (read from the command line: parsing failed)."""
+    if ctx is None or not any(param.name == "as_json" for param in ctx.command.params):
+        return False
+    args = ctx.meta.get(_ARGS, [])
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
+# ---------------------------------------------------------------------------
+# One word for one thing: renamed options keep their old spelling, hidden, with a note
+
+
+class RenamedOption(click.Option):
+    """An option that still accepts its old spellings: hidden from the help, each use prints a one-line note.
+
+    Made by `renamed_option(..., old=("--old-name",))`.
+    """
+
+    def __init__(self, *args: Any, old: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.old_names = tuple(old)
+
+    @property
+    def _old_dest(self) -> str:
+        return f"{self.name}:old"
+
+    def add_to_parser(self, parser: Any, ctx: click.Context) -> None:
+        super().add_to_parser(parser, ctx)
+        if self.old_names:
+            parser.add_option(obj=self, opts=self.old_names, dest=self._old_dest, action="store", nargs=self.nargs)
+
+    def consume_value(self, ctx: click.Context, opts: Any) -> Any:
+        if self._old_dest in opts:
+            new = "/".join(self.opts)
+            if self.name in opts:
+                raise click.UsageError(f"give {new} once: {'/'.join(self.old_names)} is its old name", ctx)
+            click.echo(f"gpufeed: note: {'/'.join(self.old_names)} is deprecated; use {new}", err=True)
+            opts = {**opts, self.name: opts[self._old_dest]}
+        return super().consume_value(ctx, opts)
+
+
+def renamed_option(*decls: str, old: tuple[str, ...] = (), **attrs: Any) -> Callable[[FC], FC]:
+    """`click.option`, also accepting the deprecated spellings `old` (see RenamedOption)."""
+    if not old:
+        return click.option(*decls, **attrs)
+    return click.option(*decls, cls=RenamedOption, old=old, **attrs)
+
+
+class Duration(click.ParamType):
+    """Seconds, as `pipeline.units.parse_duration` reads them: `2`, `0.5s`, `10m`."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return parse_duration(value, "duration")
+        except GpufeedError as exc:
+            self.fail(str(exc).removeprefix("duration: "), param, ctx)
+
+
+class AliasedChoice(click.Choice):
+    """A choice that also takes other spellings of its values (`jpg` for `jpeg`); the help lists the values."""
+
+    def __init__(self, choices: list[str], aliases: dict[str, str]) -> None:
+        super().__init__(choices)
+        self.aliases = aliases
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            value = self.aliases.get(value.lower(), value)
+        return super().convert(value, param, ctx)
 
 
 # ---------------------------------------------------------------------------
@@ -152,8 +275,21 @@ def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="shorter: shorter side S; longer: fit in SxS; center-crop: SxS; pad: fit and pad to SxS.",
         ),
         click.option("--upscale", is_flag=True, help="Enlarge images smaller than the target."),
-        click.option("--resample", type=click.Choice(["lanczos", "bicubic", "bilinear"]), default="lanczos", show_default=True),
-        click.option("--format", "fmt", type=click.Choice(["jpeg", "webp", "png", "npy"]), default="jpeg", show_default=True),
+        click.option(
+            "--resample",
+            type=click.Choice(["lanczos", "bicubic", "bilinear"]),
+            default="lanczos",
+            show_default=True,
+            help="The resize filter.",
+        ),
+        click.option(
+            "--format",
+            "fmt",
+            type=AliasedChoice(["jpeg", "webp", "png", "npy"], {"jpg": "jpeg"}),
+            default="jpeg",
+            show_default=True,
+            help="Encoding of the stored images (jpg: jpeg); npy is raw uint8, no decode when loading.",
+        ),
         click.option("--quality", default=90, show_default=True, help="JPEG/WebP quality."),
         click.option(
             "--jpeg-restart",
@@ -168,7 +304,14 @@ def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--jitter", default=0.2, show_default=True, help="Colour jitter strength (variants)."),
         click.option("--no-flip", is_flag=True, help="No horizontal flips in variants."),
         click.option("--shard-size", default="256MiB", show_default=True, help="Target bytes per shard (e.g. 256MB, 1GiB)."),
-        click.option("--shard-count", type=int, default=None, help="Max samples per shard."),
+        renamed_option(
+            "--shard-samples",
+            type=int,
+            default=None,
+            old=("--shard-count",),
+            help="At most N samples per shard. (The number of shards follows from the listing; "
+            "`gpufeed reshard --shards N` sets it afterwards.)",
+        ),
         click.option("--seed", default=0, show_default=True, help="Seed for the shuffle and the augmentations."),
         click.option("--max-pixels", default=89_478_485, show_default=True, help="Refuse larger images (bombs)."),
         click.option("--force", is_flag=True, help="Write even if the free-space check fails."),
@@ -195,7 +338,7 @@ def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpe
             rotate=o["rotate"],
         ),
         encode=EncodeSpec(format=o["fmt"], quality=o["quality"], restart=o["jpeg_restart"]),
-        shards=ShardSpec(max_bytes=parse_bytes(o["shard_size"]), max_samples=o["shard_count"]),
+        shards=ShardSpec(max_bytes=parse_bytes(o["shard_size"]), max_samples=o["shard_samples"]),
         seed=o["seed"],
         max_pixels=o["max_pixels"],
     )
@@ -204,9 +347,20 @@ def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpe
 def reshard_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Options of a reshard (shared by `reshard`, `submit reshard` and `schedule add … reshard`)."""
     options = [
-        click.option("--shard-count", type=int, default=None, help="At most N samples per shard."),
+        click.option(
+            "--shards",
+            type=click.IntRange(1, MAX_SHARDS),
+            default=None,
+            help="Exactly N shards per set (e.g. GPUs x loader workers, so each worker reads whole shards).",
+        ),
+        renamed_option("--shard-samples", type=int, default=None, old=("--shard-count",), help="At most N samples per shard."),
         click.option("--shard-size", default=None, help="About S bytes per shard at most (e.g. 256MB)."),
-        click.option("--multiple-of", type=int, default=None, help="Make the shard count a multiple of W (e.g. GPUs x loader workers)."),
+        click.option(
+            "--multiple-of",
+            type=int,
+            default=None,
+            help="Make the number of shards a multiple of W (with --shard-samples/--shard-size, or of today's count).",
+        ),
         click.option("--reaugment", is_flag=True, help="Re-augment from the source with --seed instead of re-packing."),
         click.option("--seed", type=int, default=None, help="The new augmentation seed (with --reaugment)."),
         click.option("--out", default=None, help="Write the result to NEW instead of a new version in place."),
@@ -221,13 +375,27 @@ def reshard_spec(dataset: str, options: dict[str, Any], absolute: Callable[[str]
     """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service."""
     from ..prepare.reshard import ReshardSpec
 
+    max_samples, multiple_of = options["shard_samples"], options["multiple_of"]
+    if options["shards"] is not None:
+        others = [name for name, key in _LAYOUT_OPTIONS if options[key] is not None]
+        if others:
+            raise click.UsageError(f"--shards sets the layout on its own; leave out {', '.join(others)}")
+        if options["reaugment"]:
+            raise click.UsageError("--shards re-packs; re-augment first, then reshard --shards N")
+        # At most one shard by samples, made a multiple of N: exactly N shards per set.
+        max_samples, multiple_of = ONE_SHARD_SAMPLES, options["shards"]
     return ReshardSpec(
         dataset=absolute(dataset),
         out=absolute(options["out"]) if options["out"] else None,
-        max_samples=options["shard_count"],
+        max_samples=max_samples,
         max_bytes=parse_bytes(options["shard_size"]) if options["shard_size"] else None,
-        multiple_of=options["multiple_of"],
+        multiple_of=multiple_of,
         reaugment=options["reaugment"],
         seed=options["seed"],
         keep=options["keep"],
     )
+
+
+MAX_SHARDS = 1 << 16  # the most --multiple-of allows
+ONE_SHARD_SAMPLES = 2**62  # more samples than any dataset holds
+_LAYOUT_OPTIONS = (("--shard-samples", "shard_samples"), ("--shard-size", "shard_size"), ("--multiple-of", "multiple_of"))

@@ -12,7 +12,15 @@ from typing import Any
 
 import click
 
-from .common import MISMATCH, prepare_options, reshard_options, reshard_spec, spec_from_options, user_errors
+from .common import (
+    MISMATCH,
+    prepare_options,
+    renamed_option,
+    reshard_options,
+    reshard_spec,
+    spec_from_options,
+    user_errors,
+)
 
 
 @click.command()
@@ -128,11 +136,11 @@ def reshard(dataset: str, workers: int | None, as_json: bool, **options: Any) ->
 
 @click.command("demo-data")
 @click.argument("directory")
-@click.option("--n", "count", default=1000, show_default=True, help="Number of images.")
+@renamed_option("-n", "--count", "count", default=1000, show_default=True, old=("--n",), help="Number of images.")
 @click.option("--classes", default=4, show_default=True, help="Number of class folders (1-6).")
-@click.option("--min-side", default=800, show_default=True)
-@click.option("--max-side", default=1600, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@click.option("--min-side", default=800, show_default=True, help="Smallest width or height of an image, in pixels.")
+@click.option("--max-side", default=1600, show_default=True, help="Largest width or height of an image, in pixels.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the images (the same seed writes the same files).")
 @click.option("--workers", type=int, default=None, help="Processes (default: available cores).")
 @user_errors
 def demo_data(directory: str, count: int, classes: int, min_side: int, max_side: int, seed: int, workers: int | None) -> None:

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, write_failure
 from ..units import format_bytes, format_rate
 
 MiB = 1 << 20
@@ -162,6 +162,11 @@ class Advice:
     predicted_after: float
     after_ceilings: dict[str, float | None]
     reasons: tuple[str, ...]
+
+    @property
+    def prepare_helps(self) -> bool:
+        """Whether preparing makes training faster: the data pipeline is the bottleneck and the prediction beats today."""
+        return self.bottleneck != "gpu" and self.predicted_after > self.predicted_before
 
 
 def find_bottleneck(ceilings: Ceilings) -> tuple[str, float]:
@@ -319,6 +324,7 @@ class AdviseResult:
     details: dict[str, Any]
     seconds: float
     sample_items: list[Any] = dataclasses.field(default_factory=list, repr=False)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def command(self) -> list[str]:
@@ -330,6 +336,7 @@ class AdviseResult:
         data["command"] = self.command
         data["bottleneck"] = self.advice.bottleneck
         data["predicted_loader_images_per_s"] = self.advice.predicted_loader
+        data["prepare_helps"] = self.advice.prepare_helps
         return data
 
 
@@ -410,7 +417,8 @@ def advise(
         input_shape: the model's input for one sample.
         batch_size: training batch size (also used for every loader measurement).
         crop: the loader's crop size.
-        sample: images sampled from SOURCE (at least two batches' worth when there are enough).
+        sample: images sampled from SOURCE; raised to two batches' worth (2 x batch_size), which every
+            loader measurement needs, when SOURCE has that many (`notes` says so).
         num_workers: loader workers (default: available cores).
         measure_seconds: seconds each loader measurement runs.
         device: the loader's and the model's device.
@@ -436,17 +444,25 @@ def advise(
         raise ConfigError("--gpu-images-per-s must be positive")
     if "://" in target and not target.startswith("file://"):
         raise ConfigError("--target must be a local folder (the disk the shards will be read from)")
+    if sample < 1 or batch_size < 1:
+        raise ConfigError("--sample and --batch-size must be at least 1")
     say = progress or (lambda text: None)
     cores = num_workers or available_cores()
     prepared_size = round(crop / 0.875)  # the loader's eval crop reads 224 of 256
-    items, listed = sample_sources(source, max(sample, 2 * batch_size), seed)
+    notes = []
+    wanted = max(sample, 2 * batch_size)
+    items, listed = sample_sources(source, wanted, seed)
+    if len(items) > sample:
+        notes.append(
+            f"--sample {sample} was raised to {len(items)}: each loader measurement needs two batches "
+            f"of --batch-size {batch_size} (a smaller --batch-size allows a smaller sample)"
+        )
     blobs = read_sample(items)
-    details: dict[str, Any] = {"cores": cores, "num_workers": cores}
-    say(f"measuring the GPU rate ({'given' if gpu_images_per_s else 'synthetic batches'})")
-    gpu = gpu_images_per_s or _model_rate(model, input_shape, batch_size, device, measure_seconds, details)
-    details["gpu_source"] = "given" if gpu_images_per_s else "measured"
-    os.makedirs(target, exist_ok=True)
-    with _scratch(target) as scratch:
+    details: dict[str, Any] = {"cores": cores, "num_workers": cores, "sample_asked": sample}
+    with _scratch(_writable_target(target)) as scratch:  # a target that cannot be used fails now, not after minutes
+        say(f"measuring the GPU rate ({'given' if gpu_images_per_s else 'synthetic batches'})")
+        gpu = gpu_images_per_s or _model_rate(model, input_shape, batch_size, device, measure_seconds, details)
+        details["gpu_source"] = "given" if gpu_images_per_s else "measured"
         say("reading the raw sample cold from storage")
         storage_rate = _cold_read_rate(items, cores, details)
         say("loader over the page-cached raw sample")
@@ -472,7 +488,7 @@ def advise(
         raw_bytes_per_sample=sum(len(b) for b in blobs) / max(1, len(blobs)),
         target_read_mb_s=read_mb_s,
         target_free_bytes=free,
-        storage_kind=_describe_storage(source, device_info),
+        storage_kind=_describe_storage(source, device_info, details),
         target_kind=details.get("target_device_kind", "unknown"),
         consumer="model on the CPU" if details.get("gpu_device") == "cpu" else "GPU",
     )
@@ -481,7 +497,7 @@ def advise(
     out = out or os.path.join(target, f"{name}-{prepared_size}-{advice.recommendation.format}")
     return AdviseResult(
         source, target, out, listed, len(items), batch_size, crop, device, inputs, advice, details,
-        time.perf_counter() - started, items,
+        time.perf_counter() - started, items, notes,
     )
 
 
@@ -534,10 +550,34 @@ def _mean(values: Any) -> float:
     return sum(values) / len(values)
 
 
+def _writable_target(target: str) -> str:
+    """TARGET as a folder (created if missing).
+
+    Raises:
+        ConfigError: TARGET is a file.
+        StorageError: the folder cannot be created.
+    """
+    if os.path.exists(target) and not os.path.isdir(target):
+        folder = os.path.dirname(os.path.abspath(target))
+        raise ConfigError(f"--target {target} is a file; give the folder the shards would go to, e.g. {folder}")
+    try:
+        os.makedirs(target, exist_ok=True)
+    except OSError as exc:
+        raise write_failure(target, exc) from exc
+    return target
+
+
 @contextlib.contextmanager
 def _scratch(target: str) -> Iterator[str]:
-    """A temp folder on the target disk, removed afterwards (Ctrl-C included)."""
-    folder = tempfile.mkdtemp(prefix=".gpufeed-advise-", dir=target)
+    """A temp folder on the target disk, removed afterwards (Ctrl-C included).
+
+    Raises:
+        StorageError: nothing can be written there.
+    """
+    try:
+        folder = tempfile.mkdtemp(prefix=".gpufeed-advise-", dir=target)
+    except OSError as exc:
+        raise write_failure(target, exc) from exc
     try:
         yield folder
     finally:
@@ -545,12 +585,12 @@ def _scratch(target: str) -> Iterator[str]:
 
 
 def _model_rate(model: Any, input_shape: Any, batch_size: int, device: str, seconds: float, details: dict[str, Any]) -> float:
-    from .memory import load_model, measure_step_times, parse_shape
+    from .memory import check_model_input, load_model, measure_step_times, parse_shape
 
     module = load_model(model) if isinstance(model, str) else model
-    timing = measure_step_times(
-        module, parse_shape(input_shape), [batch_size], optimizer="sgd", device=device, min_seconds=seconds
-    )
+    shape = parse_shape(input_shape)
+    check_model_input(module, shape, model if isinstance(model, str) else type(model).__name__)
+    timing = measure_step_times(module, shape, [batch_size], optimizer="sgd", device=device, min_seconds=seconds)
     details["gpu_device"] = timing.device
     details["gpu_step_seconds"] = timing.points[0][1]
     return batch_size / timing.points[0][1]
@@ -647,11 +687,14 @@ def _target_disk(target: str, details: dict[str, Any]) -> tuple[float | None, in
 
     free = free_bytes(target)
     try:
-        disk = benchmark_disk(target, file_bytes=64 * MiB, block_sizes=(MiB,), duration_s=0.5, tests=("seq_read",))
+        disk = benchmark_disk(
+            target, file_bytes=64 * MiB, block_sizes=(MiB,), duration_s=0.5, threads=1, tests=("seq_read", "randread")
+        )  # the random reads tell flash from a spinning disk where the kernel cannot (virtual disks)
     except Exception as exc:  # a full or odd disk must not stop the diagnosis
         details["target_disk_error"] = str(exc)
         return None, free
     details["target_device_kind"] = disk.device_kind
+    details["target_device"] = disk.device
     details["target_seq_read_mb_s"] = disk.seq_read_mb_s
     details["target_direct_io"] = disk.direct_io
     return disk.seq_read_mb_s, free
@@ -706,10 +749,13 @@ def _median_shorter_side(blobs: list[bytes]) -> float:
     return float(statistics.median(sides)) if sides else 0.0
 
 
-def _describe_storage(source: str, device_info: Any) -> str:
+def _describe_storage(source: str, device_info: Any, details: dict[str, Any]) -> str:
     from ..io.fs import local_path
 
     if local_path(source) is None:
         return "network"
     info = device_info(source)
-    return f"{info.kind} ({info.fstype})"
+    kind = info.kind
+    if info.device and info.device == details.get("target_device"):  # the target's random reads classified it
+        kind = details.get("target_device_kind") or kind
+    return f"{kind} ({info.fstype})"

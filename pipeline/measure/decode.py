@@ -7,9 +7,13 @@ it to the training input (`target`, shorter side), in one thread, looping
 over the sample for at least `min_seconds`: images/s per core. Multiply by
 the cores a loader gets for its decode ceiling.
 
-Decoders: PIL (full decode), PIL with draft mode (DCT-domain downscale),
-simplejpeg (libjpeg-turbo, DCT-scaled), PyTurboJPEG and OpenCV (reduced
-decode) when installed, and `.npy` (no decode) for the prepared copy.
+Decoders (`DECODERS` names them as `--decoder` takes them): the loader's own
+region decoder (gpufeed's libjpeg-turbo decoder: only the blocks of a
+random-resized crop, DCT-scaled, resized straight to target x target, which
+is what the loader does for every training sample), PIL (full decode), PIL
+with draft mode (DCT-domain downscale), simplejpeg (libjpeg-turbo,
+DCT-scaled), PyTurboJPEG and OpenCV (reduced decode) when installed, and
+`.npy` (no decode) for the prepared copy.
 """
 
 from __future__ import annotations
@@ -234,24 +238,75 @@ def decode_npy(data: bytes, target: int) -> Any:
     return _pil_resize(pil_image().fromarray(array), (width, height), target)
 
 
-def available_decoders() -> dict[str, Decoder]:
-    """The JPEG-capable decoders importable here, by display name (PIL always)."""
-    decoders: dict[str, Decoder] = {"PIL": decode_pil, "PIL + draft": decode_pil_draft}
-    try:
-        import simplejpeg  # noqa: F401
+def _region_decoder() -> Decoder:
+    """The loader's JPEG path: a random-resized crop decoded block by block, into a target x target slot."""
+    from .. import native
+    from ..loader.cpu_decode import decode_into
+    from ..loader.crops import CropSpec
 
-        decoders["simplejpeg"] = _decode_simplejpeg
-    except ImportError:
-        pass
-    for name, factory in (("PyTurboJPEG", _turbojpeg_decoder), ("OpenCV", _opencv_decoder)):
-        try:
-            decoders[name] = factory()
-        except Exception:  # not installed, or its native library is missing
-            continue
+    if native.library(warn=False) is None:
+        raise ImportError(native.problem() or "gpufeed's native library is missing")
+    specs: dict[int, CropSpec] = {}
+    draws = iter(range(1 << 62))  # a new crop each call, as in training
+
+    def decode(data: bytes, target: int) -> Any:
+        spec = specs.setdefault(target, CropSpec(size=target, train=True, decoder="region"))
+        slot = np.empty((3, target, target), np.uint8)
+        decode_into(slot, "jpg", data, spec, next(draws))
+        return slot
+
+    return decode
+
+
+# `--decoder NAME` -> the name rows carry; the order of the table.
+DECODERS = {
+    "region": "region",
+    "pil": "PIL",
+    "pil-draft": "PIL + draft",
+    "simplejpeg": "simplejpeg",
+    "pyturbojpeg": "PyTurboJPEG",
+    "opencv": "OpenCV",
+}
+_FACTORIES: dict[str, Callable[[], Decoder]] = {"region": _region_decoder, "PyTurboJPEG": _turbojpeg_decoder, "OpenCV": _opencv_decoder}
+
+
+def decoder_name(text: str) -> str:
+    """The row name of a decoder given as `--decoder` takes it (`pil-draft`) or as rows name it (`PIL + draft`).
+
+    Raises:
+        ConfigError: no such decoder.
+    """
+    wanted = text.strip().lower()
+    for option, name in DECODERS.items():
+        if wanted in (option, name.lower()):
+            return name
+    raise ConfigError(f"unknown decoder {text!r}; choose from {', '.join(DECODERS)}")
+
+
+def available_decoders() -> dict[str, Decoder]:
+    """The JPEG-capable decoders that work here, by row name, in `DECODERS` order (PIL always)."""
+    decoders: dict[str, Decoder] = {}
+    for name in DECODERS.values():
+        if name == "PIL":
+            decoders[name] = decode_pil
+        elif name == "PIL + draft":
+            decoders[name] = decode_pil_draft
+        elif name == "simplejpeg":
+            try:
+                import simplejpeg  # noqa: F401
+            except ImportError:
+                continue
+            decoders[name] = _decode_simplejpeg
+        else:
+            try:
+                decoders[name] = _FACTORIES[name]()
+            except Exception:  # not installed, or its native library is missing
+                continue
     return decoders
 
 
-JPEG_ONLY = frozenset({"simplejpeg", "PyTurboJPEG"})
+JPEG_ONLY = frozenset({"region", "simplejpeg", "PyTurboJPEG"})
+NOTES = {"region": "the loader's: random-resized crop, only its blocks decoded"}
 
 
 # ---------------------------------------------------------------------------
@@ -296,11 +351,11 @@ def benchmark_decode(
     Args:
         source: a folder, CSV/JSONL list or URL of raw images.
         sample: images to sample.
-        target: shorter side each decoded image is resized to.
+        target: shorter side each decoded image is resized to (the region decoder: the crop's side).
         size: shorter side of the prepared copy (what `gpufeed prepare --size` writes).
         quality: JPEG quality of the prepared copy.
         min_seconds: minimum timed seconds per decoder and sample.
-        decoders: names to run (default: every one available).
+        decoders: names to run, as `DECODERS` or the rows name them (default: every one available).
         seed: seed of the sample.
 
     Returns:
@@ -320,18 +375,20 @@ def benchmark_decode(
     prepared = prepare_in_memory(raw, size, EncodeSpec(format="jpeg", quality=quality))
     npy = prepare_in_memory(raw, size, EncodeSpec(format="npy"))
     available = available_decoders()
-    chosen = decoders or list(available)
-    unknown = [name for name in chosen if name not in available]
-    if unknown:
-        raise ConfigError(f"decoder(s) not available here: {', '.join(unknown)} (have: {', '.join(available)})")
+    chosen = [decoder_name(name) for name in decoders] if decoders else list(available)
+    missing = [name for name in chosen if name not in available]
+    if missing:
+        have = ", ".join(option for option, name in DECODERS.items() if name in available)
+        raise ConfigError(f"decoder(s) not available here: {', '.join(missing)} (have: {have})")
     rows = []
     for name in chosen:
+        note = "; ".join(part for part in (NOTES.get(name, ""), "JPEG files only" if name in JPEG_ONLY else "") if part)
         rows.append(
             DecoderRow(
                 name,
                 time_per_core(available[name], raw, target, min_seconds),
                 time_per_core(available[name], prepared, target, min_seconds),
-                "JPEG files only" if name in JPEG_ONLY else "",
+                note,
             )
         )
     rows.append(DecoderRow("npy (no decode)", None, time_per_core(decode_npy, npy, target, min_seconds), "prepared --format npy"))

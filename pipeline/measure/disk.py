@@ -17,6 +17,12 @@ removed afterwards, also on Ctrl-C or SIGTERM:
 - reads of many small files of the dataset's mean file size
   (open + read + close), the access pattern of an ImageFolder loader.
 
+The device's kind comes from the kernel (/sys/block, the mount table), unless
+the random reads contradict it: virtual disks (virtio, many cloud volumes)
+are often marked rotational while they answer like flash, and no spinning
+disk serves a random 4 KiB read in under a millisecond. Then the kind is the
+measured one and the result says both (`kernel_kind`, `kind_note`).
+
 MB/s are 10^6 bytes per second.
 """
 
@@ -49,6 +55,9 @@ DEFAULT_SMALL_FILE_BYTES = 110_000  # ImageNet's mean JPEG size, when no dataset
 DEFAULT_SMALL_FILES = 512
 DEFAULT_THREADS = 16
 WORK_PREFIX = ".gpufeed-bench-"
+# A spinning disk's random read waits for the platter: milliseconds, a few hundred IOPS at best.
+FLASH_P50_MS = 1.0
+ROTATIONAL_MAX_IOPS = 500.0
 ALL_TESTS = ("seq_write", "seq_read", "randread", "small_files")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -72,7 +81,10 @@ class DiskBenchResult:
 
     Attributes:
         path: the folder measured.
-        device_kind: nvme, ssd, rotational, network, tmpfs or unknown.
+        device_kind: nvme, ssd, rotational, network, tmpfs or unknown: the kernel's word,
+            unless the random reads showed otherwise (see `kind_note`).
+        kernel_kind: what the kernel says the device is.
+        kind_note: why `device_kind` differs from `kernel_kind` ("" when it does not).
         fstype, device: the filesystem and block device behind `path`.
         free_bytes: free space on that filesystem before the test.
         direct_io: True when O_DIRECT bypassed the page cache.
@@ -116,11 +128,27 @@ class DiskBenchResult:
     small_file_mb_s: float | None = None
     seconds: float = 0.0
     warnings: list[str] = dataclasses.field(default_factory=list)
+    kernel_kind: str = ""
+    kind_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["seq_read_by_block"] = {str(k): v for k, v in self.seq_read_by_block.items()}
         return data
+
+
+def classify_measured(result: DiskBenchResult) -> None:
+    """Correct a `rotational` kind that the random reads contradict (see the module docstring), in place."""
+    iops, p50 = result.randread_4k_iops_qd1, result.randread_4k_p50_ms_qd1
+    if result.kernel_kind != "rotational" or iops is None or p50 is None:
+        return
+    if p50 < FLASH_P50_MS and iops > ROTATIONAL_MAX_IOPS:
+        result.device_kind = "ssd"
+        device = result.device or "the device"
+        result.kind_note = (
+            f"the kernel marks {device} as rotational, as it often does for virtual disks, but random 4 KiB reads "
+            f"took {p50:.2f} ms at queue depth 1 ({iops:,.0f} IOPS), which no spinning disk does: counted as ssd"
+        )
 
 
 def benchmark_disk(
@@ -161,6 +189,9 @@ def benchmark_disk(
         StorageError: not enough free space, or the folder cannot be written.
     """
     blocks = _check_settings(path, file_bytes, block_sizes, duration_s, threads, small_files, tests)
+    if os.path.exists(path) and not os.path.isdir(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        raise ConfigError(f"{path} is a file; bench disk measures a folder on the disk: give one, e.g. {folder}")
     started = time.perf_counter()
     file_bytes = -(-file_bytes // max(blocks)) * max(blocks)
     small_size = small_file_bytes or DEFAULT_SMALL_FILE_BYTES
@@ -171,12 +202,13 @@ def benchmark_disk(
     needed = file_bytes + (small_files * (small_size + PAGE) if "small_files" in tests else 0)
     if free is not None and needed > free * 0.9:
         raise StorageError(
-            f"{path} has {free / 1e9:.2f} GB free; the benchmark needs {needed / 1e9:.2f} GB: use a smaller --size"
+            f"{path} has {free / 1e9:.2f} GB free; the benchmark needs {needed / 1e9:.2f} GB: use a smaller --file-size"
         )
     use_direct = bool(_O_DIRECT) and not memory and direct is not False
     result = DiskBenchResult(
         path=os.path.abspath(path),
         device_kind=info.fstype if memory else info.kind,
+        kernel_kind=info.fstype if memory else info.kind,
         fstype=info.fstype,
         device=info.device,
         free_bytes=free,
@@ -201,6 +233,7 @@ def benchmark_disk(
             result.seq_read_mb_s = max(result.seq_read_by_block.values())
         if "randread" in tests:
             _random_reads(bench, result, threads)
+            classify_measured(result)
         if "small_files" in tests:
             bench.write_small_files(small_files, small_size)
             result.small_files = small_files

@@ -25,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ConfigError
@@ -235,10 +236,63 @@ def load_model(spec: str) -> Any:
         if not hasattr(target, part):
             raise ConfigError(f"{module_name} has no attribute {attribute!r}")
         target = getattr(target, part)
-    model = target() if callable(target) and not isinstance(target, torch.nn.Module) else target
+    model = _call_factory(spec, target) if callable(target) and not isinstance(target, torch.nn.Module) else target
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _call_factory(spec: str, factory: Callable[[], Any]) -> Any:
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise ConfigError(
+            f"--model {spec} needs arguments{_signature(factory)}; it is called without any: give a function "
+            f"that takes none, e.g. def make(): return {spec.rpartition(':')[2]}(...) in a file, as file.py:make"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): just call it
+        pass
+    try:
+        return factory()
+    except Exception as exc:
+        raise ConfigError(f"--model {spec} failed when called: {type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def _signature(factory: Callable[..., Any]) -> str:
+    try:
+        return f" {inspect.signature(factory)}"
+    except (TypeError, ValueError):
+        return ""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def check_model_input(model: Any, input_shape: Sequence[int], name: str = "the model") -> None:
+    """Run `model` once on a zero batch of one `input_shape` sample, so a wrong --input is one clear error.
+
+    Raises:
+        ConfigError: the model cannot take that input (e.g. channels last where it expects them first).
+    """
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros((1, *input_shape)))
+    except Exception as exc:
+        shape = ",".join(map(str, input_shape))
+        hint = ""
+        if len(input_shape) == 3 and input_shape[-1] in (1, 3, 4) and input_shape[0] not in (1, 3, 4):
+            hint = f"; --input is channels first: did you mean {','.join(map(str, (input_shape[-1], *input_shape[:-1])))}?"
+        raise ConfigError(
+            f"{name} cannot take --input {shape} (one sample's shape): {type(exc).__name__}: {_first_line(exc)}{hint}"
+        ) from exc
+    finally:
+        model.train(was_training)
 
 
 def _import_model_module(name: str) -> Any:
@@ -456,6 +510,7 @@ def estimate_memory(
     shape = parse_shape(input_shape)
     name = model if isinstance(model, str) else type(model).__name__
     module = load_model(model) if isinstance(model, str) else model
+    check_model_input(module, shape, name)
     size = DTYPE_BYTES[dtype]
     parameters = sum(p.numel() for p in module.parameters())
     parameter_bytes = parameters * size

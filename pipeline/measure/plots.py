@@ -3,6 +3,11 @@
 matplotlib is imported inside each function and drawn with the Agg canvas
 directly (no pyplot, no display, no global state), so importing gpufeed
 never loads it and plots work on headless machines.
+
+Every chart is drawn at its default size so that no two labels overlap:
+legends sit outside the data (below the plot), twin axes are used only
+where one panel must compare two units, and axis ticks are thinned to what
+fits. tests/test_plots.py checks the text boxes of every chart.
 """
 
 from __future__ import annotations
@@ -15,31 +20,50 @@ from ..units import format_bytes, format_rate
 GOOD, BAD, NEUTRAL, ACCENT = "#2b8a3e", "#c92a2a", "#868e96", "#1c7ed6"
 
 
-def _figure(width: float = 10.0, height: float = 4.5, columns: int = 1) -> tuple[Any, Any]:
+def _figure(width: float = 10.0, height: float = 4.5, rows: int = 1, columns: int = 1, **kwargs: Any) -> tuple[Any, Any]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(width, height), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(1, columns)
-    return figure, axes
+    axes = figure.subplots(rows, columns, squeeze=False, **kwargs)
+    return figure, [axis for row in axes for axis in row]
 
 
 def _legend_below(figure: Any, *axes: Any) -> None:
-    """One legend for twin axes, under the plot, where it covers no data."""
+    """One legend for these axes (twins included), under the plot, where it covers no data."""
     handles, labels = [], []
     for axis in axes:
         more_handles, more_labels = axis.get_legend_handles_labels()
         handles += more_handles
         labels += more_labels
-    figure.legend(handles, labels, loc="outside lower center", ncols=min(4, len(labels)))
+    if labels:
+        figure.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)))
 
 
-def _power_of_two_axis(axis: Any, values: list[int]) -> None:
+def _power_of_two_axis(axis: Any, values: list[int], most: int = 8) -> None:
+    """A log2 x axis with at most `most` tick labels, the largest value always among them, none crowded."""
+    import math
+
     axis.set_xscale("log", base=2)
-    shown = values if len(values) <= 12 else values[:: -(-len(values) // 12)]
+    ordered = sorted(set(values))
+    span = math.log2(ordered[-1] / ordered[0]) if len(ordered) > 1 else 1.0
+    gap = span / max(1, most - 1) * 0.9  # the least log2 distance between two labels
+    shown = [ordered[0]]
+    for value in ordered[1:-1]:
+        if math.log2(value / shown[-1]) >= gap and math.log2(ordered[-1] / value) >= gap:
+            shown.append(value)
+    if len(ordered) > 1:
+        shown.append(ordered[-1])
     axis.set_xticks(shown, [str(v) for v in shown])
     axis.minorticks_off()
+
+
+def _thousands(axis: Any) -> None:
+    """Tick labels like 60,000 on the y axis."""
+    from matplotlib.ticker import StrMethodFormatter
+
+    axis.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
 
 
 def _save(figure: Any, path: str | os.PathLike[str]) -> str:
@@ -56,37 +80,80 @@ def plot_disk(result: Any, path: str | os.PathLike[str]) -> str:
 
 
 def disk_figure(result: Any) -> Any:
-    """Random 4 KiB IOPS and p99 latency vs threads; sequential MB/s vs block size (a DiskBenchResult)."""
-    figure, (left, right) = _figure(columns=2)
-    sweep = result.randread_sweep
-    if sweep:
-        threads = [p.threads for p in sweep]
-        left.plot(threads, [p.iops for p in sweep], marker="o", color=ACCENT, label="random 4 KiB IOPS")
-        _power_of_two_axis(left, threads)
-        left.set_xlabel("threads (reads in flight)")
-        left.set_ylabel("random 4 KiB reads per second (IOPS)")
-        left.set_ylim(bottom=0)
-        latency = left.twinx()
-        latency.plot(threads, [p.p99_ms for p in sweep], marker="s", linestyle="--", color=BAD, label="p99 latency (ms)")
-        latency.set_ylabel("p99 latency (ms)")
-        latency.set_ylim(bottom=0)
-        left.legend(handles=left.get_lines() + latency.get_lines(), loc="upper left")
-    left.set_title("random 4 KiB reads")
-    blocks = sorted(result.seq_read_by_block)
-    labels = [format_bytes(b) for b in blocks]
-    reads = [result.seq_read_by_block[b] for b in blocks]
-    bars = right.bar(labels, reads, color=ACCENT, label="read")
-    right.bar_label(bars, fmt="%.0f")
-    if result.seq_write_mb_s is not None:
-        right.axhline(result.seq_write_mb_s, color=NEUTRAL, linestyle="--", label=f"write ({format_rate(result.seq_write_mb_s, 'MB/s')})")
-    right.set_ylim(0, 1.3 * max([*reads, result.seq_write_mb_s or 0.0, 1.0]))
-    right.set_xlabel("block size")
-    right.set_ylabel("sequential throughput (MB/s)")
-    right.set_title("sequential reads")
-    right.legend(loc="upper left", ncols=2)
+    """What a DiskBenchResult measured, one panel per kind of test that ran.
+
+    Random 4 KiB IOPS and p99 latency vs threads; sequential MB/s vs block
+    size; small-file reads/s when neither of the others ran.
+    """
+    panels = [name for name, ran in (("random", result.randread_sweep), ("sequential", _sequential(result))) if ran]
+    if not panels:
+        panels = ["small files"]
+    figure, axes = _figure(columns=len(panels), width=10.0 if len(panels) > 1 else 8.0)
+    drawn = []
+    for name, axis in zip(panels, axes):
+        drawn += {"random": _random_panel, "sequential": _sequential_panel, "small files": _small_files_panel}[name](axis, result)
+    _legend_below(figure, *drawn)
+    kind = result.device_kind if result.device_kind == result.kernel_kind or not result.kernel_kind else (
+        f"{result.device_kind} as measured (the kernel says {result.kernel_kind})"
+    )
     bypass = "O_DIRECT" if result.direct_io else result.cache_bypass
-    figure.suptitle(f"{result.path}: {result.device_kind} ({result.fstype}), page cache bypass: {bypass}")
+    figure.suptitle(f"{result.path}: {kind}, {result.fstype}; page cache bypass: {bypass}")
     return figure
+
+
+def _sequential(result: Any) -> bool:
+    return bool(result.seq_read_by_block) or result.seq_write_mb_s is not None
+
+
+def _random_panel(axis: Any, result: Any) -> list[Any]:
+    sweep = result.randread_sweep
+    threads = [p.threads for p in sweep]
+    axis.plot(threads, [p.iops for p in sweep], marker="o", color=ACCENT, label="random 4 KiB reads (IOPS, left)")
+    _power_of_two_axis(axis, threads)
+    axis.set_xlabel("threads (reads in flight)")
+    axis.set_ylabel("random 4 KiB reads per second (IOPS)")
+    _thousands(axis)
+    axis.set_ylim(0, 1.1 * max(p.iops for p in sweep))
+    latency = axis.twinx()
+    latency.plot(threads, [p.p99_ms for p in sweep], marker="s", linestyle="--", color=BAD, label="p99 latency (ms, right)")
+    latency.set_ylabel("p99 latency (ms)")
+    latency.set_ylim(0, 1.1 * max(p.p99_ms for p in sweep) or 1.0)
+    axis.set_title("random 4 KiB reads")
+    return [axis, latency]
+
+
+def _sequential_panel(axis: Any, result: Any) -> list[Any]:
+    blocks = sorted(result.seq_read_by_block)
+    reads = [result.seq_read_by_block[b] for b in blocks]
+    if blocks:
+        bars = axis.bar([format_bytes(b) for b in blocks], reads, color=ACCENT, label="read")
+        axis.bar_label(bars, labels=[f"{v:,.0f}" for v in reads])
+        axis.set_xlabel("block size")
+    if result.seq_write_mb_s is not None:
+        axis.axhline(
+            result.seq_write_mb_s, color=NEUTRAL, linestyle="--",
+            label=f"write, fsync included ({format_rate(result.seq_write_mb_s, 'MB/s')})",
+        )  # fmt: skip
+    axis.set_ylim(0, 1.15 * max([*reads, result.seq_write_mb_s or 0.0, 1.0]))
+    axis.set_ylabel("sequential throughput (MB/s)")
+    _thousands(axis)
+    axis.set_title("sequential reads" if blocks else "sequential write")
+    return [axis]
+
+
+def _small_files_panel(axis: Any, result: Any) -> list[Any]:
+    names, values = [], []
+    for label, value in (("1 thread", result.small_file_reads_per_s_qd1), (f"{result.threads} threads", result.small_file_reads_per_s)):
+        if value is not None:
+            names.append(label)
+            values.append(value)
+    bars = axis.bar(names, values, color=ACCENT)
+    axis.bar_label(bars, labels=[f"{v:,.0f}" for v in values])
+    axis.set_ylim(0, 1.15 * max([*values, 1.0]))
+    axis.set_ylabel("small files read per second")
+    _thousands(axis)
+    axis.set_title(f"small files ({format_bytes(result.small_file_bytes)}): open, read, close")
+    return [axis]
 
 
 def plot_decode(result: Any, path: str | os.PathLike[str]) -> str:
@@ -98,15 +165,15 @@ def decode_figure(result: Any) -> Any:
     """Images/s per core for each decoder, raw vs prepared (a DecodeBenchResult)."""
     import numpy as np
 
-    figure, axis = _figure(height=0.6 * len(result.rows) + 2.2)
-    names = [row.decoder for row in result.rows]
+    figure, (axis,) = _figure(height=0.6 * len(result.rows) + 2.2)
+    names = [f"{row.decoder}\n(the loader's crop)" if row.decoder == "region" else row.decoder for row in result.rows]
     positions = np.arange(len(names))
     raw = [row.raw_images_per_s or 0.0 for row in result.rows]
     prepared = [row.prepared_images_per_s or 0.0 for row in result.rows]
     raw_bars = axis.barh(
         positions - 0.2, raw, height=0.4, color=BAD,
         label=f"raw ({result.raw_mean_pixels / 1e6:.1f} MP, {result.raw_mean_bytes / 1e3:.0f} kB)",
-    )
+    )  # fmt: skip
     prepared_bars = axis.barh(
         positions + 0.2,
         prepared,
@@ -115,13 +182,14 @@ def decode_figure(result: Any) -> Any:
         label=f"prepared (shorter side {result.prepared_size}, {result.prepared_mean_bytes / 1e3:.0f} kB JPEG)",
     )
     for bars, values in ((raw_bars, raw), (prepared_bars, prepared)):
-        axis.bar_label(bars, labels=[f"{v:.0f}" if v else "n/a" for v in values], padding=3)
+        axis.bar_label(bars, labels=[f"{v:,.0f}" if v else "n/a" for v in values], padding=3)
     axis.set_xlim(0, 1.15 * max([*raw, *prepared, 1.0]))
+    axis.xaxis.set_major_formatter("{x:,.0f}")
     axis.set_yticks(positions, names)
     axis.invert_yaxis()
     axis.set_xlabel(f"images/s per core (decode + resize to shorter side {result.target} px)")
     axis.set_title(f"decode speed on {result.samples} images of {result.source}")
-    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=2)
+    _legend_below(figure, axis)
     return figure
 
 
@@ -131,26 +199,35 @@ def plot_loader(result: Any, path: str | os.PathLike[str]) -> str:
 
 
 def loader_figure(result: Any) -> Any:
-    """Loader images/s and stall fraction vs num_workers (a LoaderBenchResult)."""
-    figure, axis = _figure()
+    """Loader images/s vs num_workers, and against a consumer rate its stall fraction (a LoaderBenchResult).
+
+    Without a consumer rate the training loop takes no time, so it always
+    waits for data: the stall fraction says nothing then and is not drawn.
+    """
+    figure, (axis,) = _figure()
     workers = [p.num_workers for p in result.points]
-    axis.plot(workers, [p.images_per_s for p in result.points], marker="o", color=ACCENT, label="loader images/s")
+    axis.plot(workers, [p.images_per_s for p in result.points], marker="o", color=ACCENT, label="loader images/s (left)")
     if result.consumer_images_per_s:
         axis.axhline(result.consumer_images_per_s, color=NEUTRAL, linestyle="--", label="simulated consumer (images/s)")
     _power_of_two_axis(axis, workers)
     axis.set_xlabel("num_workers (decode threads)" if result.worker_type == "thread" else "num_workers (processes)")
     axis.set_ylabel("images/s")
+    _thousands(axis)
     top = max([p.images_per_s for p in result.points] + [result.consumer_images_per_s or 0.0])
     axis.set_ylim(0, 1.15 * top)
-    stall = axis.twinx()
-    stall.plot(
-        workers, [100 * p.stall_fraction for p in result.points], marker="s", linestyle=":", color=BAD,
-        label="stall fraction (%)",
-    )
-    stall.set_ylabel("stall fraction (% of the step spent waiting)")
-    stall.set_ylim(0, 100)
-    _legend_below(figure, axis, stall)
-    axis.set_title(f"loader over {result.dataset}, batch {result.batch_size}")
+    drawn = [axis]
+    if result.consumer_images_per_s:
+        stall = axis.twinx()
+        stall.plot(
+            workers, [100 * p.stall_fraction for p in result.points], marker="s", linestyle=":", color=BAD,
+            label="stall fraction (%, right)",
+        )  # fmt: skip
+        stall.set_ylabel("stall fraction (% of the loop's time\nspent waiting for data)")
+        stall.set_ylim(0, 100)
+        drawn.append(stall)
+    _legend_below(figure, *drawn)
+    consumer = f"a consumer of {result.consumer_images_per_s:,.0f} images/s" if result.consumer_images_per_s else "an infinitely fast consumer"
+    axis.set_title(f"loader over {result.dataset}, batch {result.batch_size}, against {consumer}")
     return figure
 
 
@@ -160,8 +237,11 @@ def plot_advise(result: Any, path: str | os.PathLike[str], applied: Any = None) 
 
 
 def advise_figure(result: Any, applied: Any = None) -> Any:
-    """The ceilings before, and the predicted (and measured) loader after preparing (an AdviseResult)."""
-    figure, axis = _figure(height=4.0)
+    """The ceilings before, and the predicted (and measured) loader after preparing (an AdviseResult).
+
+    A linear axis, so that bar heights compare as the numbers do; each bar carries its value.
+    """
+    figure, (axis,) = _figure(height=4.0)
     names, values, colours = [], [], []
     advice = result.advice
     labels = {
@@ -184,9 +264,10 @@ def advise_figure(result: Any, applied: Any = None) -> Any:
         values.append(applied.measured_loader_images_per_s)
         colours.append(ACCENT)
     bars = axis.bar(names, values, color=colours)
-    axis.bar_label(bars, fmt="%.0f")
-    axis.set_yscale("log")
-    axis.set_ylabel("images/s (log scale)")
+    axis.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=2)
+    axis.set_ylim(0, 1.12 * max(values))
+    axis.set_ylabel("images/s")
+    _thousands(axis)
     axis.set_title(f"bottleneck: {labels.get(advice.bottleneck, advice.bottleneck).replace(chr(10), ' ')}")
     return figure
 
@@ -197,31 +278,39 @@ def plot_memory(estimate: Any, path: str | os.PathLike[str]) -> str:
 
 
 def memory_figure(estimate: Any) -> Any:
-    """Device memory and images/s vs batch size (a MemoryEstimate)."""
-    figure, axis = _figure()
+    """Device memory vs batch size and, when known, images/s vs batch size below it (a MemoryEstimate).
+
+    Two panels on one batch axis instead of twin y axes: a line of one unit
+    never hides behind a line of the other.
+    """
+    speed_known = estimate.throughput is not None
+    figure, axes = _figure(height=6.0 if speed_known else 4.5, rows=2 if speed_known else 1, sharex=True)
     rows = estimate.rows
     batches = [row.batch_size for row in rows]
-    axis.plot(batches, [row.memory_bytes / 2**30 for row in rows], marker="o", color=ACCENT, label="memory")
+    memory = axes[0]
+    memory.plot(batches, [row.memory_bytes / 2**30 for row in rows], marker="o", color=ACCENT, label="memory of a training step" if estimate.training else "memory")
     if estimate.vram_bytes:
-        axis.axhline(estimate.vram_bytes / 2**30, color=BAD, linestyle="--", label=f"VRAM ({format_bytes(estimate.vram_bytes)})")
+        memory.axhline(estimate.vram_bytes / 2**30, color=BAD, linestyle="--", label=f"VRAM ({format_bytes(estimate.vram_bytes)})")
         usable = estimate.vram_bytes * (1 - estimate.safety_margin) / 2**30
-        axis.axhline(usable, color=NEUTRAL, linestyle=":", label=f"usable ({estimate.safety_margin:.0%} margin)")
-    _power_of_two_axis(axis, batches)
-    axis.set_xlabel("batch size")
-    axis.set_ylabel("device memory (GiB)")
-    axis.set_ylim(bottom=0)
-    twins = [axis]
-    if estimate.throughput is not None:
-        speed = axis.twinx()
-        speed.plot(batches, [row.images_per_s for row in rows], marker="s", color=GOOD, label="images/s")
+        memory.axhline(usable, color=NEUTRAL, linestyle=":", label=f"usable ({estimate.safety_margin:.0%} margin)")
+    memory.set_ylabel("device memory (GiB)")
+    memory.set_ylim(bottom=0)
+    memory.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _power_of_two_axis(memory, batches)
+    memory.set_title(f"{estimate.model}: {estimate.optimizer if estimate.training else 'inference'}, {estimate.dtype}")
+    if speed_known:
+        speed = axes[1]
+        speed.plot(batches, [row.images_per_s for row in rows], marker="s", color=GOOD, label="device images/s")
         if estimate.loader_images_per_s:
-            speed.axhline(estimate.loader_images_per_s, color=GOOD, linestyle="--", label="loader images/s")
+            speed.axhline(estimate.loader_images_per_s, color=ACCENT, linestyle="--", label="loader images/s")
         saturation = estimate.throughput.saturation_batch()
-        if saturation <= max(batches):
+        if min(batches) < saturation <= max(batches):
             speed.axvline(saturation, color=NEUTRAL, linestyle="-.", label=f"90 % of peak (batch {saturation})")
         speed.set_ylabel("images/s (training)" if estimate.training else "images/s (inference)")
-        speed.set_ylim(bottom=0)
-        twins.append(speed)
-    _legend_below(figure, *twins)
-    axis.set_title(f"{estimate.model}: {estimate.optimizer if estimate.training else 'inference'}, {estimate.dtype}")
+        top = max([row.images_per_s or 0.0 for row in rows] + [estimate.loader_images_per_s or 0.0, 1.0])
+        speed.set_ylim(0, 1.1 * top)
+        _thousands(speed)
+        speed.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        _power_of_two_axis(speed, batches)
+    axes[-1].set_xlabel("batch size")
     return figure

@@ -57,7 +57,7 @@ class ReshardSpec(Spec):
     Attributes:
         dataset: the prepared dataset (folder or URL holding manifest.json).
         out: write the result here as a new dataset instead of a new version in place.
-        max_samples: at most this many samples per shard (`--shard-count`).
+        max_samples: at most this many samples per shard (`--shard-samples`).
         max_bytes: about this many bytes per shard at most (`--shard-size`).
         multiple_of: make the number of shards (per variant set) a multiple of this.
         reaugment: prepare again from the source with `seed` instead of re-packing.
@@ -82,7 +82,7 @@ class ReshardSpec(Spec):
         if self.out is not None and self.out.rstrip("/") == self.dataset.rstrip("/"):
             raise ConfigError("--out must differ from DATASET (leave it out to reshard in place)")
         if self.max_samples is not None:
-            check_int("--shard-count", self.max_samples, 1)
+            check_int("--shard-samples", self.max_samples, 1)
         if self.max_bytes is not None:
             check_int("--shard-size", self.max_bytes, 64 * 1024)
         if self.multiple_of is not None:
@@ -99,7 +99,7 @@ class ReshardSpec(Spec):
         elif self.seed is not None:
             raise ConfigError("--seed only applies with --reaugment (re-packing keeps every sample's bytes)")
         elif self.max_samples is None and self.max_bytes is None and self.multiple_of is None:
-            raise ConfigError("give --shard-count, --shard-size or --multiple-of (or --reaugment --seed S)")
+            raise ConfigError("give --shard-samples, --shards, --shard-size or --multiple-of (or --reaugment --seed S)")
 
 
 @dataclasses.dataclass
