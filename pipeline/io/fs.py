@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import SourceError
+from ..errors import SourceError, StorageError
 
 
 def is_url(path: str) -> bool:
@@ -92,6 +93,87 @@ def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple
     except (ImportError, TypeError, ValueError) as exc:
         raise SourceError(f"cannot open {url}: {exc}") from exc
     return fs, path
+
+
+# Option names that carry credentials (s3fs `key`/`secret`/`token`, gcsfs `token`, adlfs `account_key` …):
+# kept in this process only, never recorded in a job or shown.
+_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "private", "signature", "sas")
+
+
+def is_secret_option(name: str, value: Any = None) -> bool:
+    """Whether a storage option holds a credential (its name says so, or a nested dict holds one).
+
+    Args:
+        name: the option's name, e.g. ``endpoint_url`` (not secret) or ``secret`` (secret).
+        value: its value; a dict (``client_kwargs``) is secret when any of its keys is.
+
+    Returns:
+        True for ``key``, ``secret``, ``token``, ``*_key``, ``password`` and the like.
+    """
+    lowered = name.lower()
+    if lowered == "key" or lowered.endswith("_key") or any(word in lowered for word in _SECRET_WORDS):
+        return True
+    if isinstance(value, Mapping):
+        return any(is_secret_option(str(inner), item) for inner, item in value.items())
+    return False
+
+
+def _protocols(urls: Iterable[str]) -> list[str]:
+    return sorted({url.split("://", 1)[0] for url in urls if is_url(url)})
+
+
+@contextlib.contextmanager
+def storage_options_for(urls: Iterable[str], storage_options: Mapping[str, Any] | None) -> Iterator[None]:
+    """Make `storage_options` the defaults of every filesystem of `urls`' protocols opened in this process, while inside.
+
+    They go into fsspec's own per-protocol defaults (``fsspec.config.conf``), so
+    every filesystem a job opens (its listing, each source read, OUT) gets them,
+    and so do the pool processes it forks; options given to a call win over them.
+    Outside the block the defaults are what they were (e.g. ``FSSPEC_S3_ENDPOINT_URL``
+    from the environment).
+
+    Args:
+        urls: the job's locations (local paths are skipped).
+        storage_options: fsspec options, e.g. ``{"endpoint_url": "http://…", "anon": True}``.
+    """
+    from fsspec.config import conf
+
+    if not storage_options:
+        yield
+        return
+    saved = {protocol: conf.get(protocol) for protocol in _protocols(urls)}
+    try:
+        for protocol in saved:
+            conf[protocol] = {**(saved[protocol] or {}), **storage_options}
+        yield
+    finally:
+        for protocol, before in saved.items():
+            if before is None:
+                conf.pop(protocol, None)
+            else:
+                conf[protocol] = before
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a store's client raises when the store is away or refuses a call (OSError, botocore's)."""
+    errors: list[type[BaseException]] = [OSError]
+    try:
+        from botocore.exceptions import BotoCoreError  # type: ignore[import-untyped]
+
+        errors.append(BotoCoreError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def store_failure(what: str, url: str, exc: BaseException) -> StorageError:
+    """A StorageError for a failed call to a store (retryable), its URL without a password.
+
+    The store's exception is named by its class and text: fsspec and botocore messages
+    name the bucket and key, never the credentials.
+    """
+    detail = str(exc) or type(exc).__name__
+    return StorageError(f"cannot {what} {redact_url(url)}: {detail}")
 
 
 def read_source_bytes(url: str, max_bytes: int) -> bytes:

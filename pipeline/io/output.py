@@ -8,6 +8,7 @@ reader never sees a partial shard or manifest.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -15,7 +16,7 @@ import tempfile
 from typing import Any
 
 from ..errors import StorageError, write_failure
-from .fs import local_path, open_fs, temp_suffix
+from .fs import local_path, open_fs, store_errors, store_failure, temp_suffix
 
 
 class Output:
@@ -49,11 +50,24 @@ class Output:
             os.makedirs(self.staging, exist_ok=True)
             if not self.is_local:
                 self.fs.makedirs(self.remote_root, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot create output folder {self.url}: {exc.strerror or exc}") from exc
+        except store_errors() as exc:
+            raise StorageError(f"cannot create output folder {self.url}: {getattr(exc, 'strerror', None) or exc}") from exc
 
-    def publish(self, rel: str) -> None:
-        """Move a finished local file to its final place (no-op for local outputs)."""
+    def publish(self, rel: str, *, keep_local: bool = False) -> None:
+        """Move a finished local file to its final place (no-op for local outputs).
+
+        Remotely the file is uploaded under a temp name, then moved: a reader
+        never sees a partial object. An upload that fails is aborted by the
+        store's client (s3fs aborts its multipart upload), and what is left
+        under the temp name is removed when the store allows it.
+
+        Args:
+            rel: the member, relative to OUT.
+            keep_local: keep the local copy after the upload (files this machine reads again).
+
+        Raises:
+            StorageError: the upload failed (retryable); the local file is kept.
+        """
         if self.is_local:
             return
         source = self.local(rel)
@@ -63,14 +77,46 @@ class Output:
             self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
             self.fs.put_file(source, temp)
             self.fs.mv(temp, final)
-        except OSError as exc:
-            raise StorageError(f"cannot upload {rel} to {self.url}: {exc}") from exc
-        os.unlink(source)
+        except store_errors() as exc:
+            self._forget(temp)
+            raise store_failure(f"upload {rel} to", self.url, exc) from exc
+        if not keep_local:
+            os.unlink(source)
+
+    def _forget(self, remote: str) -> None:
+        with contextlib.suppress(*store_errors()):
+            self.fs.rm(remote)
+
+    def fetch(self, rel: str) -> str:
+        """Download a member of a remote OUT to its local staging file (under a temp name, then renamed).
+
+        Returns:
+            The local path (`local(rel)`); for a local OUT the file is already there.
+
+        Raises:
+            StorageError: the member cannot be read from the store (retryable).
+        """
+        path = self.local(rel)
+        if self.is_local:
+            return path
+        temp = f"{path}{temp_suffix()}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.fs.get_file(self._remote(rel), temp)
+            os.replace(temp, path)
+        except store_errors() as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise store_failure(f"download {rel} from", self.url, exc) from exc
+        return path
 
     def exists(self, rel: str) -> bool:
         if self.is_local:
             return os.path.exists(self.local(rel))
-        return bool(self.fs.exists(self._remote(rel)))
+        try:
+            return bool(self.fs.exists(self._remote(rel)))
+        except store_errors() as exc:
+            raise store_failure(f"look for {rel} in", self.url, exc) from exc
 
     def size(self, rel: str) -> int | None:
         try:
@@ -84,7 +130,12 @@ class Output:
         if self.is_local:
             with open(self.local(rel), "rb") as handle:
                 return handle.read()
-        data: bytes = self.fs.cat_file(self._remote(rel))
+        try:
+            data: bytes = self.fs.cat_file(self._remote(rel))
+        except FileNotFoundError:
+            raise
+        except store_errors() as exc:
+            raise store_failure(f"read {rel} from", self.url, exc) from exc
         return data
 
     def open_read(self, rel: str) -> Any:
@@ -119,8 +170,8 @@ class Output:
                     os.unlink(path)
             elif self.fs.exists(self._remote(rel)):
                 self.fs.rm(self._remote(rel), recursive=True)
-        except OSError as exc:
-            raise StorageError(f"cannot remove {rel} from {self.url}: {exc}") from exc
+        except store_errors() as exc:
+            raise store_failure(f"remove {rel} from", self.url, exc) from exc
 
     def listdir(self, rel: str = "") -> list[str]:
         try:

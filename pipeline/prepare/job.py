@@ -40,19 +40,19 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 from ..errors import ConfigError, ManifestError, NoImagesError, SampleError, SourceError, StorageError
 from ..io.devices import device_info, faster_local_disk, free_bytes
-from ..io.fs import resolve_location, same_location
+from ..io.fs import resolve_location, same_location, storage_options_for
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, write_manifest
 from ..specs import PrepareSpec
 from ..units import format_count
-from .listing import Listing, class_names
+from .listing import Listing, class_names, fetch_listing, share_listing
 from .plan import ShardPlan, plan_shards, planned_shard_of, shard_name
 from .pool import Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes, make_outcome
 from .resume import (
@@ -232,6 +232,7 @@ def prepare_dataset(
     strict: bool = False,
     verify: bool = False,
     progress: ProgressCallback | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> PrepareResult:
     """Prepare SRC into verified WebDataset shards at OUT.
 
@@ -254,6 +255,10 @@ def prepare_dataset(
         verify: when OUT holds the finished dataset, hash every shard against
             the manifest (not only its size) and write again those that differ.
         progress: called with a PrepareProgress after every chunk.
+        storage_options: fsspec options for the stores of SRC and OUT (``endpoint_url``,
+            ``profile``, ``anon``, credentials); used in this process and its pool only,
+            never written anywhere. Credentials otherwise come from the usual places
+            (``AWS_*`` variables, ``~/.aws``).
 
     Returns:
         A PrepareResult summary.
@@ -269,6 +274,19 @@ def prepare_dataset(
         SampleError: with `strict`, a file was rejected (the message names it
             and the reason), or OUT already holds this dataset with rejects.
     """
+    with storage_options_for((spec.source, spec.out), storage_options):
+        return _prepare_here(spec, workers, force, overwrite, strict, verify, progress)
+
+
+def _prepare_here(
+    spec: PrepareSpec,
+    workers: int | None,
+    force: bool,
+    overwrite: bool,
+    strict: bool,
+    verify: bool,
+    progress: ProgressCallback | None,
+) -> PrepareResult:
     started = time.perf_counter()
     workers = available_cores() if workers is None else workers
     if workers < 0:
@@ -372,6 +390,8 @@ def _start_job(
     listing = Listing(work)
     info = ListingInfo()
     listed, digest, labels = listing.write(list_images(spec.source, info))
+    if listed:
+        share_listing(output, WORK_DIR, digest)  # the shard tasks of other machines read it from OUT
     classes = class_names(info, labels)
     if repair is not None:
         _check_repairable(spec, repair, listed, classes)
@@ -962,6 +982,6 @@ def _load_planned_job(spec: PrepareSpec) -> _Job:
         if manifest is None:
             raise ConfigError(f"{spec.out} has no planned prepare (its planned repair lost its manifest); run plan_prepare first")
         repair = _Repair(manifest, dict(saved["repair"]))
-    listing = Listing(output.local(WORK_DIR))
+    listing = fetch_listing(output, WORK_DIR, saved["listing_sha256"])
     plan = ShardPlan(**saved["plan"])
     return _Job(spec, output, listing, plan, saved["classes"], saved["listed"], saved.get("ignored", 0), [], repair=repair)

@@ -2,8 +2,14 @@
 
 A source can hold millions of files; holding a `SourceItem` for each costs
 hundreds of bytes apiece and grows with the source. On disk, memory stays flat
-however many there are, every worker process (and every service worker that
-sees OUT) reads the same listing, and an item is one `pread` away by index.
+however many there are, every worker process reads the same listing, and an
+item is one `pread` away by index.
+
+For an OUT on a store the listing is written to this machine's staging folder
+and uploaded to OUT/.gpufeed (`share_listing`); a worker on another machine
+downloads it once into its own staging folder (`fetch_listing`) and checks it
+against the hash the plan records. So the machines of a job share the store,
+never a folder.
 """
 
 from __future__ import annotations
@@ -16,11 +22,14 @@ from typing import IO
 
 import numpy as np
 
-from ..errors import write_failure
+from ..errors import StorageError, write_failure
+from ..io.fs import file_sha256
+from ..io.output import Output
 from .sources import ListingInfo, SourceItem
 
 LINES_NAME = "listing.jsonl"
 INDEX_NAME = "listing.idx"
+FETCHED_NAME = "listing.fetched"  # local only: the hash of the listing this staging folder holds
 _INDEX_BLOCK = 65536  # offsets kept in memory before they are appended to the index file
 
 
@@ -73,6 +82,67 @@ class Listing:
             os.close(self._fd)
             self._fd = None
             self._offsets = None
+
+
+def share_listing(output: Output, work_dir: str, digest: str) -> None:
+    """Upload a just written listing to a remote OUT's work folder, keeping the local copy (no-op locally).
+
+    Args:
+        output: the job's OUT.
+        work_dir: the work folder, relative to OUT.
+        digest: the listing's sha256, as the plan records it.
+
+    Raises:
+        StorageError: the upload failed (retryable).
+    """
+    if output.is_local:
+        return
+    for name in (LINES_NAME, INDEX_NAME):
+        output.publish(f"{work_dir}/{name}", keep_local=True)
+    _mark_fetched(output.local(work_dir), digest)
+
+
+def fetch_listing(output: Output, work_dir: str, digest: str) -> Listing:
+    """The planned listing of `output`, downloaded into this machine's staging folder unless already there.
+
+    Args:
+        output: the job's OUT.
+        work_dir: the work folder, relative to OUT.
+        digest: the listing's sha256, as the plan records it.
+
+    Returns:
+        The listing, ready to read.
+
+    Raises:
+        StorageError: the listing cannot be downloaded, or what came down is not the planned one.
+    """
+    directory = output.local(work_dir)
+    listing = Listing(directory)
+    if output.is_local or _fetched(directory) == digest:
+        return listing
+    for name in (LINES_NAME, INDEX_NAME):
+        output.fetch(f"{work_dir}/{name}")
+    got, _ = file_sha256(listing.lines_path)
+    if got != digest:
+        raise StorageError(f"the listing in {output.url}/{work_dir} is not the one its plan records; plan the job again")
+    _mark_fetched(directory, digest)
+    return listing
+
+
+def _fetched(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, FETCHED_NAME), encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def _mark_fetched(directory: str, digest: str) -> None:
+    path = os.path.join(directory, FETCHED_NAME)
+    temp = f"{path}.tmp-{os.getpid()}"
+    with open(temp, "w", encoding="ascii") as handle:
+        handle.write(digest)
+    os.replace(temp, path)
 
 
 def _spill(items: Iterator[SourceItem], lines: IO[bytes], index: IO[bytes]) -> tuple[int, str, set[str]]:

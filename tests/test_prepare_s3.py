@@ -1,0 +1,156 @@
+"""`prepare` with SRC, OUT or both on a real S3 server on loopback (moto): the same dataset as a local run."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pipeline import PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
+from pipeline.io.fs import is_secret_option, storage_options_for
+from pipeline.manifest import read_manifest, verify_dataset
+
+if TYPE_CHECKING:
+    from s3_fixtures import Bucket, S3Server
+
+pytest_plugins = ["s3_fixtures"]
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = 12
+
+
+@pytest.fixture(scope="module")
+def raw_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pipeline.demo import make_demo_dataset
+
+    raw = tmp_path_factory.mktemp("s3-prepare") / "raw"
+    make_demo_dataset(str(raw), IMAGES, min_side=80, max_side=140, workers=1)
+    return raw
+
+
+def spec_of(source: str, out: str) -> PrepareSpec:
+    return PrepareSpec(source=source, out=out, resize=ResizeSpec(size=48), shards=ShardSpec(max_samples=5))
+
+
+def samples_of(shards: dict[str, bytes]) -> dict[str, dict[str, Any]]:
+    """key -> member extension -> bytes, the sample json without its `source` (a path here, a URL there)."""
+    samples: dict[str, dict[str, Any]] = {}
+    for data in shards.values():
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for member in tar.getmembers():
+                key, _, ext = member.name.partition(".")
+                payload = tar.extractfile(member).read()  # type: ignore[union-attr]
+                if ext == "json":
+                    meta = json.loads(payload)
+                    meta.pop("source", None)
+                    payload = meta
+                samples.setdefault(key, {})[ext] = payload
+    return samples
+
+
+def local_shards(out: Path) -> dict[str, bytes]:
+    return {info.path: (out / info.path).read_bytes() for info in read_manifest(str(out)).shards}
+
+
+def remote_shards(server: S3Server, url: str) -> dict[str, bytes]:
+    fs = server.filesystem()
+    root = url.removeprefix("s3://")
+    manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
+    return {entry["path"]: fs.cat_file(f"{root}/{entry['path']}") for entry in manifest["shards"]}
+
+
+@pytest.fixture(scope="module")
+def local_run(raw_images: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("s3-prepare-local") / "shards"
+    prepare_dataset(spec_of(str(raw_images), str(out)), workers=0)
+    return local_shards(out)
+
+
+def test_prepare_s3_to_local_equals_the_local_run(s3_server, s3_upload, raw_images, local_run, tmp_path):
+    bucket: Bucket = s3_upload(raw_images)
+    out = tmp_path / "shards"
+    result = prepare_dataset(spec_of(bucket.url, str(out)), workers=2, storage_options=s3_server.storage_options)
+    assert result.samples == IMAGES and result.rejected == 0
+    assert verify_dataset(str(out)).ok
+    assert samples_of(local_shards(out)) == samples_of(local_run)
+    assert read_manifest(str(out)).source == bucket.url
+
+
+def test_prepare_local_to_s3_writes_the_same_shards(s3_server, raw_images, local_run, tmp_path):
+    from s3_fixtures import upload
+
+    bucket = upload(s3_server, _empty(tmp_path))  # a bucket of its own, empty
+    out = f"s3://{bucket.name}/shards"
+    result = prepare_dataset(spec_of(str(raw_images), out), workers=2, storage_options=s3_server.storage_options)
+    assert result.samples == IMAGES
+    with storage_options_for([out], s3_server.storage_options):
+        assert verify_dataset(out).ok
+    assert remote_shards(s3_server, out) == local_run  # byte for byte: only OUT differs
+    listed = s3_server.filesystem().find(f"{bucket.name}/shards")
+    assert not [path for path in listed if "/.gpufeed" in path or ".tmp-" in path]  # work folder and temp objects gone
+
+
+def test_prepare_s3_to_s3_equals_the_local_run(s3_server, s3_upload, raw_images, local_run):
+    bucket: Bucket = s3_upload(raw_images)
+    out = f"s3://{bucket.name}/shards"
+    prepare_dataset(spec_of(bucket.url, out), workers=0, storage_options=s3_server.storage_options)
+    with storage_options_for([out], s3_server.storage_options):
+        assert verify_dataset(out).ok
+    assert samples_of(remote_shards(s3_server, out)) == samples_of(local_run)
+
+
+def test_prepare_command_takes_storage_options_and_never_prints_a_secret(s3_server, s3_upload, raw_images, tmp_path):
+    bucket: Bucket = s3_upload(raw_images)
+    secret = "sEcReT-0123456789-never-shown"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    options = ["--storage-option", f"endpoint_url={s3_server.endpoint}", "--storage-option", "key=testing"]
+    options += ["--storage-option", f"secret={secret}", "--storage-option", "token=testing"]
+
+    def prepare(source: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "pipeline", "prepare", source, str(tmp_path / "shards"), "--size", "48", "--json", "-q"]
+        return subprocess.run([*command, *extra], capture_output=True, text=True, env=env, timeout=120, check=False)
+
+    missing = prepare("s3://no-such-bucket-here/raw", *options)
+    assert missing.returncode != 0 and "no-such-bucket-here" in missing.stdout  # the error is shown, the secret is not
+    assert secret not in missing.stdout + missing.stderr
+    malformed = prepare(bucket.url, "--storage-option", secret)
+    assert malformed.returncode != 0 and "KEY=VALUE" in malformed.stdout + malformed.stderr
+    assert secret not in malformed.stdout + malformed.stderr
+    done = prepare(bucket.url, *options)  # moto takes any secret: the job runs on what was given, shown nowhere
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["samples"] == IMAGES
+    assert secret not in done.stdout + done.stderr
+    assert verify_dataset(str(tmp_path / "shards")).ok
+    assert not [p for p in (tmp_path / "shards").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "secret"),
+    [
+        ("endpoint_url", "http://x", False),
+        ("anon", True, False),
+        ("profile", "team", False),
+        ("key", "AKIA", True),
+        ("secret", "s", True),
+        ("token", "t", True),
+        ("account_key", "k", True),
+        ("client_kwargs", {"aws_secret_access_key": "s"}, True),
+        ("client_kwargs", {"region_name": "eu-west-1"}, False),
+    ],
+)
+def test_which_storage_options_are_credentials(name, value, secret):
+    assert is_secret_option(name, value) is secret
+
+
+def _empty(tmp_path: Path) -> Path:
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    return folder
