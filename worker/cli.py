@@ -22,6 +22,7 @@ from pipeline.cli.common import (
     Duration,
     exit_on_user_errors,
     fail,
+    parse_storage_options,
     prepare_options,
     require_extra,
     reshard_options,
@@ -129,10 +130,14 @@ def submit_prepare(
     src: str, out: str, force: bool, overwrite: bool, wait: bool, as_json: bool, quiet: bool, **options: Any
 ) -> None:
     """Prepare SRC into shards at OUT on the service's workers (same options as `gpufeed prepare`)."""
-    from .security import absolute
+    from .security import absolute, check_storage_options
 
     spec = spec_from_options(absolute(src, "SRC"), absolute(out, "OUT"), options)
-    _submit("prepare", {"spec": spec.to_dict(), "force": force, "overwrite": overwrite}, wait, as_json, quiet)
+    payload: dict[str, Any] = {"spec": spec.to_dict(), "force": force, "overwrite": overwrite}
+    store = parse_storage_options(options["storage_option"])
+    if store:  # non-secret settings only (endpoint, profile …): a credential is refused, never recorded
+        payload["storage_options"] = check_storage_options(store)
+    _submit("prepare", payload, wait, as_json, quiet)
 
 
 @submit.command("reshard")

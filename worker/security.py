@@ -96,6 +96,29 @@ def _check_bool(payload: dict[str, Any], name: str) -> bool:
     return value
 
 
+def check_storage_options(options: Any) -> dict[str, Any]:
+    """A job's store settings, refused when one is a credential: a job record never holds a secret.
+
+    Non-secret fsspec options (``endpoint_url``, ``anon``, ``profile``, ``region_name`` …)
+    travel with the job; credentials come from each worker's own environment
+    (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws``).
+
+    Raises:
+        ConfigError: not a JSON object, or an option holds a credential (named, its value never shown).
+    """
+    from pipeline.io.fs import is_secret_option
+
+    if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
+        raise ConfigError("a job's storage options must be a JSON object of KEY: VALUE")
+    secret = sorted(key for key, value in options.items() if is_secret_option(key, value))
+    if secret:
+        raise ConfigError(
+            f"storage option(s) {', '.join(secret)} hold credentials, which a job never records: give them to the "
+            "workers through their environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws)"
+        )
+    return dict(options)
+
+
 def validate_job(kind: str, payload: Any, settings: ServiceSettings) -> dict[str, Any]:
     """Check a job spec and every path in it; returns the normalised payload.
 
@@ -109,7 +132,7 @@ def validate_job(kind: str, payload: Any, settings: ServiceSettings) -> dict[str
     check_payload_size(payload, settings)
     roots = settings.allowed_roots
     if kind == "prepare":
-        unknown = set(payload) - {"spec", "force", "overwrite"}
+        unknown = set(payload) - {"spec", "force", "overwrite", "storage_options"}
         if unknown:
             raise ConfigError(f"prepare job: unknown field(s) {', '.join(sorted(unknown))}")
         from pipeline.specs import PrepareSpec
@@ -118,7 +141,10 @@ def validate_job(kind: str, payload: Any, settings: ServiceSettings) -> dict[str
         check_path(spec.source, roots, "SRC")
         check_path(spec.out, roots, "OUT")
         check_input_limits(spec, settings)
-        return {"spec": spec.to_dict(), "force": _check_bool(payload, "force"), "overwrite": _check_bool(payload, "overwrite")}
+        checked = {"spec": spec.to_dict(), "force": _check_bool(payload, "force"), "overwrite": _check_bool(payload, "overwrite")}
+        if payload.get("storage_options"):
+            checked["storage_options"] = check_storage_options(payload["storage_options"])
+        return checked
     if kind == "reshard":
         if set(payload) - {"spec"}:
             raise ConfigError(f"reshard job: unknown field(s) {', '.join(sorted(set(payload) - {'spec'}))}")

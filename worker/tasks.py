@@ -137,14 +137,15 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
         payload = security.validate_job(record.kind, record.payload, settings)
         store().transition(job_id, "running", ACTIVE)
         spec, force, overwrite = _planned_spec(record, payload)
-        security.check_listed_sources(spec.source, settings.allowed_roots)
-        run.check()
-        info = plan_prepare(spec, force=force, overwrite=overwrite)
-        run.check()
-        if info.already_complete:
-            store().update(job_id, shards_total=info.shards, shards_done=info.shards, listed=info.listed)
-            _succeed(record, spec)
-            return {"job": job_id, "already_complete": True}
+        with _job_storage(record, spec):
+            security.check_listed_sources(spec.source, settings.allowed_roots)
+            run.check()
+            info = plan_prepare(spec, force=force, overwrite=overwrite)
+            run.check()
+            if info.already_complete:
+                store().update(job_id, shards_total=info.shards, shards_done=info.shards, listed=info.listed)
+                _succeed(record, spec)
+                return {"job": job_id, "already_complete": True}
         store().update(
             job_id, shards_total=info.shards, listed=info.listed, prepare_spec=spec.to_dict(), warnings=info.warnings, fanned_out=1
         )
@@ -153,6 +154,17 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
         chord(header)(finalize_prepare_task.si(job_id, spec_dict).set(queue=record.queue))
         return {"job": job_id, "shards": info.shards, "pending": len(info.pending)}
     return {"job": job_id, "unit": "plan", "failed": True}
+
+
+def _job_storage(record: JobRecord, spec: PrepareSpec) -> contextlib.AbstractContextManager[None]:
+    """The job's non-secret store settings (endpoint, profile …) over this worker's own, for one step.
+
+    Credentials are never in a job: each worker has its own (AWS_* variables, ~/.aws).
+    """
+    from pipeline.io.fs import storage_options_for
+
+    options = record.payload.get("storage_options") if record.kind == "prepare" else None
+    return storage_options_for((spec.source, spec.out), options)
 
 
 def _planned_spec(record: JobRecord, payload: dict[str, Any]) -> tuple[PrepareSpec, bool, bool]:
@@ -183,7 +195,8 @@ def write_prepare_shard_task(self: Any, job_id: str, spec_dict: dict[str, Any], 
         if shard in store().done_shards(job_id):
             return {"job": job_id, "shard": shard, "skipped": "done"}
         _check_attempts(job_id, unit)
-        written = write_prepare_shard(spec, shard, progress=run.progress)
+        with _job_storage(store().require(job_id), spec):
+            written = write_prepare_shard(spec, shard, progress=run.progress)
         run.check()
         processed = 0 if written.skipped else written.samples + written.rejected
         _, done, total = store().record_shard(job_id, shard, written.samples, written.rejected, processed, run.entry["worker"])
@@ -214,7 +227,8 @@ def finalize_prepare_task(self: Any, job_id: str, spec_dict: dict[str, Any]) -> 
             return {"job": job_id, "unit": "finalize", "skipped": "job no longer running"}
         spec = _worker_checked_spec(spec_dict)
         _check_attempts(job_id, "finalize")
-        samples, files = _succeed(record, spec)
+        with _job_storage(record, spec):
+            samples, files = _succeed(record, spec)
         return {"job": job_id, "samples": samples, "shards": files}
     return {"job": job_id, "unit": "finalize", "failed": True}
 
@@ -321,7 +335,9 @@ def _discard_output(record: JobRecord) -> None:
     from pipeline.prepare.job import discard_prepare
 
     if record.kind == "prepare":
-        discard_prepare(_worker_checked_spec(record.payload["spec"]))
+        spec = _worker_checked_spec(record.payload["spec"])
+        with _job_storage(record, spec):
+            discard_prepare(spec)
     elif record.kind == "reshard" and record.prepare_spec is not None:
         from pipeline.prepare.reshard import ReshardSpec, discard_reaugment
 

@@ -263,6 +263,29 @@ def _pair(text: str, name: str) -> tuple[float, float]:
     return low, high
 
 
+def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``("endpoint_url=http://…", "anon=true")`` -> fsspec storage options; values are JSON when they parse as JSON.
+
+    A malformed pair is refused without being echoed: it may hold a credential.
+    """
+    options: dict[str, Any] = {}
+    for number, pair in enumerate(pairs, 1):
+        key, equals, text = pair.partition("=")
+        if not equals or not key.strip():
+            raise click.BadParameter(f"option {number} is not KEY=VALUE (its text is not shown)", param_hint="--storage-option")
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        options[key.strip()] = value
+    return options
+
+
+def storage_option(help_text: str) -> Callable[[FC], FC]:
+    """The repeatable ``--storage-option KEY=VALUE`` (parameter ``storage_option``; see `parse_storage_options`)."""
+    return click.option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE", help=help_text)
+
+
 def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options that make a PrepareSpec (shared by `prepare` and `submit prepare`); see `spec_from_options`."""
     options = [
@@ -316,6 +339,10 @@ def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-pixels", default=89_478_485, show_default=True, help="Refuse larger images (bombs)."),
         click.option("--force", is_flag=True, help="Write even if the free-space check fails."),
         click.option("--overwrite", is_flag=True, help="Replace an OUT prepared with other settings."),
+        storage_option(
+            "An fsspec option for the stores of SRC and OUT, e.g. endpoint_url=http://…, profile=NAME, anon=true "
+            "(repeatable; credentials otherwise come from AWS_* variables or ~/.aws)."
+        ),
     ]
     for option in reversed(options):
         func = option(func)

@@ -14,6 +14,7 @@ import click
 
 from .common import (
     MISMATCH,
+    parse_storage_options,
     prepare_options,
     renamed_option,
     reshard_options,
@@ -55,11 +56,19 @@ def prepare(
     from ..prepare.job import prepare_dataset
 
     spec = spec_from_options(src, out, options)
+    store = parse_storage_options(options["storage_option"])
     from .progress import prepare_progress
 
     with prepare_progress(enabled=not quiet) as callback:
         result = prepare_dataset(
-            spec, workers=workers, force=force, overwrite=overwrite, strict=strict, verify=verify, progress=callback
+            spec,
+            workers=workers,
+            force=force,
+            overwrite=overwrite,
+            strict=strict,
+            verify=verify,
+            progress=callback,
+            storage_options=store,
         )
     for warning in result.warnings:
         click.echo(f"gpufeed: warning: {warning}", err=True)

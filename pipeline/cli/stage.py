@@ -9,28 +9,12 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import click
 
 from ..stage import STAGE_WORKERS, StageProgress, StageResult
 from ..units import format_bytes, format_duration, format_rate
-from .common import exit_on_user_errors
-
-
-def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
-    """``("endpoint_url=http://…", "anon=true")`` -> fsspec storage options; values are JSON when they parse as JSON."""
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, equals, text = pair.partition("=")
-        if not equals or not key.strip():
-            raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--storage-option")
-        try:
-            value: Any = json.loads(text)
-        except ValueError:
-            value = text
-        options[key.strip()] = value
-    return options
+from .common import exit_on_user_errors, parse_storage_options, storage_option
 
 
 @click.command()
@@ -40,13 +24,7 @@ def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     "--workers", default=STAGE_WORKERS, show_default=True, help="Shards copied at once (I/O threads: set by latency, not cores)."
 )
 @click.option("--no-verify", is_flag=True, help="Keep shards already at DEST when their size is right, without re-hashing them.")
-@click.option(
-    "--storage-option",
-    "storage_option",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="An fsspec option for the source's store, e.g. endpoint_url=http://… or anon=true (repeatable).",
-)
+@storage_option("An fsspec option for the source's store, e.g. endpoint_url=http://… or anon=true (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @exit_on_user_errors("interrupted; the shards copied so far are kept, run the same command again to resume")
