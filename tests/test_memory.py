@@ -8,6 +8,7 @@ CPU allocator's own record.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -604,4 +605,24 @@ def test_estimate_matches_the_cuda_allocator(name: str, precision: str | None) -
     allocated, reserved = cuda_step_peaks(MODELS[name](), SHAPE, batch, optimizer="adam", autocast=precision)
     assert abs(error(estimate.allocated_for_batch(batch), allocated)) <= 0.10
     assert abs(error(estimate.reserved_for_batch(batch), reserved)) <= 0.10
+
+
+def test_the_memory_chart_has_readable_ticks_and_marks_the_limit(tmp_path: Path) -> None:
+    from pipeline.measure import plots
+
+    estimate = estimate_memory(
+        conv_net(), SHAPE, optimizer="adam", vram="8GiB", device_flops=20e12, loader_images_per_s=30000.0
+    )
+    assert estimate.max_batch_size and estimate.max_batch_size & (estimate.max_batch_size - 1)  # not a power of two
+    figure = plots.memory_figure(estimate)
+    axis = figure.axes[0]
+    ticks = [float(t) for t in axis.get_xticks()]
+    assert all(math.log2(t).is_integer() for t in ticks) and 2 <= len(ticks) <= 10  # powers of two only, spaced
+    assert estimate.max_batch_size not in ticks  # the largest batch is a marked line, not a crowding tick
+    labels = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert f"largest batch that fits: {estimate.max_batch_size:,}" in labels
+    assert "VRAM (8 GiB)" in labels and "rule of thumb" in labels and "images/s" in labels
+    assert "allocator and context included" in axis.get_title()
+    path = plots.plot_memory(estimate, tmp_path / "memory.png")
+    assert Path(path).stat().st_size > 10_000
 

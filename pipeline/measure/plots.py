@@ -197,16 +197,33 @@ def plot_memory(estimate: Any, path: str | os.PathLike[str]) -> str:
 
 
 def memory_figure(estimate: Any) -> Any:
-    """Device memory and images/s vs batch size (a MemoryEstimate)."""
+    """Device memory (traced, and the rule of thumb) and images/s vs batch size, the device's limit marked (a MemoryEstimate).
+
+    The x ticks are powers of two, at most ten of them; the largest batch
+    that fits is a marked line with its value in the legend, never a tick
+    beside a nearby power of two.
+    """
     figure, axis = _figure()
     rows = estimate.rows
     batches = [row.batch_size for row in rows]
-    axis.plot(batches, [row.memory_bytes / 2**30 for row in rows], marker="o", color=ACCENT, label="memory")
+    gib = 2**30
+    axis.plot(batches, [row.memory_bytes / gib for row in rows], marker="o", color=ACCENT, label="memory (traced step)")
+    rule = [row.rule_memory_bytes for row in rows]
+    if all(value is not None for value in rule):
+        axis.plot(batches, [value / gib for value in rule], linestyle=":", color=NEUTRAL, label="rule of thumb")
     if estimate.vram_bytes:
-        axis.axhline(estimate.vram_bytes / 2**30, color=BAD, linestyle="--", label=f"VRAM ({format_bytes(estimate.vram_bytes)})")
-        usable = estimate.vram_bytes * (1 - estimate.safety_margin) / 2**30
-        axis.axhline(usable, color=NEUTRAL, linestyle=":", label=f"usable ({estimate.safety_margin:.0%} margin)")
-    _power_of_two_axis(axis, batches)
+        axis.axhline(estimate.vram_bytes / gib, color=BAD, linestyle="--", label=f"VRAM ({format_bytes(estimate.vram_bytes)})")
+        usable = estimate.vram_bytes * (1 - estimate.safety_margin) / gib
+        axis.axhline(usable, color=NEUTRAL, linestyle="-.", label=f"usable ({estimate.safety_margin:.0%} margin)")
+    if estimate.max_batch_size:
+        axis.axvline(estimate.max_batch_size, color=BAD, linestyle=(0, (1, 3)),
+                     label=f"largest batch that fits: {estimate.max_batch_size:,}")
+    axis.set_xscale("log", base=2)
+    low, high = max(1, min(batches)).bit_length() - 1, max(batches).bit_length()
+    ticks = [2**k for k in range(low, high)]
+    ticks = ticks[:: -(-len(ticks) // 10)]
+    axis.set_xticks(ticks, [f"{tick:,}" for tick in ticks])
+    axis.minorticks_off()
     axis.set_xlabel("batch size")
     axis.set_ylabel("device memory (GiB)")
     axis.set_ylim(bottom=0)
@@ -223,5 +240,7 @@ def memory_figure(estimate: Any) -> Any:
         speed.set_ylim(bottom=0)
         twins.append(speed)
     _legend_below(figure, *twins)
-    axis.set_title(f"{estimate.model}: {estimate.optimizer if estimate.training else 'inference'}, {estimate.dtype}")
+    where = "CUDA, allocator and context included" if estimate.memory_device == "cuda" else "tensor bytes"
+    mode = estimate.optimizer if estimate.training else "inference"
+    axis.set_title(f"{estimate.model}: {mode}, {estimate.autocast or estimate.dtype} ({where})")
     return figure
