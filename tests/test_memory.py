@@ -626,3 +626,17 @@ def test_the_memory_chart_has_readable_ticks_and_marks_the_limit(tmp_path: Path)
     path = plots.plot_memory(estimate, tmp_path / "memory.png")
     assert Path(path).stat().st_size > 10_000
 
+
+def test_advise_times_the_model_at_the_largest_batch_that_fits() -> None:
+    """From memory to data rate: the batch that fits, the step there, the images/s the loader must deliver."""
+    from pipeline.measure.advise import model_consumption
+
+    limited = model_consumption(small_cnn(), "3,32,32", batch_size=8, vram="64MiB", device="cpu", seconds=0.2)
+    estimate = estimate_memory(small_cnn(), (3, 32, 32), optimizer="sgd", vram="64MiB", for_device="cpu")
+    assert limited.batch_size == estimate.max_batch_size and limited.vram_bytes == 64 * MiB
+    assert limited.images_per_s == pytest.approx(limited.batch_size / limited.step_seconds)
+    assert [row[0] for row in limited.rows] == [row.batch_size for row in estimate.rows]
+    assert all(memory == estimate.memory_for_batch(batch) for batch, memory, *_ in limited.rows)
+    plain = model_consumption(small_cnn(), "3,32,32", batch_size=8, device="cpu", seconds=0.2)
+    if not torch.cuda.is_available():  # no limit known: the batch asked for
+        assert plain.batch_size == 8 and plain.vram_bytes is None and plain.rows == ()

@@ -268,6 +268,10 @@ def bench_loader(
 @click.option("--gpu-images-per-s", type=float, default=None, help="The GPU's consumption rate, if known.")
 @click.option("--model", default=None, help="Else time this model on synthetic batches: module:factory.")
 @click.option("--input", "input_shape", default="3,224,224", show_default=True, help="The model's input for one sample.")
+@click.option("--vram", default=None,
+              help="The model's device memory (e.g. 16GiB; default: the CUDA device's): time it at the largest batch that fits.")
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam", "adamw"]), default="sgd", show_default=True,
+              help="The model's optimizer, for its memory and step time.")
 @click.option("--batch-size", default=64, show_default=True, help="Training batch size.")
 @click.option("--crop", default=224, show_default=True, help="The loader's crop size.")
 @click.option("--sample", default=128, show_default=True, help="Images sampled from SRC for the measurements.")
@@ -278,8 +282,9 @@ def bench_loader(
 @plot_option("Write a PNG chart of the ceilings.")
 @_measure_errors
 def advise(
-    src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, batch_size: int,
-    crop: int, sample: int, seconds: float, device: str, apply_out: str | None, as_json: bool, plot: str | None,
+    src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, vram: str | None,
+    optimizer: str, batch_size: int, crop: int, sample: int, seconds: float, device: str, apply_out: str | None,
+    as_json: bool, plot: str | None,
 ) -> None:
     """Diagnose why the GPU would wait on SRC, and print the `gpufeed prepare` command that fixes it."""
     from ..measure.advise import advise as run_advise
@@ -298,6 +303,8 @@ def advise(
         device=device,
         out=apply_out,
         progress=_say,
+        vram=vram,
+        optimizer=optimizer,
     )
     if not as_json:
         _print_advice(result)
@@ -332,6 +339,23 @@ def _print_applied(applied: Any) -> None:
     )
 
 
+def _print_model_memory(details: dict[str, Any]) -> None:
+    """From memory to data rate: what each batch needs on the device, and the images/s the loader must deliver."""
+    rows = details.get("gpu_memory_rows")
+    if not rows:
+        return
+    click.echo(
+        f"\nthe model's batch: the largest that fits {format_bytes(details['gpu_vram_bytes'])} is "
+        f"{details['gpu_batch_size']}; the loader must deliver its images/s:"
+    )
+    table = [
+        (str(r["batch_size"]), format_bytes(r["memory_bytes"]), "yes" if r["fits"] else "no",
+         f"{r['step_seconds'] * 1e3:.1f}", _num(r["images_per_s"]))
+        for r in rows
+    ]
+    click.echo(_table(table, ("batch", "memory", "fits", "step ms", "images/s")))
+
+
 def _print_advice(result: Any) -> None:
     advice, inputs = result.advice, result.inputs
     ceilings = inputs.ceilings
@@ -354,6 +378,7 @@ def _print_advice(result: Any) -> None:
         note = "<- bottleneck" if name == advice.bottleneck else ("no CUDA device" if value is None else "")
         table.append((label, _num(value), note))
     click.echo(_table(table, ("ceiling", "images/s", ""), "lrl"))
+    _print_model_memory(result.details)
     busy = result.details.get("cpu_decode_others_cpu_share")
     if busy:
         click.echo(
