@@ -230,6 +230,12 @@ class MemoryEstimate:
         """On CUDA the allocator's segments, as ``max_memory_reserved`` reports; else the allocated bytes."""
         return int(self.memory.reserved(batch))
 
+    def peak_phase_for_batch(self, batch: int) -> str:
+        """Where in the step the peak of `batch` is: forward, backward, optimizer step or zero_grad."""
+        model = self.memory.at(batch)
+        position = model.peak_position(batch)
+        return [name for name, begin in model.phases if begin <= position][-1] if model.phases else ""
+
     @property
     def activation_multiple(self) -> float | None:
         """The peak's growth per sample, less the input, in units of the module outputs (the rule says ×2)."""
@@ -720,7 +726,7 @@ def _describe(
     size = DTYPE_BYTES.get(dtype, 4)
     forward_flops = count_flops(module, shape, spec)
     activations = count_activations(module, shape, spec.training, spec=spec)
-    input_bytes = math.prod(shape) * size if spec.dtype else math.prod(shape) * 4
+    input_bytes = math.prod(shape) * (size if spec.dtype else 4)  # float32 unless the model is cast
     rule = RuleOfThumb(
         parameter_bytes=state[PARAMETERS],
         multiplier=STATE_MULTIPLIER[optimizer] if spec.training else 1,
@@ -772,8 +778,7 @@ def _locate_peak(estimate: MemoryEstimate, memory: DeviceMemory, batch: int) -> 
     estimate.peak_batch = batch
     estimate.breakdown = model.breakdown(batch)
     estimate.phase_peaks = model.phase_peaks(batch)
-    position = model.peak_position(batch)
-    estimate.peak_phase = [name for name, begin in model.phases if begin <= position][-1] if model.phases else ""
+    estimate.peak_phase = estimate.peak_phase_for_batch(batch)
     if memory.affine:
         estimate.fixed_bytes, estimate.per_sample_bytes = model.affine_peak(batch)
     else:  # the slope between this batch and the next one up, each traced
