@@ -102,8 +102,7 @@ MEMORY_TOLERANCE = 0.10
 
 def check_memory() -> dict[str, object]:
     """The traced step's allocator peaks against the CUDA allocator's own, model by model."""
-    from memory import RESNET50_SHAPE, resnet50_sized
-    from memory_truth import MODELS, SHAPE, cuda_step_peaks
+    from memory_truth import MODELS, RESNET50_SHAPE, SHAPE, cuda_step_peaks, resnet50_sized
 
     cases = [(name, make, SHAPE, 256) for name, make in MODELS.items()]
     cases.append(("resnet50-sized", resnet50_sized, RESNET50_SHAPE, 64))

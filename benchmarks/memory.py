@@ -3,9 +3,10 @@
 For every model, optimizer, precision and batch of the test matrix
 (tests/test_memory.py: a small ResNet with BatchNorm and in-place ReLU, an
 MLP, a small ViT; SGD, momentum, Adam; float32 and bf16 autocast; batches 4
-and 16), plus a ResNet-50-sized conv net (built here: bottleneck blocks
-3-4-6-3, 25.6 M parameters, 3x224x224 input, float32), three estimates are
-set against the measured peak:
+and 16), plus a ResNet-50-sized conv net (bottleneck blocks 3-4-6-3, 25.6 M
+parameters, 3x224x224 input, float32, batches 8 and 16; built in
+tests/memory_truth.py, as torchvision is not needed), three estimates are set
+against the measured peak:
 
   gpufeed         estimate_memory(..., for_device="cpu"): the traced step
   textbook rule   parameters + gradients + optimizer state (x2 SGD, x3
@@ -35,54 +36,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the truth the tests use, so both measure the same thing
 
-from memory_truth import BATCHES, MODELS, OPTIMIZERS, PRECISIONS, SHAPE, measure_step  # noqa: E402
+from memory_truth import (  # noqa: E402
+    BATCHES,
+    MODELS,
+    OPTIMIZERS,
+    PRECISIONS,
+    RESNET50_BATCHES,
+    RESNET50_SHAPE,
+    SHAPE,
+    measure_step,
+    resnet50_sized,
+)
 
 from pipeline.measure.memory import STATE_MULTIPLIER, estimate_memory  # noqa: E402
-
-RESNET50_SHAPE = (3, 224, 224)
-RESNET50_BATCHES = (8, 16)
-
-
-class Bottleneck(nn.Module):
-    """1x1 reduce, 3x3, 1x1 expand (x4), each with BatchNorm; in-place ReLUs; a projection shortcut where needed."""
-
-    def __init__(self, inputs: int, width: int, stride: int = 1) -> None:
-        super().__init__()
-        outputs = 4 * width
-        self.body = nn.Sequential(
-            nn.Conv2d(inputs, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-            nn.Conv2d(width, outputs, 1, bias=False), nn.BatchNorm2d(outputs),
-        )
-        self.shortcut = (
-            nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
-            if stride != 1 or inputs != outputs
-            else nn.Identity()
-        )
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.relu(self.body(x) + self.shortcut(x))
-
-
-def resnet50_sized() -> nn.Module:
-    """ResNet-50's layout: a 7x7 stem, max pooling, stages of 3, 4, 6 and 3 bottlenecks, 1000 classes."""
-    layers: list[nn.Module] = [
-        nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1),
-    ]
-    inputs = 64
-    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
-        for index in range(blocks):
-            layers.append(Bottleneck(inputs, width, stride if index == 0 else 1))
-            inputs = 4 * width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inputs, 1000)]
-    return nn.Sequential(*layers)
 
 
 def cases(skip_resnet50: bool) -> list[tuple[str, Any, tuple[int, ...], str, str | None, tuple[int, ...]]]:

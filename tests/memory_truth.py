@@ -223,6 +223,13 @@ def allocator_peak(model: nn.Module, shape: tuple[int, ...], batch: int, **optio
 # The models of the test matrix (small, so that the real steps are quick on a CPU)
 
 
+def shortcut(inputs: int, outputs: int, stride: int) -> nn.Module:
+    """A residual block's shortcut: the input itself, or a strided 1x1 projection with BatchNorm."""
+    if stride == 1 and inputs == outputs:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
+
+
 class BasicBlock(nn.Module):
     """conv-BN-ReLU(inplace)-conv-BN + shortcut, ReLU(inplace): a ResNet basic block."""
 
@@ -232,11 +239,7 @@ class BasicBlock(nn.Module):
             nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False), nn.BatchNorm2d(outputs), nn.ReLU(inplace=True),
             nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False), nn.BatchNorm2d(outputs),
         )
-        self.shortcut = (
-            nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
-            if stride != 1 or inputs != outputs
-            else nn.Identity()
-        )
+        self.shortcut = shortcut(inputs, outputs, stride)
         self.relu = nn.ReLU(inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,8 +282,42 @@ def transformer() -> nn.Module:
     return Transformer()
 
 
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3, 1x1 expand (x4), each with BatchNorm; in-place ReLUs; a projection shortcut where needed."""
+
+    def __init__(self, inputs: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        outputs = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(inputs, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, outputs, 1, bias=False), nn.BatchNorm2d(outputs),
+        )
+        self.shortcut = shortcut(inputs, outputs, stride)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.body(x) + self.shortcut(x))
+
+
+def resnet50_sized() -> nn.Module:
+    """ResNet-50's layout: a 7x7 stem, max pooling, stages of 3, 4, 6 and 3 bottlenecks, 1000 classes."""
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1),
+    ]
+    inputs = 64
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for index in range(blocks):
+            layers.append(Bottleneck(inputs, width, stride if index == 0 else 1))
+            inputs = 4 * width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inputs, 1000)]
+    return nn.Sequential(*layers)
+
+
 SHAPE = (3, 32, 32)
 MODELS = {"conv": conv_net, "mlp": mlp, "transformer": transformer}
 OPTIMIZERS = ("sgd", "momentum", "adam")
 PRECISIONS = (None, "bfloat16")
 BATCHES = (4, 16)
+RESNET50_SHAPE = (3, 224, 224)
+RESNET50_BATCHES = (8, 16)

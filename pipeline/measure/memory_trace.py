@@ -19,6 +19,12 @@ loop's variables). Of the two steps, the first creates the optimizer state;
 the second is the steady state of every later step, and its maximum of live
 bytes is the peak.
 
+What is counted is every parameter, buffer and tensor an operator makes;
+a plain tensor attribute of a module that is neither (a constant mask kept as
+``self.mask``) is taken as a constant and not counted. The garbage collector
+is off while tracing: a tensor in a reference cycle counts until the trace
+ends, as it may on the device until a collection happens to run.
+
 Traced at three batch sizes, each storage's size is affine in the batch,
 ``c + s·B`` (checked exactly on the third trace). `StepModel` then knows the
 live bytes after every event for any batch without tracing again
