@@ -181,6 +181,22 @@ class CheckpointedMLP(nn.Module):
         return self.last(hidden)
 
 
+class TiedMLP(nn.Module):
+    """Two layers sharing one weight: a parameter, its gradient and its state count once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3 * 32 * 32, 1024)
+        self.square = nn.Linear(1024, 1024, bias=False)
+        self.again = nn.Linear(1024, 1024, bias=False)
+        self.again.weight = self.square.weight
+        self.head = nn.Linear(1024, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.square(torch.relu(self.first(x.flatten(1)))))
+        return self.head(self.again(hidden))
+
+
 def squared_output(output: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     """A loss of one's own: no labels, the mean square of the output."""
     return (output.float() ** 2).mean()
@@ -201,6 +217,7 @@ def squared_output(output: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         ("inference-bf16", transformer, {"training": False, "autocast": "bfloat16"}),
         ("kept-gradients", mlp, {"optimizer": "momentum", "set_to_none": False}),
         ("own-loss", conv_net, {"optimizer": "sgd", "loss": squared_output}),
+        ("tied-weights", TiedMLP, {"optimizer": "adam"}),
     ],
 )
 def test_every_covered_kind_of_step_is_within_ten_percent(case: str, make: object, options: dict[str, object]) -> None:
