@@ -326,7 +326,6 @@ def trace_step(model: Any, input_shape: Sequence[int], batch: int, spec: StepSpe
     Raises:
         ConfigError: the optimizer or loss is unusable; other errors of the model's own code propagate.
     """
-
     recorder = _recorder_class()()
     collecting = gc.isenabled()
     gc.disable()  # a free happens when the last reference goes, never at a collector's whim
@@ -341,7 +340,7 @@ def trace_step(model: Any, input_shape: Sequence[int], batch: int, spec: StepSpe
             held: list[Any] = [None, None]  # a loop's `output` and `loss`: the next step replaces them
             start = 0
             phases: list[tuple[str, int]] = []
-            for step in range(steps):
+            for _ in range(steps):
                 first_mark = len(recorder.marks)
                 start = recorder.mark("forward")
                 _run_step(model, x, parameters, optimizer, loss, spec, recorder, held)
