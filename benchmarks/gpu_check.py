@@ -6,7 +6,12 @@
 2. stall: a synthetic GPU step that consumes more slowly than the loader
    produces must see a stall fraction under 2 %;
 3. throughput: images/s of the CPU-decode path and of nvjpeg decoding on the
-   GPU (when torchvision with CUDA is installed), with the GPU doing nothing else.
+   GPU (when torchvision with CUDA is installed), with the GPU doing nothing else;
+4. memory: `estimate_memory`'s traced step (CUDA's allocator included)
+   against `torch.cuda.max_memory_allocated()` / `max_memory_reserved()` of
+   the same step (Adam, foreach) for the test suite's conv net, MLP and
+   transformer and a ResNet-50-sized conv net, float32 and bf16 autocast:
+   allocated within 10 %; the CUDA context as measured is printed.
 
 Prints one line per check and exits non-zero when a check fails. Needs a few
 minutes including data generation; everything lives under --data.
@@ -25,10 +30,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # memory_truth: the memory tests' models and their CUDA step
 
 from pipeline import PrepareSpec, ResizeSpec, prepare_dataset  # noqa: E402
 from pipeline.demo import make_demo_dataset  # noqa: E402
 from pipeline.loader.loader import make_loader  # noqa: E402
+from pipeline.measure.memory import estimate_memory  # noqa: E402
 
 
 def ensure_dataset(data: Path, images: int) -> Path:
@@ -90,6 +97,44 @@ def check_stall(shards: Path, loader_rate: float) -> dict[str, float]:
     return {"stall_fraction": loader.stats.stall_fraction, "step_s": step_s, "batches": loader.stats.batches}
 
 
+MEMORY_TOLERANCE = 0.10
+
+
+def check_memory() -> dict[str, object]:
+    """The traced step's allocator peaks against the CUDA allocator's own, model by model."""
+    from memory_truth import MODELS, RESNET50_SHAPE, SHAPE, cuda_step_peaks, resnet50_sized
+
+    cases = [(name, make, SHAPE, 256) for name, make in MODELS.items()]
+    cases.append(("resnet50-sized", resnet50_sized, RESNET50_SHAPE, 64))
+    rows: list[dict[str, object]] = []
+    for name, make, shape, batch in cases:
+        for precision in (None, "bfloat16"):
+            estimate = estimate_memory(make(), shape, optimizer="adam", autocast=precision, for_device="cuda")
+            allocated, reserved = cuda_step_peaks(make(), shape, batch, optimizer="adam", autocast=precision)
+            traced_allocated = estimate.allocated_for_batch(batch)
+            traced_reserved = estimate.reserved_for_batch(batch)
+            rule = estimate.rule.memory_for_batch(batch)
+            row = {
+                "model": name, "precision": precision or "float32", "batch": batch, "traced_on": estimate.traced_on,
+                "allocated": allocated, "estimated_allocated": traced_allocated,
+                "reserved": reserved, "estimated_reserved": traced_reserved, "rule": rule,
+                "context": estimate.cuda_context_bytes, "context_source": estimate.cuda_context_source,
+                "allocated_error": traced_allocated / allocated - 1,
+                "reserved_error": traced_reserved / reserved - 1,
+                "rule_error": rule / allocated - 1,
+                "ok": abs(traced_allocated / allocated - 1) <= MEMORY_TOLERANCE,
+            }
+            rows.append(row)
+            print(
+                f"memory {name} {row['precision']} batch {batch}: allocated {allocated / 2**20:,.1f} MiB, "
+                f"estimate {row['allocated_error']:+.1%}; reserved {reserved / 2**20:,.1f} MiB, estimate "
+                f"{row['reserved_error']:+.1%}; rule of thumb {row['rule_error']:+.1%} -> {'ok' if row['ok'] else 'FAIL'}",
+                flush=True,
+            )
+    print(f"memory: CUDA context {estimate.cuda_context_bytes / 2**20:,.0f} MiB ({estimate.cuda_context_source})")
+    return {"rows": rows, "ok": all(row["ok"] for row in rows)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=1500)
@@ -119,9 +164,11 @@ def main() -> int:
     except Exception as exc:  # torchvision missing or without CUDA: report, don't fail the rest
         report["nvjpeg_images_per_s"] = None
         print(f"nvjpeg: skipped ({exc})")
+    memory = check_memory()
+    report["memory"] = memory
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    return 0 if equality["ok"] and stall_ok else 1
+    return 0 if equality["ok"] and stall_ok and memory["ok"] else 1
 
 
 if __name__ == "__main__":

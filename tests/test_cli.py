@@ -565,7 +565,12 @@ def test_a_read_only_out_is_one_line_that_says_what_to_do(small_source: Path, re
 def command_lines(text: str) -> list[list[str]]:
     """Every `gpufeed …` command line in a text (README code blocks, a shell script), as arguments."""
     lines = []
-    for raw in text.splitlines():
+    joined: list[str] = []
+    for raw in text.splitlines():  # a line ending in a backslash goes on on the next one, as in a shell
+        if raw.rstrip().endswith("\\"):
+            joined.append(raw.rstrip()[:-1])
+            continue
+        raw, joined = " ".join([*joined, raw]), []
         line = raw.strip().removeprefix("docker compose exec worker ")
         if line.startswith("gpufeed ") and "<<" not in line:
             words = shlex.split(line, comments=True)

@@ -342,6 +342,10 @@ def bench_loader(
 @click.option(
     "--input", "input_shape", default="3,224,224", show_default=True, help="The model's input for one sample, channels first."
 )
+@click.option("--vram", default=None,
+              help="The model's device memory (e.g. 16GiB; default: the CUDA device's): time it at the largest batch that fits.")
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam", "adamw"]), default="sgd", show_default=True,
+              help="The model's optimizer, for its memory and step time.")
 @click.option("--batch-size", default=64, show_default=True, help="Training batch size.")
 @click.option("--crop", default=224, show_default=True, help="The loader's crop in pixels (the recommended --size is crop / 0.875).")
 @click.option(
@@ -359,8 +363,9 @@ def bench_loader(
 @plot_option("Write a PNG chart of the ceilings.")
 @_measure_errors
 def advise(
-    src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, batch_size: int,
-    crop: int, sample: int, duration: float, device: str, apply_out: str | None, as_json: bool, plot: str | None,
+    src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, vram: str | None,
+    optimizer: str, batch_size: int, crop: int, sample: int, duration: float, device: str, apply_out: str | None,
+    as_json: bool, plot: str | None,
 ) -> None:
     """Diagnose why the GPU would wait on SRC, and print the `gpufeed prepare` command that fixes it."""
     from ..measure.advise import advise as run_advise
@@ -379,6 +384,8 @@ def advise(
         device=device,
         out=apply_out,
         progress=_say,
+        vram=vram,
+        optimizer=optimizer,
     )
     if not as_json:
         _print_advice(result)
@@ -422,6 +429,23 @@ def _print_no_prepare(result: Any) -> None:
     click.echo(f"\nrecommended: nothing to prepare for speed: {why}.")
 
 
+def _print_model_memory(details: dict[str, Any]) -> None:
+    """From memory to data rate: what each batch needs on the device, and the images/s the loader must deliver."""
+    rows = details.get("gpu_memory_rows")
+    if not rows:
+        return
+    click.echo(
+        f"\nthe model's batch: the largest that fits {format_bytes(details['gpu_vram_bytes'])} is "
+        f"{details['gpu_batch_size']}; the loader must deliver its images/s:"
+    )
+    table = [
+        (str(r["batch_size"]), format_bytes(r["memory_bytes"]), "yes" if r["fits"] else "no",
+         f"{r['step_seconds'] * 1e3:.1f}", _num(r["images_per_s"]))
+        for r in rows
+    ]
+    click.echo(_table(table, ("batch", "memory", "fits", "step ms", "images/s")))
+
+
 def _print_advice(result: Any) -> None:
     advice, inputs = result.advice, result.inputs
     ceilings = inputs.ceilings
@@ -444,6 +468,7 @@ def _print_advice(result: Any) -> None:
         note = "<- bottleneck" if name == advice.bottleneck else ("no CUDA device" if value is None else "")
         table.append((label, _num(value), note))
     click.echo(_table(table, ("ceiling", "images/s", ""), "lrl"))
+    _print_model_memory(result.details)
     busy = result.details.get("cpu_decode_others_cpu_share")
     if busy:
         click.echo(
@@ -480,22 +505,29 @@ def _print_advice(result: Any) -> None:
 @click.option("--input", "input_shape", default="3,224,224", show_default=True, help="One sample's shape, channels first.")
 @click.option(
     "--optimizer",
-    type=click.Choice(["sgd", "momentum", "adam"]),
+    type=click.Choice(["sgd", "momentum", "adam", "adamw"]),
     default="adam",
     show_default=True,
-    help="Its state: sgd none, momentum one copy of the parameters, adam two.",
+    help="Its state: sgd none, momentum one copy of the parameters, adam and adamw two.",
 )
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "float16", "bfloat16", "float64"]),
-    default="float32",
-    show_default=True,
-    help="Bytes per element of everything counted.",
-)
-@click.option("--vram", default=None, help="Device memory, e.g. 16GiB or 80GB.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "float64"]), default=None,
+              help="Cast the model and its input to this dtype (default: as built).")
+@click.option("--autocast", type=click.Choice(["float16", "bfloat16", "fp16", "bf16"]), default=None,
+              help="Mixed precision with torch.autocast: float32 parameters, low-precision activations.")
+@click.option("--channels-last", is_flag=True, help="The model and its input in channels_last memory format.")
+@click.option("--foreach/--no-foreach", default=None, help="The optimizer's foreach kernels (default: the device's).")
+@click.option("--zero-grad", "zero_grad", type=click.Choice(["none", "zeros"]), default="none", show_default=True,
+              help="zero_grad(set_to_none=True) frees the gradients between steps; zeros keeps them zeroed.")
+@click.option("--loss", default=None, help="module:fn called as fn(output, inputs) (default: cross-entropy).")
+@click.option("--vram", default=None, help="Device memory, e.g. 16GiB or 80GB, or 'device' (the CUDA device's).")
 @click.option("--margin", default=0.1, show_default=True, help="Share of VRAM kept free.")
+@click.option("--for", "for_device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="Memory as CUDA holds it (allocator and context included) or plain tensor bytes; auto: CUDA "
+                   "when --vram is given or a CUDA device is here.")
+@click.option("--cuda-context", default=None, help="The CUDA context's memory (default: measured, else 512MiB).")
+@click.option("--meta", is_flag=True, help="Build the model on the meta device: no memory for its weights, any size.")
 @click.option("--inference", is_flag=True, help="Inference under torch.no_grad: no gradients or optimizer state.")
-@click.option("--batch-size", type=int, default=None, help="Batch to check the loader against (default: largest that fits).")
+@click.option("--batch-size", type=int, default=None, help="Batch to report and check the loader against (default: largest that fits).")
 @click.option("--device-flops", default=None, help="Device FLOP/s, e.g. 312T; else measured on synthetic batches.")
 @click.option("--measure/--no-measure", default=None, help="Time steps on synthetic batches (default: when no --device-flops).")
 @click.option("--device", default="auto", show_default=True, help="Device to measure on.")
@@ -505,12 +537,14 @@ def _print_advice(result: Any) -> None:
 @plot_option("Write a PNG chart (memory and images/s vs batch size).")
 @_measure_errors
 def estimate_memory_command(
-    model: str, input_shape: str, optimizer: str, dtype: str, vram: str | None, margin: float, inference: bool,
-    batch_size: int | None, device_flops: str | None, measure: bool | None, device: str,
-    loader_images_per_s: float | None, dataset: str | None, as_json: bool, plot: str | None,
+    model: str, input_shape: str, optimizer: str, dtype: str | None, autocast: str | None, channels_last: bool,
+    foreach: bool | None, zero_grad: str, loss: str | None, vram: str | None, margin: float, for_device: str,
+    cuda_context: str | None, meta: bool, inference: bool, batch_size: int | None, device_flops: str | None,
+    measure: bool | None, device: str, loader_images_per_s: float | None, dataset: str | None, as_json: bool,
+    plot: str | None,
 ) -> None:
-    """Parameters, gradients, optimizer state, activations, the largest batch, FLOPs and images/s of a model."""
-    from ..measure.memory import estimate_memory
+    """Trace a training step: its peak memory, the largest batch, the rule of thumb beside it, FLOPs and images/s."""
+    from ..measure.memory import estimate_memory, load_model
 
     flops = _rate(device_flops) if device_flops else None
     if dataset and loader_images_per_s is None:
@@ -519,9 +553,9 @@ def estimate_memory_command(
         _say(f"measuring the loader over {dataset}")
         point = measure_loader(dataset, batch_size=batch_size or 64, device=device)
         loader_images_per_s = point.idle_images_per_s  # scaled to an idle machine, as advise does
-    _say("counting")
+    _say("tracing a training step")
     estimate = estimate_memory(
-        model,
+        load_model(model, meta=True) if meta else model,
         input_shape,
         optimizer=optimizer,
         dtype=dtype,
@@ -530,10 +564,19 @@ def estimate_memory_command(
         safety_margin=margin,
         batch_size=batch_size,
         device_flops=flops,
-        measure=flops is None if measure is None else measure,
+        measure=(flops is None and not meta) if measure is None else measure,
         device=device,
         loader_images_per_s=loader_images_per_s,
+        autocast=autocast,
+        channels_last=channels_last,
+        foreach=foreach,
+        set_to_none=zero_grad == "none",
+        loss=loss,
+        for_device=for_device,
+        cuda_context=cuda_context,
     )
+    if meta:
+        estimate.model = model
     _plot("memory", plot, estimate)
     if as_json:
         _emit_json(estimate.to_dict())
@@ -542,24 +585,40 @@ def estimate_memory_command(
 
 
 def _print_memory(e: Any) -> None:
-    mode = f"training with {e.optimizer}" if e.training else "inference (torch.no_grad)"
-    click.echo(f"{e.model}, input {','.join(map(str, e.input_shape))}, {e.dtype}, {mode}")
-    rows = [
+    click.echo(_memory_title(e))
+    where = "on CUDA (the caching allocator and the CUDA context included)" if e.memory_device == "cuda" else "of tensors"
+    click.echo(
+        f"memory {where}, traced on {e.traced_on} at batches {', '.join(map(str, e.traced_batches))}"
+        + (": every storage is c + s·B bytes (checked on the third)" if e.affine else "")
+    )
+    rule = e.rule.breakdown(e.peak_batch)
+    traced_total = sum(e.breakdown.values())
+    rule_total = e.rule.memory_for_batch(e.peak_batch)
+    rows = [(name, format_bytes(e.breakdown[name]), format_bytes(rule[name])) for name in e.breakdown]
+    rows.append(("total", format_bytes(traced_total), f"{format_bytes(rule_total)} ({e.rule_error:+.0%})"))
+    click.echo(f"\nat batch {e.peak_batch} the peak is in the {e.peak_phase or 'step'}:")
+    click.echo(_table(rows, ("", "traced", "rule of thumb"), "lrr"))
+    click.echo(_memory_explanation(e))
+    if e.memory_device == "cuda":
+        click.echo(
+            f"on CUDA: allocator blocks {format_bytes(e.allocated_bytes)}, segments {format_bytes(e.reserved_bytes)}, "
+            f"+ CUDA context {format_bytes(e.cuda_context_bytes)} ({e.cuda_context_source}): "
+            f"{format_bytes(e.memory_for_batch(e.peak_batch))}, all included below"
+        )
+    click.echo(
+        f"near batch {e.peak_batch} the peak is {format_bytes(e.fixed_bytes)} + B × {format_bytes(e.per_sample_bytes)}"
+    )
+    flops = [
         ("parameters", f"{e.parameters:,}", format_bytes(e.parameter_bytes)),
-        ("gradients", "", format_bytes(e.gradient_bytes)),
-        ("optimizer state", "", format_bytes(e.optimizer_state_bytes)),
-        ("buffers", "", format_bytes(e.buffer_bytes)),
-        ("fixed total", "", format_bytes(e.fixed_bytes)),
-        ("activations per sample", f"x{e.activation_factor}", format_bytes(e.activation_bytes_per_sample * e.activation_factor)),
-        ("input per sample", "", format_bytes(e.input_bytes_per_sample)),
         ("FLOPs per sample", "forward", f"{e.flops_per_sample_forward / 1e9:.3f} GFLOP"),
         ("FLOPs per sample", "step" if e.training else "forward", f"{e.flops_per_sample_step / 1e9:.3f} GFLOP"),
     ]
-    click.echo(_table(rows, align="llr"))
+    click.echo(_table(flops, align="llr"))
     if e.vram_bytes:
         click.echo(
             f"largest batch in {format_bytes(e.vram_bytes)} with a {e.safety_margin:.0%} margin: {e.max_batch_size} "
-            f"({format_bytes(e.memory_for_batch(e.max_batch_size or 0))})"
+            f"({format_bytes(e.memory_for_batch(e.max_batch_size or 1))}; the rule of thumb would say "
+            f"{e.rule_max_batch_size})"
         )
     for note in e.notes:
         click.echo(f"note: {note}")
@@ -572,10 +631,11 @@ def _print_memory(e: Any) -> None:
             f"batch {t.saturation_batch()} reaches 90 % of it, beyond that a bigger batch only costs memory"
         )
     batches = [
-        (str(r.batch_size), format_bytes(r.memory_bytes), "yes" if r.fits else "no", _num(r.images_per_s))
+        (str(r.batch_size), format_bytes(r.memory_bytes), format_bytes(r.rule_memory_bytes),
+         "yes" if r.fits else "no", _num(r.images_per_s))
         for r in e.rows
     ]
-    click.echo(_table(batches, ("batch", "memory", "fits", "images/s")))
+    click.echo(_table(batches, ("batch", "memory", "rule of thumb", "fits", "images/s")))
     if e.loader_can_feed is not None:
         need = e.required_images_per_s or 0.0
         verdict = "can" if e.loader_can_feed else "cannot"
@@ -584,6 +644,37 @@ def _print_memory(e: Any) -> None:
             f"({need:,.0f} images/s)"
             + ("" if e.loader_can_feed else f": the device would wait {1 - (e.loader_images_per_s or 0) / need:.0%} of the time")
         )
+
+
+def _memory_title(e: Any) -> str:
+    precision = f"{e.autocast} autocast" if e.autocast else e.dtype
+    if not e.training:
+        mode = "inference (torch.no_grad)"
+    else:
+        kernels = "foreach" if e.foreach else "per-parameter"
+        mode = f"training with {e.optimizer} ({kernels}), zero_grad(set_to_none={e.set_to_none}), loss {e.loss}"
+    layout = ", channels_last" if e.channels_last else ""
+    return f"{e.model}, input {','.join(map(str, e.input_shape))}, {precision}{layout}, {mode}"
+
+
+def _memory_explanation(e: Any) -> str:
+    """Why the rule is off: the activations per sample, traced against the module outputs."""
+    outputs = e.activation_bytes_per_sample
+    if not outputs:
+        return "the module outputs hold nothing per sample"
+    rule_factor = e.activation_factor
+    lines = [
+        f"activations per sample: the peak grows by {format_bytes(e.per_sample_bytes)} a sample = "
+        f"×{e.activation_multiple:.2f} the module outputs ({format_bytes(outputs)}) + the input; "
+        f"the ×{rule_factor} rule says ×{rule_factor}"
+    ]
+    if e.kept_activation_bytes_per_sample:
+        lines.append(
+            f"kept for backward: ×{e.kept_activation_bytes_per_sample / outputs:.2f} the module outputs per sample"
+        )
+    phases = ", ".join(f"{name} {format_bytes(value)}" for name, value in e.phase_peaks.items())
+    lines.append(f"peak by phase at batch {e.peak_batch}: {phases}")
+    return "\n".join(lines)
 
 
 COMMANDS = (bench, advise, estimate_memory_command)

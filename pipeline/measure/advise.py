@@ -406,6 +406,8 @@ def advise(
     out: str | None = None,
     seed: int = 0,
     progress: Progress | None = None,
+    vram: int | str | None = None,
+    optimizer: str = "sgd",
 ) -> AdviseResult:
     """Measure every ceiling on a sample of SOURCE and this machine, and plan what to prepare.
 
@@ -425,6 +427,9 @@ def advise(
         out: OUT for the recommended command (default: TARGET/<source name>-<size>).
         seed: seed of the sample.
         progress: called with a short text before each stage.
+        vram: the model's device memory ("16GiB", "device"; default: the CUDA device's, where there is one):
+            the model is timed at the largest batch that fits it (`model_consumption`).
+        optimizer: the model's optimizer (sgd, momentum, adam, adamw), for its memory and step time.
 
     Returns:
         An AdviseResult.
@@ -461,7 +466,9 @@ def advise(
     details: dict[str, Any] = {"cores": cores, "num_workers": cores, "sample_asked": sample}
     with _scratch(_writable_target(target)) as scratch:  # a target that cannot be used fails now, not after minutes
         say(f"measuring the GPU rate ({'given' if gpu_images_per_s else 'synthetic batches'})")
-        gpu = gpu_images_per_s or _model_rate(model, input_shape, batch_size, device, measure_seconds, details)
+        gpu = gpu_images_per_s or _model_rate(
+            model, input_shape, batch_size, device, measure_seconds, details, vram=vram, optimizer=optimizer
+        )
         details["gpu_source"] = "given" if gpu_images_per_s else "measured"
         say("reading the raw sample cold from storage")
         storage_rate = _cold_read_rate(items, cores, details)
@@ -584,16 +591,90 @@ def _scratch(target: str) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _model_rate(model: Any, input_shape: Any, batch_size: int, device: str, seconds: float, details: dict[str, Any]) -> float:
-    from .memory import check_model_input, load_model, measure_step_times, parse_shape
+@dataclasses.dataclass(frozen=True)
+class ModelConsumption:
+    """The model as the loader's consumer: from the memory a batch needs to the images/s the loader must deliver.
+
+    Attributes:
+        batch_size: the batch it trains at: the largest that fits `vram_bytes`, else the one asked for.
+        step_seconds: one training step at that batch.
+        images_per_s: what the loader must deliver to keep it busy.
+        device: where the steps were timed.
+        vram_bytes: the memory limit (None: not known, so the batch asked for).
+        rows: (batch, memory bytes, fits, step seconds, images/s) from batch 1 up to `batch_size`.
+    """
+
+    batch_size: int
+    step_seconds: float
+    images_per_s: float
+    device: str
+    vram_bytes: int | None = None
+    rows: tuple[tuple[int, int, bool, float, float], ...] = ()
+
+
+def model_consumption(
+    model: Any, input_shape: Any, *, batch_size: int, vram: int | str | None = None, optimizer: str = "sgd",
+    device: str = "auto", seconds: float = 2.0,
+) -> ModelConsumption:
+    """Time the model's steps; with a memory limit, at the largest batch that fits it (`estimate_memory`).
+
+    Without `vram` (and with no CUDA device to read it from) the step is timed
+    at `batch_size`, as before the memory was known.
+
+    Raises:
+        ConfigError: a bad model, or one that does not fit at batch 1.
+    """
+    from .memory import check_model_input, estimate_memory, load_model, measure_step_times, parse_shape
 
     module = load_model(model) if isinstance(model, str) else model
     shape = parse_shape(input_shape)
     check_model_input(module, shape, model if isinstance(model, str) else type(model).__name__)
-    timing = measure_step_times(module, shape, [batch_size], optimizer="sgd", device=device, min_seconds=seconds)
-    details["gpu_device"] = timing.device
-    details["gpu_step_seconds"] = timing.points[0][1]
-    return batch_size / timing.points[0][1]
+    cuda = _device_is_cuda(device)
+    if vram is None and cuda:
+        vram = "device"
+    if vram is None:
+        timing = measure_step_times(module, shape, [batch_size], optimizer=optimizer, device=device, min_seconds=seconds)
+        step = timing.points[0][1]
+        return ModelConsumption(batch_size, step, batch_size / step, timing.device)
+    estimate = estimate_memory(
+        module, shape, optimizer=optimizer, vram=vram, measure=True, device=device, measure_seconds=seconds,
+        for_device="cuda" if cuda else "cpu",  # the memory of the device the steps run on
+    )
+    if not estimate.max_batch_size or estimate.throughput is None:
+        raise ConfigError(f"the model does not fit in {format_bytes(estimate.vram_bytes)} at batch 1")
+    timing = estimate.throughput
+    rows = tuple(
+        (r.batch_size, r.memory_bytes, r.fits, r.batch_size / (r.images_per_s or 1.0), r.images_per_s or 0.0)
+        for r in estimate.rows
+    )
+    batch = estimate.max_batch_size
+    rate = timing.images_per_s(batch)
+    return ModelConsumption(batch, batch / rate, rate, timing.device, estimate.vram_bytes, rows)
+
+
+def _device_is_cuda(device: str) -> bool:
+    from ..loader.loader import resolve_device
+
+    return resolve_device(device).type == "cuda"
+
+
+def _model_rate(
+    model: Any, input_shape: Any, batch_size: int, device: str, seconds: float, details: dict[str, Any],
+    vram: int | str | None = None, optimizer: str = "sgd",
+) -> float:
+    consumption = model_consumption(
+        model, input_shape, batch_size=batch_size, vram=vram, optimizer=optimizer, device=device, seconds=seconds
+    )
+    details["gpu_device"] = consumption.device
+    details["gpu_step_seconds"] = consumption.step_seconds
+    details["gpu_batch_size"] = consumption.batch_size
+    if consumption.vram_bytes is not None:
+        details["gpu_vram_bytes"] = consumption.vram_bytes
+        details["gpu_memory_rows"] = [
+            {"batch_size": b, "memory_bytes": m, "fits": f, "step_seconds": t, "images_per_s": r}
+            for b, m, f, t, r in consumption.rows
+        ]
+    return consumption.images_per_s
 
 
 def _cold_read_rate(items: list[Any], readers: int, details: dict[str, Any]) -> float:

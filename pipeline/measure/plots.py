@@ -277,27 +277,48 @@ def plot_memory(estimate: Any, path: str | os.PathLike[str]) -> str:
     return _save(memory_figure(estimate), path)
 
 
+def _batch_ticks(axis: Any, batches: list[int]) -> None:
+    """A log2 batch axis ticked at powers of two only, at most ten: a batch like 567 is a marked line, not a tick."""
+    axis.set_xscale("log", base=2)
+    low, high = max(1, min(batches)).bit_length() - 1, max(batches).bit_length()
+    ticks = [2**k for k in range(low, high)]
+    ticks = ticks[:: -(-len(ticks) // 10)]
+    axis.set_xticks(ticks, [f"{tick:,}" for tick in ticks])
+    axis.minorticks_off()
+
+
 def memory_figure(estimate: Any) -> Any:
-    """Device memory vs batch size and, when known, images/s vs batch size below it (a MemoryEstimate).
+    """Device memory vs batch size (traced, and the rule of thumb) and, when known, images/s below it (a MemoryEstimate).
 
     Two panels on one batch axis instead of twin y axes: a line of one unit
-    never hides behind a line of the other.
+    never hides behind a line of the other. The device's limit and the
+    largest batch that fits are marked lines, with their values in the legend.
     """
     speed_known = estimate.throughput is not None
     figure, axes = _figure(height=6.0 if speed_known else 4.5, rows=2 if speed_known else 1, sharex=True)
     rows = estimate.rows
     batches = [row.batch_size for row in rows]
+    gib = 2**30
     memory = axes[0]
-    memory.plot(batches, [row.memory_bytes / 2**30 for row in rows], marker="o", color=ACCENT, label="memory of a training step" if estimate.training else "memory")
+    memory.plot(batches, [row.memory_bytes / gib for row in rows], marker="o", color=ACCENT, label="memory (traced step)")
+    rule = [row.rule_memory_bytes for row in rows]
+    if all(value is not None for value in rule):
+        memory.plot(batches, [value / gib for value in rule], linestyle=":", color=NEUTRAL, label="rule of thumb")
     if estimate.vram_bytes:
-        memory.axhline(estimate.vram_bytes / 2**30, color=BAD, linestyle="--", label=f"VRAM ({format_bytes(estimate.vram_bytes)})")
-        usable = estimate.vram_bytes * (1 - estimate.safety_margin) / 2**30
-        memory.axhline(usable, color=NEUTRAL, linestyle=":", label=f"usable ({estimate.safety_margin:.0%} margin)")
+        memory.axhline(estimate.vram_bytes / gib, color=BAD, linestyle="--", label=f"VRAM ({format_bytes(estimate.vram_bytes)})")
+        usable = estimate.vram_bytes * (1 - estimate.safety_margin) / gib
+        memory.axhline(usable, color=NEUTRAL, linestyle="-.", label=f"usable ({estimate.safety_margin:.0%} margin)")
+    if estimate.max_batch_size and min(batches) <= estimate.max_batch_size <= max(batches):
+        memory.axvline(
+            estimate.max_batch_size, color=BAD, linestyle=(0, (1, 3)), label=f"largest batch that fits: {estimate.max_batch_size:,}"
+        )
     memory.set_ylabel("device memory (GiB)")
     memory.set_ylim(bottom=0)
     memory.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    _power_of_two_axis(memory, batches)
-    memory.set_title(f"{estimate.model}: {estimate.optimizer if estimate.training else 'inference'}, {estimate.dtype}")
+    _batch_ticks(memory, batches)
+    where = "CUDA, allocator and context included" if estimate.memory_device == "cuda" else "tensor bytes"
+    mode = estimate.optimizer if estimate.training else "inference"
+    memory.set_title(f"{estimate.model}: {mode}, {estimate.autocast or estimate.dtype} ({where})")
     if speed_known:
         speed = axes[1]
         speed.plot(batches, [row.images_per_s for row in rows], marker="s", color=GOOD, label="device images/s")
@@ -311,6 +332,6 @@ def memory_figure(estimate: Any) -> Any:
         speed.set_ylim(0, 1.1 * top)
         _thousands(speed)
         speed.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        _power_of_two_axis(speed, batches)
+        _batch_ticks(speed, batches)
     axes[-1].set_xlabel("batch size")
     return figure
