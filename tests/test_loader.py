@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -426,3 +427,85 @@ def test_producer_reads_ahead_only_a_batch_beyond_what_threads_decode(dataset: P
         assert len(labels) + 8 == loader.spec.batch_size * len(loader)  # and the epoch still completes
     finally:
         loader.close()
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C in a training loop
+
+TRAINING_SCRIPT = """
+import sys, time
+from pipeline.loader import make_loader
+loader = make_loader(sys.argv[1], 8, device="cpu", crop=56, num_workers=2, worker_type=sys.argv[2])
+print("training", flush=True)
+try:
+    for epoch in range(10000):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            time.sleep(0.005)  # the training step
+except KeyboardInterrupt:
+    if sys.argv[3] == "uncaught":
+        raise
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+def session_processes(session: int) -> list[int]:
+    """The live (not zombie) processes of a session, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, _ppid, _group, sid = stat.rsplit(")", 1)[1].split()[:4]
+        if int(sid) == session and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize(("worker_type", "handling"), [("process", "caught"), ("process", "uncaught"), ("thread", "caught")])
+def test_ctrl_c_stops_the_training_loop_at_once_and_leaves_no_process(
+    dataset: Path, tmp_path: Path, worker_type: str, handling: str
+) -> None:
+    import signal
+
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        # Its own session and process group: Ctrl-C in a terminal signals the whole foreground group.
+        process = subprocess.Popen(
+            [sys.executable, "-c", TRAINING_SCRIPT, str(dataset), worker_type, handling],
+            stdout=stdout, stderr=stderr, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "training" not in out.read_text() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # well inside the loop, workers busy
+        assert process.poll() is None, err.read_text()[-2000:]
+        children = set(session_processes(process.pid)) - {process.pid}
+        assert bool(children) == (worker_type == "process")
+        interrupted = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 20 s after Ctrl-C:\n{err.read_text()[-3000:]}")
+        elapsed = time.monotonic() - interrupted
+        left = [pid for pid in session_processes(process.pid) if pid != process.pid]
+        text = err.read_text()
+        assert process.returncode in (130, -signal.SIGINT), text[-3000:]
+        assert not left, f"processes left behind: {left}"
+        if handling == "caught":
+            assert text.splitlines() == ["interrupted"], text[-3000:]
+        else:  # the training loop's own traceback, and no other
+            assert text.count("Traceback") == 1 and text.rstrip().endswith("KeyboardInterrupt"), text[-3000:]
+        assert elapsed < 2.5, f"{elapsed:.1f} s from Ctrl-C to exit"
+    finally:
+        for pid in session_processes(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=10)

@@ -11,7 +11,8 @@ A sample that did not decode is replaced in its slot when the batch is
 collected (`damage.py`), so every batch leaves here full.
 Thread workers (the default: the decoders release the GIL) are paced by a
 backlog; process workers are a fork pool writing into the shared ring, so
-no pixels go through pipes.
+no pixels go through pipes. They ignore Ctrl-C: it is the training loop's
+to handle, and the loader stops them when it stops.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import dataclasses
 import functools
 import math
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -81,15 +83,31 @@ def decode_chunk(
     return [(start + index, reason) for index, reason in failures]
 
 
+def _ignore_interrupts() -> None:
+    """In each process worker: Ctrl-C is for the training loop, which stops the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class ProcessExecutor:
-    """A fork pool whose workers decode into the shared ring (no pixels through pipes)."""
+    """A fork pool whose workers decode into the shared ring (no pixels through pipes).
+
+    A terminal's Ctrl-C signals every process of the foreground group. The
+    workers ignore it, so they finish the piece in hand instead of dying
+    with a traceback each (and with the results the loader waits for);
+    SIGINT stays blocked from the fork until each has said so, and in the
+    pool's own threads, which fork the replacements.
+    """
 
     def __init__(self, workers: int, ring: np.ndarray) -> None:
         import multiprocessing
 
         global _SHARED_RING
         _SHARED_RING = ring
-        self._pool = multiprocessing.get_context("fork").Pool(workers)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self._pool = multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_interrupts)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def submit(self, func: Any, ring: Any, slot: int, start: int, items: Any, crop: CropSpec, finish: Any) -> Any:
         return self._pool.apply_async(func, (None, slot, start, items, crop))
