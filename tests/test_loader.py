@@ -207,6 +207,8 @@ def test_stats_report_the_stall(dataset: Path) -> None:
     assert stats.images_per_s == pytest.approx(stats.samples / (stats.wait_s + stats.step_s))
     assert stats.step_s >= 0.02 * (stats.batches - 1)
     assert set(stats.to_dict()) >= {"images_per_s", "stall_fraction", "wait_s", "step_s", "batches", "samples"}
+    # Printed with its meaning, not as a bare percentage.
+    assert f"stall fraction {stats.stall_fraction:.1%} (share of the loop's time spent waiting for data)" in str(stats)
 
 
 def test_bad_settings_are_clear_errors(dataset: Path, tmp_path: Path) -> None:

@@ -118,7 +118,8 @@ class LoaderStats:
     def __str__(self) -> str:
         return (
             f"{self.batches} batches, {self.samples} samples, {self.images_per_s:.0f} images/s, "
-            f"waited {self.wait_s:.2f} s for data, stall fraction {self.stall_fraction:.1%}, "
+            f"waited {self.wait_s:.2f} s for data, stall fraction {self.stall_fraction:.1%} "
+            f"(share of the loop's time spent waiting for data), "
             f"{self.skipped} skipped, {self.replaced} replaced, {self.bad_shards} bad shards"
         )
 
