@@ -230,10 +230,18 @@ def test_bad_settings_are_clear_errors(dataset: Path, tmp_path: Path) -> None:
 DDP_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
-dist.init_process_group("gloo")
-import pipeline.loader.loader as loader_module
 from pipeline.loader import make_loader
-loader = make_loader(sys.argv[1], 16, device="cpu", crop=56, num_workers=1, drop_last=sys.argv[3] == "drop")
+
+
+def build():
+    return make_loader(sys.argv[1], 16, device="cpu", crop=56, num_workers=1, drop_last=sys.argv[3] == "drop")
+
+
+if sys.argv[4] == "before":  # as Accelerate and Lightning scripts often do
+    loader = build()
+dist.init_process_group("gloo")
+if sys.argv[4] == "after":
+    loader = build()
 loader.set_epoch(1)
 labels = [int(v) for _, batch in loader for v in batch]
 with open(os.path.join(sys.argv[2], f"rank{dist.get_rank()}.json"), "w") as handle:
@@ -243,14 +251,15 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("policy", ["pad", "drop"])
-def test_ddp_two_ranks_disjoint_equal_and_complete(dataset: Path, tmp_path: Path, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "built"), [("pad", "after"), ("drop", "after"), ("pad", "before")])
+def test_ddp_two_ranks_disjoint_equal_and_complete(dataset: Path, tmp_path: Path, policy: str, built: str) -> None:
+    # built="before": the loader is made before init_process_group; its epochs still split the data.
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), str(script), str(dataset), str(tmp_path), policy],
+         "--master_port", str(_free_port()), str(script), str(dataset), str(tmp_path), policy, built],
         capture_output=True, text=True, timeout=240, env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -262,6 +271,7 @@ def test_ddp_two_ranks_disjoint_equal_and_complete(dataset: Path, tmp_path: Path
         assert len(ranks[0]["labels"]) == len(ranks[1]["labels"]) == (N // 2 // 16) * 16
     else:
         # Padding: N = 150 splits evenly, so ranks are disjoint and together hold everything.
+        assert len(ranks[0]["labels"]) == len(ranks[1]["labels"]) == N // 2
         assert not first & second and first | second == set(range(N))
 
 
@@ -429,6 +439,77 @@ def test_producer_reads_ahead_only_a_batch_beyond_what_threads_decode(dataset: P
         assert len(labels) + 8 == loader.spec.batch_size * len(loader)  # and the epoch still completes
     finally:
         loader.close()
+
+
+# ---------------------------------------------------------------------------
+# Rank and world size: read when an epoch starts, and an epoch never empty
+
+
+def test_a_batch_larger_than_what_a_rank_reads_is_refused_at_construction(dataset: Path) -> None:
+    # drop_last (train mode) would leave every epoch empty: len() 0, nothing yielded.
+    with pytest.raises(ConfigError, match=rf"batch_size 512 .*this rank's {N} samples per epoch"):
+        loader_for(dataset, batch_size=512)
+    # Per rank, after the split: N = 150 over 2 ranks is 75 each.
+    with pytest.raises(ConfigError, match=r"batch_size 76 .*this rank's 75 samples per epoch \(150 samples over 2"):
+        loader_for(dataset, batch_size=76, rank=1, world_size=2)
+    assert len(loader_for(dataset, batch_size=75, rank=1, world_size=2)) == 1
+    # Without drop_last the one partial batch is an epoch.
+    eval_loader = loader_for(dataset, batch_size=512, train=False)
+    assert len(eval_loader) == 1 and sorted(all_labels(eval_loader)) == list(range(N))
+
+
+def test_rank_and_world_size_follow_torch_distributed_from_epoch_to_epoch(dataset: Path, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    loader = loader_for(dataset, batch_size=8, drop_last=False)  # built before the process group
+    assert (loader.rank, loader.world_size) == (0, 1)
+    assert sorted(all_labels(loader)) == list(range(N))  # alone: everything
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
+    assert (loader.rank, loader.world_size) == (1, 2) and len(loader) == -(-N // 2 // 8)
+    loader.set_epoch(1)
+    mine = all_labels(loader)  # the epoch decoded ahead for one rank is not used for two
+    other = loader_for(dataset, batch_size=8, drop_last=False, rank=0, world_size=2)
+    other.set_epoch(1)
+    theirs = all_labels(other)
+    assert len(mine) == len(theirs) == N // 2
+    assert not set(mine) & set(theirs) and set(mine) | set(theirs) == set(range(N))
+    same = loader_for(dataset, batch_size=8, drop_last=False, rank=1, world_size=2)
+    same.set_epoch(1)
+    assert all_labels(same) == mine
+
+
+def test_a_process_group_too_large_for_the_batch_is_refused_when_the_epoch_starts(dataset: Path, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    loader = loader_for(dataset, batch_size=100)  # alone: one batch of 150 samples
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
+    with pytest.raises(ConfigError, match=r"batch_size 100 .*this rank's 75 samples per epoch \(150 samples over 2"):
+        iter(loader)
+
+
+def test_a_resumed_state_is_checked_against_the_world_size_of_the_epoch(dataset: Path, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    saved = loader_for(dataset, batch_size=8, rank=1, world_size=2).state_dict()
+    loader = loader_for(dataset, batch_size=8)  # built, and its state loaded, before the process group
+    loader.load_state_dict({**saved, "batches": 2})
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 3)
+    with pytest.raises(ConfigError, match="state was saved with world_size=2; this loader has 3"):
+        iter(loader)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
+    assert len(all_labels(loader)) == (len(loader) - 2) * 8  # resumed where the state says
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 3)
+    with pytest.raises(ConfigError, match="state was saved with world_size=2; this loader has 3"):
+        loader.load_state_dict(saved)  # with the process group up, at once
 
 
 # ---------------------------------------------------------------------------

@@ -24,12 +24,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -131,30 +130,29 @@ class Loader:
         dataset: what the source named: its shards and sample count.
         spec: the validated settings.
         device: where batches are delivered.
-        rank: this process's rank.
-        world_size: the number of ranks.
         epoch: the epoch the next iteration runs.
         stats: where the time of the training loop goes (`LoaderStats`).
     """
 
     def __init__(
-        self, dataset: DatasetInfo, spec: LoaderSpec, device: torch.device, rank: int = 0, world_size: int = 1
+        self, dataset: DatasetInfo, spec: LoaderSpec, device: torch.device, placement: tuple[int, int] | None = None
     ) -> None:
         self.dataset = dataset
         self.spec = spec
         self.device = device
-        self.rank = rank
-        self.world_size = world_size
+        self._given = placement  # (rank, world size) as given; None: torch.distributed's when an epoch starts
+        self._placed = self._placement()  # what the workers are built for
         self.epoch = 0
         self.stats = LoaderStats()
         self._skip_batches = 0
         self._delivered = 0
+        self._resume_world: int | None = None  # a loaded state's world size, checked when its epoch starts
         self._workers = _resolve_workers(spec.num_workers)
         decoder = default_decoder() if spec.decoder in ("auto", "nvjpeg") else spec.decoder
         self._crop = CropSpec(spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder)
         self._ring_slots = spec.prefetch + 2
         self._pool: DecodePool | None = None
-        self._finish = DeviceFinish(spec, device, rank, self._crop, buffers=self._ring_slots + spec.prefetch + 2)
+        self._finish = self._new_finish()
         self._next_run: Run | None = None
         self._runs: set[Run] = set()  # started and not yet stopped
         self._run_lock = threading.Lock()
@@ -163,66 +161,110 @@ class Loader:
         self._silenced = False  # WARNINGS_LIMIT reached
         _LIVE_LOADERS.add(self)
 
-    # -- sizes and epochs -------------------------------------------------
+    # -- sizes, placement and epochs ------------------------------------------
 
     def _shards(self, epoch: int) -> list[Any]:
         return self.dataset.sets[epoch % self.dataset.variants]
 
-    def _per_rank(self) -> int:
-        total = sum(s.samples for s in self._shards(0))
-        return total // self.world_size if self.spec.effective_drop_last else -(-total // self.world_size)
-
     def __len__(self) -> int:
-        """Batches per epoch on this rank."""
-        per_rank = self._per_rank()
-        if self.spec.effective_drop_last:
-            return per_rank // self.spec.batch_size
-        return math.ceil(per_rank / self.spec.batch_size)
+        """Batches per epoch on this rank (at the world size an epoch starting now would have)."""
+        return epoch_size(self.dataset, self.spec, self.world_size)[1]
 
     @property
     def num_workers(self) -> int:
         """Decode workers in use ("auto" resolved to the available cores)."""
         return self._workers
 
+    @property
+    def rank(self) -> int:
+        """This process's rank: as given to make_loader, else what torch.distributed reports now (0 without it)."""
+        return self._placement()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: as given to make_loader, else what torch.distributed reports now (1 without it)."""
+        return self._placement()[1]
+
+    def _placement(self) -> tuple[int, int]:
+        return self._given if self._given is not None else distributed_placement()
+
+    def _place(self) -> None:
+        """When an epoch starts: the rank and world size now, checked; workers built for others are replaced.
+
+        A loader made before `torch.distributed.init_process_group` reads
+        the process group once it is there, instead of every sample on
+        every rank.
+        """
+        placement = self._placement()
+        check_epoch_size(self.dataset, self.spec, placement[1])
+        _check_resumed_world(self._resume_world, placement[1])
+        if placement == self._placed:
+            return
+        self._discard_next_run()
+        for run in list(self._runs):
+            self._stop_run(run)
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self._placed = placement
+        self._finish = self._new_finish()
+
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for `epoch`; with variant sets, read set `epoch mod K`."""
         if epoch < 0:
             raise ConfigError("epoch must be 0 or more")
-        if epoch != self.epoch:
+        if epoch != self.epoch:  # a loaded state's place in its epoch no longer applies
             self._skip_batches = 0
+            self._resume_world = None
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands: restore with `load_state_dict` to continue exactly here."""
+        rank, world_size = self._placement()
         return {
             "epoch": self.epoch,
             "batches": self._delivered,
             "seed": self.spec.seed,
             "batch_size": self.spec.batch_size,
-            "world_size": self.world_size,
-            "rank": self.rank,
+            "world_size": world_size,
+            "rank": rank,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue mid-epoch: the next iteration skips the batches already delivered."""
-        for name in ("seed", "batch_size", "world_size"):
-            if state.get(name) != getattr(self.spec, name, getattr(self, name, None)):
+        """Continue mid-epoch: the next iteration skips the batches already delivered.
+
+        The state's world size must be the loader's: checked here when the
+        loader knows it (given, or torch.distributed is initialised), else
+        when the next epoch starts.
+
+        Raises:
+            ConfigError: the state was saved with another seed, batch size or world size.
+        """
+        for name in ("seed", "batch_size"):
+            if state.get(name) != getattr(self.spec, name):
                 raise ConfigError(
-                    f"state was saved with {name}={state.get(name)!r}; this loader has "
-                    f"{getattr(self.spec, name, getattr(self, name, None))!r}"
+                    f"state was saved with {name}={state.get(name)!r}; this loader has {getattr(self.spec, name)!r}"
                 )
+        saved_world = state.get("world_size")
+        if self._given is not None or _process_group_ready():
+            _check_resumed_world(saved_world, self.world_size)
+        self._resume_world = saved_world
         self.epoch = int(state["epoch"])
         self._skip_batches = int(state["batches"])
         self._delivered = self._skip_batches
 
     # -- runs ---------------------------------------------------------------
 
+    def _new_finish(self) -> DeviceFinish:
+        buffers = self._ring_slots + self.spec.prefetch + 2
+        return DeviceFinish(self.spec, self.device, self._placed[0], self._crop, buffers=buffers)
+
     def _ensure_workers(self) -> None:
         if self._pool is not None:
             return
         pin = self.device.type == "cuda" and self.spec.worker_type == "thread"
         self._pool = DecodePool(
-            self.spec, self._workers, self._ring_slots, self._crop, self.rank, pin, self._finish.cpu_finish
+            self.spec, self._workers, self._ring_slots, self._crop, self._placed[0], pin, self._finish.cpu_finish
         )
         self._closed = False
 
@@ -245,6 +287,16 @@ class Loader:
             self._silenced = True
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of epoch `self.epoch` (from where a loaded state left it); nothing starts before the first.
+
+        Raises:
+            ConfigError: at the rank and world size of now, this rank gets
+                no batch, or a loaded state was saved at another world size.
+        """
+        self._place()
+        return self._batches()
+
+    def _batches(self) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         self._ensure_workers()
         assert self._pool is not None
         epoch, skip = self.epoch, self._skip_batches
@@ -256,6 +308,7 @@ class Loader:
                 self._stop_run(other)
         run = run or self._start_run(epoch, skip)
         self._skip_batches = 0
+        self._resume_world = None
         self._delivered = skip
         finished = False
         try:
@@ -303,7 +356,8 @@ class Loader:
     def _start_run(self, epoch: int, skip: int) -> Run:
         assert self._pool is not None
         damage = DamageLog(self.spec.on_error)
-        records = epoch_records(self._shards(epoch), self.spec, epoch, self.rank, self.world_size, damage)
+        rank, world_size = self._placed
+        records = epoch_records(self._shards(epoch), self.spec, epoch, rank, world_size, damage)
         run = new_run(epoch, skip, records, damage, self._pool, self.spec, weakref.WeakMethod(self._prestart))
         self._runs.add(run)
         assert run.producer is not None
@@ -361,16 +415,56 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None or world_size is not None:
-        rank, world_size = rank or 0, world_size or 1
-    elif torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        rank, world_size = 0, 1
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is outside world size {world_size}")
-    return rank, world_size
+def given_placement(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
+    """(rank, world size) as given to make_loader, checked; None when neither is given."""
+    if rank is None and world_size is None:
+        return None
+    placement = (rank or 0, world_size or 1)
+    if not 0 <= placement[0] < placement[1]:
+        raise ConfigError(f"rank {placement[0]} is outside world size {placement[1]}")
+    return placement
+
+
+def _process_group_ready() -> bool:
+    return bool(torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def distributed_placement() -> tuple[int, int]:
+    """(rank, world size) that torch.distributed reports now; (0, 1) when it is not initialised."""
+    if _process_group_ready():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _check_resumed_world(saved: Any, world_size: int) -> None:
+    """ConfigError when a loaded state (its world size `saved`; None: none loaded) was saved at another world size."""
+    if saved is not None and saved != world_size:
+        raise ConfigError(f"state was saved with world_size={saved!r}; this loader has {world_size!r}")
+
+
+def epoch_size(dataset: DatasetInfo, spec: LoaderSpec, world_size: int) -> tuple[int, int]:
+    """(samples, batches) of one rank's epoch at `world_size`: its share of the dataset, after the split."""
+    total = sum(shard.samples for shard in dataset.sets[0])
+    if spec.effective_drop_last:
+        per_rank = total // world_size
+        return per_rank, per_rank // spec.batch_size
+    per_rank = -(-total // world_size)
+    return per_rank, -(-per_rank // spec.batch_size)
+
+
+def check_epoch_size(dataset: DatasetInfo, spec: LoaderSpec, world_size: int) -> None:
+    """ConfigError when a rank's epoch at `world_size` would hold no batch (drop_last, a batch too large)."""
+    per_rank, batches = epoch_size(dataset, spec, world_size)
+    if batches:
+        return
+    total = sum(shard.samples for shard in dataset.sets[0])
+    ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
+    fix = f"use batch_size <= {per_rank}" if per_rank else "use fewer ranks than samples"
+    raise ConfigError(
+        f"batch_size {spec.batch_size} is more than this rank's {per_rank} samples per epoch "
+        f"({total} samples over {ranks}): fewer samples than one batch, so with drop_last=True every "
+        f"epoch would be empty; {fix}, or drop_last=False for one partial batch"
+    )
 
 
 def make_loader(
@@ -450,8 +544,11 @@ def make_loader(
             the manifest's at its end; a mismatch is a damaged shard (its
             samples, already read, stay delivered; under "raise" it raises).
             Needs a manifest: a brace pattern has no hashes.
-        rank: this process's rank; None: what torch.distributed reports (else 0).
-        world_size: the number of ranks; None: what torch.distributed reports (else 1).
+        rank: this process's rank; None (with world_size None): what
+            torch.distributed reports when each epoch starts (else 0), so a
+            loader made before init_process_group splits the data too.
+        world_size: the number of ranks; None (with rank None): what
+            torch.distributed reports when each epoch starts (else 1).
         **unknown: refused: a misspelt setting is an error, never ignored.
 
     Returns:
@@ -459,8 +556,10 @@ def make_loader(
         `stats`, `state_dict`, `load_state_dict`, `close`.
 
     Raises:
-        ConfigError: invalid settings (checked before anything is built), or
-            verify=True over a source without sha256s.
+        ConfigError: invalid settings (checked before anything is built),
+            verify=True over a source without sha256s, or a batch_size
+            larger than this rank's samples per epoch with drop_last (an
+            empty epoch).
         ManifestError: the source is not a prepared dataset.
     """
     if unknown:
@@ -493,7 +592,7 @@ def make_loader(
         from .gpu_decode import check_gpu_decode
 
         check_gpu_decode(resolved)
-    rank, world_size = _distributed(rank, world_size)
+    placement = given_placement(rank, world_size)
     dataset = resolve_dataset(source)
     if dataset.samples == 0:
         raise ConfigError(f"{os.fspath(source)} holds no samples")
@@ -502,7 +601,8 @@ def make_loader(
             f"verify=True checks shards against their manifest's sha256, and {os.fspath(source)} has none "
             "(a brace pattern): give the dataset's folder or manifest.json"
         )
-    return Loader(dataset, spec, resolved, rank, world_size)
+    check_epoch_size(dataset, spec, (placement or distributed_placement())[1])
+    return Loader(dataset, spec, resolved, placement)
 
 
 def _values(values: Sequence[float]) -> Any:
