@@ -513,6 +513,53 @@ def test_a_resumed_state_is_checked_against_the_world_size_of_the_epoch(dataset:
 
 
 # ---------------------------------------------------------------------------
+# num_workers=0: the calling thread decodes
+
+
+def test_num_workers_0_decodes_in_the_calling_thread(dataset: Path, monkeypatch) -> None:
+    import threading
+
+    threads: set[str] = set()
+    original_submit, original_chunk = workers_module.DecodePool.submit, workers_module.decode_chunk
+
+    def submit(self, *args, **kwargs):  # the producer's work: read records, hand out a batch
+        threads.add(threading.current_thread().name)
+        return original_submit(self, *args, **kwargs)
+
+    def chunk(*args, **kwargs):  # the decode workers' work
+        threads.add(threading.current_thread().name)
+        return original_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(workers_module.DecodePool, "submit", submit)
+    monkeypatch.setattr(workers_module, "decode_chunk", chunk)
+    inline = loader_for(dataset, num_workers=0)
+    assert inline.num_workers == 0
+    inline.set_epoch(2)
+    started = threading.active_count()
+    got = [(images, labels) for images, labels in inline]
+    assert threading.active_count() == started  # no producer thread, no pool
+    assert threads == {threading.current_thread().name}
+    threads.clear()
+    one = loader_for(dataset, num_workers=1)
+    one.set_epoch(2)
+    reference = [(images, labels) for images, labels in one]
+    assert threading.current_thread().name not in threads  # with workers, elsewhere
+    assert len(got) == len(reference) == len(inline)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, reference))
+    assert inline.epoch == 3 and inline._next_run is None  # nothing decodes ahead without workers
+    # Resuming mid-epoch works alike.
+    partial = loader_for(dataset, num_workers=0)
+    partial.load_state_dict({**one.state_dict(), "epoch": 2, "batches": 3})
+    rest = [labels for _, labels in partial]
+    assert [labels.tolist() for labels in rest] == [labels.tolist() for _, labels in reference[3:]]
+
+
+def test_num_workers_0_with_process_workers_is_refused(dataset: Path) -> None:
+    with pytest.raises(ConfigError, match=r"num_workers=0 .*worker_type='process'"):
+        loader_for(dataset, num_workers=0, worker_type="process")
+
+
+# ---------------------------------------------------------------------------
 # Ctrl-C in a training loop
 
 TRAINING_SCRIPT = """

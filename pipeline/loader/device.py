@@ -142,10 +142,11 @@ class DeviceFinish:
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
         ready: deque[Ready] = deque()
+        depth = self.spec.prefetch if cuda and not pool.inline else 1  # num_workers=0: decoded when asked for
         exhausted = False
         try:
             while True:
-                while not exhausted and len(ready) < (self.spec.prefetch if cuda else 1):
+                while not exhausted and len(ready) < depth:
                     batch = upcoming.next()
                     if batch is None:
                         exhausted = True

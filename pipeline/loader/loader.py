@@ -172,7 +172,7 @@ class Loader:
 
     @property
     def num_workers(self) -> int:
-        """Decode workers in use ("auto" resolved to the available cores)."""
+        """Decode workers in use ("auto" resolved to the available cores; 0: the calling thread decodes)."""
         return self._workers
 
     @property
@@ -347,10 +347,10 @@ class Loader:
         decode workers go straight on with the next epoch while the training
         loop is still busy with this one; and when the epoch is over, in case
         the producer could not (it was stopped). Set_epoch to anything else
-        discards this run.
+        discards this run. With num_workers=0 nothing decodes ahead.
         """
         with self._run_lock:
-            if self._next_run is None and not self._closed and self._pool is not None:
+            if self._next_run is None and not self._closed and self._pool is not None and not self._pool.inline:
                 self._next_run = self._start_run(epoch, 0)
 
     def _start_run(self, epoch: int, skip: int) -> Run:
@@ -360,8 +360,8 @@ class Loader:
         records = epoch_records(self._shards(epoch), self.spec, epoch, rank, world_size, damage)
         run = new_run(epoch, skip, records, damage, self._pool, self.spec, weakref.WeakMethod(self._prestart))
         self._runs.add(run)
-        assert run.producer is not None
-        run.producer.start()
+        if run.producer is not None:
+            run.producer.start()
         return run
 
     def _stop_run(self, run: Run) -> None:
@@ -510,9 +510,13 @@ def make_loader(
         train: random-resized crops, flips and shuffling; False gives
             centre crops in a fixed order.
         crop: output side in pixels.
-        num_workers: decode workers, or "auto" (the available cores).
+        num_workers: decode workers, or "auto" (the available cores); 0
+            decodes in the calling thread, as each batch is asked for (no
+            producer thread, no pool, nothing ahead: for debugging).
         worker_type: "thread" (the decoders release the GIL) or "process"
-            (a fork pool decoding into shared memory).
+            (a fork pool decoding into shared memory; num_workers >= 1).
+            Process workers ignore Ctrl-C: the training loop gets the
+            KeyboardInterrupt and the loader stops them.
         shuffle_buffer: samples mixed by the seeded shuffle buffer (train).
         interleave: shards read at once, taken in turn (train).
         seed: seed of every random choice (order, crops, flips).
