@@ -397,21 +397,6 @@ print("done")
         assert "terminate called" not in result.stderr
 
 
-def test_a_new_iteration_ends_an_unfinished_one(dataset: Path) -> None:
-    # An iterator kept aside must neither starve the next iteration of batch
-    # buffers nor hang when it is used again later.
-    loader = loader_for(dataset, batch_size=8, drop_last=False)
-    kept = iter(loader)
-    next(kept)
-    labels = [labels for _, labels in loader]
-    assert sorted(torch.cat(labels).tolist()) == list(range(N))
-    for _ in loader:  # epoch 1
-        pass
-    assert loader.epoch == 2
-    assert list(kept) == []
-    assert loader.epoch == 2  # the stale iterator ending does not move the epoch back
-
-
 def test_producer_reads_ahead_only_a_batch_beyond_what_threads_decode(dataset: Path, monkeypatch) -> None:
     # Slow decoding: without pacing the producer would fill every ring slot before the
     # first batch is done; with it, at most one batch waits beyond the ones being decoded.
@@ -439,6 +424,87 @@ def test_producer_reads_ahead_only_a_batch_beyond_what_threads_decode(dataset: P
         assert len(labels) + 8 == loader.spec.batch_size * len(loader)  # and the epoch still completes
     finally:
         loader.close()
+
+
+# ---------------------------------------------------------------------------
+# What a DataLoader user expects
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
+def test_dtype_may_be_a_torch_dtype(dataset: Path, dtype: torch.dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    by_dtype, by_name = loader_for(dataset, dtype=dtype), loader_for(dataset, dtype=name)
+    assert by_dtype.spec.dtype == name  # the settings stay plain JSON
+    images, _ = next(iter(by_dtype))
+    assert images.dtype == dtype and torch.equal(images, next(iter(by_name))[0])
+
+
+def test_a_torch_dtype_it_cannot_deliver_is_a_clear_error(dataset: Path) -> None:
+    with pytest.raises(ConfigError, match=r"dtype must be .*torch.float16.*got torch.float64"):
+        loader_for(dataset, dtype=torch.float64)
+
+
+def test_batch_size_and_dataset_as_on_a_dataloader(dataset: Path) -> None:
+    loader = loader_for(dataset, batch_size=16, rank=1, world_size=2)
+    assert loader.batch_size == 16
+    # len(loader.dataset): the whole dataset, as with a DataLoader over a DistributedSampler;
+    # this rank reads len(loader) batches of it.
+    assert len(loader.dataset) == N
+    assert len(loader) == N // 2 // 16
+
+
+def test_a_second_iteration_while_one_runs_is_an_error(dataset: Path) -> None:
+    loader = loader_for(dataset, batch_size=8, drop_last=False)
+    first = iter(loader)
+    labels = [next(first)[1]]
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        iter(loader)
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        for _ in loader:
+            pass
+    labels += [batch_labels for _, batch_labels in first]  # the first goes on unharmed
+    assert sorted(torch.cat(labels).tolist()) == list(range(N))
+    assert loader.epoch == 1
+    # Finished, closed or dropped, an iteration leaves the loader free for the next.
+    second = iter(loader)
+    next(second)
+    second.close()
+    third = iter(loader)
+    next(third)
+    del third
+    fourth = iter(loader)  # created but never started, then dropped
+    del fourth
+    for _ in loader:  # left with break
+        break
+    assert sorted(all_labels(loader)) == list(range(N))
+    assert loader.epoch == 2
+    # An iteration nobody can reach any more (kept by a traceback, in a notebook): loader.close() ends it.
+    stale = iter(loader)
+    next(stale)
+    with pytest.raises(RuntimeError, match=r"loader\.close\(\)"):
+        iter(loader)
+    loader.close()
+    assert sorted(all_labels(loader)) == list(range(N)) and loader.epoch == 3
+    assert list(stale) == [] and loader.epoch == 3  # it ends at once and moves nothing on
+
+
+def test_a_crop_larger_than_the_prepared_size_warns_once(dataset: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from loader_data import SIZE
+
+    def upsampling(records: list) -> list[str]:
+        return [r.getMessage() for r in records if r.name == "gpufeed.loader" and "upsampled" in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="gpufeed.loader"):
+        loader = make_loader(dataset, 8, device="cpu", crop=SIZE + 16, num_workers=1)
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            next(iter(loader))
+    (message,) = upsampling(caplog.records)
+    assert f"crop={SIZE + 16}" in message and f"{SIZE} px" in message
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpufeed.loader"):
+        next(iter(make_loader(dataset, 8, device="cpu", crop=SIZE, num_workers=1)))
+    assert upsampling(caplog.records) == []
 
 
 # ---------------------------------------------------------------------------

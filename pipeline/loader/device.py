@@ -152,7 +152,7 @@ class DeviceFinish:
                         exhausted = True
                         break
                     ready.append(self._to_device(epoch, batch, free, side, pool, report, upcoming))
-                if not ready:
+                if not ready or run.stop.is_set():  # the end, or the loader was closed: nothing more
                     return
                 images, labels, done = ready.popleft()
                 if done is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import threading
@@ -34,7 +35,7 @@ from typing import Any, NoReturn
 import torch
 
 from ..errors import ConfigError
-from ..specs import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
+from ..specs import DTYPES, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
 from .cpu_decode import default_decoder
 from .crops import CropSpec
 from .damage import Damage, DamageLog
@@ -126,8 +127,15 @@ class LoaderStats:
 class Loader:
     """Iterable of (images, labels) batches on a device; build it with `make_loader`.
 
+    Each iteration is one pass over an epoch, and one runs at a time: `iter()`
+    while another iteration is still going (neither finished, closed nor let
+    go of, and the loader not closed since) raises instead of ending it.
+
     Attributes:
-        dataset: what the source named: its shards and sample count.
+        dataset: the prepared dataset it reads: shards, class names and sample
+            count. `len(loader.dataset)` is one epoch's samples over all ranks
+            together, as with a DataLoader over a DistributedSampler; this rank
+            reads `len(loader)` batches of them.
         spec: the validated settings.
         device: where batches are delivered.
         epoch: the epoch the next iteration runs.
@@ -157,6 +165,7 @@ class Loader:
         self._runs: set[Run] = set()  # started and not yet stopped
         self._run_lock = threading.Lock()
         self._closed = False
+        self._iteration: weakref.ref[Generator[Any, None, None]] | None = None  # the latest iteration
         self._warned: set[str] = set()  # the shards and samples whose damage was logged
         self._silenced = False  # WARNINGS_LIMIT reached
         _LIVE_LOADERS.add(self)
@@ -169,6 +178,11 @@ class Loader:
     def __len__(self) -> int:
         """Batches per epoch on this rank (at the world size an epoch starting now would have)."""
         return epoch_size(self.dataset, self.spec, self.world_size)[1]
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch (on this rank)."""
+        return self.spec.batch_size
 
     @property
     def num_workers(self) -> int:
@@ -290,11 +304,20 @@ class Loader:
         """The batches of epoch `self.epoch` (from where a loaded state left it); nothing starts before the first.
 
         Raises:
+            RuntimeError: another iteration of this loader is still going.
             ConfigError: at the rank and world size of now, this rank gets
                 no batch, or a loaded state was saved at another world size.
         """
+        running = self._iteration() if self._iteration is not None else None
+        if running is not None and inspect.getgeneratorstate(running) != inspect.GEN_CLOSED:
+            raise RuntimeError(
+                "this loader is already being iterated: an iteration is a pass over the epoch, one at a time; "
+                "finish the other one, or end it first (its close(), or loader.close(), which ends any)"
+            )
         self._place()
-        return self._batches()
+        batches = self._batches()
+        self._iteration = weakref.ref(batches)
+        return batches
 
     def _batches(self) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         self._ensure_workers()
@@ -302,9 +325,9 @@ class Loader:
         epoch, skip = self.epoch, self._skip_batches
         with self._run_lock:
             ahead, self._next_run = self._next_run, None
-        run = ahead if ahead is not None and ahead.matches(epoch, skip) else None
-        for other in list(self._runs):  # one iteration at a time: this one ends any earlier one, and a
-            if other is not run:  # run started ahead for another epoch
+        run = ahead if ahead is not None and ahead.matches(epoch, skip) and not ahead.stop.is_set() else None
+        for other in list(self._runs):  # a run started ahead for another epoch, or one ended by close()
+            if other is not run:
                 self._stop_run(other)
         run = run or self._start_run(epoch, skip)
         self._skip_batches = 0
@@ -313,7 +336,7 @@ class Loader:
         finished = False
         try:
             yield from self._timed(self._finish.deliver(epoch, run, self._pool, self._report))
-            finished = not run.stop.is_set()  # else a newer iteration took over: this one moves nothing on
+            finished = not run.stop.is_set()  # else close() ended it: this one moves nothing on
         finally:
             self._stop_run(run)
             if finished:
@@ -375,8 +398,13 @@ class Loader:
             self._stop_run(run)
 
     def close(self) -> None:
-        """Stop the worker pool (also done when the loader is garbage collected or at exit)."""
+        """Stop the worker pool and end any iteration (also done when the loader is garbage collected or at exit).
+
+        An iterator of it used again after this ends at once; the next
+        iteration starts the workers again.
+        """
         self._closed = True
+        self._iteration = None
         self._discard_next_run()
         for run in list(self._runs):
             self._stop_run(run)
@@ -467,6 +495,28 @@ def check_epoch_size(dataset: DatasetInfo, spec: LoaderSpec, world_size: int) ->
     )
 
 
+def warn_if_upsampling(dataset: DatasetInfo, spec: LoaderSpec) -> None:
+    """Log once, when the loader is made, that a crop larger than the prepared images is upsampled."""
+    size = dataset.prepared_size
+    if size is not None and spec.crop > size:
+        log.warning(
+            "crop=%d is larger than the images of %s, prepared at %d px (--size %d in its manifest's params): "
+            "every crop is upsampled to %d px; prepare it with --size %d or more, or use crop <= %d",
+            spec.crop, dataset.root or ".", size, size, spec.crop, spec.crop, size,
+        )  # fmt: skip
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The LoaderSpec name of an output dtype given as a torch.dtype (torch.float16 -> "float16") or a name."""
+    if not isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        accepted = ", ".join(f"torch.{n}" for n in DTYPES)
+        raise ConfigError(f"dtype must be one of {accepted} (or its name as a string), got {dtype}")
+    return name
+
+
 def make_loader(
     source: str | os.PathLike[str],
     batch_size: int,
@@ -481,7 +531,7 @@ def make_loader(
     seed: int = 0,
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
-    dtype: str = "float32",
+    dtype: str | torch.dtype = "float32",
     channels_last: bool = False,
     drop_last: bool | None = None,
     prefetch: int = 2,
@@ -522,9 +572,9 @@ def make_loader(
         seed: seed of every random choice (order, crops, flips).
         mean: per-channel (R, G, B) mean to subtract, in 0-1 units.
         std: per-channel (R, G, B) standard deviation to divide by, in 0-1 units.
-        dtype: "float32", "float16" or "bfloat16" output, normalised; or
-            "uint8": pixels as decoded and flipped, not normalised (for
-            augmentation on the GPU).
+        dtype: float32, float16 or bfloat16 output, normalised; or uint8:
+            pixels as decoded and flipped, not normalised (for augmentation
+            on the GPU). A torch.dtype (torch.float16) or its name ("float16").
         channels_last: NCHW tensors in channels-last memory format.
         drop_last: drop the incomplete last batch and the uneven tail across
             ranks; None: True in train mode, False in eval mode.
@@ -556,8 +606,10 @@ def make_loader(
         **unknown: refused: a misspelt setting is an error, never ignored.
 
     Returns:
-        A Loader: iterate for (images, labels); `len()`, `set_epoch`,
-        `stats`, `state_dict`, `load_state_dict`, `close`.
+        A Loader: iterate for (images, labels), one iteration at a time;
+        `len()`, `batch_size`, `dataset`, `set_epoch`, `stats`,
+        `state_dict`, `load_state_dict`, `close`. A crop larger than the
+        dataset's prepared size logs one warning that it is upsampled.
 
     Raises:
         ConfigError: invalid settings (checked before anything is built),
@@ -579,7 +631,7 @@ def make_loader(
         seed=seed,
         mean=_values(mean),
         std=_values(std),
-        dtype=dtype,
+        dtype=dtype_name(dtype),
         channels_last=channels_last,
         drop_last=drop_last,
         prefetch=prefetch,
@@ -606,6 +658,7 @@ def make_loader(
             "(a brace pattern): give the dataset's folder or manifest.json"
         )
     check_epoch_size(dataset, spec, (placement or distributed_placement())[1])
+    warn_if_upsampling(dataset, spec)
     return Loader(dataset, spec, resolved, placement)
 
 
