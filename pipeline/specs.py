@@ -269,8 +269,10 @@ class LoaderSpec(Spec):
         batch_size: samples per batch.
         train: random-resized crop, flips, shuffling (else centre crop, fixed order).
         crop: output side in pixels.
-        num_workers: decode workers, or "auto" (available cores).
-        worker_type: "thread" (libjpeg-turbo releases the GIL) or "process".
+        num_workers: decode workers, or "auto" (available cores); 0 decodes in
+            the calling thread (no producer thread, no pool: for debugging).
+        worker_type: "thread" (libjpeg-turbo releases the GIL) or "process"
+            (needs num_workers >= 1).
         shuffle_buffer: samples mixed by the seeded shuffle buffer (train).
         interleave: shards read at once, taken in turn.
         seed: seed of every random choice (order, crops, flips).
@@ -320,9 +322,14 @@ class LoaderSpec(Spec):
         check_int("batch_size", self.batch_size, 1, 1 << 16)
         check_int("crop", self.crop, 8, 8192)
         if self.num_workers != "auto":
-            check_int("num_workers", self.num_workers, 1, 256)
+            check_int("num_workers", self.num_workers, 0, 256)
         if self.worker_type not in ("thread", "process"):
             raise ConfigError(f"worker_type must be 'thread' or 'process', got {self.worker_type!r}")
+        if self.num_workers == 0 and self.worker_type == "process":
+            raise ConfigError(
+                "num_workers=0 decodes in the calling thread, so there are no worker processes for "
+                "worker_type='process': give num_workers >= 1, or leave worker_type as 'thread'"
+            )
         check_int("shuffle_buffer", self.shuffle_buffer, 0)
         check_int("interleave", self.interleave, 1, 64)
         check_int("seed", self.seed, 0, 2**63 - 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -206,6 +207,8 @@ def test_stats_report_the_stall(dataset: Path) -> None:
     assert stats.images_per_s == pytest.approx(stats.samples / (stats.wait_s + stats.step_s))
     assert stats.step_s >= 0.02 * (stats.batches - 1)
     assert set(stats.to_dict()) >= {"images_per_s", "stall_fraction", "wait_s", "step_s", "batches", "samples"}
+    # Printed with its meaning, not as a bare percentage.
+    assert f"stall fraction {stats.stall_fraction:.1%} (share of the loop's time spent waiting for data)" in str(stats)
 
 
 def test_bad_settings_are_clear_errors(dataset: Path, tmp_path: Path) -> None:
@@ -227,10 +230,18 @@ def test_bad_settings_are_clear_errors(dataset: Path, tmp_path: Path) -> None:
 DDP_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
-dist.init_process_group("gloo")
-import pipeline.loader.loader as loader_module
 from pipeline.loader import make_loader
-loader = make_loader(sys.argv[1], 16, device="cpu", crop=56, num_workers=1, drop_last=sys.argv[3] == "drop")
+
+
+def build():
+    return make_loader(sys.argv[1], 16, device="cpu", crop=56, num_workers=1, drop_last=sys.argv[3] == "drop")
+
+
+if sys.argv[4] == "before":  # as Accelerate and Lightning scripts often do
+    loader = build()
+dist.init_process_group("gloo")
+if sys.argv[4] == "after":
+    loader = build()
 loader.set_epoch(1)
 labels = [int(v) for _, batch in loader for v in batch]
 with open(os.path.join(sys.argv[2], f"rank{dist.get_rank()}.json"), "w") as handle:
@@ -240,14 +251,15 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("policy", ["pad", "drop"])
-def test_ddp_two_ranks_disjoint_equal_and_complete(dataset: Path, tmp_path: Path, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "built"), [("pad", "after"), ("drop", "after"), ("pad", "before")])
+def test_ddp_two_ranks_disjoint_equal_and_complete(dataset: Path, tmp_path: Path, policy: str, built: str) -> None:
+    # built="before": the loader is made before init_process_group; its epochs still split the data.
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), str(script), str(dataset), str(tmp_path), policy],
+         "--master_port", str(_free_port()), str(script), str(dataset), str(tmp_path), policy, built],
         capture_output=True, text=True, timeout=240, env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -259,6 +271,7 @@ def test_ddp_two_ranks_disjoint_equal_and_complete(dataset: Path, tmp_path: Path
         assert len(ranks[0]["labels"]) == len(ranks[1]["labels"]) == (N // 2 // 16) * 16
     else:
         # Padding: N = 150 splits evenly, so ranks are disjoint and together hold everything.
+        assert len(ranks[0]["labels"]) == len(ranks[1]["labels"]) == N // 2
         assert not first & second and first | second == set(range(N))
 
 
@@ -384,21 +397,6 @@ print("done")
         assert "terminate called" not in result.stderr
 
 
-def test_a_new_iteration_ends_an_unfinished_one(dataset: Path) -> None:
-    # An iterator kept aside must neither starve the next iteration of batch
-    # buffers nor hang when it is used again later.
-    loader = loader_for(dataset, batch_size=8, drop_last=False)
-    kept = iter(loader)
-    next(kept)
-    labels = [labels for _, labels in loader]
-    assert sorted(torch.cat(labels).tolist()) == list(range(N))
-    for _ in loader:  # epoch 1
-        pass
-    assert loader.epoch == 2
-    assert list(kept) == []
-    assert loader.epoch == 2  # the stale iterator ending does not move the epoch back
-
-
 def test_producer_reads_ahead_only_a_batch_beyond_what_threads_decode(dataset: Path, monkeypatch) -> None:
     # Slow decoding: without pacing the producer would fill every ring slot before the
     # first batch is done; with it, at most one batch waits beyond the ones being decoded.
@@ -426,3 +424,284 @@ def test_producer_reads_ahead_only_a_batch_beyond_what_threads_decode(dataset: P
         assert len(labels) + 8 == loader.spec.batch_size * len(loader)  # and the epoch still completes
     finally:
         loader.close()
+
+
+# ---------------------------------------------------------------------------
+# What a DataLoader user expects
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
+def test_dtype_may_be_a_torch_dtype(dataset: Path, dtype: torch.dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    by_dtype, by_name = loader_for(dataset, dtype=dtype), loader_for(dataset, dtype=name)
+    assert by_dtype.spec.dtype == name  # the settings stay plain JSON
+    images, _ = next(iter(by_dtype))
+    assert images.dtype == dtype and torch.equal(images, next(iter(by_name))[0])
+
+
+def test_a_torch_dtype_it_cannot_deliver_is_a_clear_error(dataset: Path) -> None:
+    with pytest.raises(ConfigError, match=r"dtype must be .*torch.float16.*got torch.float64"):
+        loader_for(dataset, dtype=torch.float64)
+
+
+def test_batch_size_and_dataset_as_on_a_dataloader(dataset: Path) -> None:
+    loader = loader_for(dataset, batch_size=16, rank=1, world_size=2)
+    assert loader.batch_size == 16
+    # len(loader.dataset): the whole dataset, as with a DataLoader over a DistributedSampler;
+    # this rank reads len(loader) batches of it.
+    assert len(loader.dataset) == N
+    assert len(loader) == N // 2 // 16
+
+
+def test_a_second_iteration_while_one_runs_is_an_error(dataset: Path) -> None:
+    loader = loader_for(dataset, batch_size=8, drop_last=False)
+    first = iter(loader)
+    labels = [next(first)[1]]
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        iter(loader)
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        for _ in loader:
+            pass
+    labels += [batch_labels for _, batch_labels in first]  # the first goes on unharmed
+    assert sorted(torch.cat(labels).tolist()) == list(range(N))
+    assert loader.epoch == 1
+    # Finished, closed or dropped, an iteration leaves the loader free for the next.
+    second = iter(loader)
+    next(second)
+    second.close()
+    third = iter(loader)
+    next(third)
+    del third
+    fourth = iter(loader)  # created but never started, then dropped
+    del fourth
+    for _ in loader:  # left with break
+        break
+    assert sorted(all_labels(loader)) == list(range(N))
+    assert loader.epoch == 2
+    # An iteration nobody can reach any more (kept by a traceback, in a notebook): loader.close() ends it.
+    stale = iter(loader)
+    next(stale)
+    with pytest.raises(RuntimeError, match=r"loader\.close\(\)"):
+        iter(loader)
+    loader.close()
+    assert sorted(all_labels(loader)) == list(range(N)) and loader.epoch == 3
+    assert list(stale) == [] and loader.epoch == 3  # it ends at once and moves nothing on
+
+
+def test_a_crop_larger_than_the_prepared_size_warns_once(dataset: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from loader_data import SIZE
+
+    def upsampling(records: list) -> list[str]:
+        return [r.getMessage() for r in records if r.name == "gpufeed.loader" and "upsampled" in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="gpufeed.loader"):
+        loader = make_loader(dataset, 8, device="cpu", crop=SIZE + 16, num_workers=1)
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            next(iter(loader))
+    (message,) = upsampling(caplog.records)
+    assert f"crop={SIZE + 16}" in message and f"{SIZE} px" in message
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpufeed.loader"):
+        next(iter(make_loader(dataset, 8, device="cpu", crop=SIZE, num_workers=1)))
+    assert upsampling(caplog.records) == []
+
+
+# ---------------------------------------------------------------------------
+# Rank and world size: read when an epoch starts, and an epoch never empty
+
+
+def test_a_batch_larger_than_what_a_rank_reads_is_refused_at_construction(dataset: Path) -> None:
+    # drop_last (train mode) would leave every epoch empty: len() 0, nothing yielded.
+    with pytest.raises(ConfigError, match=rf"batch_size 512 .*this rank's {N} samples per epoch"):
+        loader_for(dataset, batch_size=512)
+    # Per rank, after the split: N = 150 over 2 ranks is 75 each.
+    with pytest.raises(ConfigError, match=r"batch_size 76 .*this rank's 75 samples per epoch \(150 samples over 2"):
+        loader_for(dataset, batch_size=76, rank=1, world_size=2)
+    assert len(loader_for(dataset, batch_size=75, rank=1, world_size=2)) == 1
+    # Without drop_last the one partial batch is an epoch.
+    eval_loader = loader_for(dataset, batch_size=512, train=False)
+    assert len(eval_loader) == 1 and sorted(all_labels(eval_loader)) == list(range(N))
+
+
+def test_rank_and_world_size_follow_torch_distributed_from_epoch_to_epoch(dataset: Path, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    loader = loader_for(dataset, batch_size=8, drop_last=False)  # built before the process group
+    assert (loader.rank, loader.world_size) == (0, 1)
+    assert sorted(all_labels(loader)) == list(range(N))  # alone: everything
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
+    assert (loader.rank, loader.world_size) == (1, 2) and len(loader) == -(-N // 2 // 8)
+    loader.set_epoch(1)
+    mine = all_labels(loader)  # the epoch decoded ahead for one rank is not used for two
+    other = loader_for(dataset, batch_size=8, drop_last=False, rank=0, world_size=2)
+    other.set_epoch(1)
+    theirs = all_labels(other)
+    assert len(mine) == len(theirs) == N // 2
+    assert not set(mine) & set(theirs) and set(mine) | set(theirs) == set(range(N))
+    same = loader_for(dataset, batch_size=8, drop_last=False, rank=1, world_size=2)
+    same.set_epoch(1)
+    assert all_labels(same) == mine
+
+
+def test_a_process_group_too_large_for_the_batch_is_refused_when_the_epoch_starts(dataset: Path, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    loader = loader_for(dataset, batch_size=100)  # alone: one batch of 150 samples
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
+    with pytest.raises(ConfigError, match=r"batch_size 100 .*this rank's 75 samples per epoch \(150 samples over 2"):
+        iter(loader)
+
+
+def test_a_resumed_state_is_checked_against_the_world_size_of_the_epoch(dataset: Path, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    saved = loader_for(dataset, batch_size=8, rank=1, world_size=2).state_dict()
+    loader = loader_for(dataset, batch_size=8)  # built, and its state loaded, before the process group
+    loader.load_state_dict({**saved, "batches": 2})
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 3)
+    with pytest.raises(ConfigError, match="state was saved with world_size=2; this loader has 3"):
+        iter(loader)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
+    assert len(all_labels(loader)) == (len(loader) - 2) * 8  # resumed where the state says
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 3)
+    with pytest.raises(ConfigError, match="state was saved with world_size=2; this loader has 3"):
+        loader.load_state_dict(saved)  # with the process group up, at once
+
+
+# ---------------------------------------------------------------------------
+# num_workers=0: the calling thread decodes
+
+
+def test_num_workers_0_decodes_in_the_calling_thread(dataset: Path, monkeypatch) -> None:
+    import threading
+
+    threads: set[str] = set()
+    original_submit, original_chunk = workers_module.DecodePool.submit, workers_module.decode_chunk
+
+    def submit(self, *args, **kwargs):  # the producer's work: read records, hand out a batch
+        threads.add(threading.current_thread().name)
+        return original_submit(self, *args, **kwargs)
+
+    def chunk(*args, **kwargs):  # the decode workers' work
+        threads.add(threading.current_thread().name)
+        return original_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(workers_module.DecodePool, "submit", submit)
+    monkeypatch.setattr(workers_module, "decode_chunk", chunk)
+    inline = loader_for(dataset, num_workers=0)
+    assert inline.num_workers == 0
+    inline.set_epoch(2)
+    started = threading.active_count()
+    got = [(images, labels) for images, labels in inline]
+    assert threading.active_count() == started  # no producer thread, no pool
+    assert threads == {threading.current_thread().name}
+    threads.clear()
+    one = loader_for(dataset, num_workers=1)
+    one.set_epoch(2)
+    reference = [(images, labels) for images, labels in one]
+    assert threading.current_thread().name not in threads  # with workers, elsewhere
+    assert len(got) == len(reference) == len(inline)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, reference))
+    assert inline.epoch == 3 and inline._next_run is None  # nothing decodes ahead without workers
+    # Resuming mid-epoch works alike.
+    partial = loader_for(dataset, num_workers=0)
+    partial.load_state_dict({**one.state_dict(), "epoch": 2, "batches": 3})
+    rest = [labels for _, labels in partial]
+    assert [labels.tolist() for labels in rest] == [labels.tolist() for _, labels in reference[3:]]
+
+
+def test_num_workers_0_with_process_workers_is_refused(dataset: Path) -> None:
+    with pytest.raises(ConfigError, match=r"num_workers=0 .*worker_type='process'"):
+        loader_for(dataset, num_workers=0, worker_type="process")
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C in a training loop
+
+TRAINING_SCRIPT = """
+import sys, time
+from pipeline.loader import make_loader
+loader = make_loader(sys.argv[1], 8, device="cpu", crop=56, num_workers=2, worker_type=sys.argv[2])
+print("training", flush=True)
+try:
+    for epoch in range(10000):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            time.sleep(0.005)  # the training step
+except KeyboardInterrupt:
+    if sys.argv[3] == "uncaught":
+        raise
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+def session_processes(session: int) -> list[int]:
+    """The live (not zombie) processes of a session, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, _ppid, _group, sid = stat.rsplit(")", 1)[1].split()[:4]
+        if int(sid) == session and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize(("worker_type", "handling"), [("process", "caught"), ("process", "uncaught"), ("thread", "caught")])
+def test_ctrl_c_stops_the_training_loop_at_once_and_leaves_no_process(
+    dataset: Path, tmp_path: Path, worker_type: str, handling: str
+) -> None:
+    import signal
+
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        # Its own session and process group: Ctrl-C in a terminal signals the whole foreground group.
+        process = subprocess.Popen(
+            [sys.executable, "-c", TRAINING_SCRIPT, str(dataset), worker_type, handling],
+            stdout=stdout, stderr=stderr, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "training" not in out.read_text() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # well inside the loop, workers busy
+        assert process.poll() is None, err.read_text()[-2000:]
+        children = set(session_processes(process.pid)) - {process.pid}
+        assert bool(children) == (worker_type == "process")
+        interrupted = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 20 s after Ctrl-C:\n{err.read_text()[-3000:]}")
+        elapsed = time.monotonic() - interrupted
+        left = [pid for pid in session_processes(process.pid) if pid != process.pid]
+        text = err.read_text()
+        assert process.returncode in (130, -signal.SIGINT), text[-3000:]
+        assert not left, f"processes left behind: {left}"
+        if handling == "caught":
+            assert text.splitlines() == ["interrupted"], text[-3000:]
+        else:  # the training loop's own traceback, and no other
+            assert text.count("Traceback") == 1 and text.rstrip().endswith("KeyboardInterrupt"), text[-3000:]
+        assert elapsed < 2.5, f"{elapsed:.1f} s from Ctrl-C to exit"
+    finally:
+        for pid in session_processes(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=10)

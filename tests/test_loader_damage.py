@@ -293,12 +293,14 @@ def test_no_decodable_sample_anywhere_is_a_clear_error(copy: Path) -> None:
 # Same answers every way: worker kinds, resume, variant sets
 
 
-def test_thread_and_process_workers_replace_alike(copy: Path) -> None:
+def test_thread_and_process_workers_and_the_calling_thread_replace_alike(copy: Path) -> None:
     cut_inside_sample(copy / "shard-000006.tar", 4)
     break_samples(copy, "shard-000001.tar", garbage=(3,))
     threads = run_epochs(loader_for(copy), (1,))[0]
-    processes = run_epochs(loader_for(copy, worker_type="process"), (1,))[0]
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(threads, processes))
+    for options in ({"worker_type": "process"}, {"num_workers": 0}):
+        other = run_epochs(loader_for(copy, **options), (1,))[0]
+        assert len(other) == len(threads)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(threads, other)), options
 
 
 @pytest.mark.parametrize("worker_type", ["thread", "process"])

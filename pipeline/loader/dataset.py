@@ -25,12 +25,29 @@ class ShardRef:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
-    """A resolved loader source: shards per variant set, class names, sample count."""
+    """A resolved loader source: shards per variant set, class names, sample count.
+
+    `len()` is `samples`: one epoch's samples (one variant set), all ranks
+    together, as `len(dataset)` is for a DataLoader's dataset.
+
+    Attributes:
+        sets: the shards of each variant set (one set without variants).
+        classes: class names, index = label (empty for a brace pattern).
+        samples: samples per epoch (per variant set).
+        root: the dataset's folder or URL.
+        prepared_size: the side `gpufeed prepare` resized to (`--size`, from
+            the manifest's params); None when not known (a brace pattern) or
+            not resized (`--mode none`).
+    """
 
     sets: list[list[ShardRef]]
     classes: list[str]
     samples: int
     root: str
+    prepared_size: int | None = None
+
+    def __len__(self) -> int:
+        return self.samples
 
     @property
     def variants(self) -> int:
@@ -66,7 +83,16 @@ def resolve_dataset(source: str | os.PathLike[str]) -> DatasetInfo:
         url = output.local(shard.path) if output.is_local else f"{output.url}/{shard.path}"
         sets.setdefault(shard.variant, []).append(ShardRef(url, shard.samples, shard.bytes, shard.sha256))
     ordered = [sets[key] for key in sorted(sets, key=lambda v: -1 if v is None else v)]
-    return DatasetInfo(ordered, manifest.classes, manifest.samples, root)
+    return DatasetInfo(ordered, manifest.classes, manifest.samples, root, _prepared_size(manifest.params))
+
+
+def _prepared_size(params: dict[str, Any]) -> int | None:
+    """The `--size` a manifest's params record, unless its images were not resized (`--mode none`)."""
+    resize = params.get("resize")
+    if not isinstance(resize, dict) or resize.get("mode") == "none":
+        return None
+    size = resize.get("size")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")

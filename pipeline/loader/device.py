@@ -142,16 +142,17 @@ class DeviceFinish:
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
         ready: deque[Ready] = deque()
+        depth = self.spec.prefetch if cuda and not pool.inline else 1  # num_workers=0: decoded when asked for
         exhausted = False
         try:
             while True:
-                while not exhausted and len(ready) < (self.spec.prefetch if cuda else 1):
+                while not exhausted and len(ready) < depth:
                     batch = upcoming.next()
                     if batch is None:
                         exhausted = True
                         break
                     ready.append(self._to_device(epoch, batch, free, side, pool, report, upcoming))
-                if not ready:
+                if not ready or run.stop.is_set():  # the end, or the loader was closed: nothing more
                     return
                 images, labels, done = ready.popleft()
                 if done is not None:

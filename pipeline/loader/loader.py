@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
-import math
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
 
 from ..errors import ConfigError
-from ..specs import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
+from ..specs import DTYPES, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
 from .cpu_decode import default_decoder
 from .crops import CropSpec
 from .damage import Damage, DamageLog
@@ -118,7 +118,8 @@ class LoaderStats:
     def __str__(self) -> str:
         return (
             f"{self.batches} batches, {self.samples} samples, {self.images_per_s:.0f} images/s, "
-            f"waited {self.wait_s:.2f} s for data, stall fraction {self.stall_fraction:.1%}, "
+            f"waited {self.wait_s:.2f} s for data, stall fraction {self.stall_fraction:.1%} "
+            f"(share of the loop's time spent waiting for data), "
             f"{self.skipped} skipped, {self.replaced} replaced, {self.bad_shards} bad shards"
         )
 
@@ -126,102 +127,158 @@ class LoaderStats:
 class Loader:
     """Iterable of (images, labels) batches on a device; build it with `make_loader`.
 
+    Each iteration is one pass over an epoch, and one runs at a time: `iter()`
+    while another iteration is still going (neither finished, closed nor let
+    go of, and the loader not closed since) raises instead of ending it.
+
     Attributes:
-        dataset: what the source named: its shards and sample count.
+        dataset: the prepared dataset it reads: shards, class names and sample
+            count. `len(loader.dataset)` is one epoch's samples over all ranks
+            together, as with a DataLoader over a DistributedSampler; this rank
+            reads `len(loader)` batches of them.
         spec: the validated settings.
         device: where batches are delivered.
-        rank: this process's rank.
-        world_size: the number of ranks.
         epoch: the epoch the next iteration runs.
         stats: where the time of the training loop goes (`LoaderStats`).
     """
 
     def __init__(
-        self, dataset: DatasetInfo, spec: LoaderSpec, device: torch.device, rank: int = 0, world_size: int = 1
+        self, dataset: DatasetInfo, spec: LoaderSpec, device: torch.device, placement: tuple[int, int] | None = None
     ) -> None:
         self.dataset = dataset
         self.spec = spec
         self.device = device
-        self.rank = rank
-        self.world_size = world_size
+        self._given = placement  # (rank, world size) as given; None: torch.distributed's when an epoch starts
+        self._placed = self._placement()  # what the workers are built for
         self.epoch = 0
         self.stats = LoaderStats()
         self._skip_batches = 0
         self._delivered = 0
+        self._resume_world: int | None = None  # a loaded state's world size, checked when its epoch starts
         self._workers = _resolve_workers(spec.num_workers)
         decoder = default_decoder() if spec.decoder in ("auto", "nvjpeg") else spec.decoder
         self._crop = CropSpec(spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder)
         self._ring_slots = spec.prefetch + 2
         self._pool: DecodePool | None = None
-        self._finish = DeviceFinish(spec, device, rank, self._crop, buffers=self._ring_slots + spec.prefetch + 2)
+        self._finish = self._new_finish()
         self._next_run: Run | None = None
         self._runs: set[Run] = set()  # started and not yet stopped
         self._run_lock = threading.Lock()
         self._closed = False
+        self._iteration: weakref.ref[Generator[Any, None, None]] | None = None  # the latest iteration
         self._warned: set[str] = set()  # the shards and samples whose damage was logged
         self._silenced = False  # WARNINGS_LIMIT reached
         _LIVE_LOADERS.add(self)
 
-    # -- sizes and epochs -------------------------------------------------
+    # -- sizes, placement and epochs ------------------------------------------
 
     def _shards(self, epoch: int) -> list[Any]:
         return self.dataset.sets[epoch % self.dataset.variants]
 
-    def _per_rank(self) -> int:
-        total = sum(s.samples for s in self._shards(0))
-        return total // self.world_size if self.spec.effective_drop_last else -(-total // self.world_size)
-
     def __len__(self) -> int:
-        """Batches per epoch on this rank."""
-        per_rank = self._per_rank()
-        if self.spec.effective_drop_last:
-            return per_rank // self.spec.batch_size
-        return math.ceil(per_rank / self.spec.batch_size)
+        """Batches per epoch on this rank (at the world size an epoch starting now would have)."""
+        return epoch_size(self.dataset, self.spec, self.world_size)[1]
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch (on this rank)."""
+        return self.spec.batch_size
 
     @property
     def num_workers(self) -> int:
-        """Decode workers in use ("auto" resolved to the available cores)."""
+        """Decode workers in use ("auto" resolved to the available cores; 0: the calling thread decodes)."""
         return self._workers
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: as given to make_loader, else what torch.distributed reports now (0 without it)."""
+        return self._placement()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: as given to make_loader, else what torch.distributed reports now (1 without it)."""
+        return self._placement()[1]
+
+    def _placement(self) -> tuple[int, int]:
+        return self._given if self._given is not None else distributed_placement()
+
+    def _place(self) -> None:
+        """When an epoch starts: the rank and world size now, checked; workers built for others are replaced.
+
+        A loader made before `torch.distributed.init_process_group` reads
+        the process group once it is there, instead of every sample on
+        every rank.
+        """
+        placement = self._placement()
+        check_epoch_size(self.dataset, self.spec, placement[1])
+        _check_resumed_world(self._resume_world, placement[1])
+        if placement == self._placed:
+            return
+        self._discard_next_run()
+        for run in list(self._runs):
+            self._stop_run(run)
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self._placed = placement
+        self._finish = self._new_finish()
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for `epoch`; with variant sets, read set `epoch mod K`."""
         if epoch < 0:
             raise ConfigError("epoch must be 0 or more")
-        if epoch != self.epoch:
+        if epoch != self.epoch:  # a loaded state's place in its epoch no longer applies
             self._skip_batches = 0
+            self._resume_world = None
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands: restore with `load_state_dict` to continue exactly here."""
+        rank, world_size = self._placement()
         return {
             "epoch": self.epoch,
             "batches": self._delivered,
             "seed": self.spec.seed,
             "batch_size": self.spec.batch_size,
-            "world_size": self.world_size,
-            "rank": self.rank,
+            "world_size": world_size,
+            "rank": rank,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue mid-epoch: the next iteration skips the batches already delivered."""
-        for name in ("seed", "batch_size", "world_size"):
-            if state.get(name) != getattr(self.spec, name, getattr(self, name, None)):
+        """Continue mid-epoch: the next iteration skips the batches already delivered.
+
+        The state's world size must be the loader's: checked here when the
+        loader knows it (given, or torch.distributed is initialised), else
+        when the next epoch starts.
+
+        Raises:
+            ConfigError: the state was saved with another seed, batch size or world size.
+        """
+        for name in ("seed", "batch_size"):
+            if state.get(name) != getattr(self.spec, name):
                 raise ConfigError(
-                    f"state was saved with {name}={state.get(name)!r}; this loader has "
-                    f"{getattr(self.spec, name, getattr(self, name, None))!r}"
+                    f"state was saved with {name}={state.get(name)!r}; this loader has {getattr(self.spec, name)!r}"
                 )
+        saved_world = state.get("world_size")
+        if self._given is not None or _process_group_ready():
+            _check_resumed_world(saved_world, self.world_size)
+        self._resume_world = saved_world
         self.epoch = int(state["epoch"])
         self._skip_batches = int(state["batches"])
         self._delivered = self._skip_batches
 
     # -- runs ---------------------------------------------------------------
 
+    def _new_finish(self) -> DeviceFinish:
+        buffers = self._ring_slots + self.spec.prefetch + 2
+        return DeviceFinish(self.spec, self.device, self._placed[0], self._crop, buffers=buffers)
+
     def _ensure_workers(self) -> None:
         if self._pool is not None:
             return
         pin = self.device.type == "cuda" and self.spec.worker_type == "thread"
         self._pool = DecodePool(
-            self.spec, self._workers, self._ring_slots, self._crop, self.rank, pin, self._finish.cpu_finish
+            self.spec, self._workers, self._ring_slots, self._crop, self._placed[0], pin, self._finish.cpu_finish
         )
         self._closed = False
 
@@ -244,22 +301,42 @@ class Loader:
             self._silenced = True
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of epoch `self.epoch` (from where a loaded state left it); nothing starts before the first.
+
+        Raises:
+            RuntimeError: another iteration of this loader is still going.
+            ConfigError: at the rank and world size of now, this rank gets
+                no batch, or a loaded state was saved at another world size.
+        """
+        running = self._iteration() if self._iteration is not None else None
+        if running is not None and inspect.getgeneratorstate(running) != inspect.GEN_CLOSED:
+            raise RuntimeError(
+                "this loader is already being iterated: an iteration is a pass over the epoch, one at a time; "
+                "finish the other one, or end it first (its close(), or loader.close(), which ends any)"
+            )
+        self._place()
+        batches = self._batches()
+        self._iteration = weakref.ref(batches)
+        return batches
+
+    def _batches(self) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         self._ensure_workers()
         assert self._pool is not None
         epoch, skip = self.epoch, self._skip_batches
         with self._run_lock:
             ahead, self._next_run = self._next_run, None
-        run = ahead if ahead is not None and ahead.matches(epoch, skip) else None
-        for other in list(self._runs):  # one iteration at a time: this one ends any earlier one, and a
-            if other is not run:  # run started ahead for another epoch
+        run = ahead if ahead is not None and ahead.matches(epoch, skip) and not ahead.stop.is_set() else None
+        for other in list(self._runs):  # a run started ahead for another epoch, or one ended by close()
+            if other is not run:
                 self._stop_run(other)
         run = run or self._start_run(epoch, skip)
         self._skip_batches = 0
+        self._resume_world = None
         self._delivered = skip
         finished = False
         try:
             yield from self._timed(self._finish.deliver(epoch, run, self._pool, self._report))
-            finished = not run.stop.is_set()  # else a newer iteration took over: this one moves nothing on
+            finished = not run.stop.is_set()  # else close() ended it: this one moves nothing on
         finally:
             self._stop_run(run)
             if finished:
@@ -293,20 +370,21 @@ class Loader:
         decode workers go straight on with the next epoch while the training
         loop is still busy with this one; and when the epoch is over, in case
         the producer could not (it was stopped). Set_epoch to anything else
-        discards this run.
+        discards this run. With num_workers=0 nothing decodes ahead.
         """
         with self._run_lock:
-            if self._next_run is None and not self._closed and self._pool is not None:
+            if self._next_run is None and not self._closed and self._pool is not None and not self._pool.inline:
                 self._next_run = self._start_run(epoch, 0)
 
     def _start_run(self, epoch: int, skip: int) -> Run:
         assert self._pool is not None
         damage = DamageLog(self.spec.on_error)
-        records = epoch_records(self._shards(epoch), self.spec, epoch, self.rank, self.world_size, damage)
+        rank, world_size = self._placed
+        records = epoch_records(self._shards(epoch), self.spec, epoch, rank, world_size, damage)
         run = new_run(epoch, skip, records, damage, self._pool, self.spec, weakref.WeakMethod(self._prestart))
         self._runs.add(run)
-        assert run.producer is not None
-        run.producer.start()
+        if run.producer is not None:
+            run.producer.start()
         return run
 
     def _stop_run(self, run: Run) -> None:
@@ -320,8 +398,13 @@ class Loader:
             self._stop_run(run)
 
     def close(self) -> None:
-        """Stop the worker pool (also done when the loader is garbage collected or at exit)."""
+        """Stop the worker pool and end any iteration (also done when the loader is garbage collected or at exit).
+
+        An iterator of it used again after this ends at once; the next
+        iteration starts the workers again.
+        """
         self._closed = True
+        self._iteration = None
         self._discard_next_run()
         for run in list(self._runs):
             self._stop_run(run)
@@ -360,16 +443,78 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None or world_size is not None:
-        rank, world_size = rank or 0, world_size or 1
-    elif torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        rank, world_size = 0, 1
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is outside world size {world_size}")
-    return rank, world_size
+def given_placement(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
+    """(rank, world size) as given to make_loader, checked; None when neither is given."""
+    if rank is None and world_size is None:
+        return None
+    placement = (rank or 0, world_size or 1)
+    if not 0 <= placement[0] < placement[1]:
+        raise ConfigError(f"rank {placement[0]} is outside world size {placement[1]}")
+    return placement
+
+
+def _process_group_ready() -> bool:
+    return bool(torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def distributed_placement() -> tuple[int, int]:
+    """(rank, world size) that torch.distributed reports now; (0, 1) when it is not initialised."""
+    if _process_group_ready():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _check_resumed_world(saved: Any, world_size: int) -> None:
+    """ConfigError when a loaded state (its world size `saved`; None: none loaded) was saved at another world size."""
+    if saved is not None and saved != world_size:
+        raise ConfigError(f"state was saved with world_size={saved!r}; this loader has {world_size!r}")
+
+
+def epoch_size(dataset: DatasetInfo, spec: LoaderSpec, world_size: int) -> tuple[int, int]:
+    """(samples, batches) of one rank's epoch at `world_size`: its share of the dataset, after the split."""
+    total = sum(shard.samples for shard in dataset.sets[0])
+    if spec.effective_drop_last:
+        per_rank = total // world_size
+        return per_rank, per_rank // spec.batch_size
+    per_rank = -(-total // world_size)
+    return per_rank, -(-per_rank // spec.batch_size)
+
+
+def check_epoch_size(dataset: DatasetInfo, spec: LoaderSpec, world_size: int) -> None:
+    """ConfigError when a rank's epoch at `world_size` would hold no batch (drop_last, a batch too large)."""
+    per_rank, batches = epoch_size(dataset, spec, world_size)
+    if batches:
+        return
+    total = sum(shard.samples for shard in dataset.sets[0])
+    ranks = "1 rank" if world_size == 1 else f"{world_size} ranks"
+    fix = f"use batch_size <= {per_rank}" if per_rank else "use fewer ranks than samples"
+    raise ConfigError(
+        f"batch_size {spec.batch_size} is more than this rank's {per_rank} samples per epoch "
+        f"({total} samples over {ranks}): fewer samples than one batch, so with drop_last=True every "
+        f"epoch would be empty; {fix}, or drop_last=False for one partial batch"
+    )
+
+
+def warn_if_upsampling(dataset: DatasetInfo, spec: LoaderSpec) -> None:
+    """Log once, when the loader is made, that a crop larger than the prepared images is upsampled."""
+    size = dataset.prepared_size
+    if size is not None and spec.crop > size:
+        log.warning(
+            "crop=%d is larger than the images of %s, prepared at %d px (--size %d in its manifest's params): "
+            "every crop is upsampled to %d px; prepare it with --size %d or more, or use crop <= %d",
+            spec.crop, dataset.root or ".", size, size, spec.crop, spec.crop, size,
+        )  # fmt: skip
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The LoaderSpec name of an output dtype given as a torch.dtype (torch.float16 -> "float16") or a name."""
+    if not isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        accepted = ", ".join(f"torch.{n}" for n in DTYPES)
+        raise ConfigError(f"dtype must be one of {accepted} (or its name as a string), got {dtype}")
+    return name
 
 
 def make_loader(
@@ -386,7 +531,7 @@ def make_loader(
     seed: int = 0,
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
-    dtype: str = "float32",
+    dtype: str | torch.dtype = "float32",
     channels_last: bool = False,
     drop_last: bool | None = None,
     prefetch: int = 2,
@@ -415,17 +560,21 @@ def make_loader(
         train: random-resized crops, flips and shuffling; False gives
             centre crops in a fixed order.
         crop: output side in pixels.
-        num_workers: decode workers, or "auto" (the available cores).
+        num_workers: decode workers, or "auto" (the available cores); 0
+            decodes in the calling thread, as each batch is asked for (no
+            producer thread, no pool, nothing ahead: for debugging).
         worker_type: "thread" (the decoders release the GIL) or "process"
-            (a fork pool decoding into shared memory).
+            (a fork pool decoding into shared memory; num_workers >= 1).
+            Process workers ignore Ctrl-C: the training loop gets the
+            KeyboardInterrupt and the loader stops them.
         shuffle_buffer: samples mixed by the seeded shuffle buffer (train).
         interleave: shards read at once, taken in turn (train).
         seed: seed of every random choice (order, crops, flips).
         mean: per-channel (R, G, B) mean to subtract, in 0-1 units.
         std: per-channel (R, G, B) standard deviation to divide by, in 0-1 units.
-        dtype: "float32", "float16" or "bfloat16" output, normalised; or
-            "uint8": pixels as decoded and flipped, not normalised (for
-            augmentation on the GPU).
+        dtype: float32, float16 or bfloat16 output, normalised; or uint8:
+            pixels as decoded and flipped, not normalised (for augmentation
+            on the GPU). A torch.dtype (torch.float16) or its name ("float16").
         channels_last: NCHW tensors in channels-last memory format.
         drop_last: drop the incomplete last batch and the uneven tail across
             ranks; None: True in train mode, False in eval mode.
@@ -449,17 +598,24 @@ def make_loader(
             the manifest's at its end; a mismatch is a damaged shard (its
             samples, already read, stay delivered; under "raise" it raises).
             Needs a manifest: a brace pattern has no hashes.
-        rank: this process's rank; None: what torch.distributed reports (else 0).
-        world_size: the number of ranks; None: what torch.distributed reports (else 1).
+        rank: this process's rank; None (with world_size None): what
+            torch.distributed reports when each epoch starts (else 0), so a
+            loader made before init_process_group splits the data too.
+        world_size: the number of ranks; None (with rank None): what
+            torch.distributed reports when each epoch starts (else 1).
         **unknown: refused: a misspelt setting is an error, never ignored.
 
     Returns:
-        A Loader: iterate for (images, labels); `len()`, `set_epoch`,
-        `stats`, `state_dict`, `load_state_dict`, `close`.
+        A Loader: iterate for (images, labels), one iteration at a time;
+        `len()`, `batch_size`, `dataset`, `set_epoch`, `stats`,
+        `state_dict`, `load_state_dict`, `close`. A crop larger than the
+        dataset's prepared size logs one warning that it is upsampled.
 
     Raises:
-        ConfigError: invalid settings (checked before anything is built), or
-            verify=True over a source without sha256s.
+        ConfigError: invalid settings (checked before anything is built),
+            verify=True over a source without sha256s, or a batch_size
+            larger than this rank's samples per epoch with drop_last (an
+            empty epoch).
         ManifestError: the source is not a prepared dataset.
     """
     if unknown:
@@ -475,7 +631,7 @@ def make_loader(
         seed=seed,
         mean=_values(mean),
         std=_values(std),
-        dtype=dtype,
+        dtype=dtype_name(dtype),
         channels_last=channels_last,
         drop_last=drop_last,
         prefetch=prefetch,
@@ -492,7 +648,7 @@ def make_loader(
         from .gpu_decode import check_gpu_decode
 
         check_gpu_decode(resolved)
-    rank, world_size = _distributed(rank, world_size)
+    placement = given_placement(rank, world_size)
     dataset = resolve_dataset(source)
     if dataset.samples == 0:
         raise ConfigError(f"{os.fspath(source)} holds no samples")
@@ -501,7 +657,9 @@ def make_loader(
             f"verify=True checks shards against their manifest's sha256, and {os.fspath(source)} has none "
             "(a brace pattern): give the dataset's folder or manifest.json"
         )
-    return Loader(dataset, spec, resolved, rank, world_size)
+    check_epoch_size(dataset, spec, (placement or distributed_placement())[1])
+    warn_if_upsampling(dataset, spec)
+    return Loader(dataset, spec, resolved, placement)
 
 
 def _values(values: Sequence[float]) -> Any:

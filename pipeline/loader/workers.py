@@ -11,7 +11,10 @@ A sample that did not decode is replaced in its slot when the batch is
 collected (`damage.py`), so every batch leaves here full.
 Thread workers (the default: the decoders release the GIL) are paced by a
 backlog; process workers are a fork pool writing into the shared ring, so
-no pixels go through pipes.
+no pixels go through pipes. They ignore Ctrl-C: it is the training loop's
+to handle, and the loader stops them when it stops. With num_workers=0
+there is neither a producer thread nor a pool: the calling thread reads
+and decodes each batch when the training loop asks for it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import dataclasses
 import functools
 import math
 import queue
+import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -81,15 +85,46 @@ def decode_chunk(
     return [(start + index, reason) for index, reason in failures]
 
 
+class InlineExecutor:
+    """num_workers=0: each piece is decoded at once, in the thread that hands it out."""
+
+    def submit(self, func: Any, *args: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(func(*args))
+        except Exception as exc:  # raised where the batch is collected, as a worker thread's would be
+            done.set_exception(exc)
+        return done
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _ignore_interrupts() -> None:
+    """In each process worker: Ctrl-C is for the training loop, which stops the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class ProcessExecutor:
-    """A fork pool whose workers decode into the shared ring (no pixels through pipes)."""
+    """A fork pool whose workers decode into the shared ring (no pixels through pipes).
+
+    A terminal's Ctrl-C signals every process of the foreground group. The
+    workers ignore it, so they finish the piece in hand instead of dying
+    with a traceback each (and with the results the loader waits for);
+    SIGINT stays blocked from the fork until each has said so, and in the
+    pool's own threads, which fork the replacements.
+    """
 
     def __init__(self, workers: int, ring: np.ndarray) -> None:
         import multiprocessing
 
         global _SHARED_RING
         _SHARED_RING = ring
-        self._pool = multiprocessing.get_context("fork").Pool(workers)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self._pool = multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_interrupts)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def submit(self, func: Any, ring: Any, slot: int, start: int, items: Any, crop: CropSpec, finish: Any) -> Any:
         return self._pool.apply_async(func, (None, slot, start, items, crop))
@@ -221,6 +256,7 @@ class DecodePool:
         cpu_finish: Callable[[int, int, int], tuple[torch.Tensor | None, CpuFinish | None]],
     ) -> None:
         self.workers = workers
+        self.inline = workers == 0  # decode in the thread that asks for the batch
         self.strict = spec.on_error == "raise"
         self._seed, self._rank = spec.seed, rank
         self._crop = crop
@@ -230,7 +266,9 @@ class DecodePool:
         shape = (slots, spec.batch_size, 3, spec.crop, spec.crop)
         ring = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
         self._executor: Any
-        if spec.worker_type == "process":
+        if self.inline:
+            self._executor = InlineExecutor()
+        elif spec.worker_type == "process":
             ring.share_memory_()
             self._executor = ProcessExecutor(workers, ring.numpy())
         else:
@@ -253,7 +291,7 @@ class DecodePool:
         """Hand batch `index` of `epoch` to the workers, one piece per worker, decoding into ring slot `slot`."""
         ring = self.ring.numpy() if self._threads else None
         items = [(r.extension, r.data, self._sample_seed(epoch, r.ordinal)) for r in chunk]
-        per_worker = max(1, math.ceil(len(items) / self.workers))
+        per_worker = max(1, math.ceil(len(items) / max(1, self.workers)))
         finished, finish = self._cpu_finish(epoch, index, len(items))
         pending = []
         decode = decode_chunk if backlog is None else functools.partial(_run_piece, backlog)
@@ -320,15 +358,43 @@ class DecodePool:
         self._executor.shutdown()
 
 
+class InlineQueue:
+    """A run's queue without a producer thread (num_workers=0): `get` produces the next item then and there.
+
+    Args:
+        items: the run's items in order (`produce`).
+    """
+
+    def __init__(self, items: Generator[Any, None, None]) -> None:
+        self._items = items
+        self._ended = False
+
+    def get(self) -> Any:
+        """The run's next item (its batch read and decoded now), END once there is none."""
+        if self._ended:
+            return END
+        item = next(self._items, END)
+        self._ended = item is END
+        return item
+
+    def get_nowait(self) -> Any:
+        raise queue.Empty  # nothing is ever made ahead
+
+    def put_nowait(self, item: Any) -> None:
+        """END: the run was stopped; it reads nothing more."""
+        self._ended = True
+        self._items.close()
+
+
 @dataclasses.dataclass(eq=False)
 class Run:
-    """One pass over an epoch: its producer thread, queues and in-flight decodes."""
+    """One pass over an epoch: its producer thread (none with num_workers=0), queues and in-flight decodes."""
 
     epoch: int
     skip: int
     records: Iterator[Record]
     damage: DamageLog  # what `records` met, not yet passed on
-    out: queue.Queue[Any]
+    out: queue.Queue[Any] | InlineQueue
     free: RunSlots
     stop: threading.Event
     inflight: list[Any]
@@ -351,6 +417,9 @@ def new_run(
 ) -> Run:
     """A run over `records` (skipping `skip` batches) and its producer thread, not yet started.
 
+    With num_workers=0 the run has no producer thread: its queue produces
+    each batch in the calling thread when asked for it.
+
     Args:
         epoch: the epoch the records belong to.
         skip: batches already delivered (resume): replayed, not decoded.
@@ -362,10 +431,43 @@ def new_run(
     """
     out: queue.Queue[Any] = queue.Queue(maxsize=spec.prefetch)
     run = Run(epoch, skip, records, damage, out, pool.run_slots(), threading.Event(), [])
+    if pool.inline:
+        run.out = InlineQueue(produce(run, pool, spec.batch_size, spec.effective_drop_last))
+        return run
     run.backlog = Backlog() if spec.worker_type == "thread" else None
     arguments = (run, pool, spec.batch_size, spec.effective_drop_last, prestart)
     run.producer = threading.Thread(target=_produce, args=arguments, daemon=True)
     return run
+
+
+def produce(run: Run, pool: DecodePool, batch_size: int, drop_last: bool) -> Generator[Any, None, None]:
+    """The run's items in order: each batch as it is handed to the decode workers, and the damage met on the way."""
+    damage = run.damage.pending
+    records = run.records
+    for _ in range(run.skip * batch_size):  # resume: replay the order without decoding
+        if next(records, None) is None:
+            break
+    index = run.skip
+    while not run.stop.is_set():
+        if run.backlog is not None:
+            run.backlog.wait_below(pool.workers, run.stop)
+        chunk = [r for _, r in zip(range(batch_size), records)]
+        yield from _passed_on(damage)
+        if not chunk or (len(chunk) < batch_size and drop_last):
+            break
+        slot = run.free.get(run.stop)
+        if slot is None:
+            return
+        batch = pool.submit(index, slot, chunk, run.epoch, run.backlog)
+        run.inflight.extend(batch.pending)
+        yield batch
+        index += 1
+    yield from _passed_on(damage)
+
+
+def _passed_on(damage: list[Damage]) -> Generator[Damage, None, None]:
+    while damage:
+        yield damage.pop(0)
 
 
 def _produce(run: Run, pool: DecodePool, batch_size: int, drop_last: bool, prestart: Prestart) -> None:
@@ -375,31 +477,17 @@ def _produce(run: Run, pool: DecodePool, batch_size: int, drop_last: bool, prest
     waits, so a loader the program drops is collected (and its workers
     stopped) even with a pre-started epoch waiting in its queue.
     """
-    damage = run.damage.pending
+    assert isinstance(run.out, queue.Queue)
     try:
-        records = run.records
-        for _ in range(run.skip * batch_size):  # resume: replay the order without decoding
-            if next(records, None) is None:
-                break
-        index = run.skip
-        while not run.stop.is_set():
-            if run.backlog is not None:
-                run.backlog.wait_below(pool.workers, run.stop)
-            chunk = [r for _, r in zip(range(batch_size), records)]
-            _pass_damage(damage, run)
-            if not chunk or (len(chunk) < batch_size and drop_last):
-                break
-            slot = run.free.get(run.stop)
-            if slot is None:
+        for item in produce(run, pool, batch_size, drop_last):
+            if not _put(run.out, item, run.stop):
+                if isinstance(item, HostBatch):
+                    run.unqueued.append(item)
                 return
-            batch = pool.submit(index, slot, chunk, run.epoch, run.backlog)
-            run.inflight.extend(batch.pending)
-            if not _put(run.out, batch, run.stop):
-                run.unqueued.append(batch)
-            time.sleep(0)  # let go of the GIL: the decode threads start on this batch now, not at the next switch
-            index += 1
-        _pass_damage(damage, run)
-        _put(run.out, END, run.stop)
+            if isinstance(item, HostBatch):
+                time.sleep(0)  # let go of the GIL: the decode threads start on this batch now, not at the next switch
+        if not _put(run.out, END, run.stop):
+            return
         start_next = prestart()
         if start_next is not None and not run.stop.is_set():
             start_next(run.epoch + 1)
@@ -408,12 +496,7 @@ def _produce(run: Run, pool: DecodePool, batch_size: int, drop_last: bool, prest
         _put(run.out, exc, run.stop)
 
 
-def _pass_damage(damage: list[Damage], run: Run) -> None:
-    while damage:
-        _put(run.out, damage.pop(0), run.stop)
-
-
-def next_batch(out: queue.Queue[Any], report: Report) -> HostBatch | None:
+def next_batch(out: queue.Queue[Any] | InlineQueue, report: Report) -> HostBatch | None:
     """The run's next batch from its producer, None at the end; a producer's error is raised here.
 
     Damage the producer met on the way goes to `report`.
@@ -442,7 +525,7 @@ class Upcoming:
         depth: batches it may look ahead at most.
     """
 
-    def __init__(self, out: queue.Queue[Any], report: Report, depth: int) -> None:
+    def __init__(self, out: queue.Queue[Any] | InlineQueue, report: Report, depth: int) -> None:
         self._out = out
         self._report = report
         self._depth = depth
