@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, TypeVar
 
 from .errors import ConfigError
+from .units import parse_bytes
 
 RESIZE_MODES = ("shorter", "longer", "center-crop", "pad", "none")
 FORMATS = ("jpeg", "webp", "png", "npy")
@@ -294,6 +295,11 @@ class LoaderSpec(Spec):
             or "raise" (stop with a SampleError naming it).
         verify: hash each shard as it streams and compare with the manifest's
             sha256 (needs a manifest); a mismatch is damage under `on_error`.
+        cache_dir: a local folder (ideally NVMe) that remote shards stream
+            into and later epochs read from; None: no cache. Local datasets
+            are read as they are.
+        cache_size: the most the cache holds (`"500GiB"` or bytes); None: the
+            dataset's size. Needs `cache_dir`.
     """
 
     batch_size: int
@@ -317,6 +323,8 @@ class LoaderSpec(Spec):
     decoder: str = "auto"
     on_error: str = "skip"
     verify: bool = False
+    cache_dir: str | None = None
+    cache_size: int | str | None = None
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, 1 << 16)
@@ -356,6 +364,17 @@ class LoaderSpec(Spec):
             )
         if not isinstance(self.verify, bool):
             raise ConfigError(f"verify must be True or False, got {self.verify!r}")
+        self._check_cache()
+
+    def _check_cache(self) -> None:
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):
+            raise ConfigError(f"cache_dir must be a local folder's path, got {self.cache_dir!r}")
+        if self.cache_size is None:
+            return
+        if self.cache_dir is None:
+            raise ConfigError("cache_size bounds the shard cache: give cache_dir too (a local folder, ideally NVMe)")
+        if isinstance(self.cache_size, bool) or parse_bytes(self.cache_size) <= 0:
+            raise ConfigError(f"cache_size must be a size above 0 (e.g. '500GiB'), got {self.cache_size!r}")
 
     @property
     def effective_drop_last(self) -> bool:

@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ManifestError, SampleError
+from ..errors import ManifestError, SampleError, SourceError
 from ..io.tar import DigestReader, TarFormatError, iter_tar_samples
 from ..specs import LoaderSpec
 from .damage import Damage, Report, ignore
-from .dataset import ShardRef, open_shard
+from .dataset import ShardRef
+from .streaming import ShardOpener
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "npy", "ppm", "bmp", "tif", "tiff")
 
@@ -107,10 +108,12 @@ class ReadLog:
         report: receives a Damage for each damaged shard met.
         verify: check each shard's sha256 (and size) against the manifest's as it streams.
         good: the parts read without fault, by segment number: what makes up for lost samples.
+        opener: opens each shard, given the ones the epoch opens after it (read-ahead of remote shards).
     """
 
     report: Report
     verify: bool = False
+    opener: ShardOpener = dataclasses.field(default_factory=ShardOpener)
     good: dict[int, Segment] = dataclasses.field(default_factory=dict)
 
 
@@ -128,7 +131,9 @@ def read_segments(
     active: list[Iterator[tuple[str, dict[str, bytes]]]] = []
     while pending or active:
         while pending and len(active) < interleave:
-            active.append(_segment_samples(shards, *pending.pop(0), log))
+            number, segment = pending.pop(0)
+            upcoming = [shards[s.shard] for _, s in pending[: log.opener.ahead]]
+            active.append(_segment_samples(shards, number, segment, upcoming, log))
         for stream in list(active):
             item = next(stream, None)
             if item is None:
@@ -138,14 +143,14 @@ def read_segments(
 
 
 def _segment_samples(
-    shards: list[ShardRef], number: int, segment: Segment, log: ReadLog
+    shards: list[ShardRef], number: int, segment: Segment, upcoming: list[ShardRef], log: ReadLog
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     shard = shards[segment.shard]
     url = shard.url
     read = 0  # samples of the shard read so far, from its start
     hashed = False  # the damage is a hash mismatch: what was read cannot be trusted either
     try:
-        with open_shard(url) as handle:
+        with log.opener.open(shard, upcoming) as handle:
             reader = DigestReader(handle) if log.verify else handle
             samples = iter_tar_samples(reader, url)
             try:
@@ -162,7 +167,7 @@ def _segment_samples(
                 hashed = bool(reason)
     except TarFormatError as exc:
         reason = exc.reason
-    except (OSError, ManifestError) as exc:
+    except (OSError, ManifestError, SourceError) as exc:
         reason = _open_problem(exc)
     intact = min(max(read, segment.start), segment.stop)  # the segment's samples read before the damage
     if not reason:
@@ -187,7 +192,7 @@ def _hash_problem(shard: ShardRef, reader: DigestReader) -> str:
 
 def _open_problem(exc: BaseException) -> str:
     """What stopped a shard from being read, without the shard's name (the message adds it once)."""
-    cause = exc.__cause__ if isinstance(exc, ManifestError) and isinstance(exc.__cause__, OSError) else exc
+    cause = exc.__cause__ if isinstance(exc, (ManifestError, SourceError)) and isinstance(exc.__cause__, OSError) else exc
     if isinstance(cause, OSError):
         return f"cannot read it: {cause.strerror or type(cause).__name__}"
     return str(exc)
@@ -220,7 +225,13 @@ def shuffle_buffer(items: Iterator[Any], size: int, rng: np.random.Generator, in
 
 
 def epoch_records(
-    shards: list[Any], spec: LoaderSpec, epoch: int, rank: int, world_size: int, report: Report
+    shards: list[Any],
+    spec: LoaderSpec,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    report: Report,
+    opener: ShardOpener | None = None,
 ) -> Iterator[Record]:
     """This rank's samples of an epoch, in their deterministic order.
 
@@ -237,6 +248,8 @@ def epoch_records(
         world_size: the number of ranks.
         report: receives a Damage for each damaged shard or sample, and one
             for the replacements; under on_error="raise" it raises instead.
+        opener: opens the shards (read-ahead and the cache of remote ones);
+            None: local files as they are, remote shards read ahead.
 
     Yields:
         Records with consecutive ordinals from 0.
@@ -249,7 +262,7 @@ def epoch_records(
         shards, seed=spec.seed, epoch=epoch, rank=rank, world=world_size, shuffle=spec.train, drop_last=drop_last
     )
     wanted = per_rank // spec.batch_size * spec.batch_size if drop_last else per_rank
-    log = ReadLog(report, spec.verify)
+    log = ReadLog(report, spec.verify, opener=opener or ShardOpener())
     samples = read_segments(shards, segments, spec.interleave if spec.train else 1, log)
     if spec.train:
         samples = shuffle_buffer(samples, spec.shuffle_buffer, np.random.default_rng([spec.seed, epoch, rank, 0x5B]))
@@ -291,19 +304,21 @@ def _stand_ins(
         mine = {segment.shard for segment in segments}
         order = shard_order(len(shards), seed=spec.seed, epoch=epoch, shuffle=spec.train)
         parts = [Segment(index, 0, shards[index].samples) for index in order if index not in mine]
-    stand_ins = _wrapping(shards, parts, count)
+    stand_ins = _wrapping(shards, parts, count, log)
     if spec.train:
         rng = np.random.default_rng([spec.seed, epoch, rank, 0x5C])
         stand_ins = shuffle_buffer(stand_ins, min(spec.shuffle_buffer, count), rng)
     return stand_ins
 
 
-def _wrapping(shards: list[ShardRef], parts: list[Segment], count: int) -> Iterator[tuple[str, dict[str, bytes]]]:
+def _wrapping(
+    shards: list[ShardRef], parts: list[Segment], count: int, log: ReadLog
+) -> Iterator[tuple[str, dict[str, bytes]]]:
     """At least `count` samples with an image from `parts`, read again and again in order."""
     given = 0
     while given < count:
         before = given
-        for key, members in read_segments(shards, parts, 1, ReadLog(ignore)):
+        for key, members in read_segments(shards, parts, 1, ReadLog(ignore, opener=log.opener)):
             if pick_image(members) is not None:
                 yield key, members
                 given += 1

@@ -29,12 +29,14 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
 
 from ..errors import ConfigError
+from ..io.cache import ShardCache
+from ..io.fs import is_url, storage_options_for
 from ..specs import DTYPES, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
 from .cpu_decode import default_decoder
 from .crops import CropSpec
@@ -42,6 +44,7 @@ from .damage import Damage, DamageLog
 from .dataset import DatasetInfo, resolve_dataset
 from .device import DeviceFinish
 from .epoch import epoch_records
+from .streaming import ShardOpener
 from .workers import DecodePool, Run, new_run, stop_run
 
 log = logging.getLogger("gpufeed.loader")
@@ -143,11 +146,17 @@ class Loader:
     """
 
     def __init__(
-        self, dataset: DatasetInfo, spec: LoaderSpec, device: torch.device, placement: tuple[int, int] | None = None
+        self,
+        dataset: DatasetInfo,
+        spec: LoaderSpec,
+        device: torch.device,
+        placement: tuple[int, int] | None = None,
+        opener: ShardOpener | None = None,
     ) -> None:
         self.dataset = dataset
         self.spec = spec
         self.device = device
+        self._opener = opener or ShardOpener()
         self._given = placement  # (rank, world size) as given; None: torch.distributed's when an epoch starts
         self._placed = self._placement()  # what the workers are built for
         self.epoch = 0
@@ -380,7 +389,7 @@ class Loader:
         assert self._pool is not None
         damage = DamageLog(self.spec.on_error)
         rank, world_size = self._placed
-        records = epoch_records(self._shards(epoch), self.spec, epoch, rank, world_size, damage)
+        records = epoch_records(self._shards(epoch), self.spec, epoch, rank, world_size, damage, self._opener)
         run = new_run(epoch, skip, records, damage, self._pool, self.spec, weakref.WeakMethod(self._prestart))
         self._runs.add(run)
         if run.producer is not None:
@@ -411,6 +420,7 @@ class Loader:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        self._opener.close()
 
     def __del__(self) -> None:
         try:  # also at interpreter teardown, when module globals may already be gone
@@ -542,13 +552,17 @@ def make_loader(
     decoder: str = "auto",
     on_error: str = "skip",
     verify: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_size: int | str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     **unknown: NoReturn,
 ) -> Loader:
     """Build a loader over a prepared dataset.
 
-    Every setting but `source`, `device`, `rank` and `world_size` is a
+    Every setting but `source`, `device`, `rank`, `world_size` and
+    `storage_options` is a
     `LoaderSpec` field of the same name and default; they are validated
     there before anything is built.
 
@@ -598,11 +612,27 @@ def make_loader(
             the manifest's at its end; a mismatch is a damaged shard (its
             samples, already read, stay delivered; under "raise" it raises).
             Needs a manifest: a brace pattern has no hashes.
+        cache_dir: a local folder (ideally NVMe) for a remote dataset's
+            shards (`pipeline.io.cache.ShardCache`): the first epoch streams
+            each shard into it as it reads it (its sha256 checked against the
+            manifest), the next few shards of this rank's order are fetched
+            into it while the current ones decode, and later epochs read it
+            instead of the store. The ranks and processes of a machine may
+            share one folder (one download per shard). A cache that is full
+            keeps what it holds and the rest is read from the store (logged
+            once). Without a cache, a remote shard is still read ahead (the
+            next one, into memory). Ignored for a local dataset; needs a
+            manifest (a brace pattern has no hashes).
+        cache_size: the most the cache may hold: bytes or a size such as
+            "500GiB"; None: the dataset's size (all of its shards).
         rank: this process's rank; None (with world_size None): what
             torch.distributed reports when each epoch starts (else 0), so a
             loader made before init_process_group splits the data too.
         world_size: the number of ranks; None (with rank None): what
             torch.distributed reports when each epoch starts (else 1).
+        storage_options: fsspec options for a remote dataset's store
+            (endpoint_url, profile, anon, ...); credentials otherwise come
+            from the usual places. Never stored in the loader's spec or state.
         **unknown: refused: a misspelt setting is an error, never ignored.
 
     Returns:
@@ -642,6 +672,8 @@ def make_loader(
         decoder=decoder,
         on_error=on_error,
         verify=verify,
+        cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+        cache_size=cache_size,
     )
     resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":
@@ -649,7 +681,8 @@ def make_loader(
 
         check_gpu_decode(resolved)
     placement = given_placement(rank, world_size)
-    dataset = resolve_dataset(source)
+    with storage_options_for([os.fspath(source)], storage_options):
+        dataset = resolve_dataset(source)
     if dataset.samples == 0:
         raise ConfigError(f"{os.fspath(source)} holds no samples")
     if spec.verify and not dataset.hashed:
@@ -659,7 +692,23 @@ def make_loader(
         )
     check_epoch_size(dataset, spec, (placement or distributed_placement())[1])
     warn_if_upsampling(dataset, spec)
-    return Loader(dataset, spec, resolved, placement)
+    return Loader(dataset, spec, resolved, placement, shard_opener(dataset, spec, storage_options))
+
+
+def shard_opener(dataset: DatasetInfo, spec: LoaderSpec, storage_options: Mapping[str, Any] | None) -> ShardOpener:
+    """How the loader opens the dataset's shards: through a ShardCache when `cache_dir` is given and they are remote."""
+    if spec.cache_dir is None or not is_url(dataset.root):
+        return ShardOpener(storage_options)
+    if not dataset.hashed:
+        raise ConfigError(
+            f"cache_dir keys cached shards by their manifest's sha256, and {dataset.root} has none "
+            "(a brace pattern): give the dataset's folder or manifest.json"
+        )
+    size = spec.cache_size
+    if size is None:
+        size = sum(shard.bytes or 0 for shards in dataset.sets for shard in shards)
+    cache = ShardCache(spec.cache_dir, size, storage_options=storage_options)
+    return ShardOpener(storage_options, cache)
 
 
 def _values(values: Sequence[float]) -> Any:
