@@ -2,6 +2,7 @@
 
     loader.py      make_loader() and Loader: settings, epochs and the runs over them, state, stats
     dataset.py     what a source names: a manifest, a dataset folder or a brace pattern -> shards
+    streaming.py   opening shards: local as they are, remote ones read ahead, through the local cache
     epoch.py       each epoch's order (seed, epoch, rank), segments of shards, the shuffle buffer
     damage.py      the error policy: damaged shards and samples counted, named once, replaced
     workers.py     the host side of a run: ring slots, the producer thread, the decode pool
@@ -18,15 +19,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .loader import Loader, LoaderStats, make_loader
+    from .loader import Loader, LoaderStats, make_loader, merge_states
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Loader", "LoaderStats", "make_loader"):
+    if name in ("Loader", "LoaderStats", "make_loader", "merge_states"):
         from . import loader
 
         return getattr(loader, name)
     raise AttributeError(f"module 'pipeline.loader' has no attribute {name!r}")
 
 
-__all__ = ["Loader", "LoaderStats", "make_loader"]
+__all__ = ["Loader", "LoaderStats", "make_loader", "merge_states"]

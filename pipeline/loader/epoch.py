@@ -14,6 +14,7 @@ epoch still has its planned number of records."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -329,3 +330,79 @@ def _wrapping(
                 f"{count} samples of this epoch were lost to damage and none of its shards "
                 "can be read to make up for them; check the dataset with `gpufeed inspect --verify`"
             )
+
+
+def records_per_rank(shards: list[ShardRef], spec: LoaderSpec, world_size: int) -> int:
+    """Records each rank's epoch holds at `world_size` (all ranks the same): its plan, or its full batches with drop_last."""
+    total = sum(shard.samples for shard in shards)
+    if spec.effective_drop_last:
+        return total // world_size // spec.batch_size * spec.batch_size
+    return -(-total // world_size)
+
+
+def elastic_split(
+    shards: list[ShardRef], spec: LoaderSpec, saved_world: int, delivered: list[int], world_size: int
+) -> tuple[list[int], int]:
+    """What is left of an epoch saved at `saved_world`, and each new rank's batches of it.
+
+    Args:
+        shards: the shards the epoch reads.
+        spec: the loader's settings.
+        saved_world: the world size the epoch started with.
+        delivered: batches each of its ranks had delivered, by rank.
+        world_size: the world size it continues with.
+
+    Returns:
+        (records left of each saved rank's epoch, by rank; batches of them each new rank gets).
+    """
+    per_rank = records_per_rank(shards, spec, saved_world)
+    left = [max(0, per_rank - batches * spec.batch_size) for batches in delivered]
+    return left, sum(left) // (world_size * spec.batch_size)
+
+
+def elastic_records(
+    shards: list[ShardRef],
+    spec: LoaderSpec,
+    epoch: int,
+    resumed: tuple[int, list[int]],
+    rank: int,
+    world_size: int,
+    report: Report,
+    opener: ShardOpener | None = None,
+) -> Iterator[Record]:
+    """This rank's share of an epoch's remainder, the epoch having started at another world size.
+
+    The records each saved rank had not delivered yet, taken in rank order
+    and each saved rank's own order, are one sequence; new rank r gets its
+    r-th run of `elastic_split`'s batches, so no sample is read twice or
+    skipped. What is left after the new ranks' equal whole batches (fewer
+    than `world_size` batches' worth) is dropped. The saved ranks' orders are
+    replayed (read, not decoded) up to where each stopped.
+
+    Args:
+        shards: the shards the epoch reads.
+        spec: the loader's settings.
+        epoch: the epoch number.
+        resumed: (the world size the epoch started with, batches each of its ranks delivered).
+        rank: this process's rank now.
+        world_size: the number of ranks now.
+        report: receives the damage met (see `epoch_records`).
+        opener: opens the shards.
+
+    Yields:
+        Records with consecutive ordinals from 0.
+    """
+    saved_world, delivered = resumed
+    left, batches = elastic_split(shards, spec, saved_world, delivered, world_size)
+    start = rank * batches * spec.batch_size
+    stop = start + batches * spec.batch_size
+    ordinal = offset = 0
+    for old_rank, count in enumerate(left):
+        lo, hi = max(start, offset), min(stop, offset + count)
+        if hi > lo:
+            skip = delivered[old_rank] * spec.batch_size + lo - offset
+            records = epoch_records(shards, spec, epoch, old_rank, saved_world, report, opener)
+            for record in itertools.islice(records, skip, skip + hi - lo):
+                yield dataclasses.replace(record, ordinal=ordinal)
+                ordinal += 1
+        offset += count

@@ -43,7 +43,7 @@ from .crops import CropSpec
 from .damage import Damage, DamageLog
 from .dataset import DatasetInfo, resolve_dataset
 from .device import DeviceFinish
-from .epoch import epoch_records
+from .epoch import elastic_records, epoch_records
 from .streaming import ShardOpener
 from .workers import DecodePool, Run, new_run, stop_run
 
@@ -164,6 +164,7 @@ class Loader:
         self._skip_batches = 0
         self._delivered = 0
         self._resume_world: int | None = None  # a loaded state's world size, checked when its epoch starts
+        self._elastic: tuple[int, list[int]] | None = None  # the epoch began at another world size: (it, batches by rank)
         self._workers = _resolve_workers(spec.num_workers)
         decoder = default_decoder() if spec.decoder in ("auto", "nvjpeg") else spec.decoder
         self._crop = CropSpec(spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder)
@@ -239,12 +240,17 @@ class Loader:
         if epoch != self.epoch:  # a loaded state's place in its epoch no longer applies
             self._skip_batches = 0
             self._resume_world = None
+            self._elastic = None
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader stands: restore with `load_state_dict` to continue exactly here."""
+        """Where this rank stands: restore with `load_state_dict` to continue exactly here.
+
+        To continue at another world size, gather every rank's state and
+        merge them (`merge_states`); see `load_state_dict`.
+        """
         rank, world_size = self._placement()
-        return {
+        state: dict[str, Any] = {
             "epoch": self.epoch,
             "batches": self._delivered,
             "seed": self.spec.seed,
@@ -252,27 +258,51 @@ class Loader:
             "world_size": world_size,
             "rank": rank,
         }
+        if self._elastic is not None:
+            state["resumed"] = {"world_size": self._elastic[0], "rank_batches": list(self._elastic[1])}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue mid-epoch: the next iteration skips the batches already delivered.
 
-        The state's world size must be the loader's: checked here when the
-        loader knows it (given, or torch.distributed is initialised), else
-        when the next epoch starts.
+        Two kinds of state:
+
+        - one rank's `state_dict()`: at the same world size, this rank
+          continues its own epoch. The state's world size must be the
+          loader's: checked here when the loader knows it (given, or
+          torch.distributed is initialised), else when the next epoch starts;
+        - every rank's states merged by `merge_states` (elastic resume): at
+          any world size, every rank loads the same merged state, and the
+          rest of the epoch (what no saved rank had delivered) is split
+          evenly: each new rank gets the same whole number of batches of it,
+          no sample twice and none skipped, except the remainder left over
+          after those equal whole batches (fewer than world size x batch
+          size samples), which is dropped. That epoch on this rank yields
+          those batches (`len()` stays a full epoch's); the epochs after it
+          are whole again.
 
         Raises:
-            ConfigError: the state was saved with another seed, batch size or world size.
+            ConfigError: the state was saved with another seed or batch
+                size, or one rank's state at another world size (merge
+                every rank's first).
         """
         for name in ("seed", "batch_size"):
             if state.get(name) != getattr(self.spec, name):
                 raise ConfigError(
                     f"state was saved with {name}={state.get(name)!r}; this loader has {getattr(self.spec, name)!r}"
                 )
+        self.epoch = int(state["epoch"])
+        if "rank_batches" in state:  # merged: any world size
+            self._elastic = (int(state["world_size"]), [int(b) for b in state["rank_batches"]])
+            self._resume_world = None
+            self._skip_batches = self._delivered = 0
+            return
+        resumed = state.get("resumed")
+        self._elastic = None if resumed is None else (int(resumed["world_size"]), [int(b) for b in resumed["rank_batches"]])
         saved_world = state.get("world_size")
         if self._given is not None or _process_group_ready():
             _check_resumed_world(saved_world, self.world_size)
         self._resume_world = saved_world
-        self.epoch = int(state["epoch"])
         self._skip_batches = int(state["batches"])
         self._delivered = self._skip_batches
 
@@ -331,14 +361,15 @@ class Loader:
     def _batches(self) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         self._ensure_workers()
         assert self._pool is not None
-        epoch, skip = self.epoch, self._skip_batches
+        epoch, skip, elastic = self.epoch, self._skip_batches, self._elastic
         with self._run_lock:
             ahead, self._next_run = self._next_run, None
-        run = ahead if ahead is not None and ahead.matches(epoch, skip) and not ahead.stop.is_set() else None
+        usable = ahead is not None and elastic is None and ahead.matches(epoch, skip) and not ahead.stop.is_set()
+        run = ahead if usable else None
         for other in list(self._runs):  # a run started ahead for another epoch, or one ended by close()
             if other is not run:
                 self._stop_run(other)
-        run = run or self._start_run(epoch, skip)
+        run = run or self._start_run(epoch, skip, elastic)
         self._skip_batches = 0
         self._resume_world = None
         self._delivered = skip
@@ -351,6 +382,7 @@ class Loader:
             if finished:
                 self.epoch = epoch + 1  # a finished epoch moves on unless set_epoch says otherwise
                 self._delivered = 0
+                self._elastic = None
                 self._prestart(self.epoch)
 
     def _timed(
@@ -385,11 +417,15 @@ class Loader:
             if self._next_run is None and not self._closed and self._pool is not None and not self._pool.inline:
                 self._next_run = self._start_run(epoch, 0)
 
-    def _start_run(self, epoch: int, skip: int) -> Run:
+    def _start_run(self, epoch: int, skip: int, elastic: tuple[int, list[int]] | None = None) -> Run:
         assert self._pool is not None
         damage = DamageLog(self.spec.on_error)
         rank, world_size = self._placed
-        records = epoch_records(self._shards(epoch), self.spec, epoch, rank, world_size, damage, self._opener)
+        shards = self._shards(epoch)
+        if elastic is None:
+            records = epoch_records(shards, self.spec, epoch, rank, world_size, damage, self._opener)
+        else:
+            records = elastic_records(shards, self.spec, epoch, elastic, rank, world_size, damage, self._opener)
         run = new_run(epoch, skip, records, damage, self._pool, self.spec, weakref.WeakMethod(self._prestart))
         self._runs.add(run)
         if run.producer is not None:
@@ -477,7 +513,61 @@ def distributed_placement() -> tuple[int, int]:
 def _check_resumed_world(saved: Any, world_size: int) -> None:
     """ConfigError when a loaded state (its world size `saved`; None: none loaded) was saved at another world size."""
     if saved is not None and saved != world_size:
-        raise ConfigError(f"state was saved with world_size={saved!r}; this loader has {world_size!r}")
+        raise ConfigError(
+            f"state was saved with world_size={saved!r}; this loader has {world_size!r}: to continue the epoch "
+            "at another world size, gather every rank's state_dict() and load merge_states(them) on every rank"
+        )
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Every rank's `Loader.state_dict()` as one state that `load_state_dict` continues at any world size.
+
+    Gather them when saving a checkpoint, e.g. with torch.distributed::
+
+        states = [None] * dist.get_world_size()
+        dist.all_gather_object(states, loader.state_dict())
+        if dist.get_rank() == 0:
+            torch.save({"loader": merge_states(states), ...}, path)
+
+    and after a restart at another world size, every rank calls
+    `loader.load_state_dict(checkpoint["loader"])`.
+
+    Args:
+        states: one state per rank of the run, in any order.
+
+    Returns:
+        A JSON-able state: the epoch, the seed, the batch size, the world size
+        and the batches each rank had delivered.
+
+    Raises:
+        ConfigError: the states are not one of each rank of one run at one
+            epoch, or one was saved in an epoch that was itself resumed at
+            another world size (save at the end of that epoch instead).
+    """
+    if not states:
+        raise ConfigError("merge_states needs the state_dict() of every rank, got none")
+    first = states[0]
+    for name in ("epoch", "seed", "batch_size", "world_size"):
+        values = sorted({repr(state.get(name)) for state in states})
+        if len(values) > 1:
+            raise ConfigError(f"the states to merge differ in {name}: {', '.join(values)}")
+    world_size = int(first["world_size"])
+    ranks = sorted(int(state["rank"]) for state in states)
+    if ranks != list(range(world_size)):
+        raise ConfigError(f"merge_states needs one state of each of the {world_size} ranks, got ranks {ranks}")
+    if any("resumed" in state for state in states):
+        raise ConfigError(
+            "these states were saved in an epoch that was itself resumed at another world size: "
+            "load one of them on the same world size, or save at the end of that epoch"
+        )
+    batches = {int(state["rank"]): int(state["batches"]) for state in states}
+    return {
+        "epoch": int(first["epoch"]),
+        "seed": first["seed"],
+        "batch_size": first["batch_size"],
+        "world_size": world_size,
+        "rank_batches": [batches[rank] for rank in range(world_size)],
+    }
 
 
 def epoch_size(dataset: DatasetInfo, spec: LoaderSpec, world_size: int) -> tuple[int, int]:
