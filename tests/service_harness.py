@@ -1,4 +1,4 @@
-"""Helpers for the service tests: a private Redis, real `gpufeed worker`/`beat` processes, the CLI.
+"""Helpers for the service tests: a private Redis, real `gpufeed worker`/`beat`/`flower` processes, the CLI.
 
 Workers run as `python -m pipeline worker …` subprocesses in their own
 process group (so a test can SIGKILL the main process alone, and teardown
@@ -137,6 +137,12 @@ class Service:
         process = ServiceProcess(["beat"], self.env, self.logs / "beat.log")
         self.processes.append(process)
         process.wait_for_log("beat: Starting")
+        return process
+
+    def start_flower(self, port: int, *extra: str, env: dict[str, str] | None = None) -> ServiceProcess:
+        process = ServiceProcess(["flower", "--port", str(port), *extra], {**self.env, **(env or {})}, self.logs / "flower.log")
+        self.processes.append(process)
+        process.wait_for_log("Visit me at")
         return process
 
     def stop_all(self) -> None:

@@ -114,7 +114,7 @@ def test_prepare_rejects_bad_input_with_one_line(
 # The service's commands come through entry points; the library never imports the service
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVICE_COMMANDS = ("beat", "cancel", "jobs", "schedule", "status", "submit", "worker")
+SERVICE_COMMANDS = ("beat", "cancel", "flower", "jobs", "schedule", "status", "submit", "worker")
 
 
 def run_with_path(*args: str, path: list[Path], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -242,6 +242,7 @@ def run_without(hidden: tuple[str, ...], *args: str, timeout: float = 120) -> su
         ["worker"],
         ["worker", "--concurrency", "2", "--pool", "solo"],
         ["beat"],
+        ["flower", "--port", "5556", "--basic-auth=user:password"],
         ["submit", "prepare", "/data/raw", "/data/out", "--size", "128"],
         ["submit", "reshard", "/data/out", "--shard-samples", "4"],
         ["submit", "bench-disk", "/data"],
@@ -258,6 +259,12 @@ def test_service_commands_without_the_service_extra_print_the_install_line(args:
     result = run_without(("celery", "kombu", "redbeat"), *args)
     assert result.returncode == 1
     assert result.stderr == f"gpufeed: error: gpufeed {args[0]} needs the service extra: pip install 'gpufeed[service]'\n"
+
+
+def test_flower_without_flower_installed_prints_the_install_line() -> None:
+    result = run_without(("flower",), "flower", "--port", "5556")
+    assert result.returncode == 1
+    assert result.stderr == "gpufeed: error: gpufeed flower needs the service extra: pip install 'gpufeed[service]'\n"
     assert result.stdout == ""
 
 

@@ -1,4 +1,4 @@
-"""`gpufeed worker|beat|submit|status|jobs|cancel|schedule`: the Celery service (SPEC §4).
+"""`gpufeed worker|beat|flower|submit|status|jobs|cancel|schedule`: the Celery service (SPEC §4).
 
 Parsing and printing only: the service lives in `worker/`. Each command is a
 `gpufeed.commands` entry point (pyproject.toml), so `gpufeed` finds it without
@@ -65,7 +65,7 @@ def _settings() -> Any:
 
 
 # ---------------------------------------------------------------------------
-# Processes: worker and beat
+# Processes: worker, beat and flower
 
 
 @click.command(context_settings=PASS_THROUGH)
@@ -102,6 +102,22 @@ def beat(loglevel: str, celery_args: tuple[str, ...]) -> None:
     from .app import app
 
     sys.exit(app.start(["beat", "--scheduler", "redbeat.RedBeatScheduler", "--loglevel", loglevel, *celery_args]) or 0)
+
+
+@click.command(context_settings=PASS_THROUGH)
+@click.option("--address", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(1, 65535), default=5555, show_default=True, help="Port of the web page and HTTP API.")
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+@user_errors
+@needs_service
+def flower(address: str, port: int, flower_args: tuple[str, ...]) -> None:
+    """Run Flower on the service's broker: every worker and task, live; other options go to Flower (e.g. --basic-auth=USER:PASSWORD)."""
+    require_extra("service", ("flower",), "gpufeed flower")
+    _settings()
+    from .app import app
+
+    # Flower reads its own options in the --name=value form only.
+    sys.exit(app.start(["flower", f"--address={address}", f"--port={port}", *flower_args]) or 0)
 
 
 # ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ DISTRIBUTION = "gpufeed"
 OWN_COMMANDS = {
     "beat": "worker.cli:beat",
     "cancel": "worker.cli:cancel",
+    "flower": "worker.cli:flower",
     "jobs": "worker.cli:jobs",
     "schedule": "worker.cli:schedule",
     "status": "worker.cli:status",
