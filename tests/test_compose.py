@@ -78,7 +78,9 @@ def test_workers_beat_and_flower(compose: dict[str, Any]) -> None:
         assert env["GPUFEED_BROKER_URL"].startswith("redis://:${GPUFEED_REDIS_PASSWORD") and "@redis:6379/0" in env["GPUFEED_BROKER_URL"]
         mounts = {volume["target"]: volume for volume in service["volumes"]}
         assert mounts["/data"]["read_only"] is True and "/shards" in mounts  # raw data in, shards out
-    assert any("5555:5555" in str(port) for port in flower["ports"]) and "flower" in flower["command"]
+    assert flower["command"][:2] == ["gpufeed", "flower"] and flower["image"] == worker["image"]  # the same app and broker
+    assert flower["environment"]["GPUFEED_BROKER_URL"] == worker["environment"]["GPUFEED_BROKER_URL"]
+    assert flower["ports"] == ["127.0.0.1:5555:5555"] and "5555" in flower["command"]  # published on loopback only
 
 
 def test_dockerfile_builds_the_gpufeed_command() -> None:
