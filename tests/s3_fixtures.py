@@ -144,6 +144,14 @@ class S3Server:
         """Serve object bodies at about `bytes_per_s` (0: full speed)."""
         self._call("POST", f"throttle?bytes_per_s={int(bytes_per_s)}")
 
+    def delay(self, ms: int) -> None:
+        """Answer every request `ms` milliseconds late (0: at once)."""
+        self._call("POST", f"latency?ms={int(ms)}")
+
+    def max_in_flight(self) -> int:
+        """The most object GETs the server served at once since the last reset."""
+        return int(self._call("GET", "in_flight")["max"])
+
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
@@ -235,6 +243,7 @@ def s3_upload(s3_server: S3Server) -> Callable[[Path], Bucket]:
     def make(local: Path) -> Bucket:
         bucket = upload(s3_server, local)
         s3_server.throttle(0)
+        s3_server.delay(0)
         s3_server.reset_reads()
         return bucket
 
@@ -246,6 +255,7 @@ def s3_bucket(s3_server: S3Server, s3_dataset: Path) -> Bucket:
     """A fresh bucket of this test's own with a copy of `s3_dataset`; the read counts start at zero."""
     bucket = upload(s3_server, s3_dataset)
     s3_server.throttle(0)
+    s3_server.delay(0)
     s3_server.reset_reads()
     return bucket
 

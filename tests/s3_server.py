@@ -2,12 +2,15 @@
 
 Run as ``python s3_server.py PORT``; it listens on 127.0.0.1 only. Every GET of an
 object is counted (requests and body bytes, by ``bucket/key``), so a test can tell how
-many times a shard was downloaded, also by other processes. Three extra routes, under
-a prefix no bucket name can take (bucket names have no underscore):
+many times a shard was downloaded, also by other processes; so is the most object GETs
+ever in flight at once. Extra routes, under a prefix no bucket name can take (bucket
+names have no underscore):
 
 - ``GET /_test/reads``: the counts as JSON, ``{"bucket/key": {"gets": n, "bytes": b}}``;
-- ``POST /_test/reset``: zero the counts;
-- ``POST /_test/throttle?bytes_per_s=N``: serve object bodies at about N bytes/s (0: full speed).
+- ``GET /_test/in_flight``: ``{"max": n}``, the most object GETs served at once;
+- ``POST /_test/reset``: zero the counts (and that maximum);
+- ``POST /_test/throttle?bytes_per_s=N``: serve object bodies at about N bytes/s (0: full speed);
+- ``POST /_test/latency?ms=N``: answer every request N ms late, as a distant store does (0: at once).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class CountingApp:
         self.lock = threading.Lock()
         self.reads: dict[str, dict[str, int]] = {}
         self.bytes_per_s = 0
+        self.latency_s = 0.0
+        self.in_flight = 0
+        self.max_in_flight = 0
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = unquote(environ.get("PATH_INFO", ""))
@@ -43,12 +49,27 @@ class CountingApp:
         method = environ.get("REQUEST_METHOD", "")
         key = path.lstrip("/")
         counted = method == "GET" and "/" in key and not environ.get("QUERY_STRING")
-        body = self.app(environ, start_response)
+        if counted:
+            with self.lock:
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.latency_s:
+                time.sleep(self.latency_s)
+            body = self.app(environ, start_response)
+        except BaseException:
+            if counted:
+                self._done()
+            raise
         if not counted:
             return body
         with self.lock:
             self.reads.setdefault(key, {"gets": 0, "bytes": 0})["gets"] += 1
         return self._count(key, body)
+
+    def _done(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
 
     def _count(self, key: str, body: Iterable[bytes]) -> Iterator[bytes]:
         try:
@@ -61,6 +82,7 @@ class CountingApp:
                         time.sleep(len(piece) / self.bytes_per_s)
                     yield piece
         finally:
+            self._done()
             close = getattr(body, "close", None)
             if close is not None:
                 close()
@@ -70,8 +92,14 @@ class CountingApp:
         with self.lock:
             if path == "/_test/reads":
                 payload = json.dumps(self.reads).encode()
+            elif path == "/_test/in_flight":
+                payload = json.dumps({"max": self.max_in_flight}).encode()
             elif path == "/_test/reset":
                 self.reads = {}
+                self.max_in_flight = self.in_flight
+                payload = b"{}"
+            elif path == "/_test/latency":
+                self.latency_s = int(query.get("ms", ["0"])[0]) / 1000
                 payload = b"{}"
             elif path == "/_test/throttle":
                 self.bytes_per_s = int(query.get("bytes_per_s", ["0"])[0])

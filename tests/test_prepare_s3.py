@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -81,6 +82,49 @@ def test_prepare_s3_to_local_equals_the_local_run(s3_server, s3_upload, raw_imag
     assert verify_dataset(str(out)).ok
     assert samples_of(local_shards(out)) == samples_of(local_run)
     assert read_manifest(str(out)).source == bucket.url
+
+
+def test_prepare_from_a_slow_store_reads_ahead_and_equals_the_local_run(s3_server, s3_upload, raw_images, local_run, tmp_path):
+    bucket: Bucket = s3_upload(raw_images)
+    s3_server.delay(20)  # every request 20 ms late, as from a distant store
+    out = tmp_path / "shards"
+    result = prepare_dataset(spec_of(bucket.url, str(out)), workers=1, storage_options=s3_server.storage_options)
+    assert result.samples == IMAGES and result.rejected == 0
+    assert samples_of(local_shards(out)) == samples_of(local_run)
+    assert s3_server.max_in_flight() > 1  # one worker process, several reads at once: its I/O threads
+
+
+def test_prepare_without_io_threads_reads_one_file_at_a_time(s3_server, s3_upload, raw_images, local_run, tmp_path):
+    bucket: Bucket = s3_upload(raw_images)
+    s3_server.delay(5)
+    out = tmp_path / "shards"
+    spec = spec_of(bucket.url, str(out))
+    prepare_dataset(spec, workers=1, storage_options=s3_server.storage_options, io_threads=0)
+    assert samples_of(local_shards(out)) == samples_of(local_run)
+    assert s3_server.max_in_flight() == 1
+
+
+def test_prepare_read_ahead_rejects_what_reading_in_line_rejects(s3_server, s3_upload, raw_images, tmp_path):
+    bucket: Bucket = s3_upload(raw_images)
+    names = sorted(path.relative_to(raw_images).as_posix() for path in raw_images.rglob("*") if path.is_file())
+    bucket.put(names[0], b"not an image at all")
+    sizes = sorted(path.stat().st_size for path in raw_images.rglob("*") if path.is_file())
+    limit = sizes[len(sizes) // 2]  # the larger half is over the input limit: rejected when read
+    spec = dataclasses.replace(spec_of(bucket.url, str(tmp_path / "unused")), max_file_bytes=limit)
+
+    def rejects(io_threads: int) -> list[dict[str, Any]]:
+        out = tmp_path / f"shards-{io_threads}"
+        result = prepare_dataset(
+            dataclasses.replace(spec, out=str(out)), workers=1, storage_options=s3_server.storage_options, io_threads=io_threads
+        )
+        assert result.rejected > 1
+        lines = (out / "rejected.jsonl").read_text().splitlines()
+        return sorted((json.loads(line) for line in lines), key=json.dumps)
+
+    ahead, in_line = rejects(32), rejects(0)
+    assert ahead == in_line
+    reasons = {entry.get("reason", "") for entry in ahead}
+    assert any("over the" in reason for reason in reasons) and any("cannot read" not in reason for reason in reasons)
 
 
 def test_prepare_local_to_s3_writes_the_same_shards(s3_server, raw_images, local_run, tmp_path):

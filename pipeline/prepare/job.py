@@ -54,7 +54,7 @@ from ..specs import PrepareSpec
 from ..units import format_count
 from .listing import Listing, class_names, fetch_listing, share_listing
 from .plan import ShardPlan, plan_shards, planned_shard_of, shard_name
-from .pool import Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes, make_outcome
+from .pool import IO_THREADS, Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes, make_outcome
 from .resume import (
     WORK_DIR,
     check_existing,
@@ -233,6 +233,7 @@ def prepare_dataset(
     verify: bool = False,
     progress: ProgressCallback | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    io_threads: int = IO_THREADS,
 ) -> PrepareResult:
     """Prepare SRC into verified WebDataset shards at OUT.
 
@@ -259,6 +260,9 @@ def prepare_dataset(
             ``profile``, ``anon``, credentials); used in this process and its pool only,
             never written anywhere. Credentials otherwise come from the usual places
             (``AWS_*`` variables, ``~/.aws``).
+        io_threads: for a remote SRC, reads each worker keeps in flight while it
+            decodes (sized for the store's latency, not for cores); 0 reads one file
+            at a time. A local SRC is read in line whatever this is.
 
     Returns:
         A PrepareResult summary.
@@ -275,7 +279,7 @@ def prepare_dataset(
             and the reason), or OUT already holds this dataset with rejects.
     """
     with storage_options_for((spec.source, spec.out), storage_options):
-        return _prepare_here(spec, workers, force, overwrite, strict, verify, progress)
+        return _prepare_here(spec, workers, force, overwrite, strict, verify, progress, io_threads)
 
 
 def _prepare_here(
@@ -286,12 +290,15 @@ def _prepare_here(
     strict: bool,
     verify: bool,
     progress: ProgressCallback | None,
+    io_threads: int,
 ) -> PrepareResult:
     started = time.perf_counter()
     workers = available_cores() if workers is None else workers
     if workers < 0:
         raise ConfigError("--workers must be 0 or more")
-    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, workers=workers, verify=verify)
+    if io_threads < 0:
+        raise ConfigError("io_threads must be 0 or more")
+    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, workers=workers, verify=verify, io_threads=io_threads)
     if isinstance(job_or_done, Manifest):
         if strict and job_or_done.rejected:
             _refuse_finished_with_rejects(spec, Output(spec.out), job_or_done)
@@ -305,7 +312,7 @@ def _prepare_here(
     try:
         if strict:
             _check_known_rejects(job)
-        processed, resumed = _write_pending_shards(job, workers, progress, started)
+        processed, resumed = _write_pending_shards(job, workers, progress, started, io_threads)
         manifest = _finish(job) if job.repair is None else _finish_repair(job)
     except _StrictStop as stop:
         _abandon(job)
@@ -337,7 +344,13 @@ def _prepare_here(
 
 
 def _open_or_plan(
-    spec: PrepareSpec, *, force: bool, overwrite: bool, workers: int | None = None, verify: bool = False
+    spec: PrepareSpec,
+    *,
+    force: bool,
+    overwrite: bool,
+    workers: int | None = None,
+    verify: bool = False,
+    io_threads: int = IO_THREADS,
 ) -> _Job | Manifest:
     """The finished dataset's manifest when OUT holds it intact, else the job opened (planned now, resumed, or a repair).
 
@@ -352,9 +365,9 @@ def _open_or_plan(
         damaged = damaged_shards(output, finished, verify=verify)
         if not damaged:
             return finished
-        return _start_repair(spec, output, _Repair(finished, damaged), workers)
+        return _start_repair(spec, output, _Repair(finished, damaged), workers, io_threads)
     output.makedirs()
-    return _start_job(spec, output, force, overwrite, workers)
+    return _start_job(spec, output, force, overwrite, workers, io_threads=io_threads)
 
 
 def _as_recorded(spec: PrepareSpec, output: Output) -> PrepareSpec:
@@ -382,7 +395,13 @@ def _refuse_out_inside_source(spec: PrepareSpec) -> None:
 
 
 def _start_job(
-    spec: PrepareSpec, output: Output, force: bool, overwrite: bool, workers: int | None, repair: _Repair | None = None
+    spec: PrepareSpec,
+    output: Output,
+    force: bool,
+    overwrite: bool,
+    workers: int | None,
+    repair: _Repair | None = None,
+    io_threads: int = IO_THREADS,
 ) -> _Job:
     work = output.local(WORK_DIR)
     had_plan = read_plan(output) is not None
@@ -408,7 +427,7 @@ def _start_job(
         return _Job(spec, output, listing, ShardPlan(**saved["plan"]), classes, listed, info.ignored, [])
     # The worker pool starts now: it measures the size estimate in parallel,
     # and the samples it measured are kept for their shards, not redone.
-    pool = SamplePool(workers, spec, classes) if workers is not None else None
+    pool = SamplePool(workers, spec, classes, io_threads) if workers is not None else None
     try:
         per_sample, cache = _estimate_sample_bytes(listing, listed, spec, classes, pool)
         plan = plan_shards(listed, _samples_per_shard(spec, per_sample), spec.seed)
@@ -436,7 +455,7 @@ def _start_job(
     return _Job(spec, output, listing, plan, classes, listed, info.ignored, warnings, pool, cache, planned_here=True, repair=repair)
 
 
-def _start_repair(spec: PrepareSpec, output: Output, repair: _Repair, workers: int | None) -> _Job:
+def _start_repair(spec: PrepareSpec, output: Output, repair: _Repair, workers: int | None, io_threads: int) -> _Job:
     """Open the job that writes a finished dataset's damaged files again, from a fresh listing and plan."""
     foreign = [path for path in repair.damaged if planned_shard_of(path) is None]
     if foreign:
@@ -446,7 +465,7 @@ def _start_repair(spec: PrepareSpec, output: Output, repair: _Repair, workers: i
         )
     output.remove(WORK_DIR)  # what an earlier repair or finish left: the plan is made again from the listing
     try:
-        return _start_job(spec, output, True, False, workers, repair)
+        return _start_job(spec, output, True, False, workers, repair, io_threads)
     except BaseException:
         output.remove(WORK_DIR)
         raise
@@ -553,7 +572,7 @@ def _check_placement(spec: PrepareSpec, estimated_bytes: int, force: bool) -> li
 
 
 def _write_pending_shards(
-    job: _Job, workers: int, progress: ProgressCallback | None, started: float
+    job: _Job, workers: int, progress: ProgressCallback | None, started: float, io_threads: int
 ) -> tuple[int, int]:
     remove_stale_temp_files(job.output, job.spec.augment.variants)
     rewrites = _rewrites(job) if job.repair is not None else {}
@@ -561,7 +580,7 @@ def _write_pending_shards(
     resumed = job.plan.shards - len(pending)
     total = sum(len(job.plan.positions(s)) for s in pending)
     state = PrepareProgress(0, total, 0, 0.0)
-    pool = job.pool or SamplePool(workers, job.spec, job.classes)
+    pool = job.pool or SamplePool(workers, job.spec, job.classes, io_threads)
     try:
         for shard in pending:
             _write_one_shard(job, shard, pool, state, progress, started, rewrites.get(shard, set()))

@@ -69,7 +69,17 @@ class SampleOutcome:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
 
-def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[str, int]) -> SampleOutcome:
+def read_item(item: SourceItem, spec: PrepareSpec) -> bytes | str:
+    """The source's bytes, or the reason they cannot be read (a reject reason)."""
+    try:
+        return read_source_bytes(item.url, spec.max_file_bytes)
+    except (OSError, ValueError) as exc:
+        return f"cannot read file: {getattr(exc, 'strerror', None) or exc}"
+
+
+def process_item(
+    item: SourceItem, index: int, spec: PrepareSpec, classes: dict[str, int], fetched: bytes | str | None = None
+) -> SampleOutcome:
     """Turn one source file into the tar members of its sample(s).
 
     Args:
@@ -77,6 +87,7 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
         index: its listing index (carried to the outcome, for the shard writer).
         spec: the job's settings.
         classes: class name -> label index.
+        fetched: what `read_item` gave for it already (read ahead on an I/O thread); None reads it now.
 
     Returns:
         The outcome: one tar blob per variant set, or the reason the file was rejected.
@@ -84,10 +95,9 @@ def process_item(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[
     """
     key = sample_key(item.rel)
     outcome = SampleOutcome(index, key, item.url)
-    try:
-        data = read_source_bytes(item.url, spec.max_file_bytes)
-    except (OSError, ValueError) as exc:
-        outcome.reason = f"cannot read file: {getattr(exc, 'strerror', None) or exc}"
+    data = read_item(item, spec) if fetched is None else fetched
+    if isinstance(data, str):
+        outcome.reason = data
         return outcome
     label = classes.get(item.label) if item.label is not None else None
     try:
