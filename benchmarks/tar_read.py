@@ -40,7 +40,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
@@ -48,7 +48,7 @@ try:
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
     import common  # type: ignore[no-redef]
 
-from pipeline.io.tar import TarShardWriter, iter_tar_samples, split_key
+from pipeline.io.tar import TarShardWriter, group_samples, iter_tar_samples
 
 Samples = Iterator[tuple[str, dict[str, bytes]]]
 
@@ -72,22 +72,6 @@ def write_shards(folder: str, total_bytes: int, shard_bytes: int, sample_bytes: 
     return paths
 
 
-def _group(members: Iterable[tuple[str, bytes]]) -> Samples:
-    """Consecutive members with the same key, as one sample: what the streaming reader does."""
-    key: str | None = None
-    sample: dict[str, bytes] = {}
-    for name, data in members:
-        this_key, extension = split_key(name)
-        if this_key != key:
-            if key is not None:
-                yield key, sample
-                sample = {}
-            key = this_key
-        sample[extension] = data
-    if key is not None:
-        yield key, sample
-
-
 def streaming_reader(path: str) -> Samples:
     return iter_tar_samples(path)
 
@@ -101,7 +85,7 @@ def tarfile_stream(path: str) -> Samples:
                     assert handle is not None
                     yield info.name, handle.read()
 
-    return _group(members())
+    return group_samples(members())
 
 
 def tarfile_random(path: str) -> Samples:
@@ -113,7 +97,7 @@ def tarfile_random(path: str) -> Samples:
                     assert handle is not None
                     yield info.name, handle.read()
 
-    return _group(members())
+    return group_samples(members())
 
 
 WAYS: dict[str, Callable[[str], Samples]] = {

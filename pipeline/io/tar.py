@@ -21,7 +21,7 @@ import hashlib
 import os
 import threading
 import zlib
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any, BinaryIO
 
 from ..errors import StorageError, write_failure
@@ -304,18 +304,23 @@ def iter_tar_samples(source: Any, url: str = "") -> Generator[tuple[str, dict[st
         with open(source, "rb") as handle:
             yield from iter_tar_samples(handle, url or os.fspath(source))
         return
+    yield from group_samples(iter_tar_members(source, url))
+
+
+def group_samples(members: Iterable[tuple[str, bytes]]) -> Generator[tuple[str, dict[str, bytes]], None, None]:
+    """Yield (key, {extension: data}) from (member name, data) pairs, consecutive names of one key as one sample."""
     key: str | None = None
-    members: dict[str, bytes] = {}
-    for name, data in iter_tar_members(source, url):
+    sample: dict[str, bytes] = {}
+    for name, data in members:
         this_key, extension = split_key(name)
         if this_key != key:
             if key is not None:
-                yield key, members
-                members = {}
+                yield key, sample
+                sample = {}
             key = this_key
-        members[extension] = data
+        sample[extension] = data
     if key is not None:
-        yield key, members
+        yield key, sample
 
 
 def iter_tar_members(handle: Any, url: str = "") -> Iterator[tuple[str, bytes]]:
