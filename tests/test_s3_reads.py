@@ -1,0 +1,146 @@
+"""How prepare reads a source file from an S3 store: one signed GET each, with s3fs behind it for the rest.
+
+Against the local S3 server (moto on 127.0.0.1): the bytes are the same as
+s3fs reads, each file costs exactly one request, the input limit, empty and
+missing files behave as on local disk, options the fast path does not
+reproduce leave the reading to s3fs, and a store that answers oddly is read
+through s3fs instead.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+pytest.importorskip("s3fs")
+
+from pipeline.io.fs import open_fs, read_source_bytes, storage_options_for  # noqa: E402
+from pipeline.io.s3get import S3Getter, getter_for  # noqa: E402
+
+if TYPE_CHECKING:
+    from s3_fixtures import Bucket, S3Server
+
+pytest_plugins = ["s3_fixtures"]
+
+
+@pytest.fixture
+def files(s3_server: S3Server, s3_upload: Any, tmp_path: Path) -> Bucket:
+    folder = tmp_path / "files"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(bytes(range(256)) * 700)  # 179,200 bytes
+    (folder / "name with spaces+plus~.bin").write_bytes(b"odd names are quoted as botocore quotes them")
+    (folder / "empty.bin").write_bytes(b"")
+    bucket: Bucket = s3_upload(folder)
+    return bucket
+
+
+def read(server: S3Server, url: str, max_bytes: int = 1 << 26, **options: Any) -> bytes:
+    with storage_options_for([url], {**server.storage_options, **options}):
+        return read_source_bytes(url, max_bytes)
+
+
+def test_the_fast_path_reads_what_s3fs_reads_in_one_get(s3_server: S3Server, files: Bucket) -> None:
+    fs = s3_server.filesystem()
+    names = ("a.bin", "name with spaces+plus~.bin")
+    expected = [fs.cat_file(f"{files.name}/{files.key(name)}") for name in names]
+    with storage_options_for([files.url], s3_server.storage_options):
+        assert getter_for(open_fs(files.url)[0]) is not None
+    s3_server.reset_reads()
+    assert [read(s3_server, f"{files.url}/{name}") for name in names] == expected
+    assert s3_server.requests() == {"GET": 2}
+
+
+def test_limits_empty_and_missing_files_behave_as_on_disk(s3_server: S3Server, files: Bucket) -> None:
+    assert read(s3_server, f"{files.url}/a.bin", max_bytes=179_200) == bytes(range(256)) * 700
+    with pytest.raises(OSError, match="over the 179199-byte input limit"):
+        read(s3_server, f"{files.url}/a.bin", max_bytes=179_199)
+    assert read(s3_server, f"{files.url}/empty.bin") == b""
+    with pytest.raises(FileNotFoundError):
+        read(s3_server, f"{files.url}/not-there.bin")
+
+
+def test_anonymous_access_reads_unsigned(s3_server: S3Server, files: Bucket) -> None:
+    s3_server.filesystem().chmod(f"{files.name}/{files.key('a.bin')}", acl="public-read")
+    options = {"endpoint_url": s3_server.endpoint, "anon": True}
+    with storage_options_for([files.url], options):
+        fs, _ = open_fs(files.url)
+        getter = getter_for(fs)
+        assert getter is not None and getter.anonymous
+        assert read_source_bytes(f"{files.url}/a.bin", 1 << 26) == bytes(range(256)) * 700
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"requester_pays": True}, {"version_aware": True}, {"s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256"}},
+     {"client_kwargs": {"verify": False}}, {"config_kwargs": {"s3": {"addressing_style": "virtual"}}}],
+    ids=["requester-pays", "versions", "extra-arguments", "own-verify", "virtual-host"],
+)  # fmt: skip
+def test_options_only_s3fs_honours_leave_the_reading_to_s3fs(
+    s3_server: S3Server, files: Bucket, options: dict[str, Any]
+) -> None:
+    with storage_options_for([files.url], {**s3_server.storage_options, **options}):
+        fs, _ = open_fs(files.url)
+        assert getter_for(fs) is None
+        if "s3_additional_kwargs" in options or "s3" in options.get("config_kwargs", {}):
+            return  # moto would refuse SSE-C over plain HTTP, and has no virtual-host names on loopback
+        assert read_source_bytes(f"{files.url}/a.bin", 1 << 26) == bytes(range(256)) * 700
+
+
+def test_a_proxy_in_the_environment_leaves_the_reading_to_s3fs(
+    s3_server: S3Server, files: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    with storage_options_for([files.url], {**s3_server.storage_options, "skip_instance_cache": True}):
+        assert getter_for(open_fs(files.url)[0]) is None
+
+
+class OddStore(http.server.BaseHTTPRequestHandler):
+    """A loopback server answering every GET with one status: what the fast path must not take for an object."""
+
+    status = 503
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(self.status)
+        self.send_header("Content-Length", "4")
+        self.end_headers()
+        self.wfile.write(b"nope")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def odd_store() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OddStore)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("status", [301, 307, 400, 403, 416, 500, 503])
+def test_any_answer_but_the_object_or_its_absence_is_left_to_s3fs(odd_store: str, status: int) -> None:
+    OddStore.status = status
+    getter = S3Getter(client=None, loop=None, endpoint_url=odd_store, region="us-east-1", anonymous=True)
+    assert getter.get("bucket/key", 100) is None
+
+
+def test_an_unreachable_store_is_left_to_s3fs(get_free_port: Any) -> None:
+    getter = S3Getter(None, None, f"http://127.0.0.1:{get_free_port()}", "us-east-1", anonymous=True)
+    assert getter.get("bucket/key", 100) is None
+
+
+def test_urls_are_path_style_on_a_custom_endpoint_and_virtual_host_style_on_aws() -> None:
+    custom = S3Getter(None, None, "http://127.0.0.1:9000/", "us-east-1", anonymous=True)
+    assert custom.url("b", "raw/a b+c.jpg") == "http://127.0.0.1:9000/b/raw/a%20b%2Bc.jpg"
+    aws = S3Getter(None, None, "https://s3.amazonaws.com", "eu-west-1", anonymous=True)
+    assert aws.url("my-bucket", "k/1.jpg") == "https://my-bucket.s3.eu-west-1.amazonaws.com/k/1.jpg"
+    assert aws.url("dotted.bucket", "k") is None  # TLS cannot check a dotted bucket's host name: s3fs reads it
