@@ -179,7 +179,9 @@ def saved_progress(
         return Progress(world_size, started(per_rank, spec.batch_size, batches, padding))
     check_progress(shards, spec, resumed)
     length = base_length(shards, spec, resumed.world_size)
-    return Progress(resumed.world_size, advance(resumed.runs, length, spec.batch_size, spec.effective_drop_last, batches))
+    return Progress(
+        resumed.world_size, advance(resumed.runs, length, spec.batch_size, spec.effective_drop_last, batches)
+    )
 
 
 def check_progress(shards: list[ShardRef], spec: LoaderSpec, progress: Progress) -> None:
