@@ -28,7 +28,9 @@ of batches, as DDP needs):
 The padding of the epoch's first plan (drop_last=False, a world size that
 does not divide the dataset) counts as delivered from the start, so a
 resumed epoch does not deliver it: no sample more often than the epoch at W0
-would have delivered it, besides the new padding above.
+would have delivered it, besides the new padding above. Where its padding
+falls is worked out from the plan without reading (`padding_positions`):
+exact while no shard is damaged (damage is made up as in any epoch).
 """
 
 from __future__ import annotations
