@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -52,13 +52,23 @@ def plan_epoch(
     order = shard_order(len(shards), seed=seed, epoch=epoch, shuffle=shuffle)
     total = sum(s.samples for s in shards)
     per_rank = total // world if drop_last else -(-total // world)
+    own, padding = _plan(shards, order, total, per_rank, rank)
+    return own + padding, per_rank
+
+
+def _plan(
+    shards: list[ShardRef], order: list[int], total: int, per_rank: int, rank: int
+) -> tuple[list[Segment], list[Segment]]:
+    """A rank's segments of its own range of the epoch, and those of its wrap-around (padding)."""
+    (start, stop), (_, wrap) = plan_ranges(total, per_rank, rank)
+    return _cut(shards, order, start, stop), _cut(shards, order, 0, wrap)
+
+
+def plan_ranges(total: int, per_rank: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rank's range of the epoch's `total` samples in shard order, and its wrap-around (padding) from the start."""
     start = rank * per_rank
     stop = start + per_rank
-    segments: list[Segment] = []
-    for lo, hi in ((start, min(stop, total)), (0, max(0, stop - total))):
-        if hi > lo:
-            segments.extend(_cut(shards, order, lo, hi))
-    return segments, per_rank
+    return (start, min(stop, total)), (0, max(0, stop - total))
 
 
 def shard_order(count: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -128,13 +138,26 @@ def read_segments(
     `log.report`, with the samples of the segment lost; the rest of that
     shard is skipped and the epoch goes on.
     """
-    pending = list(enumerate(segments))
-    active: list[Iterator[tuple[str, dict[str, bytes]]]] = []
+
+    def open_segment(number: int, later: list[int]) -> Iterator[tuple[str, dict[str, bytes]]]:
+        upcoming = [shards[segments[n].shard] for n in later[: log.opener.ahead]]
+        return _segment_samples(shards, number, segments[number], upcoming, log)
+
+    return take_turns(len(segments), interleave, open_segment)
+
+
+def take_turns(count: int, interleave: int, open_stream: Callable[[int, list[int]], Iterator[Any]]) -> Iterator[Any]:
+    """The items of streams 0..count-1, `interleave` open at once, taken in turn.
+
+    `open_stream(number, later)` opens stream `number`; `later` are the
+    numbers of the streams still to open after it, in order.
+    """
+    pending = list(range(count))
+    active: list[Iterator[Any]] = []
     while pending or active:
         while pending and len(active) < interleave:
-            number, segment = pending.pop(0)
-            upcoming = [shards[s.shard] for _, s in pending[: log.opener.ahead]]
-            active.append(_segment_samples(shards, number, segment, upcoming, log))
+            number = pending.pop(0)
+            active.append(open_stream(number, pending))
         for stream in list(active):
             item = next(stream, None)
             if item is None:
@@ -264,9 +287,7 @@ def epoch_records(
     )
     wanted = per_rank // spec.batch_size * spec.batch_size if drop_last else per_rank
     log = ReadLog(report, spec.verify, opener=opener or ShardOpener())
-    samples = read_segments(shards, segments, spec.interleave if spec.train else 1, log)
-    if spec.train:
-        samples = shuffle_buffer(samples, spec.shuffle_buffer, np.random.default_rng([spec.seed, epoch, rank, 0x5B]))
+    samples = shuffle_rank(read_segments(shards, segments, epoch_interleave(spec), log), spec, epoch, rank)
     delivered = yield from _records(samples, 0, wanted, report)
     for _ in samples:  # the rest of the plan: damage in the last shards is seen, verify hashes them whole
         pass
@@ -274,6 +295,18 @@ def epoch_records(
         report(Damage("", replaced=wanted - delivered))
         stand_ins = _stand_ins(shards, segments, log, spec, epoch, rank, wanted - delivered)
         yield from _records(stand_ins, delivered, wanted, ignore)
+
+
+def epoch_interleave(spec: LoaderSpec) -> int:
+    """Shards an epoch reads at once, taken in turn: `spec.interleave` in train mode, else one after the other."""
+    return spec.interleave if spec.train else 1
+
+
+def shuffle_rank(items: Iterator[Any], spec: LoaderSpec, epoch: int, rank: int) -> Iterator[Any]:
+    """A rank's samples of an epoch, as read, through its seeded shuffle buffer (train mode; else as they are)."""
+    if not spec.train:
+        return items
+    return shuffle_buffer(items, spec.shuffle_buffer, np.random.default_rng([spec.seed, epoch, rank, 0x5B]))
 
 
 def _records(
@@ -340,69 +373,27 @@ def records_per_rank(shards: list[ShardRef], spec: LoaderSpec, world_size: int) 
     return -(-total // world_size)
 
 
-def elastic_split(
-    shards: list[ShardRef], spec: LoaderSpec, saved_world: int, delivered: list[int], world_size: int
-) -> tuple[list[int], int]:
-    """What is left of an epoch saved at `saved_world`, and each new rank's batches of it.
+def padding_positions(shards: list[ShardRef], spec: LoaderSpec, epoch: int, rank: int, world_size: int) -> list[int]:
+    """Where this rank's padding falls among its records of the epoch (by position, from 0).
 
-    Args:
-        shards: the shards the epoch reads.
-        spec: the loader's settings.
-        saved_world: the world size the epoch started with.
-        delivered: batches each of its ranks had delivered, by rank.
-        world_size: the world size it continues with.
-
-    Returns:
-        (records left of each saved rank's epoch, by rank; batches of them each new rank gets).
+    Padding: with drop_last=False, the samples a rank that comes up short
+    wraps around to (fewer than `world_size` over all ranks). Worked out
+    from the plan's segment lengths alone, read and shuffled as
+    `epoch_records` does (reading nothing), so it is exact as long as no
+    shard is damaged.
     """
-    per_rank = records_per_rank(shards, spec, saved_world)
-    left = [max(0, per_rank - batches * spec.batch_size) for batches in delivered]
-    return left, sum(left) // (world_size * spec.batch_size)
+    if spec.effective_drop_last:
+        return []
+    total = sum(shard.samples for shard in shards)
+    per_rank = -(-total // world_size)
+    order = shard_order(len(shards), seed=spec.seed, epoch=epoch, shuffle=spec.train)
+    own, padding = _plan(shards, order, total, per_rank, rank)
+    if not padding:
+        return []
+    segments = own + padding
 
+    def flags(number: int, _later: list[int]) -> Iterator[bool]:
+        return itertools.repeat(number >= len(own), segments[number].stop - segments[number].start)
 
-def elastic_records(
-    shards: list[ShardRef],
-    spec: LoaderSpec,
-    epoch: int,
-    resumed: tuple[int, list[int]],
-    rank: int,
-    world_size: int,
-    report: Report,
-    opener: ShardOpener | None = None,
-) -> Iterator[Record]:
-    """This rank's share of an epoch's remainder, the epoch having started at another world size.
-
-    The records each saved rank had not delivered yet, taken in rank order
-    and each saved rank's own order, are one sequence; new rank r gets its
-    r-th run of `elastic_split`'s batches, so no sample is read twice or
-    skipped. What is left after the new ranks' equal whole batches (fewer
-    than `world_size` batches' worth) is dropped. The saved ranks' orders are
-    replayed (read, not decoded) up to where each stopped.
-
-    Args:
-        shards: the shards the epoch reads.
-        spec: the loader's settings.
-        epoch: the epoch number.
-        resumed: (the world size the epoch started with, batches each of its ranks delivered).
-        rank: this process's rank now.
-        world_size: the number of ranks now.
-        report: receives the damage met (see `epoch_records`).
-        opener: opens the shards.
-
-    Yields:
-        Records with consecutive ordinals from 0.
-    """
-    saved_world, delivered = resumed
-    left, batches = elastic_split(shards, spec, saved_world, delivered, world_size)
-    start = rank * batches * spec.batch_size
-    stop = start + batches * spec.batch_size
-    ordinal = offset = 0
-    for old_rank, count in enumerate(left):
-        lo, hi = max(start, offset), min(stop, offset + count)
-        if hi > lo:
-            skip = delivered[old_rank] * spec.batch_size + lo - offset
-            records = epoch_records(shards, spec, epoch, old_rank, saved_world, report, opener)
-            for record in itertools.islice(records, skip, skip + hi - lo):
-                yield dataclasses.replace(record, ordinal=ordinal)
-                ordinal += 1
-        offset += count
+    ordered = shuffle_rank(take_turns(len(segments), epoch_interleave(spec), flags), spec, epoch, rank)
+    return [position for position, pad in enumerate(itertools.islice(ordered, per_rank)) if pad]

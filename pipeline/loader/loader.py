@@ -43,7 +43,8 @@ from .crops import CropSpec
 from .damage import Damage, DamageLog
 from .dataset import DatasetInfo, resolve_dataset
 from .device import DeviceFinish
-from .epoch import elastic_records, epoch_records
+from .elastic import Progress, check_progress, elastic_records, progress_from_state, saved_progress
+from .epoch import epoch_records
 from .streaming import ShardOpener
 from .workers import DecodePool, Run, new_run, stop_run
 
@@ -164,7 +165,7 @@ class Loader:
         self._skip_batches = 0
         self._delivered = 0
         self._resume_world: int | None = None  # a loaded state's world size, checked when its epoch starts
-        self._elastic: tuple[int, list[int]] | None = None  # the epoch began at another world size: (it, batches by rank)
+        self._elastic: Progress | None = None  # the epoch was resumed at another world size: what had been delivered
         self._workers = _resolve_workers(spec.num_workers)
         decoder = default_decoder() if spec.decoder in ("auto", "nvjpeg") else spec.decoder
         self._crop = CropSpec(spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder)
@@ -259,7 +260,7 @@ class Loader:
             "rank": rank,
         }
         if self._elastic is not None:
-            state["resumed"] = {"world_size": self._elastic[0], "rank_batches": list(self._elastic[1])}
+            state["resumed"] = self._elastic.to_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -272,33 +273,46 @@ class Loader:
           loader's: checked here when the loader knows it (given, or
           torch.distributed is initialised), else when the next epoch starts;
         - every rank's states merged by `merge_states` (elastic resume): at
-          any world size, every rank loads the same merged state, and the
-          rest of the epoch (what no saved rank had delivered) is split
-          evenly: each new rank gets the same whole number of batches of it,
-          no sample twice and none skipped, except the remainder left over
-          after those equal whole batches (fewer than world size x batch
-          size samples), which is dropped. That epoch on this rank yields
-          those batches (`len()` stays a full epoch's); the epochs after it
-          are whole again.
+          any world size, every rank loads the same merged state and the
+          rest of the epoch (what no saved rank had delivered) is dealt out
+          to the ranks (`pipeline.loader.elastic`). Every rank yields the
+          same number of batches of it, so DDP stays in step. With
+          drop_last=False nothing is skipped and nothing repeated, except
+          where floor(R/W) or ceil(R/W) records of the R left over W ranks
+          would give the ranks different batch counts: then the last ranks
+          repeat the first few of the records left (W - R mod W of them,
+          fewer than W, like the padding of a whole epoch); a rank's last
+          batch may be partial. With drop_last=True every rank gets the same
+          full batches and fewer than W x batch size records are left out,
+          as an epoch leaves out its uneven tail. An epoch resumed so can be
+          saved, merged and resumed again (4 -> 2 -> 3 ranks ...), with the
+          same guarantee. That epoch on this rank yields those batches
+          (`len()` stays a full epoch's); the epochs after it are whole.
 
         Raises:
             ConfigError: the state was saved with another seed or batch
-                size, or one rank's state at another world size (merge
-                every rank's first).
+                size, for another dataset or drop_last (elastic), in an
+                epoch resumed at another world size by an older gpufeed, or
+                it is one rank's state at another world size (merge every
+                rank's first).
         """
         for name in ("seed", "batch_size"):
             if state.get(name) != getattr(self.spec, name):
                 raise ConfigError(
                     f"state was saved with {name}={state.get(name)!r}; this loader has {getattr(self.spec, name)!r}"
                 )
-        self.epoch = int(state["epoch"])
+        epoch = int(state["epoch"])
+        resumed = None if state.get("resumed") is None else progress_from_state(state["resumed"])
+        if resumed is not None:
+            check_progress(self._shards(epoch), self.spec, resumed)
+        self.epoch = epoch
         if "rank_batches" in state:  # merged: any world size
-            self._elastic = (int(state["world_size"]), [int(b) for b in state["rank_batches"]])
+            batches = [int(b) for b in state["rank_batches"]]
+            self._elastic = saved_progress(self._shards(epoch), self.spec, epoch, resumed, batches)
             self._resume_world = None
             self._skip_batches = self._delivered = 0
             return
-        resumed = state.get("resumed")
-        self._elastic = None if resumed is None else (int(resumed["world_size"]), [int(b) for b in resumed["rank_batches"]])
+        self._elastic = resumed
         saved_world = state.get("world_size")
         if self._given is not None or _process_group_ready():
             _check_resumed_world(saved_world, self.world_size)
@@ -417,7 +431,7 @@ class Loader:
             if self._next_run is None and not self._closed and self._pool is not None and not self._pool.inline:
                 self._next_run = self._start_run(epoch, 0)
 
-    def _start_run(self, epoch: int, skip: int, elastic: tuple[int, list[int]] | None = None) -> Run:
+    def _start_run(self, epoch: int, skip: int, elastic: Progress | None = None) -> Run:
         assert self._pool is not None
         damage = DamageLog(self.spec.on_error)
         rank, world_size = self._placed
@@ -532,22 +546,28 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     and after a restart at another world size, every rank calls
     `loader.load_state_dict(checkpoint["loader"])`.
 
+    States saved in an epoch that was itself resumed at another world size
+    merge the same way (resume 4 -> 2, save, resume 3: still no sample twice
+    and none skipped).
+
     Args:
         states: one state per rank of the run, in any order.
 
     Returns:
-        A JSON-able state: the epoch, the seed, the batch size, the world size
-        and the batches each rank had delivered.
+        A JSON-able state: the epoch, the seed, the batch size, the world size,
+        the batches each rank had delivered and, for an epoch that was
+        resumed, the runs of it delivered before (`resumed`): small, a few
+        runs per resume, whatever the dataset's size.
 
     Raises:
         ConfigError: the states are not one of each rank of one run at one
-            epoch, or one was saved in an epoch that was itself resumed at
-            another world size (save at the end of that epoch instead).
+            epoch (the same epoch, seed, batch size, world size and
+            resumed runs).
     """
     if not states:
         raise ConfigError("merge_states needs the state_dict() of every rank, got none")
     first = states[0]
-    for name in ("epoch", "seed", "batch_size", "world_size"):
+    for name in ("epoch", "seed", "batch_size", "world_size", "resumed"):
         values = sorted({repr(state.get(name)) for state in states})
         if len(values) > 1:
             raise ConfigError(f"the states to merge differ in {name}: {', '.join(values)}")
@@ -555,19 +575,17 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ranks = sorted(int(state["rank"]) for state in states)
     if ranks != list(range(world_size)):
         raise ConfigError(f"merge_states needs one state of each of the {world_size} ranks, got ranks {ranks}")
-    if any("resumed" in state for state in states):
-        raise ConfigError(
-            "these states were saved in an epoch that was itself resumed at another world size: "
-            "load one of them on the same world size, or save at the end of that epoch"
-        )
     batches = {int(state["rank"]): int(state["batches"]) for state in states}
-    return {
+    merged = {
         "epoch": int(first["epoch"]),
         "seed": first["seed"],
         "batch_size": first["batch_size"],
         "world_size": world_size,
         "rank_batches": [batches[rank] for rank in range(world_size)],
     }
+    if first.get("resumed") is not None:
+        merged["resumed"] = first["resumed"]
+    return merged
 
 
 def epoch_size(dataset: DatasetInfo, spec: LoaderSpec, world_size: int) -> tuple[int, int]:
