@@ -30,6 +30,7 @@ from .app import app
 from .client import submit_job
 from .jobs import ACTIVE, JobRecord, JobStopped, JobStore, UnitRun
 from .settings import get_settings
+from .staging import mark_copies
 
 logger = get_task_logger(__name__)
 _STORE: JobStore | None = None
@@ -140,6 +141,7 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
         with _job_storage(record, spec):
             security.check_listed_sources(spec.source, settings.allowed_roots)
             run.check()
+            mark_copies(spec, job_id)
             info = plan_prepare(spec, force=force, overwrite=overwrite)
             run.check()
             if info.already_complete:
@@ -195,6 +197,7 @@ def write_prepare_shard_task(self: Any, job_id: str, spec_dict: dict[str, Any], 
         if shard in store().done_shards(job_id):
             return {"job": job_id, "shard": shard, "skipped": "done"}
         _check_attempts(job_id, unit)
+        mark_copies(spec, job_id)  # the listing this machine downloads goes once the job is over
         with _job_storage(store().require(job_id), spec):
             written = write_prepare_shard(spec, shard, progress=run.progress)
         run.check()

@@ -70,6 +70,7 @@ from .resume import (
     recorded_source,
     remove_shards,
     remove_stale_temp_files,
+    remove_stale_temp_objects,
     remove_temp_files,
     remove_work,
     set_prefixes,
@@ -364,6 +365,7 @@ def _open_or_plan(
     if finished is not None:
         damaged = damaged_shards(output, finished, verify=verify)
         if not damaged:
+            remove_stale_temp_objects(output, finished)
             return finished
         return _start_repair(spec, output, _Repair(finished, damaged), workers, io_threads)
     output.makedirs()
@@ -802,6 +804,7 @@ def _finish(job: _Job) -> Manifest:
         decoded_with_warnings=warned,
     )
     write_manifest(job.output, manifest)
+    remove_stale_temp_objects(job.output, manifest)
     job.listing.close()
     remove_work(job.output)
     return manifest
@@ -810,6 +813,7 @@ def _finish(job: _Job) -> Manifest:
 def _finish_repair(job: _Job) -> Manifest:
     """A repair rewrote files exactly as recorded: the manifest and rejected.jsonl stay; the work folder goes."""
     assert job.repair is not None
+    remove_stale_temp_objects(job.output, job.repair.manifest)
     job.listing.close()
     remove_work(job.output)
     return job.repair.manifest
@@ -958,6 +962,7 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
         if damaged:
             listed = ", ".join(f"{path} {problem}" for path, problem in list(damaged.items())[:10])
             raise StorageError(f"cannot finish {spec.out}: {listed}; write those shards first (plan_prepare plans them)")
+        remove_stale_temp_objects(output, manifest)
         remove_work(output)  # the leftovers of a finish that stopped right after its manifest (or of a repair)
         return _result(spec.out, manifest)
     job = _load_planned_job(spec)
@@ -985,6 +990,22 @@ def discard_prepare(spec: PrepareSpec) -> None:
     else:
         output.remove(WORK_DIR)
     remove_temp_files(output)
+
+
+def local_copies_folder(spec: PrepareSpec) -> str | None:
+    """The folder where the steps of a job on a remote OUT keep this machine's copies; None for a local OUT.
+
+    Each machine that plans or writes shards keeps the job's listing there
+    (downloaded once, see `listing.fetch_listing`) and each shard file until
+    it is uploaded. `finish_prepare` removes the copies of the machine it runs
+    on; a runner removes the other machines' once the job is over (no step of
+    it may still be running there).
+
+    Args:
+        spec: the job.
+    """
+    output = Output(spec.out)
+    return None if output.is_local else output.staging
 
 
 def _load_planned_job(spec: PrepareSpec) -> _Job:
