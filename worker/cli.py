@@ -307,9 +307,10 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
             click.echo(f"  {name}: {value:.1f}")
     else:
         rate = f", {format_rate(doc['images_per_s'], digits=1)}" if doc["kind"] == "prepare" or result.get("reaugmented") else ""
+        warned = f", decoded with warnings {doc['decoded_with_warnings']}" if doc.get("decoded_with_warnings") else ""
         click.echo(
             f"  shards {doc['shards_done']}/{doc['shards_total']}, samples {doc['samples']}, rejected {doc['rejected']}"
-            f"{rate}{seconds}"
+            f"{warned}{rate}{seconds}"
         )
     if doc["kind"] == "reshard" and result:
         click.echo(f"  {result['shards_before']} -> {result['shards_after']} shards per set, version {result['version'] or '(--out)'}")

@@ -253,6 +253,7 @@ def _succeed(record: JobRecord, spec: PrepareSpec) -> tuple[int, int]:
             "manifest": result.manifest,
             "samples": samples,
             "rejected": rejected,
+            "decoded_with_warnings": result.decoded_with_warnings,
             "shards": files,
             "bytes": result.bytes,
         }

@@ -118,6 +118,7 @@ class ReshardResult:
     seconds: float
     reaugmented: bool
     removed: list[str] = dataclasses.field(default_factory=list)
+    decoded_with_warnings: int = 0  # the dataset's, from its manifest (see `PrepareResult`)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -218,6 +219,7 @@ def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None
         seconds=time.perf_counter() - started,
         reaugmented=False,
         removed=removed,
+        decoded_with_warnings=manifest.decoded_with_warnings,
     )
 
 
@@ -528,4 +530,5 @@ def _reaugment_result(
         seconds=time.perf_counter() - started,
         reaugmented=True,
         removed=removed,
+        decoded_with_warnings=new.decoded_with_warnings,
     )
