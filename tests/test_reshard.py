@@ -96,6 +96,25 @@ def test_multiple_of_gives_a_divisible_shard_count_with_the_same_samples(
     assert result.version == "r0001" and all(s.path.startswith("r0001/") for s in manifest.shards)
 
 
+@pytest.mark.parametrize(("variants", "count"), [(0, 7), (2, 4), (0, 1), (0, 30)])
+def test_shards_gives_exactly_that_many_balanced_shards(
+    raw: Path, tmp_path: Path, variants: int, count: int, forbid_decoding: Callable[[], None]
+) -> None:
+    dataset = prepared(raw, tmp_path / "ds", variants=variants)  # 30 samples, 5 shards of at most 7 a set
+    forbid_decoding()
+    before = samples_of(dataset)
+    result = reshard_dataset(ReshardSpec(dataset=str(dataset), shards=count))
+    manifest = verified(dataset)
+    assert result.shards_after == count
+    for variant in ([0, 1] if variants else [None]):
+        sizes = [s.samples for s in manifest.shards if s.variant == variant]
+        assert len(sizes) == count and sum(sizes) == 30
+        assert max(sizes) - min(sizes) <= 1
+    assert samples_of(dataset) == before
+    with pytest.raises(ConfigError, match="cannot cut 30 samples into 31 shards"):
+        target_shard_count(manifest, ReshardSpec(dataset=str(dataset), shards=31))
+
+
 def test_shard_count_and_size_bound_the_new_shards(raw: Path, tmp_path: Path) -> None:
     dataset = prepared(raw, tmp_path / "ds")
     reshard_dataset(ReshardSpec(dataset=str(dataset), max_samples=4))
@@ -278,6 +297,11 @@ def test_publish_reaugment_to_out_twice_gives_the_same_result(raw: Path, tmp_pat
         ({"multiple_of": 0}, "--multiple-of"),
         ({"max_bytes": 10}, "--shard-size"),
         ({"out": "DS", "multiple_of": 2}, "must differ"),
+        ({"shards": 0}, "--shards must be"),
+        ({"shards": 2.5}, "--shards must be a whole number"),
+        ({"shards": 4, "multiple_of": 2}, "--shards sets the layout on its own; leave out --multiple-of"),
+        ({"shards": 4, "max_samples": 2, "max_bytes": 1 << 20}, "leave out --shard-samples, --shard-size"),
+        ({"shards": 4, "reaugment": True, "seed": 1}, "re-augment first"),
     ],
 )
 def test_bad_reshard_specs_are_refused(fields: dict[str, object], message: str) -> None:

@@ -37,7 +37,7 @@ from ..errors import ConfigError, JobConflictError, ManifestError
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter, iter_tar_samples, sample_tar_bytes
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, verify_dataset, write_manifest
-from ..specs import PrepareSpec, ShardSpec, Spec, check_int
+from ..specs import MAX_SHARDS, PrepareSpec, ShardSpec, Spec, check_int
 from .job import discard_prepare, finish_prepare, prepare_dataset
 from .plan import shard_name
 
@@ -57,6 +57,8 @@ class ReshardSpec(Spec):
     Attributes:
         dataset: the prepared dataset (folder or URL holding manifest.json).
         out: write the result here as a new dataset instead of a new version in place.
+        shards: exactly this many shards per variant set (`--shards`), on its own: not with
+            `max_samples`, `max_bytes`, `multiple_of` or `reaugment`.
         max_samples: at most this many samples per shard (`--shard-samples`).
         max_bytes: about this many bytes per shard at most (`--shard-size`).
         multiple_of: make the number of shards (per variant set) a multiple of this.
@@ -73,6 +75,7 @@ class ReshardSpec(Spec):
     reaugment: bool = False
     seed: int | None = None
     keep: int = 1
+    shards: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset.strip():
@@ -86,7 +89,9 @@ class ReshardSpec(Spec):
         if self.max_bytes is not None:
             check_int("--shard-size", self.max_bytes, 64 * 1024)
         if self.multiple_of is not None:
-            check_int("--multiple-of", self.multiple_of, 1, 1 << 16)
+            check_int("--multiple-of", self.multiple_of, 1, MAX_SHARDS)
+        if self.shards is not None:
+            self._check_shards()
         if not isinstance(self.reaugment, bool):
             raise ConfigError("reaugment must be true or false")
         check_int("--keep", self.keep, 0, 100)
@@ -98,8 +103,17 @@ class ReshardSpec(Spec):
                 raise ConfigError("--multiple-of cannot be combined with --reaugment; re-pack after re-augmenting")
         elif self.seed is not None:
             raise ConfigError("--seed only applies with --reaugment (re-packing keeps every sample's bytes)")
-        elif self.max_samples is None and self.max_bytes is None and self.multiple_of is None:
+        elif self.max_samples is None and self.max_bytes is None and self.multiple_of is None and self.shards is None:
             raise ConfigError("give --shard-samples, --shards, --shard-size or --multiple-of (or --reaugment --seed S)")
+
+    def _check_shards(self) -> None:
+        check_int("--shards", self.shards, 1, MAX_SHARDS)
+        layout = (("--shard-samples", self.max_samples), ("--shard-size", self.max_bytes), ("--multiple-of", self.multiple_of))
+        others = [name for name, value in layout if value is not None]
+        if others:
+            raise ConfigError(f"--shards sets the layout on its own; leave out {', '.join(others)}")
+        if self.reaugment:
+            raise ConfigError("--shards re-packs; re-augment first, then reshard --shards N")
 
 
 @dataclasses.dataclass
@@ -167,7 +181,7 @@ def target_shard_count(manifest: Manifest, spec: ReshardSpec) -> int:
     if samples == 0:
         raise ConfigError("DATASET holds no samples; there is nothing to re-pack")
     sets = _shard_sets(manifest)
-    count = len(sets[0][1])
+    count = len(sets[0][1]) if spec.shards is None else spec.shards
     if spec.max_samples is not None or spec.max_bytes is not None:
         count = 1
         if spec.max_samples is not None:
