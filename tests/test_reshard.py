@@ -20,7 +20,7 @@ from pipeline.io.tar import TarShardWriter, iter_tar_samples
 from pipeline.loader.dataset import resolve_dataset
 from pipeline.manifest import read_manifest, verify_dataset
 from pipeline.prepare.job import prepare_dataset
-from pipeline.prepare.reshard import ReshardSpec, reshard_dataset, target_shard_count
+from pipeline.prepare.reshard import ReshardSpec, claim_repack, repack_dataset, reshard_dataset, target_shard_count
 from pipeline.specs import AugmentSpec, PrepareSpec, ShardSpec
 
 
@@ -113,6 +113,31 @@ def test_shards_gives_exactly_that_many_balanced_shards(
     assert samples_of(dataset) == before
     with pytest.raises(ConfigError, match="cannot cut 30 samples into 31 shards"):
         target_shard_count(manifest, ReshardSpec(dataset=str(dataset), shards=31))
+
+
+def test_a_repack_delivered_again_finishes_the_same_version_instead_of_claiming_another(raw: Path, tmp_path: Path) -> None:
+    dataset = prepared(raw, tmp_path / "ds")
+    spec = ReshardSpec(dataset=str(dataset), multiple_of=4, keep=0)
+    version = claim_repack(spec)
+    (dataset / version / "shard-000000.tar").write_bytes(b"what a run stopped before its swap left")
+    first = repack_dataset(spec, version=version)  # writes the claimed folder again
+    manifest = (dataset / "manifest.json").read_bytes()
+    versions = (dataset / ".gpufeed-versions.json").read_bytes()
+    second = repack_dataset(spec, version=version)  # delivered again after its swap: nothing is written
+    assert dataclasses.replace(second, seconds=0) == dataclasses.replace(first, seconds=0)
+    assert (first.version, first.shards_before, first.shards_after, first.removed) == ("r0001", 5, 8, [""])
+    assert (dataset / "manifest.json").read_bytes() == manifest
+    assert (dataset / ".gpufeed-versions.json").read_bytes() == versions
+    assert sorted(p.name for p in dataset.iterdir() if p.name.startswith("r0")) == ["r0001"]
+    verified(dataset)
+
+    out = ReshardSpec(dataset=str(dataset), out=str(tmp_path / "new"), max_samples=10)
+    claimed = claim_repack(out)
+    first = repack_dataset(out, version=claimed)
+    second = repack_dataset(out, version=claimed)  # not refused as "already holds a dataset": it is this one
+    assert dataclasses.replace(second, seconds=0) == dataclasses.replace(first, seconds=0)
+    with pytest.raises(JobConflictError, match="already holds a dataset"):
+        repack_dataset(ReshardSpec(dataset=str(dataset), out=str(tmp_path / "new"), max_samples=5), version="")
 
 
 def test_shard_count_and_size_bound_the_new_shards(raw: Path, tmp_path: Path) -> None:

@@ -199,14 +199,41 @@ def target_shard_count(manifest: Manifest, spec: ReshardSpec) -> int:
     return count
 
 
-def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None) -> ReshardResult:
-    """Copy every sample into a new shard layout, verify it, then swap it in (or write it to `spec.out`)."""
+def claim_repack(spec: ReshardSpec) -> str:
+    """Claim the version folder a re-pack of DATASET writes (`rNNNN`; "" with `spec.out`), for `repack_dataset(version=)`.
+
+    A runner that may deliver the same re-pack more than once (a worker lost
+    after its swap) claims once and hands every delivery the same version.
+    """
+    return "" if spec.out is not None else claim_version(Output(spec.dataset))
+
+
+def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None, version: str | None = None) -> ReshardResult:
+    """Copy every sample into a new shard layout, verify it, then swap it in (or write it to `spec.out`).
+
+    Args:
+        spec: the re-pack (not `reaugment`).
+        progress: called with (shards written, shards to write) after every new shard.
+        version: what `claim_repack` returned for this re-pack. A run whose re-pack already
+            happened (the version is current, or `spec.out` holds its dataset) writes nothing
+            and returns that re-pack's result; one whose earlier run stopped before its swap
+            writes the version folder again. None claims a fresh version: a re-pack of its own.
+
+    Raises:
+        ConfigError: impossible settings (e.g. more shards than samples).
+        ManifestError: DATASET is not a prepared dataset, or the new version failed verification.
+        JobConflictError: DATASET changed while it was being re-packed, or `version` was
+            swapped in and replaced since (nothing is swapped).
+    """
     started = time.perf_counter()
     source = Output(spec.dataset)
+    done = _repacked_already(spec, source, version, started) if version is not None else None
+    if done is not None:
+        return done
     manifest = read_manifest(source)
     sets = _shard_sets(manifest)
     count = target_shard_count(manifest, spec)
-    target, version = _open_target(spec, source)
+    target, version = _open_target(spec, source, version)
     try:
         shards: list[ShardInfo] = []
         for variant, old in sets:
@@ -220,21 +247,7 @@ def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None
     except BaseException:
         _discard_target(spec, source, target, version)
         raise
-    return ReshardResult(
-        dataset=spec.dataset,
-        out=spec.out or spec.dataset,
-        version=version,
-        shards_before=len(sets[0][1]),
-        shards_after=count,
-        samples=manifest.samples,
-        rejected=manifest.rejected,
-        variants=manifest.variants,
-        bytes=sum(shard.bytes for shard in shards),
-        seconds=time.perf_counter() - started,
-        reaugmented=False,
-        removed=removed,
-        decoded_with_warnings=manifest.decoded_with_warnings,
-    )
+    return _repack_result(spec, new, version, len(sets[0][1]), removed, started)
 
 
 def _shard_sets(manifest: Manifest) -> list[tuple[int | None, list[ShardInfo]]]:
@@ -247,10 +260,61 @@ def _shard_sets(manifest: Manifest) -> list[tuple[int | None, list[ShardInfo]]]:
     return [(variant, sets[variant]) for variant in sorted(sets, key=lambda v: -1 if v is None else v)]
 
 
-def _open_target(spec: ReshardSpec, source: Output) -> tuple[Output, str]:
-    """Where the new shards go: a fresh version folder in DATASET, or the root of `spec.out`."""
+def _repacked_already(spec: ReshardSpec, source: Output, version: str, started: float) -> ReshardResult | None:
+    """The result of the re-pack that claimed `version`, when it already happened (its swap completed now)."""
     if spec.out is None:
-        return source, claim_version(source)
+        swap = swapped_in(source, version)
+        if swap is None:
+            return None
+        current = read_manifest(source)
+        return _repack_result(spec, current, version, swap.shards_before, swap.removed, started)
+    target = Output(spec.out)
+    if not target.exists(MANIFEST_NAME):
+        return None
+    written, original = read_manifest(target), read_manifest(source)
+    if _strip_layout(written) != _strip_layout(original) or _shards_per_set(written) != target_shard_count(original, spec):
+        return None  # another dataset: _open_target refuses it
+    return _repack_result(spec, written, "", _shards_per_set(original), [], started)
+
+
+def _strip_layout(manifest: Manifest) -> dict[str, Any]:
+    """A manifest without what a re-pack changes (its shards, when it was written)."""
+    data = manifest.to_dict()
+    data.pop("shards", None)
+    data.pop("created", None)
+    return data
+
+
+def _repack_result(
+    spec: ReshardSpec, manifest: Manifest, version: str, shards_before: int, removed: list[str], started: float
+) -> ReshardResult:
+    return ReshardResult(
+        dataset=spec.dataset,
+        out=spec.out or spec.dataset,
+        version=version,
+        shards_before=shards_before,
+        shards_after=_shards_per_set(manifest),
+        samples=manifest.samples,
+        rejected=manifest.rejected,
+        variants=manifest.variants,
+        bytes=sum(shard.bytes for shard in manifest.shards),
+        seconds=time.perf_counter() - started,
+        reaugmented=False,
+        removed=removed,
+        decoded_with_warnings=manifest.decoded_with_warnings,
+    )
+
+
+def _open_target(spec: ReshardSpec, source: Output, version: str | None = None) -> tuple[Output, str]:
+    """Where the new shards go: the version folder in DATASET (claimed now, or written again), or the root of `spec.out`."""
+    if spec.out is None:
+        if version is None:
+            return source, claim_version(source)
+        if not VERSION_DIR.fullmatch(version):
+            raise ConfigError(f"{version!r} is not a version folder name (rNNNN); claim one with claim_repack")
+        source.remove(version)  # what a run stopped before its swap wrote
+        os.makedirs(source.local(version), exist_ok=True)
+        return source, version
     target = Output(spec.out)
     if target.exists(MANIFEST_NAME):
         raise JobConflictError(f"{spec.out} already holds a dataset; choose an empty folder for --out")
