@@ -759,8 +759,8 @@ def _abandon(job: _Job) -> None:
 def _refuse_finished_with_rejects(spec: PrepareSpec, output: Output, manifest: Manifest) -> None:
     first = next(iter(read_rejects(output)), {"source": "?", "reason": "see rejected.jsonl"})
     raise SampleError(
-        f"{spec.out} already holds this dataset, prepared without --strict: it left out {manifest.rejected} "
-        f"rejected file(s), the first {first['source']}: {first['reason']}; pass --overwrite to prepare it again"
+        f"{spec.out} already holds this dataset, prepared without --strict: it left out {format_count(manifest.rejected, 'rejected file')}, "
+        f"the first {first['source']}: {first['reason']}; pass --overwrite to prepare it again"
     )
 
 
@@ -969,7 +969,9 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
     try:
         missing = pending_shards(job.output, job.plan.shards)
         if missing:
-            raise StorageError(f"cannot finish {spec.out}: shard(s) {missing[:10]} are missing or invalid")
+            listed = ", ".join(str(shard) for shard in missing[:10]) + (" ..." if len(missing) > 10 else "")
+            missing_shards = f"shard {listed} is" if len(missing) == 1 else f"shards {listed} are"
+            raise StorageError(f"cannot finish {spec.out}: {missing_shards} missing or invalid")
         return _result(spec.out, _finish(job))
     finally:
         job.listing.close()
