@@ -49,6 +49,9 @@ class Spec:
             raise ConfigError(f"{cls.__name__}: {exc}") from exc
 
 
+MAX_SHARDS = 1 << 16  # the most shards per variant set a reshard makes (`--shards`, `--multiple-of`)
+
+
 def check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")

@@ -53,6 +53,10 @@ while True:
 PYEOF
 }
 
+redacted_test_redis_url() {  # the project's own redaction; the URL is read from the environment, never from argv
+    "$PY" -c 'import os; from pipeline.io.fs import redact_url; print(redact_url(os.environ["GPUFEED_TEST_REDIS_URL"]))'
+}
+
 start_private_redis() {
     local port url
     for _ in 1 2 3 4 5; do  # another process may take the port between choosing and binding it
@@ -74,7 +78,7 @@ start_private_redis() {
 }
 
 if [[ -n "${GPUFEED_TEST_REDIS_URL:-}" ]]; then
-    echo "test: using GPUFEED_TEST_REDIS_URL=$(sed -E 's#(://[^:/@]*:)[^@]*@#\1***@#' <<<"$GPUFEED_TEST_REDIS_URL")"
+    echo "test: using GPUFEED_TEST_REDIS_URL=$(redacted_test_redis_url)"
 elif command -v redis-server >/dev/null 2>&1; then
     start_private_redis
 else

@@ -37,6 +37,65 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def start_server(
+    command: Callable[[int], list[str]],
+    log: Path,
+    ready: Callable[[int], bool],
+    *,
+    port: int = 0,
+    timeout_s: float,
+    what: str,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a server process on a loopback port and poll until it answers; returns (process, port).
+
+    Args:
+        command: the command line for a port.
+        log: the file its output is appended to (its end is shown when it does not start).
+        ready: whether the server on that port answers yet (never raises).
+        port: the port; 0 picks a free one, and another after a failed start (it may
+            be taken between choosing and binding it), up to five times.
+        timeout_s: how long one start may take.
+        what: the server, as the error names it.
+
+    Raises:
+        RuntimeError: the server did not start.
+    """
+    attempts = 1 if port else 5
+    chosen = port
+    for _ in range(attempts):
+        chosen = port or free_port()
+        with open(log, "ab") as output:  # the process keeps its own copy of the file
+            process = subprocess.Popen(
+                command(chosen),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and process.poll() is None:
+            if ready(chosen):
+                return process, chosen
+            time.sleep(0.05)
+        end_process(process, kill=True)
+    tail = log.read_text(errors="replace")[-2000:]
+    raise RuntimeError(f"{what} did not start on {LOOPBACK}:{chosen}:\n{tail}")
+
+
+def end_process(process: subprocess.Popen[bytes] | None, *, kill: bool = False) -> None:
+    """Stop a server process (SIGTERM, or SIGKILL as a crash would) and wait; SIGKILL after 10 s."""
+    if process is None or process.poll() is not None:
+        return
+    if kill:
+        process.kill()
+    else:
+        process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
 def is_loopback_url(url: str) -> bool:
     """Whether `url` names this machine only: a unix socket, localhost or a loopback IP."""
     parts = urlsplit(url)
@@ -77,32 +136,16 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         """Start the server (on a fresh free port the first time, the same port after)."""
-        attempts = 1 if self.port else 5  # a new port may be taken between choosing and binding it
-        for _ in range(attempts):
-            self.port = self.port or free_port()
-            log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 - the process owns it
-            options = {
-                "bind": LOOPBACK,
-                "port": str(self.port),
-                "save": "",
-                "appendonly": "no",
-                "dir": str(self.directory),
-            }
-            command = [redis_server_path()] + [part for name, value in options.items() for part in (f"--{name}", value)]
-            self.process = subprocess.Popen(
-                [*command, *self.extra_args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
-            )
-            log.close()
-            if self._wait_until_ready():
-                return self
-            self.kill()
-            if attempts > 1:
-                self.port = 0
-        tail = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"redis-server did not start on {LOOPBACK}:{self.port}:\n{tail}")
+        server = redis_server_path()
+
+        def command(port: int) -> list[str]:
+            options = {"bind": LOOPBACK, "port": str(port), "save": "", "appendonly": "no", "dir": str(self.directory)}
+            return [server, *(part for name, value in options.items() for part in (f"--{name}", value)), *self.extra_args]
+
+        self.process, self.port = start_server(
+            command, self.directory / "redis.log", _pings, port=self.port, timeout_s=REDIS_START_TIMEOUT_S, what="redis-server"
+        )
+        return self
 
     def stop(self) -> None:
         """Shut down gracefully (SIGTERM) and wait."""
@@ -118,38 +161,20 @@ class RedisServer:
 
     def _end(self, kill: bool) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        if kill:
-            process.kill()
-        else:
-            process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        end_process(process, kill=kill)
 
-    def _wait_until_ready(self) -> bool:
-        import redis
 
-        client = redis.Redis(host=LOOPBACK, port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
-        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-        try:
-            while time.monotonic() < deadline:
-                assert self.process is not None
-                if self.process.poll() is not None:
-                    return False
-                try:
-                    if client.ping():
-                        return True
-                except redis.exceptions.ConnectionError:
-                    time.sleep(0.05)
-                except redis.exceptions.BusyLoadingError:  # loading its data after a restart
-                    time.sleep(0.05)
-            return False
-        finally:
-            client.close()
+def _pings(port: int) -> bool:
+    """Whether the Redis on `port` answers (not while it loads its data after a restart)."""
+    import redis
+
+    client = redis.Redis(host=LOOPBACK, port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
+        return False
+    finally:
+        client.close()
 
 
 def _die_with_parent() -> None:

@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LOOPBACK, _die_with_parent, free_port
+from conftest import LOOPBACK, end_process, start_server
 
 S3_START_TIMEOUT_S = 30.0
 SERVER_SCRIPT = Path(__file__).with_name("s3_server.py")
@@ -80,51 +79,30 @@ class S3Server:
         return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
 
     def start(self) -> S3Server:
-        attempts = 1 if self.port else 5
-        for _ in range(attempts):
-            self.port = self.port or free_port()
-            log = open(self.directory / "s3.log", "ab")  # noqa: SIM115 - the process owns it
-            self.process = subprocess.Popen(
-                [sys.executable, str(SERVER_SCRIPT), str(self.port)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
-            )
-            log.close()
-            if self._wait_until_ready():
-                return self
-            self.stop()
-            if attempts > 1:
-                self.port = 0
-        tail = (self.directory / "s3.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"the test S3 server did not start on {LOOPBACK}:{self.port}:\n{tail}")
+        self.process, self.port = start_server(
+            lambda port: [sys.executable, str(SERVER_SCRIPT), str(port)],
+            self.directory / "s3.log",
+            self._answers,
+            port=self.port,
+            timeout_s=S3_START_TIMEOUT_S,
+            what="the test S3 server",
+        )
+        return self
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
+        end_process(process)
+
+    def _answers(self, port: int) -> bool:
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+            self._call("GET", "reads", port)
+        except (urllib.error.URLError, ConnectionError):
+            return False
+        return True
 
-    def _wait_until_ready(self) -> bool:
-        deadline = time.monotonic() + S3_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                return False
-            try:
-                self._call("GET", "reads")
-                return True
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.05)
-        return False
-
-    def _call(self, method: str, route: str) -> Any:
-        request = urllib.request.Request(f"{self.endpoint}/_test/{route}", method=method, data=b"" if method == "POST" else None)
+    def _call(self, method: str, route: str, port: int | None = None) -> Any:
+        endpoint = self.endpoint if port is None else f"http://{LOOPBACK}:{port}"
+        request = urllib.request.Request(f"{endpoint}/_test/{route}", method=method, data=b"" if method == "POST" else None)
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
         with opener.open(request, timeout=5) as response:
             return json.loads(response.read())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -348,6 +349,11 @@ def test_the_cli_accepts_them_and_says_how_many_warned(tmp_path: Path) -> None:
     warned = manifest["decoded_with_warnings"]
     assert warned >= sum(1 for _, (_, native_warnings) in WARNING_CASES.items() if native_warnings)
     assert f"{len(WARNING_CASES) + 1} samples, {warned} decoded with warnings, 1 rejected" in done.stdout
+    inspected = _cli("inspect", str(out), "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    assert json.loads(inspected.stdout)["decoded_with_warnings"] == warned
+    inspected = _cli("inspect", str(out))
+    assert re.search(rf"decoded with warnings\s+{warned}\b", inspected.stdout), inspected.stdout
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -452,10 +452,13 @@ def test_step_api_plan_shards_finish_equals_local_prepare(raw: Path, tmp_path: P
     spec = spec_for(raw, tmp_path / "steps")
     plan = plan_prepare(spec)
     assert plan.shards == 4 and plan.pending == [0, 1, 2, 3] and plan.listed == 60
-    with pytest.raises(StorageError, match="missing or invalid"):
+    with pytest.raises(StorageError, match="shards 0, 1, 2, 3 are missing or invalid"):
         finish_prepare(spec)
-    for shard in (2, 0, 3, 1):
+    for shard in (2, 0, 3):
         assert not write_prepare_shard(spec, shard).skipped
+    with pytest.raises(StorageError, match="shard 1 is missing or invalid"):
+        finish_prepare(spec)
+    assert not write_prepare_shard(spec, 1).skipped
     assert write_prepare_shard(spec, 1).skipped  # a re-delivered task finds its shard done
     assert plan_prepare(spec).pending == []
     manifest = finish_prepare(spec)

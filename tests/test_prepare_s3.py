@@ -141,6 +141,42 @@ def test_prepare_local_to_s3_writes_the_same_shards(s3_server, raw_images, local
     assert not [path for path in listed if "/.gpufeed" in path or ".tmp-" in path]  # work folder and temp objects gone
 
 
+def test_a_finished_prepare_sweeps_the_temp_objects_crashed_writers_left(s3_server, raw_images, local_run, tmp_path, monkeypatch):
+    from s3_fixtures import upload
+
+    from pipeline.prepare import resume
+
+    bucket = upload(s3_server, _empty(tmp_path))
+    out, root = f"s3://{bucket.name}/shards", f"{bucket.name}/shards"
+    fs = s3_server.filesystem()
+    crashed = ["shard-000000.tar.tmp-deadhost-41", "shard-000002.tar.tmp-deadhost-41", "manifest.json.tmp-deadhost-7"]
+    others = ["notes.txt.tmp-deadhost-41", "shard-000000.tar.bak"]  # not temp names of the job's files: kept
+    for name in crashed + others:
+        fs.pipe_file(f"{root}/{name}", b"half an upload")
+    monkeypatch.setattr(resume, "STALE_TEMP_OBJECT_S", 0.0)
+    prepare_dataset(spec_of(str(raw_images), out), workers=0, storage_options=s3_server.storage_options)
+    fs.invalidate_cache()
+    left = {path.rsplit("/", 1)[-1] for path in fs.find(root)}
+    assert not left & set(crashed)
+    assert set(others) <= left
+    assert remote_shards(s3_server, out) == local_run  # the final shards and manifest are untouched
+
+    # A fresh temp object may be a live writer's, between its upload and its move: a re-run keeps it ...
+    live = f"{root}/shard-000001.tar.tmp-livehost-3"
+    fs.pipe_file(live, b"being moved")
+    monkeypatch.setattr(resume, "STALE_TEMP_OBJECT_S", 3600.0)
+    assert prepare_dataset(spec_of(str(raw_images), out), workers=0, storage_options=s3_server.storage_options).already_complete
+    fs.invalidate_cache()
+    assert fs.exists(live)
+    # ... until it is older than the threshold.
+    monkeypatch.setattr(resume, "STALE_TEMP_OBJECT_S", 0.0)
+    prepare_dataset(spec_of(str(raw_images), out), workers=0, storage_options=s3_server.storage_options)
+    fs.invalidate_cache()
+    assert not fs.exists(live)
+    with storage_options_for([out], s3_server.storage_options):
+        assert verify_dataset(out).ok
+
+
 def test_prepare_s3_to_s3_equals_the_local_run(s3_server, s3_upload, raw_images, local_run):
     bucket: Bucket = s3_upload(raw_images)
     out = f"s3://{bucket.name}/shards"

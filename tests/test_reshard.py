@@ -20,7 +20,7 @@ from pipeline.io.tar import TarShardWriter, iter_tar_samples
 from pipeline.loader.dataset import resolve_dataset
 from pipeline.manifest import read_manifest, verify_dataset
 from pipeline.prepare.job import prepare_dataset
-from pipeline.prepare.reshard import ReshardSpec, reshard_dataset, target_shard_count
+from pipeline.prepare.reshard import ReshardSpec, claim_repack, repack_dataset, reshard_dataset, target_shard_count
 from pipeline.specs import AugmentSpec, PrepareSpec, ShardSpec
 
 
@@ -94,6 +94,50 @@ def test_multiple_of_gives_a_divisible_shard_count_with_the_same_samples(
     counts = sorted(s.samples for s in per_set)
     assert counts[-1] - counts[0] <= 1  # balanced: every GPU worker gets the same amount
     assert result.version == "r0001" and all(s.path.startswith("r0001/") for s in manifest.shards)
+
+
+@pytest.mark.parametrize(("variants", "count"), [(0, 7), (2, 4), (0, 1), (0, 30)])
+def test_shards_gives_exactly_that_many_balanced_shards(
+    raw: Path, tmp_path: Path, variants: int, count: int, forbid_decoding: Callable[[], None]
+) -> None:
+    dataset = prepared(raw, tmp_path / "ds", variants=variants)  # 30 samples, 5 shards of at most 7 a set
+    forbid_decoding()
+    before = samples_of(dataset)
+    result = reshard_dataset(ReshardSpec(dataset=str(dataset), shards=count))
+    manifest = verified(dataset)
+    assert result.shards_after == count
+    for variant in ([0, 1] if variants else [None]):
+        sizes = [s.samples for s in manifest.shards if s.variant == variant]
+        assert len(sizes) == count and sum(sizes) == 30
+        assert max(sizes) - min(sizes) <= 1
+    assert samples_of(dataset) == before
+    with pytest.raises(ConfigError, match="cannot cut 30 samples into 31 shards"):
+        target_shard_count(manifest, ReshardSpec(dataset=str(dataset), shards=31))
+
+
+def test_a_repack_delivered_again_finishes_the_same_version_instead_of_claiming_another(raw: Path, tmp_path: Path) -> None:
+    dataset = prepared(raw, tmp_path / "ds")
+    spec = ReshardSpec(dataset=str(dataset), multiple_of=4, keep=0)
+    version = claim_repack(spec)
+    (dataset / version / "shard-000000.tar").write_bytes(b"what a run stopped before its swap left")
+    first = repack_dataset(spec, version=version)  # writes the claimed folder again
+    manifest = (dataset / "manifest.json").read_bytes()
+    versions = (dataset / ".gpufeed-versions.json").read_bytes()
+    second = repack_dataset(spec, version=version)  # delivered again after its swap: nothing is written
+    assert dataclasses.replace(second, seconds=0) == dataclasses.replace(first, seconds=0)
+    assert (first.version, first.shards_before, first.shards_after, first.removed) == ("r0001", 5, 8, [""])
+    assert (dataset / "manifest.json").read_bytes() == manifest
+    assert (dataset / ".gpufeed-versions.json").read_bytes() == versions
+    assert sorted(p.name for p in dataset.iterdir() if p.name.startswith("r0")) == ["r0001"]
+    verified(dataset)
+
+    out = ReshardSpec(dataset=str(dataset), out=str(tmp_path / "new"), max_samples=10)
+    claimed = claim_repack(out)
+    first = repack_dataset(out, version=claimed)
+    second = repack_dataset(out, version=claimed)  # not refused as "already holds a dataset": it is this one
+    assert dataclasses.replace(second, seconds=0) == dataclasses.replace(first, seconds=0)
+    with pytest.raises(JobConflictError, match="already holds a dataset"):
+        repack_dataset(ReshardSpec(dataset=str(dataset), out=str(tmp_path / "new"), max_samples=5), version="")
 
 
 def test_shard_count_and_size_bound_the_new_shards(raw: Path, tmp_path: Path) -> None:
@@ -278,6 +322,11 @@ def test_publish_reaugment_to_out_twice_gives_the_same_result(raw: Path, tmp_pat
         ({"multiple_of": 0}, "--multiple-of"),
         ({"max_bytes": 10}, "--shard-size"),
         ({"out": "DS", "multiple_of": 2}, "must differ"),
+        ({"shards": 0}, "--shards must be"),
+        ({"shards": 2.5}, "--shards must be a whole number"),
+        ({"shards": 4, "multiple_of": 2}, "--shards sets the layout on its own; leave out --multiple-of"),
+        ({"shards": 4, "max_samples": 2, "max_bytes": 1 << 20}, "leave out --shard-samples, --shard-size"),
+        ({"shards": 4, "reaugment": True, "seed": 1}, "re-augment first"),
     ],
 )
 def test_bad_reshard_specs_are_refused(fields: dict[str, object], message: str) -> None:

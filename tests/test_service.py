@@ -85,8 +85,9 @@ def test_status_json_jobs_and_records_outlive_the_workers(service: Service, smal
     assert (status["shards_done"], status["shards_total"], status["samples"]) == (5, 5, 24)
     assert status["result"]["manifest"] == f"{out}/manifest.json"
     manifest = assert_verified(out)
-    summary = {"samples": 24, "rejected": 0, "shards": 5, "bytes": sum(s.bytes for s in manifest.shards)}
+    summary = {"samples": 24, "rejected": 0, "decoded_with_warnings": 0, "shards": 5, "bytes": sum(s.bytes for s in manifest.shards)}
     assert {key: status["result"][key] for key in summary} == summary
+    assert status["decoded_with_warnings"] == 0
 
     text = service.cli("status", job)
     assert text.returncode == 0 and f"job {job}" in text.stdout and "succeeded" in text.stdout

@@ -219,3 +219,36 @@ def test_a_source_folder_may_not_link_outside_the_roots(tmp_path: Path) -> None:
     listing.write_text(f'{{"path": "{root / "src" / "cats" / "a.jpg"}"}}\n{{"path": "{outside / "secret.jpg"}"}}\n')
     with pytest.raises(ConfigError, match="lists .*secret.jpg"):
         security.check_listed_sources(str(listing), [str(root)])
+
+
+def test_status_shows_the_samples_decoded_with_warnings_only_when_there_are_some(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from worker.cli import _print_status
+    from worker.jobs import JobRecord
+
+    def shown(result: dict[str, object], redispatched: int = 0) -> tuple[dict[str, object], str]:
+        record = JobRecord(
+            "j1", "prepare", "succeeded", {"spec": {"source": "/raw"}}, "gpufeed", 1.0, samples=9, result=result,
+            redispatched=redispatched,
+        )  # fmt: skip
+        _print_status(record.to_status(), as_json=True)
+        doc = json.loads(capsys.readouterr().out)
+        _print_status(record.to_status(), as_json=False)
+        return doc, capsys.readouterr().out
+
+    doc, text = shown({"manifest": "/out/manifest.json", "samples": 9, "decoded_with_warnings": 3})
+    assert doc["decoded_with_warnings"] == 3
+    assert "samples 9, rejected 0, decoded with warnings 3" in text
+    doc, text = shown({"manifest": "/out/manifest.json", "samples": 9, "decoded_with_warnings": 0})
+    assert doc["decoded_with_warnings"] == 0 and "warnings" not in text
+
+
+@pytest.mark.parametrize(("tasks", "said"), [(1, "1 task"), (3, "3 tasks")])
+def test_status_says_how_many_tasks_were_sent_again_in_words(tasks: int, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import _print_status
+    from worker.jobs import JobRecord
+
+    record = JobRecord("j1", "prepare", "running", {"spec": {}}, "gpufeed", 1.0, redispatched=tasks)
+    _print_status(record.to_status(), as_json=False)
+    assert capsys.readouterr().out.splitlines()[-1] == f"  re-dispatched after a worker was lost: {said}"

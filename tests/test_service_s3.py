@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,30 @@ def test_three_workers_sharing_only_the_store_equal_a_local_run(
     assert without_sources(s3_samples(s3_server, out, tmp_path / "down")) == without_sources(dataset_samples(local))
     left = s3_server.filesystem().find(f"{bucket.name}/shards")
     assert not [path for path in left if "/.gpufeed" in path or ".tmp-" in path]
+    # Every machine's copy of the listing goes once the job is over (the watchdog ticks each second here).
+    deadline = time.monotonic() + 30
+    while (copies := sorted(workers.glob("w*/tmp/gpufeed-staging-*"))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not copies
+
+
+def test_copies_go_only_when_every_job_marked_on_them_is_over(tmp_path: Path):
+    from worker.staging import MARK, remove_finished_copies
+
+    shared, mine, by_hand = (tmp_path / f"gpufeed-staging-{name}" for name in ("shared", "mine", "hand"))
+    for folder in (shared, mine, by_hand):
+        (folder / ".gpufeed").mkdir(parents=True)
+        (folder / ".gpufeed" / "listing.jsonl").write_text("{}\n")
+    (shared / f"{MARK}old").touch()
+    (shared / f"{MARK}running").touch()
+    (mine / f"{MARK}old").touch()
+    over = {"old"}
+    assert remove_finished_copies(over.__contains__, str(tmp_path)) == [str(mine)]
+    assert shared.exists() and not (shared / f"{MARK}old").exists()  # a running job still reads it
+    assert by_hand.exists()  # no job marked it: a prepare run by hand
+    over.add("running")
+    assert remove_finished_copies(over.__contains__, str(tmp_path)) == [str(shared)]
+    assert not shared.exists() and by_hand.exists()
 
 
 def test_a_credential_is_refused_by_submit_and_recorded_nowhere(s3_server: S3Server, s3_upload, small_raw: Path, service: Service):

@@ -30,7 +30,7 @@ from pipeline.cli.common import (
     spec_from_options,
     top_command_name,
 )
-from pipeline.units import format_duration, format_rate, parse_bytes
+from pipeline.units import format_count, format_duration, format_rate, parse_bytes
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 WAIT_POLL_S = 0.5
@@ -307,9 +307,10 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
             click.echo(f"  {name}: {value:.1f}")
     else:
         rate = f", {format_rate(doc['images_per_s'], digits=1)}" if doc["kind"] == "prepare" or result.get("reaugmented") else ""
+        warned = f", decoded with warnings {doc['decoded_with_warnings']}" if doc.get("decoded_with_warnings") else ""
         click.echo(
             f"  shards {doc['shards_done']}/{doc['shards_total']}, samples {doc['samples']}, rejected {doc['rejected']}"
-            f"{rate}{seconds}"
+            f"{warned}{rate}{seconds}"
         )
     if doc["kind"] == "reshard" and result:
         click.echo(f"  {result['shards_before']} -> {result['shards_after']} shards per set, version {result['version'] or '(--out)'}")
@@ -318,7 +319,7 @@ def _print_status(doc: dict[str, Any], as_json: bool) -> None:
     if doc.get("running"):
         click.echo("  running: " + ", ".join(f"{r['task']} on {r['worker']}" for r in doc["running"]))
     if doc.get("redispatched"):
-        click.echo(f"  re-dispatched after a worker was lost: {doc['redispatched']} task(s)")
+        click.echo(f"  re-dispatched after a worker was lost: {format_count(doc['redispatched'], 'task')}")
     for warning in doc.get("warnings") or []:
         click.echo(f"  warning: {warning}")
     if doc.get("error") and doc["state"] != "cancelled":

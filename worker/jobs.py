@@ -282,6 +282,7 @@ class JobRecord:
             "shards_total": self.shards_total,
             "samples": self.samples,
             "rejected": self.rejected,
+            "decoded_with_warnings": int((self.result or {}).get("decoded_with_warnings") or 0),
             "listed": self.listed,
             "images_per_s": round(self.images_per_s(now), 2),
             "error": self.error or None,

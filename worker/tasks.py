@@ -30,6 +30,7 @@ from .app import app
 from .client import submit_job
 from .jobs import ACTIVE, JobRecord, JobStopped, JobStore, UnitRun
 from .settings import get_settings
+from .staging import mark_copies
 
 logger = get_task_logger(__name__)
 _STORE: JobStore | None = None
@@ -140,6 +141,7 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
         with _job_storage(record, spec):
             security.check_listed_sources(spec.source, settings.allowed_roots)
             run.check()
+            mark_copies(spec, job_id)
             info = plan_prepare(spec, force=force, overwrite=overwrite)
             run.check()
             if info.already_complete:
@@ -195,6 +197,7 @@ def write_prepare_shard_task(self: Any, job_id: str, spec_dict: dict[str, Any], 
         if shard in store().done_shards(job_id):
             return {"job": job_id, "shard": shard, "skipped": "done"}
         _check_attempts(job_id, unit)
+        mark_copies(spec, job_id)  # the listing this machine downloads goes once the job is over
         with _job_storage(store().require(job_id), spec):
             written = write_prepare_shard(spec, shard, progress=run.progress)
         run.check()
@@ -250,6 +253,7 @@ def _succeed(record: JobRecord, spec: PrepareSpec) -> tuple[int, int]:
             "manifest": result.manifest,
             "samples": samples,
             "rejected": rejected,
+            "decoded_with_warnings": result.decoded_with_warnings,
             "shards": files,
             "bytes": result.bytes,
         }
@@ -263,7 +267,7 @@ def _succeed(record: JobRecord, spec: PrepareSpec) -> tuple[int, int]:
 
 @app.task(bind=True, name="gpufeed.repack_dataset")
 def repack_dataset_task(self: Any, job_id: str) -> dict[str, Any]:
-    """Re-pack a dataset into a new shard layout (no decoding) and swap it in."""
+    """Re-pack a dataset into a new shard layout (no decoding) and swap it in; a re-delivery finishes the same re-pack."""
     from pipeline.prepare.reshard import ReshardSpec, repack_dataset
 
     with job_errors(job_id, "reshard"), UnitRun(store(), job_id, "reshard", self.request.id) as run:
@@ -279,10 +283,28 @@ def repack_dataset_task(self: Any, job_id: str) -> dict[str, Any]:
             store().update(job_id, shards_done=done, shards_total=total)
             run.check()
 
-        result = repack_dataset(ReshardSpec.from_dict(payload["spec"]), progress=progress)
+        spec = ReshardSpec.from_dict(payload["spec"])
+        result = repack_dataset(spec, progress=progress, version=_repack_version(job_id, spec))
         store().transition(job_id, "succeeded", ACTIVE, samples=result.samples, result=result.to_dict())
         return result.to_dict()
     return {"job": job_id, "unit": "reshard", "failed": True}
+
+
+def _repack_version(job_id: str, spec: Any) -> str:
+    """The version folder of the job's re-pack: claimed by its first delivery, the same for every later one."""
+    from pipeline.prepare.reshard import claim_repack
+
+    key = store().job_key(job_id)
+    stored = store().client.hget(key, "repack_version")
+    if stored is not None:
+        return str(stored)
+    claimed = claim_repack(spec)
+    stored = store().set_if_absent(job_id, "repack_version", claimed)
+    if stored != claimed and claimed:  # a delivery running at the same time claimed first: leave it that one
+        from pipeline.io.output import Output
+
+        Output(spec.dataset).remove(claimed)
+    return str(stored)
 
 
 @app.task(bind=True, name="gpufeed.benchmark_disk")

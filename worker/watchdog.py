@@ -61,11 +61,22 @@ class Watchdog:
         return self._store
 
     def safe_tick(self) -> None:
-        """A tick that never raises (it runs on the worker's timer)."""
-        try:
-            self.tick()
-        except Exception as exc:  # Redis away for a moment: try again next tick
-            log.warning("gpufeed watchdog: %s", exc)
+        """A tick that never raises (it runs on the worker's timer): this machine's leftovers, then every job."""
+        for step in (self.remove_finished_copies, self.tick):
+            try:
+                step()
+            except Exception as exc:  # Redis away for a moment: try again next tick
+                log.warning("gpufeed watchdog: %s", exc)
+
+    def remove_finished_copies(self) -> list[str]:
+        """Remove this machine's copies of the work files of jobs that are over (see `worker.staging`)."""
+        from .staging import remove_finished_copies
+
+        def is_over(job_id: str) -> bool:
+            record = self.store.get(job_id)
+            return record is None or record.state not in ACTIVE
+
+        return remove_finished_copies(is_over)
 
     def tick(self) -> list[tuple[str, str]]:
         """Check every active job once; returns the (job, unit) pairs sent again."""

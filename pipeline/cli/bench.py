@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from ..units import format_bytes, parse_bytes, parse_rate
+from ..units import format_bytes, format_count, parse_bytes, parse_rate
 from .common import Duration, exit_on_user_errors, renamed_option, require_extra
 
 # Ctrl-C: the benchmarks have removed their test files by the time this prints.
@@ -175,7 +175,7 @@ def bench_disk(
         rows.append((f"sequential read, {format_bytes(block)} blocks", _num(rate), "MB/s", "", ""))
     for point in result.randread_sweep:
         rows.append(
-            (f"random 4 KiB read, {point.threads} thread(s)", _num(point.iops), "IOPS",
+            (f"random 4 KiB read, {format_count(point.threads, 'thread')}", _num(point.iops), "IOPS",
              f"{point.p50_ms:.3f}", f"{point.p99_ms:.3f}")
         )
     small_size = format_bytes(result.small_file_bytes)
@@ -450,7 +450,7 @@ def _print_advice(result: Any) -> None:
     advice, inputs = result.advice, result.inputs
     ceilings = inputs.ceilings
     click.echo(
-        f"{result.source}: {result.listed} images (sample of {result.sample}), {inputs.cores} core(s); "
+        f"{result.source}: {format_count(result.listed, 'image')} (sample of {result.sample}), {format_count(inputs.cores, 'core')}; "
         f"target {result.target} ({inputs.target_kind})"
     )
     if result.details.get("gpu_source") == "given":

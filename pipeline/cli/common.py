@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from ..errors import GpufeedError
-from ..specs import AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
+from ..errors import ConfigError, GpufeedError
+from ..specs import MAX_SHARDS, AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
 from ..units import parse_bytes, parse_duration
 from .plugins import command_entry_points
 
@@ -402,27 +402,19 @@ def reshard_spec(dataset: str, options: dict[str, Any], absolute: Callable[[str]
     """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service."""
     from ..prepare.reshard import ReshardSpec
 
-    max_samples, multiple_of = options["shard_samples"], options["multiple_of"]
-    if options["shards"] is not None:
-        others = [name for name, key in _LAYOUT_OPTIONS if options[key] is not None]
-        if others:
-            raise click.UsageError(f"--shards sets the layout on its own; leave out {', '.join(others)}")
-        if options["reaugment"]:
-            raise click.UsageError("--shards re-packs; re-augment first, then reshard --shards N")
-        # At most one shard by samples, made a multiple of N: exactly N shards per set.
-        max_samples, multiple_of = ONE_SHARD_SAMPLES, options["shards"]
-    return ReshardSpec(
-        dataset=absolute(dataset),
-        out=absolute(options["out"]) if options["out"] else None,
-        max_samples=max_samples,
-        max_bytes=parse_bytes(options["shard_size"]) if options["shard_size"] else None,
-        multiple_of=multiple_of,
-        reaugment=options["reaugment"],
-        seed=options["seed"],
-        keep=options["keep"],
-    )
-
-
-MAX_SHARDS = 1 << 16  # the most --multiple-of allows
-ONE_SHARD_SAMPLES = 2**62  # more samples than any dataset holds
-_LAYOUT_OPTIONS = (("--shard-samples", "shard_samples"), ("--shard-size", "shard_size"), ("--multiple-of", "multiple_of"))
+    try:
+        return ReshardSpec(
+            dataset=absolute(dataset),
+            out=absolute(options["out"]) if options["out"] else None,
+            shards=options["shards"],
+            max_samples=options["shard_samples"],
+            max_bytes=parse_bytes(options["shard_size"]) if options["shard_size"] else None,
+            multiple_of=options["multiple_of"],
+            reaugment=options["reaugment"],
+            seed=options["seed"],
+            keep=options["keep"],
+        )
+    except ConfigError as exc:
+        if options["shards"] is not None and "--shards" in str(exc):  # a usage error, as click reports one
+            raise click.UsageError(str(exc)) from exc
+        raise

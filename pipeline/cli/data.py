@@ -101,6 +101,7 @@ def inspect(dataset: str, verify: bool, as_json: bool) -> None:
         "shards": len(manifest.shards),
         "bytes": sum(s.bytes for s in manifest.shards),
         "rejected": manifest.rejected,
+        "decoded_with_warnings": manifest.decoded_with_warnings,
         "format": manifest.params.get("encode", {}).get("format"),
         "size": manifest.params.get("resize", {}).get("size"),
         "mode": manifest.params.get("resize", {}).get("mode"),

@@ -77,6 +77,8 @@ def print_inspect(summary: dict[str, Any], manifest: Any) -> None:
     table = Table(show_header=False, box=None)
     for name in ("dataset", "samples", "classes", "variants", "shards", "bytes", "rejected", "format", "size", "mode", "created"):
         table.add_row(name, str(summary[name]))
+        if name == "rejected" and summary.get("decoded_with_warnings"):  # the samples' json say what was warned about
+            table.add_row("decoded with warnings", str(summary["decoded_with_warnings"]))
     console.print(table)
     if manifest.classes:
         shown = ", ".join(manifest.classes[:10]) + (" ..." if len(manifest.classes) > 10 else "")

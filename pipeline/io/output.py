@@ -9,10 +9,13 @@ reader never sees a partial shard or manifest.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import StorageError, write_failure
@@ -184,3 +187,75 @@ class Output:
             return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False))
         except OSError:
             return []
+
+
+def remove_temp_objects(output: Output, finals: Iterable[str], *, older_than_s: float) -> list[str]:
+    """Remove what crashed writers left on a remote OUT under temp names of `finals`; returns the members removed.
+
+    A publish uploads to ``<final>.tmp-HOST-PID`` and moves it in one step, so a
+    temp object outlives its publish only when its writer died in between. Only
+    temp names of the given finals go, never a final name, and only objects the
+    store dates more than `older_than_s` back: a live writer's upload in the
+    middle of its move is younger. An object the store gives no date is kept.
+    A no-op for a local OUT.
+
+    Args:
+        output: the OUT.
+        finals: members relative to OUT (``shard-000000.tar``, ``v1/shard-000003.tar``, ``manifest.json``).
+        older_than_s: the age a temp object must have to be removed.
+
+    Raises:
+        StorageError: the store cannot be listed or refuses a removal (retryable).
+    """
+    if output.is_local:
+        return []
+    by_folder: dict[str, set[str]] = {}
+    for rel in finals:
+        folder, _, name = rel.rpartition("/")
+        by_folder.setdefault(folder, set()).add(name)
+    cutoff = time.time() - older_than_s
+    removed = []
+    for folder, names in sorted(by_folder.items()):
+        for name in _old_temp_names(output, folder, names, cutoff):
+            rel = f"{folder}/{name}" if folder else name
+            try:
+                output.fs.rm(output._remote(rel))
+            except FileNotFoundError:
+                continue  # another sweep took it first
+            except store_errors() as exc:
+                raise store_failure(f"remove {rel} from", output.url, exc) from exc
+            removed.append(rel)
+    return removed
+
+
+def _old_temp_names(output: Output, folder: str, finals: set[str], cutoff: float) -> list[str]:
+    base = output._remote(folder) if folder else output.remote_root
+    try:
+        output.fs.invalidate_cache(base)
+        entries = output.fs.ls(base, detail=True)
+    except FileNotFoundError:
+        return []
+    except store_errors() as exc:
+        raise store_failure(f"list {folder or '.'} in", output.url, exc) from exc
+    names = []
+    for entry in entries:
+        name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+        final, marker, _ = name.partition(".tmp-")
+        written = _modified(entry)
+        if marker and final in finals and written is not None and written < cutoff:
+            names.append(name)
+    return sorted(names)
+
+
+def _modified(entry: dict[str, Any]) -> float | None:
+    """When the store last wrote an object (seconds since the epoch), from s3fs', gcsfs' or the local listing."""
+    for field in ("LastModified", "mtime", "updated", "created"):
+        value = entry.get(field)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None

@@ -230,7 +230,7 @@ class DeviceFinish:
             pixels, failures = decode_batch_on_gpu(batch.items, self._crop, self.device)
             if failures:
                 pool.replace(batch, failures, report, upcoming.later(), self._gpu_redecode(pixels))
-            images = self._normalise(pixels, self._flips(epoch, batch))
+            images = self._finish_on_device(pixels, self._flips(epoch, batch))
             labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
@@ -240,11 +240,12 @@ class DeviceFinish:
     # -- flip, float, normalise ---------------------------------------------
 
     def _finish_on_device(self, pixels: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
-        """uint8 NCHW already on the device -> normalised NCHW `dtype` (flip, channels_last).
+        """NCHW pixels already on the device -> flipped, normalised NCHW `dtype` (channels_last).
 
-        Flips are applied to the uint8 pixels (a quarter of the bytes of
-        floats); conversion and transpose are one pass into a preallocated
-        output, scale and shift one more, in place.
+        The pixels are uint8 from the decode workers, or float in 0-255 from
+        the GPU decoder. Flips are applied to them as they are (for uint8, a
+        quarter of the bytes of floats); conversion and transpose are one pass
+        into a preallocated output, scale and shift one more, in place.
         """
         if flips is not None and bool(flips.any()):
             chosen = flips.nonzero().flatten().to(self.device)
@@ -277,13 +278,6 @@ class DeviceFinish:
             shift = (-self._mean / self._std).to(self.device)
             self._affine_cache = (scale, shift)
         return self._affine_cache
-
-    def _normalise(self, x: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
-        """float NCHW in 0-255 on the device (GPU decode) -> flipped, normalised, `dtype`."""
-        if flips is not None and bool(flips.any()):
-            chosen = flips.nonzero().flatten().to(self.device)
-            x[chosen] = x[chosen].flip(3)
-        return self._scale_shift(x)
 
     def _flip_mask(self, epoch: int, index: int, count: int) -> np.ndarray | None:
         if not (self.spec.train and self.spec.flip):

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError, write_failure
-from ..units import format_bytes, format_rate
+from ..units import format_bytes, format_count, format_rate
 
 MiB = 1 << 20
 NPY_GAIN = 1.25  # .npy must beat JPEG by this much to be worth its bytes
@@ -218,7 +218,7 @@ def plan_advice(inputs: AdviseInputs) -> Advice:
         format_reason,
         (
             f"--shard-size {format_bytes(recommendation.shard_bytes, exact=True)}: {total / 1e6:.0f} MB in about "
-            f"{max(1, math.ceil(total / recommendation.shard_bytes))} shard(s), read sequentially"
+            f"{format_count(max(1, math.ceil(total / recommendation.shard_bytes)), 'shard')}, read sequentially"
         ),
         (
             "--variants 0: the loader's random-resized crop and flip are cheap at the prepared size; "
@@ -287,7 +287,7 @@ def diagnosis_sentence(bottleneck: str, inputs: AdviseInputs) -> str:
     ] / c.gpu
     if bottleneck == "cpu_decode":
         return (
-            f"CPU decode is the bottleneck: {inputs.cores} core(s) decode and crop the raw images at "
+            f"CPU decode is the bottleneck: {format_count(inputs.cores, 'core')} decode and crop the raw images at "
             f"{format_rate(c.cpu_decode)}, but the {gpu} could take {format_rate(c.gpu)}, so it waits {waits:.0%} of the time."
         )
     if bottleneck == "storage":

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from ..io.fs import redact_url
-from ..units import format_bytes
+from ..units import format_bytes, format_count
 
 # The service's Redis: doctor checks it, and the service's settings (worker/settings.py) take these from here.
 DEFAULT_BROKER_URL = "redis://localhost:6379/0"
@@ -353,7 +353,7 @@ def _format_torch(torch_info: dict[str, Any], row: Any) -> None:
         row("torch", torch_info["error"])
         return
     if torch_info["cuda_available"]:
-        cuda = f"CUDA {torch_info['cuda_build']}, {len(torch_info['devices'])} device(s)"
+        cuda = f"CUDA {torch_info['cuda_build']}, {format_count(len(torch_info['devices']), 'device')}"
     elif torch_info["cuda_build"]:
         cuda = f"built for CUDA {torch_info['cuda_build']} but no GPU is usable" + (
             f" ({torch_info['cuda_error']})" if torch_info.get("cuda_error") else ""

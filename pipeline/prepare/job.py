@@ -70,6 +70,7 @@ from .resume import (
     recorded_source,
     remove_shards,
     remove_stale_temp_files,
+    remove_stale_temp_objects,
     remove_temp_files,
     remove_work,
     set_prefixes,
@@ -364,6 +365,7 @@ def _open_or_plan(
     if finished is not None:
         damaged = damaged_shards(output, finished, verify=verify)
         if not damaged:
+            remove_stale_temp_objects(output, finished)
             return finished
         return _start_repair(spec, output, _Repair(finished, damaged), workers, io_threads)
     output.makedirs()
@@ -757,8 +759,8 @@ def _abandon(job: _Job) -> None:
 def _refuse_finished_with_rejects(spec: PrepareSpec, output: Output, manifest: Manifest) -> None:
     first = next(iter(read_rejects(output)), {"source": "?", "reason": "see rejected.jsonl"})
     raise SampleError(
-        f"{spec.out} already holds this dataset, prepared without --strict: it left out {manifest.rejected} "
-        f"rejected file(s), the first {first['source']}: {first['reason']}; pass --overwrite to prepare it again"
+        f"{spec.out} already holds this dataset, prepared without --strict: it left out {format_count(manifest.rejected, 'rejected file')}, "
+        f"the first {first['source']}: {first['reason']}; pass --overwrite to prepare it again"
     )
 
 
@@ -802,6 +804,7 @@ def _finish(job: _Job) -> Manifest:
         decoded_with_warnings=warned,
     )
     write_manifest(job.output, manifest)
+    remove_stale_temp_objects(job.output, manifest)
     job.listing.close()
     remove_work(job.output)
     return manifest
@@ -810,6 +813,7 @@ def _finish(job: _Job) -> Manifest:
 def _finish_repair(job: _Job) -> Manifest:
     """A repair rewrote files exactly as recorded: the manifest and rejected.jsonl stay; the work folder goes."""
     assert job.repair is not None
+    remove_stale_temp_objects(job.output, job.repair.manifest)
     job.listing.close()
     remove_work(job.output)
     return job.repair.manifest
@@ -958,13 +962,16 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
         if damaged:
             listed = ", ".join(f"{path} {problem}" for path, problem in list(damaged.items())[:10])
             raise StorageError(f"cannot finish {spec.out}: {listed}; write those shards first (plan_prepare plans them)")
+        remove_stale_temp_objects(output, manifest)
         remove_work(output)  # the leftovers of a finish that stopped right after its manifest (or of a repair)
         return _result(spec.out, manifest)
     job = _load_planned_job(spec)
     try:
         missing = pending_shards(job.output, job.plan.shards)
         if missing:
-            raise StorageError(f"cannot finish {spec.out}: shard(s) {missing[:10]} are missing or invalid")
+            listed = ", ".join(str(shard) for shard in missing[:10]) + (" ..." if len(missing) > 10 else "")
+            missing_shards = f"shard {listed} is" if len(missing) == 1 else f"shards {listed} are"
+            raise StorageError(f"cannot finish {spec.out}: {missing_shards} missing or invalid")
         return _result(spec.out, _finish(job))
     finally:
         job.listing.close()
@@ -985,6 +992,22 @@ def discard_prepare(spec: PrepareSpec) -> None:
     else:
         output.remove(WORK_DIR)
     remove_temp_files(output)
+
+
+def local_copies_folder(spec: PrepareSpec) -> str | None:
+    """The folder where the steps of a job on a remote OUT keep this machine's copies; None for a local OUT.
+
+    Each machine that plans or writes shards keeps the job's listing there
+    (downloaded once, see `listing.fetch_listing`) and each shard file until
+    it is uploaded. `finish_prepare` removes the copies of the machine it runs
+    on; a runner removes the other machines' once the job is over (no step of
+    it may still be running there).
+
+    Args:
+        spec: the job.
+    """
+    output = Output(spec.out)
+    return None if output.is_local else output.staging
 
 
 def _load_planned_job(spec: PrepareSpec) -> _Job:

@@ -37,7 +37,7 @@ from ..errors import ConfigError, JobConflictError, ManifestError
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter, iter_tar_samples, sample_tar_bytes
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, verify_dataset, write_manifest
-from ..specs import PrepareSpec, ShardSpec, Spec, check_int
+from ..specs import MAX_SHARDS, PrepareSpec, ShardSpec, Spec, check_int
 from .job import discard_prepare, finish_prepare, prepare_dataset
 from .plan import shard_name
 
@@ -57,6 +57,8 @@ class ReshardSpec(Spec):
     Attributes:
         dataset: the prepared dataset (folder or URL holding manifest.json).
         out: write the result here as a new dataset instead of a new version in place.
+        shards: exactly this many shards per variant set (`--shards`), on its own: not with
+            `max_samples`, `max_bytes`, `multiple_of` or `reaugment`.
         max_samples: at most this many samples per shard (`--shard-samples`).
         max_bytes: about this many bytes per shard at most (`--shard-size`).
         multiple_of: make the number of shards (per variant set) a multiple of this.
@@ -73,6 +75,7 @@ class ReshardSpec(Spec):
     reaugment: bool = False
     seed: int | None = None
     keep: int = 1
+    shards: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset.strip():
@@ -86,7 +89,9 @@ class ReshardSpec(Spec):
         if self.max_bytes is not None:
             check_int("--shard-size", self.max_bytes, 64 * 1024)
         if self.multiple_of is not None:
-            check_int("--multiple-of", self.multiple_of, 1, 1 << 16)
+            check_int("--multiple-of", self.multiple_of, 1, MAX_SHARDS)
+        if self.shards is not None:
+            self._check_shards()
         if not isinstance(self.reaugment, bool):
             raise ConfigError("reaugment must be true or false")
         check_int("--keep", self.keep, 0, 100)
@@ -98,8 +103,17 @@ class ReshardSpec(Spec):
                 raise ConfigError("--multiple-of cannot be combined with --reaugment; re-pack after re-augmenting")
         elif self.seed is not None:
             raise ConfigError("--seed only applies with --reaugment (re-packing keeps every sample's bytes)")
-        elif self.max_samples is None and self.max_bytes is None and self.multiple_of is None:
+        elif self.max_samples is None and self.max_bytes is None and self.multiple_of is None and self.shards is None:
             raise ConfigError("give --shard-samples, --shards, --shard-size or --multiple-of (or --reaugment --seed S)")
+
+    def _check_shards(self) -> None:
+        check_int("--shards", self.shards, 1, MAX_SHARDS)
+        layout = (("--shard-samples", self.max_samples), ("--shard-size", self.max_bytes), ("--multiple-of", self.multiple_of))
+        others = [name for name, value in layout if value is not None]
+        if others:
+            raise ConfigError(f"--shards sets the layout on its own; leave out {', '.join(others)}")
+        if self.reaugment:
+            raise ConfigError("--shards re-packs; re-augment first, then reshard --shards N")
 
 
 @dataclasses.dataclass
@@ -118,6 +132,7 @@ class ReshardResult:
     seconds: float
     reaugmented: bool
     removed: list[str] = dataclasses.field(default_factory=list)
+    decoded_with_warnings: int = 0  # the dataset's, from its manifest (see `PrepareResult`)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -166,7 +181,7 @@ def target_shard_count(manifest: Manifest, spec: ReshardSpec) -> int:
     if samples == 0:
         raise ConfigError("DATASET holds no samples; there is nothing to re-pack")
     sets = _shard_sets(manifest)
-    count = len(sets[0][1])
+    count = len(sets[0][1]) if spec.shards is None else spec.shards
     if spec.max_samples is not None or spec.max_bytes is not None:
         count = 1
         if spec.max_samples is not None:
@@ -184,14 +199,41 @@ def target_shard_count(manifest: Manifest, spec: ReshardSpec) -> int:
     return count
 
 
-def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None) -> ReshardResult:
-    """Copy every sample into a new shard layout, verify it, then swap it in (or write it to `spec.out`)."""
+def claim_repack(spec: ReshardSpec) -> str:
+    """Claim the version folder a re-pack of DATASET writes (`rNNNN`; "" with `spec.out`), for `repack_dataset(version=)`.
+
+    A runner that may deliver the same re-pack more than once (a worker lost
+    after its swap) claims once and hands every delivery the same version.
+    """
+    return "" if spec.out is not None else claim_version(Output(spec.dataset))
+
+
+def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None, version: str | None = None) -> ReshardResult:
+    """Copy every sample into a new shard layout, verify it, then swap it in (or write it to `spec.out`).
+
+    Args:
+        spec: the re-pack (not `reaugment`).
+        progress: called with (shards written, shards to write) after every new shard.
+        version: what `claim_repack` returned for this re-pack. A run whose re-pack already
+            happened (the version is current, or `spec.out` holds its dataset) writes nothing
+            and returns that re-pack's result; one whose earlier run stopped before its swap
+            writes the version folder again. None claims a fresh version: a re-pack of its own.
+
+    Raises:
+        ConfigError: impossible settings (e.g. more shards than samples).
+        ManifestError: DATASET is not a prepared dataset, or the new version failed verification.
+        JobConflictError: DATASET changed while it was being re-packed, or `version` was
+            swapped in and replaced since (nothing is swapped).
+    """
     started = time.perf_counter()
     source = Output(spec.dataset)
+    done = _repacked_already(spec, source, version, started) if version is not None else None
+    if done is not None:
+        return done
     manifest = read_manifest(source)
     sets = _shard_sets(manifest)
     count = target_shard_count(manifest, spec)
-    target, version = _open_target(spec, source)
+    target, version = _open_target(spec, source, version)
     try:
         shards: list[ShardInfo] = []
         for variant, old in sets:
@@ -205,20 +247,7 @@ def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None
     except BaseException:
         _discard_target(spec, source, target, version)
         raise
-    return ReshardResult(
-        dataset=spec.dataset,
-        out=spec.out or spec.dataset,
-        version=version,
-        shards_before=len(sets[0][1]),
-        shards_after=count,
-        samples=manifest.samples,
-        rejected=manifest.rejected,
-        variants=manifest.variants,
-        bytes=sum(shard.bytes for shard in shards),
-        seconds=time.perf_counter() - started,
-        reaugmented=False,
-        removed=removed,
-    )
+    return _repack_result(spec, new, version, len(sets[0][1]), removed, started)
 
 
 def _shard_sets(manifest: Manifest) -> list[tuple[int | None, list[ShardInfo]]]:
@@ -231,10 +260,61 @@ def _shard_sets(manifest: Manifest) -> list[tuple[int | None, list[ShardInfo]]]:
     return [(variant, sets[variant]) for variant in sorted(sets, key=lambda v: -1 if v is None else v)]
 
 
-def _open_target(spec: ReshardSpec, source: Output) -> tuple[Output, str]:
-    """Where the new shards go: a fresh version folder in DATASET, or the root of `spec.out`."""
+def _repacked_already(spec: ReshardSpec, source: Output, version: str, started: float) -> ReshardResult | None:
+    """The result of the re-pack that claimed `version`, when it already happened (its swap completed now)."""
     if spec.out is None:
-        return source, claim_version(source)
+        swap = swapped_in(source, version)
+        if swap is None:
+            return None
+        current = read_manifest(source)
+        return _repack_result(spec, current, version, swap.shards_before, swap.removed, started)
+    target = Output(spec.out)
+    if not target.exists(MANIFEST_NAME):
+        return None
+    written, original = read_manifest(target), read_manifest(source)
+    if _strip_layout(written) != _strip_layout(original) or _shards_per_set(written) != target_shard_count(original, spec):
+        return None  # another dataset: _open_target refuses it
+    return _repack_result(spec, written, "", _shards_per_set(original), [], started)
+
+
+def _strip_layout(manifest: Manifest) -> dict[str, Any]:
+    """A manifest without what a re-pack changes (its shards, when it was written)."""
+    data = manifest.to_dict()
+    data.pop("shards", None)
+    data.pop("created", None)
+    return data
+
+
+def _repack_result(
+    spec: ReshardSpec, manifest: Manifest, version: str, shards_before: int, removed: list[str], started: float
+) -> ReshardResult:
+    return ReshardResult(
+        dataset=spec.dataset,
+        out=spec.out or spec.dataset,
+        version=version,
+        shards_before=shards_before,
+        shards_after=_shards_per_set(manifest),
+        samples=manifest.samples,
+        rejected=manifest.rejected,
+        variants=manifest.variants,
+        bytes=sum(shard.bytes for shard in manifest.shards),
+        seconds=time.perf_counter() - started,
+        reaugmented=False,
+        removed=removed,
+        decoded_with_warnings=manifest.decoded_with_warnings,
+    )
+
+
+def _open_target(spec: ReshardSpec, source: Output, version: str | None = None) -> tuple[Output, str]:
+    """Where the new shards go: the version folder in DATASET (claimed now, or written again), or the root of `spec.out`."""
+    if spec.out is None:
+        if version is None:
+            return source, claim_version(source)
+        if not VERSION_DIR.fullmatch(version):
+            raise ConfigError(f"{version!r} is not a version folder name (rNNNN); claim one with claim_repack")
+        source.remove(version)  # what a run stopped before its swap wrote
+        os.makedirs(source.local(version), exist_ok=True)
+        return source, version
     target = Output(spec.out)
     if target.exists(MANIFEST_NAME):
         raise JobConflictError(f"{spec.out} already holds a dataset; choose an empty folder for --out")
@@ -528,4 +608,5 @@ def _reaugment_result(
         seconds=time.perf_counter() - started,
         reaugmented=True,
         removed=removed,
+        decoded_with_warnings=new.decoded_with_warnings,
     )

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import JobConflictError, ManifestError
 from ..io.fs import file_sha256
-from ..io.output import Output
+from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest
 from ..specs import PREPARE_FLAG_VALUES, PREPARE_OPTION_NAMES, PrepareSpec
@@ -33,6 +33,9 @@ WORK_DIR = ".gpufeed"
 PLAN_REL = f"{WORK_DIR}/plan.json"
 _OUTPUT_NAME = re.compile(r"shard-\d{6}\.tar|v\d+")  # what a prepare writes at the top of OUT
 _VARIANT_DIR = re.compile(r"v\d+")
+# A publish moves its temp object within seconds; ten minutes leaves room for a
+# slow server-side copy of a large shard, so a live writer's object is never taken.
+STALE_TEMP_OBJECT_S = 600.0
 
 
 def read_plan(output: Output) -> dict[str, Any] | None:
@@ -134,6 +137,21 @@ def remove_temp_files(output: Output) -> None:
         for name in output.listdir(prefix):
             if _is_temp_shard(name):
                 output.remove(f"{prefix}/{name}" if prefix else name)
+
+
+def remove_stale_temp_objects(output: Output, manifest: Manifest) -> list[str]:
+    """Remove the temp objects crashed writers left next to a finished dataset's files on a remote OUT.
+
+    Called once every shard is published (so no writer of this job still needs
+    a temp object of its own): the temp names of the manifest's shard files, of
+    rejected.jsonl and of the manifest go when older than STALE_TEMP_OBJECT_S;
+    the work folder goes whole with `remove_work`. A no-op for a local OUT.
+
+    Returns:
+        The members removed, relative to OUT.
+    """
+    finals = [info.path for info in manifest.shards] + [REJECTED_NAME, MANIFEST_NAME]
+    return remove_temp_objects(output, finals, older_than_s=STALE_TEMP_OBJECT_S)
 
 
 def _is_temp_shard(name: str) -> bool:
