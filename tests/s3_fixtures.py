@@ -152,6 +152,10 @@ class S3Server:
         """The most object GETs the server served at once since the last reset."""
         return int(self._call("GET", "in_flight")["max"])
 
+    def max_lists_in_flight(self) -> int:
+        """The most LIST requests (bucket listings) the server served at once since the last reset."""
+        return int(self._call("GET", "in_flight")["lists"])
+
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:

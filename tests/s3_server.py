@@ -3,12 +3,13 @@
 Run as ``python s3_server.py PORT``; it listens on 127.0.0.1 only. Every GET of an
 object is counted (requests and body bytes, by ``bucket/key``), so a test can tell how
 many times a shard was downloaded, also by other processes; so is the most object GETs
-ever in flight at once. Extra routes, under a prefix no bucket name can take (bucket
+ever in flight at once, and the most bucket listings (LIST requests) in flight at once. Extra routes, under a prefix no bucket name can take (bucket
 names have no underscore):
 
 - ``GET /_test/reads``: the counts as JSON, ``{"bucket/key": {"gets": n, "bytes": b}}``;
-- ``GET /_test/in_flight``: ``{"max": n}``, the most object GETs served at once;
-- ``POST /_test/reset``: zero the counts (and that maximum);
+- ``GET /_test/in_flight``: ``{"max": n, "lists": m}``, the most object GETs and the most
+  LIST requests served at once;
+- ``POST /_test/reset``: zero the counts (and those maxima);
 - ``POST /_test/throttle?bytes_per_s=N``: serve object bodies at about N bytes/s (0: full speed);
 - ``POST /_test/latency?ms=N``: answer every request N ms late, as a distant store does (0: at once).
 """
@@ -41,6 +42,8 @@ class CountingApp:
         self.latency_s = 0.0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.lists_in_flight = 0
+        self.max_lists_in_flight = 0
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = unquote(environ.get("PATH_INFO", ""))
@@ -49,10 +52,15 @@ class CountingApp:
         method = environ.get("REQUEST_METHOD", "")
         key = path.lstrip("/")
         counted = method == "GET" and "/" in key and not environ.get("QUERY_STRING")
+        listing = method == "GET" and bool(key) and "/" not in key.rstrip("/") and _is_listing(environ)
         if counted:
             with self.lock:
                 self.in_flight += 1
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if listing:
+            with self.lock:
+                self.lists_in_flight += 1
+                self.max_lists_in_flight = max(self.max_lists_in_flight, self.lists_in_flight)
         try:
             if self.latency_s:
                 time.sleep(self.latency_s)
@@ -61,6 +69,10 @@ class CountingApp:
             if counted:
                 self._done()
             raise
+        finally:
+            if listing:
+                with self.lock:
+                    self.lists_in_flight -= 1
         if not counted:
             return body
         with self.lock:
@@ -93,10 +105,11 @@ class CountingApp:
             if path == "/_test/reads":
                 payload = json.dumps(self.reads).encode()
             elif path == "/_test/in_flight":
-                payload = json.dumps({"max": self.max_in_flight}).encode()
+                payload = json.dumps({"max": self.max_in_flight, "lists": self.max_lists_in_flight}).encode()
             elif path == "/_test/reset":
                 self.reads = {}
                 self.max_in_flight = self.in_flight
+                self.max_lists_in_flight = self.lists_in_flight
                 payload = b"{}"
             elif path == "/_test/latency":
                 self.latency_s = int(query.get("ms", ["0"])[0]) / 1000
@@ -109,6 +122,12 @@ class CountingApp:
                 return [b"unknown test route"]
         start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
         return [payload]
+
+
+def _is_listing(environ: dict[str, Any]) -> bool:
+    """Whether a GET of a bucket lists its objects (ListObjects, ListObjectsV2), not its settings (``?location`` …)."""
+    query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    return not query or bool({"list-type", "prefix", "delimiter", "marker", "continuation-token"} & set(query))
 
 
 def main(port: int) -> None:
