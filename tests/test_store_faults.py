@@ -31,8 +31,9 @@ from pipeline.manifest import read_manifest, verify_dataset
 
 if TYPE_CHECKING:
     from s3_fixtures import Bucket, S3Server
+    from service_harness import Service
 
-pytest_plugins = ["s3_fixtures"]
+pytest_plugins = ["s3_fixtures", "service_fixtures"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -305,3 +306,28 @@ def test_the_prepare_command_on_a_store_restarted_mid_upload_stops_in_one_line_o
     if process.returncode == 0:
         return
     run_again_and_verify(own_server, bucket, raw_images, reference)
+
+
+def test_a_service_job_on_a_store_restarted_mid_upload_fails_in_one_line_or_verifies(
+    own_server: S3Server, service: Service, raw_images: Path, reference: dict[str, bytes], tmp_path: Path
+) -> None:
+    bucket = "gpufeed-restart-service"
+    own_server.filesystem().mkdir(bucket)
+    out = f"s3://{bucket}/shards"
+    service.env["GPUFEED_ALLOWED_ROOTS"] = f"{raw_images.parent},s3://{bucket}/"
+    machine = tmp_path / "machine"
+    machine.mkdir()
+    service.start_worker("w1", env={"TMPDIR": str(machine)})  # one worker: its own staging folder
+    own_server.throttle_uploads(20_000)
+    flags = ["--size", str(SIZE), "--shard-samples", str(PER_SHARD), "--storage-option", f"endpoint_url={own_server.endpoint}"]
+    job = service.submit("prepare", str(raw_images), out, *flags)
+    restart_mid_upload(own_server, bucket)
+    record = service.wait_finished(job, timeout=240)
+    assert record.state in ("succeeded", "failed"), record.to_status()
+    if record.state == "failed":  # stopped: why, in one line
+        assert record.error and "\n" not in record.error and "Traceback" not in record.error
+        assert "internal error" not in record.error, record.error
+    has_manifest = assert_store_consistent(own_server, bucket, reference)
+    assert has_manifest == (record.state == "succeeded"), record.error
+    if record.state == "failed":
+        run_again_and_verify(own_server, bucket, raw_images, reference)

@@ -1007,7 +1007,10 @@ def _load_planned_job(spec: PrepareSpec) -> _Job:
     spec = _as_recorded(spec, output)
     saved = read_plan(output)
     if saved is None:
-        raise ConfigError(f"{spec.out} has no planned prepare; run plan_prepare first")
+        raise ConfigError(
+            f"{spec.out} has no planned prepare; run plan_prepare first (a job planned there has lost "
+            "its work folder: was OUT emptied or removed meanwhile? then start the job again)"
+        )
     if saved.get("identity") != spec.output_identity():
         raise planned_conflict(spec, saved.get("identity") or {})
     repair = None
