@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 from ..errors import StorageError, write_failure
@@ -21,6 +22,7 @@ from .fs import abort_uploads, local_path, open_fs, store_errors, store_failure,
 # Temp objects of this process whose failed upload could not be cleaned up (the store refused or
 # was away): each later publish to the store tries again, so a retried job leaves no parts behind.
 _LEFT_BEHIND: set[str] = set()
+_LEFT_BEHIND_LOCK = threading.Lock()
 
 
 class Output:
@@ -106,14 +108,17 @@ class Output:
                 self.fs.rm(remote)
             abort_uploads(self.fs, remote)
         except store_errors():
-            _LEFT_BEHIND.add(remote)
+            with _LEFT_BEHIND_LOCK:
+                _LEFT_BEHIND.add(remote)
         else:
-            _LEFT_BEHIND.discard(remote)
+            with _LEFT_BEHIND_LOCK:
+                _LEFT_BEHIND.discard(remote)
 
     def _forget_left_behind(self) -> None:
-        for remote in sorted(_LEFT_BEHIND):
-            if remote.startswith(f"{self.remote_root}/"):
-                self._forget(remote)
+        with _LEFT_BEHIND_LOCK:
+            mine = sorted(remote for remote in _LEFT_BEHIND if remote.startswith(f"{self.remote_root}/"))
+        for remote in mine:
+            self._forget(remote)
 
     def abort_uploads(self) -> int:
         """Abort every multipart upload in progress under OUT (none locally): what failed uploads left.
