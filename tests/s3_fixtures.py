@@ -122,6 +122,25 @@ class S3Server:
         """Serve object bodies at about `bytes_per_s` (0: full speed)."""
         self._call("POST", f"throttle?bytes_per_s={int(bytes_per_s)}")
 
+    def throttle_uploads(self, bytes_per_s: int) -> None:
+        """Take in upload bodies (PUT, POST) at about `bytes_per_s` (0: full speed)."""
+        self._call("POST", f"throttle?upload_bytes_per_s={int(bytes_per_s)}")
+
+    def uploading(self) -> list[str]:
+        """The ``bucket/key`` of every object whose body the server is receiving now."""
+        return list(self._call("GET", "uploading")["keys"])
+
+    def refuse_writes(self, refuse: bool) -> None:
+        """Answer every write (PUT, POST, DELETE) 403 AccessDenied while `refuse`, as a store that took the right away."""
+        self._call("POST", f"refuse?writes={int(refuse)}")
+
+    def reset_faults(self) -> None:
+        """Full speed both ways, no latency, writes accepted: the state every test starts from."""
+        self.throttle(0)
+        self.throttle_uploads(0)
+        self.delay(0)
+        self.refuse_writes(False)
+
     def delay(self, ms: int) -> None:
         """Answer every request `ms` milliseconds late (0: at once)."""
         self._call("POST", f"latency?ms={int(ms)}")
@@ -133,6 +152,10 @@ class S3Server:
     def max_in_flight(self) -> int:
         """The most object GETs the server served at once since the last reset."""
         return int(self._call("GET", "in_flight")["max"])
+
+    def max_lists_in_flight(self) -> int:
+        """The most LIST requests (bucket listings) the server served at once since the last reset."""
+        return int(self._call("GET", "in_flight")["lists"])
 
 
 @pytest.fixture(scope="session")
@@ -223,9 +246,8 @@ def s3_upload(s3_server: S3Server) -> Callable[[Path], Bucket]:
     """``s3_upload(folder)``: a fresh bucket holding a copy of `folder`; the read counts start at zero."""
 
     def make(local: Path) -> Bucket:
+        s3_server.reset_faults()
         bucket = upload(s3_server, local)
-        s3_server.throttle(0)
-        s3_server.delay(0)
         s3_server.reset_reads()
         return bucket
 
@@ -235,9 +257,8 @@ def s3_upload(s3_server: S3Server) -> Callable[[Path], Bucket]:
 @pytest.fixture
 def s3_bucket(s3_server: S3Server, s3_dataset: Path) -> Bucket:
     """A fresh bucket of this test's own with a copy of `s3_dataset`; the read counts start at zero."""
+    s3_server.reset_faults()
     bucket = upload(s3_server, s3_dataset)
-    s3_server.throttle(0)
-    s3_server.delay(0)
     s3_server.reset_reads()
     return bucket
 

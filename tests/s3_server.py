@@ -1,16 +1,21 @@
-"""A local S3-compatible server for the tests: moto's server mode, plus a request counter and a throttle.
+"""A local S3-compatible server for the tests: moto's server mode, plus a request counter, throttles and faults.
 
 Run as ``python s3_server.py PORT``; it listens on 127.0.0.1 only. Every GET of an
 object is counted (requests and body bytes, by ``bucket/key``), so a test can tell how
 many times a shard was downloaded, also by other processes; so is the most object GETs
-ever in flight at once. Extra routes, under a prefix no bucket name can take (bucket
+ever in flight at once, and the most bucket listings (LIST requests) in flight at once. Extra routes, under a prefix no bucket name can take (bucket
 names have no underscore):
 
 - ``GET /_test/reads``: the counts as JSON, ``{"bucket/key": {"gets": n, "bytes": b}}``;
-- ``GET /_test/in_flight``: ``{"max": n}``, the most object GETs served at once;
+- ``GET /_test/in_flight``: ``{"max": n, "lists": m}``, the most object GETs and the most
+  LIST requests served at once;
 - ``GET /_test/requests``: every request by method, ``{"GET": n, "HEAD": n, ...}``;
-- ``POST /_test/reset``: zero the counts (and that maximum);
+- ``POST /_test/reset``: zero the counts (and those maxima);
 - ``POST /_test/throttle?bytes_per_s=N``: serve object bodies at about N bytes/s (0: full speed);
+  ``?upload_bytes_per_s=N``: take in upload bodies (PUT, POST) at about N bytes/s;
+- ``GET /_test/uploading``: ``{"keys": [...]}``, the objects whose bodies are being received now;
+- ``POST /_test/refuse?writes=1``: answer every write (PUT, POST, DELETE) 403 AccessDenied,
+  as a store whose permissions were taken away does (``writes=0``: accept them again);
 - ``POST /_test/latency?ms=N``: answer every request N ms late, as a distant store does (0: at once).
 """
 
@@ -43,6 +48,11 @@ class CountingApp:
         self.in_flight = 0
         self.max_in_flight = 0
         self.methods: dict[str, int] = {}
+        self.lists_in_flight = 0
+        self.max_lists_in_flight = 0
+        self.upload_bytes_per_s = 0
+        self.uploading: dict[str, int] = {}
+        self.refuse_writes = False
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = unquote(environ.get("PATH_INFO", ""))
@@ -52,11 +62,21 @@ class CountingApp:
         with self.lock:
             self.methods[method] = self.methods.get(method, 0) + 1
         key = path.lstrip("/")
+        if method in ("PUT", "POST", "DELETE"):
+            if self.refuse_writes:
+                return _refuse(environ, start_response)
+            if "/" in key:
+                return self._upload(key, environ, start_response)
         counted = method == "GET" and "/" in key and not environ.get("QUERY_STRING")
+        listing = method == "GET" and bool(key) and "/" not in key.rstrip("/") and _is_listing(environ)
         if counted:
             with self.lock:
                 self.in_flight += 1
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if listing:
+            with self.lock:
+                self.lists_in_flight += 1
+                self.max_lists_in_flight = max(self.max_lists_in_flight, self.lists_in_flight)
         try:
             if self.latency_s:
                 time.sleep(self.latency_s)
@@ -65,11 +85,31 @@ class CountingApp:
             if counted:
                 self._done()
             raise
+        finally:
+            if listing:
+                with self.lock:
+                    self.lists_in_flight -= 1
         if not counted:
             return body
         with self.lock:
             self.reads.setdefault(key, {"gets": 0, "bytes": 0})["gets"] += 1
         return self._count(key, body)
+
+    def _upload(self, key: str, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """A write of an object: its body taken in at the upload throttle's pace, the key listed as uploading meanwhile."""
+        if self.upload_bytes_per_s and "wsgi.input" in environ:
+            environ["wsgi.input"] = SlowInput(environ["wsgi.input"], lambda: self.upload_bytes_per_s)
+        with self.lock:
+            self.uploading[key] = self.uploading.get(key, 0) + 1
+        try:
+            if self.latency_s:
+                time.sleep(self.latency_s)
+            return self.app(environ, start_response)
+        finally:
+            with self.lock:
+                self.uploading[key] -= 1
+                if not self.uploading[key]:
+                    del self.uploading[key]
 
     def _done(self) -> None:
         with self.lock:
@@ -97,25 +137,101 @@ class CountingApp:
             if path == "/_test/reads":
                 payload = json.dumps(self.reads).encode()
             elif path == "/_test/in_flight":
-                payload = json.dumps({"max": self.max_in_flight}).encode()
+                payload = json.dumps({"max": self.max_in_flight, "lists": self.max_lists_in_flight}).encode()
             elif path == "/_test/requests":
                 payload = json.dumps(self.methods).encode()
             elif path == "/_test/reset":
                 self.reads = {}
                 self.methods = {}
                 self.max_in_flight = self.in_flight
+                self.max_lists_in_flight = self.lists_in_flight
                 payload = b"{}"
             elif path == "/_test/latency":
                 self.latency_s = int(query.get("ms", ["0"])[0]) / 1000
                 payload = b"{}"
             elif path == "/_test/throttle":
-                self.bytes_per_s = int(query.get("bytes_per_s", ["0"])[0])
+                if "bytes_per_s" in query:
+                    self.bytes_per_s = int(query["bytes_per_s"][0])
+                if "upload_bytes_per_s" in query:
+                    self.upload_bytes_per_s = int(query["upload_bytes_per_s"][0])
+                payload = b"{}"
+            elif path == "/_test/uploading":
+                payload = json.dumps({"keys": sorted(self.uploading)}).encode()
+            elif path == "/_test/refuse":
+                self.refuse_writes = query.get("writes", ["0"])[0] == "1"
                 payload = b"{}"
             else:
                 start_response("404 Not Found", [("Content-Type", "text/plain")])
                 return [b"unknown test route"]
         start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
         return [payload]
+
+
+class SlowInput:
+    """A request body read at about `rate()` bytes/s, a piece at a time: an upload over a slow link."""
+
+    def __init__(self, stream: Any, rate: Callable[[], int]) -> None:
+        self.stream = stream
+        self.rate = rate
+
+    def _wait(self, size: int) -> None:
+        rate = self.rate()
+        if rate and size > 0:
+            time.sleep(size / rate)
+
+    def read(self, size: int = -1) -> bytes:
+        if not self.rate():
+            return bytes(self.stream.read(size))
+        pieces: list[bytes] = []
+        left = size if size is not None and size >= 0 else None
+        while left is None or left > 0:
+            piece = self.stream.read(THROTTLE_PIECE if left is None else min(left, THROTTLE_PIECE))
+            if not piece:
+                break
+            self._wait(len(piece))
+            pieces.append(piece)
+            if left is not None:
+                left -= len(piece)
+        return b"".join(pieces)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer)[:THROTTLE_PIECE] if self.rate() else buffer
+        count = int(self.stream.readinto(view) or 0)
+        self._wait(count)
+        return count
+
+    def readline(self, size: int = -1) -> bytes:
+        data: bytes = self.stream.readline(size)
+        self._wait(len(data))
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+ACCESS_DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+    b"<Message>Access Denied</Message><RequestId>gpufeed-test</RequestId></Error>"
+)
+
+
+def _refuse(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+    """403 AccessDenied for a write, its body read first so the connection stays usable."""
+    length = int(environ.get("CONTENT_LENGTH") or 0)
+    stream = environ.get("wsgi.input")
+    while length > 0 and stream is not None:
+        piece = stream.read(min(length, 1 << 16))
+        if not piece:
+            break
+        length -= len(piece)
+    start_response("403 Forbidden", [("Content-Type", "application/xml"), ("Content-Length", str(len(ACCESS_DENIED)))])
+    return [ACCESS_DENIED]
+
+
+def _is_listing(environ: dict[str, Any]) -> bool:
+    """Whether a GET of a bucket lists its objects (ListObjects, ListObjectsV2), not its settings (``?location`` …)."""
+    query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    return not query or bool({"list-type", "prefix", "delimiter", "marker", "continuation-token"} & set(query))
 
 
 def main(port: int) -> None:

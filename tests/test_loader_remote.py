@@ -7,7 +7,14 @@ image's own index, so a batch names its samples.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +33,8 @@ if TYPE_CHECKING:
     from s3_fixtures import Bucket, S3Server
 
 pytest_plugins = ["s3_fixtures"]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 N = 48
 PER_SHARD = 8  # 6 shards
@@ -153,3 +162,84 @@ def test_a_cache_needs_a_manifest_and_a_size_needs_a_folder(s3_server: S3Server,
     pattern = f"{bucket.url}/shard-{{000000..000001}}.tar"
     with pytest.raises(ConfigError, match="has none"):
         loader_for(pattern, s3_server, cache_dir=tmp_path / "c")
+
+
+TWO_LOADERS = textwrap.dedent(
+    """
+    import hashlib, json, os, sys, time
+    from pipeline.loader import make_loader
+    url, cache_dir, rank, world, go_file, out_file = sys.argv[1:7]
+    loader = make_loader(
+        url, int(os.environ["TEST_BATCH"]), crop=int(os.environ["TEST_CROP"]), device="cpu", num_workers=1,
+        shuffle_buffer=16, cache_dir=cache_dir, rank=int(rank), world_size=int(world),
+        storage_options=json.loads(os.environ["TEST_STORAGE_OPTIONS"]),
+    )
+    while not os.path.exists(go_file):
+        time.sleep(0.001)
+    epochs = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        epochs.append([[labels.tolist(), hashlib.sha256(images.numpy().tobytes()).hexdigest()] for images, labels in loader])
+    loader.close()
+    json.dump(epochs, open(out_file, "w"))
+    """
+)
+
+
+def delivered(loader) -> list[list[object]]:
+    """Each epoch's batches as the child processes write them: labels and the images' sha256."""
+    epochs = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        epochs.append([[labels.tolist(), hashlib.sha256(images.numpy().tobytes()).hexdigest()] for images, labels in loader])
+    return epochs
+
+
+@pytest.mark.parametrize("world", [2, 1], ids=["two-ranks", "two-full-passes"])
+def test_two_processes_filling_one_cache_through_make_loader_download_each_shard_once(
+    s3_server: S3Server, bucket: Bucket, labelled: Path, tmp_path: Path, world: int
+) -> None:
+    ranks = list(range(world)) if world == 2 else [0, 0]  # two ranks of one job, or two jobs reading it all at once
+    expected = []
+    for rank in ranks:
+        local = loader_for(labelled, rank=rank, world_size=world)
+        expected.append(delivered(local))
+        local.close()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TEST_STORAGE_OPTIONS": json.dumps(s3_server.storage_options),
+        "TEST_BATCH": str(BATCH),
+        "TEST_CROP": str(CROP),
+    }
+    shards = read_manifest(labelled).shards
+    s3_server.throttle(sum(s.bytes for s in shards) // 2)  # about 0.2 s a shard: the two fills overlap
+    go = tmp_path / "go"
+    cache = tmp_path / "cache"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_LOADERS, bucket.url, str(cache), str(rank), str(world), str(go), str(tmp_path / f"out{i}.json")],
+            env=env,
+        )
+        for i, rank in enumerate(ranks)
+    ]
+    try:
+        time.sleep(1.0)  # both have built their loaders and wait for the start
+        go.touch()
+        for process in processes:
+            assert process.wait(timeout=300) == 0
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    got = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(len(ranks))]
+    assert got == expected  # each process delivered what a loader on local disk delivers
+    for shard in shards:
+        assert s3_server.bytes_read(bucket.name, bucket.key(shard.path)) == shard.bytes  # sent once, to one of them
+        cached = cache / "shards" / f"{shard.sha256}.tar"
+        assert hashlib.sha256(cached.read_bytes()).hexdigest() == shard.sha256
+    assert sorted(p.name for p in (cache / "partial").iterdir()) == []
+    if world == 2:
+        labels = sorted(label for epochs in got for batch in epochs[0] for label in batch[0])
+        assert labels == list(range(N))  # epoch 0: the two ranks share the dataset out between them

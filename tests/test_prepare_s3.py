@@ -234,3 +234,60 @@ def _empty(tmp_path: Path) -> Path:
     folder = tmp_path / "empty"
     folder.mkdir()
     return folder
+
+
+CLASSES = 20
+
+
+def test_listing_a_store_lists_the_class_folders_at_once_and_equals_the_sequential_listing(s3_server, tmp_path):
+    from s3_fixtures import upload
+
+    from pipeline.prepare.sources import ListingInfo, list_images
+
+    bucket = upload(s3_server, _empty(tmp_path))
+    fs = s3_server.filesystem()
+    root = f"{bucket.name}/raw"
+    for number in range(CLASSES):
+        for name in ("b.jpg", "a.png", "c.JPEG", "notes.txt", ".hidden.jpg"):
+            fs.pipe_file(f"{root}/class-{number:02d}/{name}", b"x")
+    fs.pipe_file(f"{root}/class-07/nested/deeper/z.jpg", b"x")
+    fs.pipe_file(f"{root}/class-07/nested/y.webp", b"x")
+    fs.pipe_file(f"{root}/beside.jpg", b"x")  # beside the class folders: listed, rejected
+    url = f"s3://{root}"
+    options = {**s3_server.storage_options, "skip_instance_cache": True}  # a fresh client each time: no listing cache
+
+    def listing(threads: int) -> tuple[list[tuple[str, str, str | None, str]], ListingInfo, int]:
+        s3_server.reset_reads()
+        info = ListingInfo()
+        with storage_options_for([url], options):
+            items = [(item.url, item.rel, item.label, item.rejected) for item in list_images(url, info, threads=threads)]
+        return items, info, s3_server.max_lists_in_flight()
+
+    s3_server.delay(50)  # every request 50 ms late: a distant store
+    sequential, sequential_info, sequential_lists = listing(threads=1)
+    concurrent, concurrent_info, concurrent_lists = listing(threads=16)
+    assert concurrent == sequential
+    assert concurrent_info == sequential_info
+    assert sequential_info.classes == [f"class-{number:02d}" for number in range(CLASSES)]
+    assert sequential_info.ignored == CLASSES  # one notes.txt a class; hidden files are skipped uncounted
+    assert len(sequential) == 1 + CLASSES * 3 + 2
+    assert sequential[0][1:] == ("beside.jpg", None, sequential[0][3]) and sequential[0][3]
+    assert ("class-07/nested/deeper/z.jpg", "class-07") in [(rel, label) for _, rel, label, _ in sequential]
+    assert sequential_lists == 1  # one LIST after another
+    assert concurrent_lists >= 4  # the class folders listed at once
+
+
+def test_a_listing_error_on_the_store_is_a_source_error(s3_server, tmp_path, get_free_port):
+    from pipeline.errors import SourceError
+    from pipeline.prepare.sources import list_images
+
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{get_free_port()}",
+        "key": "testing",
+        "secret": "testing",
+        "skip_instance_cache": True,
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+    }
+    url = "s3://nowhere/raw"
+    with storage_options_for([url], options), pytest.raises(SourceError, match="cannot reach"):
+        list(list_images(url))

@@ -176,6 +176,42 @@ def store_failure(what: str, url: str, exc: BaseException) -> StorageError:
     return StorageError(f"cannot {what} {redact_url(url)}: {detail}")
 
 
+def abort_uploads(fs: Any, path: str, *, under: bool = False) -> int:
+    """Abort the multipart uploads in progress to one object of an S3 store (or, with `under`, to every key below it).
+
+    An upload that fails part way leaves its parts on S3, stored and billed but never
+    visible, until it is aborted. s3fs aborts its own, but not when the abort fails too
+    (the store refusing or away) or when the upload was cut short by other means. Other
+    stores have nothing to abort: 0.
+
+    Args:
+        fs: the store's filesystem.
+        path: the object (``bucket/key``), or with `under` a prefix.
+        under: abort every upload whose key starts with `path`.
+
+    Returns:
+        How many uploads were aborted.
+
+    Raises:
+        OSError, BotoCoreError: the store cannot be reached or refuses the listing or an abort.
+    """
+    call = getattr(fs, "call_s3", None)
+    if call is None:
+        return 0
+    bucket, key, _ = fs.split_path(path)
+    aborted = 0
+    markers: dict[str, str] = {}
+    while True:
+        page = call("list_multipart_uploads", Bucket=bucket, Prefix=key, **markers)
+        for upload in page.get("Uploads") or []:
+            if under or upload["Key"] == key:
+                call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+        if not page.get("IsTruncated"):
+            return aborted
+        markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+
 def read_source_bytes(url: str, max_bytes: int) -> bytes:
     """Read one input file whole; OSError for anything unreadable or too large.
 

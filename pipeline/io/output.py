@@ -14,19 +14,32 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from ..errors import StorageError, write_failure
-from .fs import local_path, open_fs, store_errors, store_failure, temp_suffix
+from .fs import abort_uploads, local_path, open_fs, store_errors, store_failure, temp_suffix
+
+# Temp objects of this process whose failed upload could not be cleaned up (the store refused or
+# was away): each later publish to the store tries again, so a retried job leaves no parts behind.
+_LEFT_BEHIND: set[str] = set()
+_LEFT_BEHIND_LOCK = threading.Lock()
 
 
 class Output:
-    """An output directory, local or fsspec, with atomic publishing."""
+    """An output directory, local or fsspec, with atomic publishing.
 
-    def __init__(self, url: str) -> None:
+    Args:
+        url: a local folder or an fsspec URL.
+        part_bytes: the part size of a multipart upload to a store: a file of at least
+            two parts goes up in parts (None: the store client's own, 50 MiB for s3fs).
+    """
+
+    def __init__(self, url: str, *, part_bytes: int | None = None) -> None:
         self.url = url.rstrip("/") or "/"
+        self.part_bytes = part_bytes
         local = local_path(url)
         self.is_local = local is not None
         if local is not None:
@@ -60,9 +73,10 @@ class Output:
         """Move a finished local file to its final place (no-op for local outputs).
 
         Remotely the file is uploaded under a temp name, then moved: a reader
-        never sees a partial object. An upload that fails is aborted by the
-        store's client (s3fs aborts its multipart upload), and what is left
-        under the temp name is removed when the store allows it.
+        never sees a partial object. An upload that fails is aborted (no
+        multipart upload is left in progress on the store) and what is left
+        under the temp name is removed; when the store refuses or is away for
+        that too, the next publish of this process cleans up again.
 
         Args:
             rel: the member, relative to OUT.
@@ -76,19 +90,57 @@ class Output:
         source = self.local(rel)
         final = self._remote(rel)
         temp = f"{final}{temp_suffix()}"
+        options = {"chunksize": self.part_bytes} if self.part_bytes else {}
         try:
             self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(source, temp)
+            self.fs.put_file(source, temp, **options)
             self.fs.mv(temp, final)
-        except store_errors() as exc:
+        except Exception as exc:
             self._forget(temp)
-            raise store_failure(f"upload {rel} to", self.url, exc) from exc
+            if isinstance(exc, store_errors()):
+                raise store_failure(f"upload {rel} to", self.url, exc) from exc
+            raise
+        self._forget_left_behind()
         if not keep_local:
             os.unlink(source)
 
     def _forget(self, remote: str) -> None:
-        with contextlib.suppress(*store_errors()):
-            self.fs.rm(remote)
+        """Remove a temp object and abort its uploads in progress; remember it when the store will not."""
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(remote)
+            abort_uploads(self.fs, remote)
+        except store_errors():
+            with _LEFT_BEHIND_LOCK:
+                _LEFT_BEHIND.add(remote)
+        else:
+            with _LEFT_BEHIND_LOCK:
+                _LEFT_BEHIND.discard(remote)
+
+    def _forget_left_behind(self) -> None:
+        with _LEFT_BEHIND_LOCK:
+            mine = sorted(remote for remote in _LEFT_BEHIND if remote.startswith(f"{self.remote_root}/"))
+        for remote in mine:
+            self._forget(remote)
+
+    def abort_uploads(self) -> int:
+        """Abort every multipart upload in progress under OUT (none locally): what failed uploads left.
+
+        Call it once nothing else writes to OUT (a job's last step), since it also
+        aborts uploads still running.
+
+        Returns:
+            How many were aborted.
+
+        Raises:
+            StorageError: the store refused or cannot be reached (retryable).
+        """
+        if self.is_local:
+            return 0
+        try:
+            return abort_uploads(self.fs, f"{self.remote_root}/", under=True)
+        except store_errors() as exc:
+            raise store_failure("abort the unfinished uploads to", self.url, exc) from exc
 
     def fetch(self, rel: str) -> str:
         """Download a member of a remote OUT to its local staging file (under a temp name, then renamed).
@@ -175,6 +227,34 @@ class Output:
                 self.fs.rm(self._remote(rel), recursive=True)
         except store_errors() as exc:
             raise store_failure(f"remove {rel} from", self.url, exc) from exc
+
+    def file_sizes(self) -> dict[str, int]:
+        """Every file under OUT with its size, by path relative to OUT: one listing (paged on a store).
+
+        Raises:
+            StorageError: the store cannot be listed (retryable).
+        """
+        if self.is_local:
+            sizes: dict[str, int] = {}
+            for folder, _, names in os.walk(self.root):
+                for name in names:
+                    path = os.path.join(folder, name)
+                    with contextlib.suppress(OSError):
+                        sizes[os.path.relpath(path, self.root).replace(os.sep, "/")] = os.path.getsize(path)
+            return sizes
+        prefix = f"{self.remote_root}/"
+        try:
+            self.fs.invalidate_cache(self.remote_root)  # what the store holds now, not what was listed before
+            found = self.fs.find(self.remote_root, detail=True)
+        except FileNotFoundError:
+            return {}
+        except store_errors() as exc:
+            raise store_failure("list", self.url, exc) from exc
+        return {
+            path[len(prefix) :]: int(entry.get("size") or 0)
+            for path, entry in found.items()
+            if path.startswith(prefix) and entry.get("type") != "directory"
+        }
 
     def listdir(self, rel: str = "") -> list[str]:
         try:

@@ -772,12 +772,27 @@ def _finish(job: _Job) -> Manifest:
     shards: list[ShardInfo] = []
     rejected_lines: list[bytes] = []
     warned = 0
+    present = job.output.file_sizes()  # the manifest lists only what OUT holds now (a store may have lost files)
+    lost: list[int] = []
     for shard in range(job.plan.shards):
-        record = read_shard_record(job.output, shard)
+        try:
+            record = read_shard_record(job.output, shard)
+        except FileNotFoundError:
+            lost.append(shard)
+            continue
         for info in record["shards"]:
             shards.append(ShardInfo(info["path"], info["samples"], info["bytes"], info["sha256"], info.get("variant")))
+            if present.get(info["path"]) != info["bytes"]:
+                lost.append(shard)
         rejected_lines += [json.dumps(entry).encode("ascii") + b"\n" for entry in record["rejected"]]
         warned += record.get("warned", 0)
+    if lost:
+        numbers = sorted(set(lost))
+        raise StorageError(
+            f"cannot finish {job.spec.out}: shard(s) {numbers[:10]} written by this job are missing from it now "
+            "or have another size (was the store emptied or changed meanwhile?); nothing was published: "
+            "run the same command again to write them"
+        )
     rejected = len(rejected_lines)
     samples = sum(s.samples for s in shards) // max(1, job.spec.augment.variants)
     if samples + rejected != job.listed:
@@ -1015,7 +1030,10 @@ def _load_planned_job(spec: PrepareSpec) -> _Job:
     spec = _as_recorded(spec, output)
     saved = read_plan(output)
     if saved is None:
-        raise ConfigError(f"{spec.out} has no planned prepare; run plan_prepare first")
+        raise ConfigError(
+            f"{spec.out} has no planned prepare; run plan_prepare first (a job planned there has lost "
+            "its work folder: was OUT emptied or removed meanwhile? then start the job again)"
+        )
     if saved.get("identity") != spec.output_identity():
         raise planned_conflict(spec, saved.get("identity") or {})
     repair = None

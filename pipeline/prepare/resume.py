@@ -14,6 +14,7 @@ damaged, and a re-run writes it again (see `job.py`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import re
 import shutil
 from typing import Any
 
-from ..errors import JobConflictError, ManifestError
+from ..errors import JobConflictError, ManifestError, StorageError
 from ..io.fs import file_sha256
 from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
@@ -312,7 +313,13 @@ def clear_output(output: Output) -> None:
 
 
 def remove_work(output: Output) -> None:
-    """Remove the work folder (and a remote OUT's local staging copy) once the manifest is written."""
+    """Remove the work folder (and a remote OUT's local staging copy) once the manifest is written.
+
+    On a store, the multipart uploads that failed uploads left in progress under OUT are
+    aborted too, as far as the store lets them be (they are invisible, but stored and billed).
+    """
     output.remove(WORK_DIR)
     if not output.is_local:
         shutil.rmtree(output.staging, ignore_errors=True)
+        with contextlib.suppress(StorageError):
+            output.abort_uploads()

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 import json
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from ..errors import ConfigError, SourceError
-from ..io.fs import local_path, open_fs
+from ..io.fs import local_path, open_fs, store_errors
 
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .gif .bmp .dib .tif .tiff .webp .ppm .pgm .pbm .pnm "
@@ -30,6 +33,7 @@ IMAGE_EXTENSIONS = frozenset(
 
 
 LIST_EXTENSIONS = (".csv", ".jsonl", ".ndjson")
+LIST_THREADS = 16  # class folders of a store listed at once: each LIST is a round trip, not CPU work
 NOT_IN_A_CLASS_FOLDER = (
     "not in a class folder: SRC has class sub-folders, and the ImageFolder layout takes "
     "each image's label from the sub-folder it is in"
@@ -74,12 +78,16 @@ class ListingInfo:
     ignored: int = 0
 
 
-def list_images(source: str, info: ListingInfo | None = None) -> Iterator[SourceItem]:
+def list_images(source: str, info: ListingInfo | None = None, *, threads: int = LIST_THREADS) -> Iterator[SourceItem]:
     """Yield every image of `source` in a stable order.
 
     Args:
         source: directory, CSV/JSONL list, or fsspec URL of either.
         info: filled in while listing (kind, class names, files ignored).
+        threads: class folders of a remote folder listed at once (the top level is
+            listed first, then each class folder on a thread); 1 lists them one after
+            another. The listing is the same either way; a local folder is always
+            listed in line.
 
     Yields:
         SourceItem for each file with an image extension (or each list row);
@@ -103,12 +111,12 @@ def list_images(source: str, info: ListingInfo | None = None) -> Iterator[Source
     try:
         is_dir = fs.isdir(root)
         exists = is_dir or fs.exists(root)
-    except OSError as exc:
+    except store_errors() as exc:
         raise SourceError(f"cannot reach {source}: {exc}") from exc
     if not exists:
         raise SourceError(f"source not found: {source}")
     if is_dir:
-        yield from _list_fs_dir(fs, root, info)
+        yield from _list_fs_dir(fs, root, info, threads)
     else:
         yield from _list_file(source, info)
 
@@ -213,12 +221,12 @@ def _printable(name: str) -> str:
     return name
 
 
-def _list_fs_dir(fs: Any, root: str, info: ListingInfo) -> Iterator[SourceItem]:
+def _list_fs_dir(fs: Any, root: str, info: ListingInfo, threads: int) -> Iterator[SourceItem]:
     root = root.rstrip("/")
     protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
     try:
         top = fs.ls(root, detail=True)
-    except OSError as exc:
+    except store_errors() as exc:
         raise SourceError(f"cannot list {root}: {exc}") from exc
     top_dirs = sorted(_basename(e["name"]) for e in top if e["type"] == "directory")
     top_dirs = [d for d in top_dirs if not d.startswith(".")]
@@ -229,18 +237,36 @@ def _list_fs_dir(fs: Any, root: str, info: ListingInfo) -> Iterator[SourceItem]:
         return f"{protocol}://{path.lstrip('/')}" if protocol == "memory" else fs.unstrip_protocol(path)
 
     if not top_dirs:
-        walks: list[tuple[str, str | None]] = [(root, None)]
-    else:
-        beside = sorted(_basename(e["name"]) for e in top if e["type"] != "directory")
-        for name in (name for name in beside if not name.startswith(".")):
-            if not _is_image_name(name):
-                info.ignored += 1
-                continue
-            yield SourceItem(url_of(f"{root}/{name}"), name, None, NOT_IN_A_CLASS_FOLDER)
-        walks = [(f"{root}/{name}", name) for name in top_dirs]
-    for base, label in walks:
-        # fs.walk yields one directory at a time: memory holds one folder's names.
-        for dirpath, dirnames, filenames in fs.walk(base):
+        yield from _walk_fs(fs, root, root, None, url_of, info)
+        return
+    beside = sorted(_basename(e["name"]) for e in top if e["type"] != "directory")
+    for name in (name for name in beside if not name.startswith(".")):
+        if not _is_image_name(name):
+            info.ignored += 1
+            continue
+        yield SourceItem(url_of(f"{root}/{name}"), name, None, NOT_IN_A_CLASS_FOLDER)
+    if threads <= 1:
+        for name in top_dirs:
+            yield from _walk_fs(fs, root, f"{root}/{name}", name, url_of, info)
+        return
+
+    def list_class(name: str) -> tuple[list[SourceItem], int]:
+        counts = ListingInfo()
+        return list(_walk_fs(fs, root, f"{root}/{name}", name, url_of, counts)), counts.ignored
+
+    # Each LIST is a round trip to the store: the class folders are listed at once on
+    # threads, their items yielded in class order (the listing is the sequential one).
+    for items, ignored in _in_order([functools.partial(list_class, name) for name in top_dirs], threads):
+        info.ignored += ignored
+        yield from items
+
+
+def _walk_fs(
+    fs: Any, root: str, base: str, label: str | None, url_of: Callable[[str], str], info: ListingInfo
+) -> Iterator[SourceItem]:
+    """The images under `base`, one folder at a time (fs.walk holds one folder's names), in sorted order."""
+    try:
+        for dirpath, dirnames, filenames in fs.walk(base, on_error="raise"):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             for name in sorted(filenames):
                 if name.startswith("."):
@@ -250,6 +276,26 @@ def _list_fs_dir(fs: Any, root: str, info: ListingInfo) -> Iterator[SourceItem]:
                     continue
                 full = f"{dirpath.rstrip('/')}/{name}"
                 yield SourceItem(url_of(full), full[len(root) + 1 :], label)
+    except store_errors() as exc:
+        raise SourceError(f"cannot list {base}: {exc}") from exc
+
+
+_T = TypeVar("_T")
+
+
+def _in_order(tasks: list[Callable[[], _T]], threads: int) -> Iterator[_T]:
+    """The tasks' results in task order, run on up to `threads` threads; at most 2 x `threads` results held."""
+    pool = ThreadPoolExecutor(min(threads, len(tasks)) or 1, thread_name_prefix="gpufeed-list")
+    try:
+        pending: deque[Future[_T]] = deque()
+        for task in tasks:
+            pending.append(pool.submit(task))
+            if len(pending) >= 2 * threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _basename(path: str) -> str:
@@ -285,7 +331,7 @@ def _open_text(source: str) -> io.TextIOBase:
     fs, path = open_fs(source)
     try:
         return io.TextIOWrapper(fs.open(path, "rb"), encoding="utf-8", newline="")
-    except OSError as exc:
+    except store_errors() as exc:
         raise SourceError(f"cannot read {source}: {exc}") from exc
 
 
