@@ -144,3 +144,64 @@ def test_urls_are_path_style_on_a_custom_endpoint_and_virtual_host_style_on_aws(
     aws = S3Getter(None, None, "https://s3.amazonaws.com", "eu-west-1", anonymous=True)
     assert aws.url("my-bucket", "k/1.jpg") == "https://my-bucket.s3.eu-west-1.amazonaws.com/k/1.jpg"
     assert aws.url("dotted.bucket", "k") is None  # TLS cannot check a dotted bucket's host name: s3fs reads it
+
+
+@pytest.mark.parametrize("token", [None, "a-session-token"])
+@pytest.mark.parametrize(
+    ("host", "path"),
+    [("127.0.0.1:9000", "/bucket/raw/a%20b%2Bc~.jpg"), ("my-bucket.s3.eu-west-1.amazonaws.com", "/k/1.jpg")],
+)
+def test_the_signature_is_the_one_botocore_computes(
+    monkeypatch: pytest.MonkeyPatch, host: str, path: str, token: str | None
+) -> None:
+    import datetime
+
+    import botocore.auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    from pipeline.io.s3get import sign_get
+
+    at = datetime.datetime(2026, 11, 30, 23, 59, 58, tzinfo=datetime.timezone.utc)
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: at.replace(tzinfo=None))
+    credentials = Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", token).get_frozen_credentials()
+    request = AWSRequest(method="GET", url=f"http://{host}{path}", headers={"Range": "bytes=0-99"})
+    botocore.auth.S3SigV4Auth(credentials, "s3", "eu-west-1").add_auth(request)
+    ours = sign_get(host, path, {"Range": "bytes=0-99"}, credentials, "eu-west-1", now=at)
+    assert {name.lower(): value for name, value in ours.items()} == {
+        name.lower(): value for name, value in request.headers.items()
+    }
+
+
+class ChunkedStore(http.server.BaseHTTPRequestHandler):
+    """Answers GETs in chunks on a kept-alive HTTP/1.1 connection, and counts the connections it was given."""
+
+    protocol_version = "HTTP/1.1"
+    connections = 0
+
+    def setup(self) -> None:
+        super().setup()
+        ChunkedStore.connections += 1
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(206)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for piece in (b"hello, ", b"chunked ", b"world"):
+            self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_chunked_answers_are_read_and_the_connection_kept() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ChunkedStore)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        getter = S3Getter(None, None, f"http://127.0.0.1:{server.server_address[1]}", "us-east-1", anonymous=True)
+        assert [getter.get(f"b/k{i}", 100) for i in range(3)] == [b"hello, chunked world"] * 3
+        assert ChunkedStore.connections == 1
+    finally:
+        server.shutdown()
+        server.server_close()
