@@ -40,7 +40,7 @@ LOOPBACK = "127.0.0.1"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOTO_SCRIPT = os.path.join(REPO, "tests", "s3_server.py")
 ACCESS_KEY = SECRET_KEY = "testing"
-READ_BYTES = 1 << 16
+READ_BYTES = 1 << 20
 _METHODS = (b"GET ", b"PUT ", b"HEAD ", b"POST ", b"DELETE ")
 
 
