@@ -14,7 +14,11 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +28,15 @@ if TYPE_CHECKING:
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
 CHUNK = 16  # tasks per pool message for the baseline loops (a common imap chunksize)
 SHARD_BYTES = 256 * 1024 * 1024  # gpufeed's default --shard-size, for the ShardWriter rows
+LOOPBACK = "127.0.0.1"
+S3_SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "s3_server.py")
+S3_CREDENTIALS = {"key": "testing", "secret": "testing", "token": "testing"}
+S3_CREDENTIALS_ENV = {  # the same, as a worker of its own gets them: from its environment
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 def available_processes() -> int:
@@ -271,3 +284,88 @@ class Row:
                 detail=best.detail,
             )
         return data
+
+
+class Store:
+    """moto's S3 server (tests/s3_server.py) as a subprocess on a free loopback port, with its per-request delay set."""
+
+    def __init__(self, directory: str, latency_ms: int) -> None:
+        with socket.socket() as probe:
+            probe.bind((LOOPBACK, 0))
+            self.port = probe.getsockname()[1]
+        self.log = open(os.path.join(directory, "s3.log"), "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, S3_SERVER_SCRIPT, str(self.port)], stdout=self.log, stderr=subprocess.STDOUT
+        )
+        self._wait_until_ready()
+        self.set_latency(latency_ms)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """fsspec storage options for this server, credentials included."""
+        return {"endpoint_url": self.endpoint, **S3_CREDENTIALS}
+
+    def set_latency(self, ms: int) -> None:
+        """Answer every request `ms` late from now on (0: at once)."""
+        self._call(f"latency?ms={ms}")
+
+    def _call(self, route: str, method: str = "POST") -> Any:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+        request = urllib.request.Request(
+            f"http://{LOOPBACK}:{self.port}/_test/{route}", method=method, data=b"" if method == "POST" else None
+        )
+        with opener.open(request, timeout=5) as response:
+            return json.loads(response.read())
+
+    def _wait_until_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                self._call("reads", method="GET")
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the S3 server did not start (see {self.log.name})")
+
+    def max_in_flight(self) -> int:
+        return int(self._call("in_flight", method="GET")["max"])
+
+    def reset(self) -> None:
+        self._call("reset")
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) the server process has used so far, from /proc/PID/stat; None without /proc."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        # after "pid (comm)": state is field 3, utime 14 and stime 15 (1-based, man 5 proc)
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+        self.log.close()
+
+
+def upload(store: Store, local: str, url: str) -> None:
+    """Copy a local folder to `url` (s3://bucket/prefix) on the store, creating the bucket."""
+    import s3fs  # type: ignore[import-untyped]
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **store.options)
+    root = url.removeprefix("s3://")
+    if not fs.exists(root.split("/")[0]):
+        fs.mkdir(root.split("/")[0])
+    for dirpath, _, names in os.walk(local):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            fs.put_file(path, f"{root}/{os.path.relpath(path, local)}")

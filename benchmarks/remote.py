@@ -25,12 +25,8 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-from typing import Any
 
 try:
     from . import common
@@ -39,84 +35,13 @@ except ImportError:  # run as a script: benchmarks/ is sys.path[0]
 
 Run, Row = common.Run, common.Row
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERVER_SCRIPT = os.path.join(REPO, "tests", "s3_server.py")
-LOOPBACK = "127.0.0.1"
-CREDENTIALS = {"key": "testing", "secret": "testing", "token": "testing"}
 SIZE = 256
 DEMO_SIDES = (800, 1250)  # ~1 MP photo-like JPEGs
 BATCH = 64
 TARGETS = {"loader_epoch1": 0.80, "loader_epoch2": 0.95, "prepare_s3": 0.80}
 
 
-class Store:
-    """The S3 server subprocess, with its per-request delay set."""
-
-    def __init__(self, directory: str, latency_ms: int) -> None:
-        import socket
-
-        with socket.socket() as probe:
-            probe.bind((LOOPBACK, 0))
-            self.port = probe.getsockname()[1]
-        self.log = open(os.path.join(directory, "s3.log"), "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [sys.executable, SERVER_SCRIPT, str(self.port)], stdout=self.log, stderr=subprocess.STDOUT
-        )
-        self._wait_until_ready()
-        self._call(f"latency?ms={latency_ms}")
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return {"endpoint_url": f"http://{LOOPBACK}:{self.port}", **CREDENTIALS}
-
-    def _call(self, route: str, method: str = "POST") -> Any:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
-        request = urllib.request.Request(
-            f"http://{LOOPBACK}:{self.port}/_test/{route}", method=method, data=b"" if method == "POST" else None
-        )
-        with opener.open(request, timeout=5) as response:
-            return json.loads(response.read())
-
-    def _wait_until_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            try:
-                self._call("reads", method="GET")
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the S3 server did not start (see {self.log.name})")
-
-    def max_in_flight(self) -> int:
-        return int(self._call("in_flight", method="GET")["max"])
-
-    def reset(self) -> None:
-        self._call("reset")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-        self.log.close()
-
-
-def upload(store: Store, local: str, url: str) -> None:
-    import s3fs  # type: ignore[import-untyped]
-
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **store.options)
-    root = url.removeprefix("s3://")
-    if not fs.exists(root.split("/")[0]):
-        fs.mkdir(root.split("/")[0])
-    for dirpath, _, names in os.walk(local):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            fs.put_file(path, f"{root}/{os.path.relpath(path, local)}")
-
-
-def time_prepare(source: str, out: str, store: Store, io_threads: int) -> Run:
+def time_prepare(source: str, out: str, store: common.Store, io_threads: int) -> Run:
     from pipeline import PrepareSpec, ResizeSpec, prepare_dataset
 
     shutil.rmtree(out, ignore_errors=True)
@@ -132,7 +57,7 @@ def time_prepare(source: str, out: str, store: Store, io_threads: int) -> Run:
     return Run(result.samples, seconds, detail, meter.share)
 
 
-def time_epochs(source: str, store: Store, cache_dir: str | None, epochs: int) -> list[Run]:
+def time_epochs(source: str, store: common.Store, cache_dir: str | None, epochs: int) -> list[Run]:
     from pipeline import make_loader
 
     loader = make_loader(
@@ -162,11 +87,11 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=int, default=20)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    os.environ.setdefault("NO_PROXY", LOOPBACK)
+    os.environ.setdefault("NO_PROXY", common.LOOPBACK)
     from pipeline.demo import make_demo_dataset
 
     work = tempfile.mkdtemp(prefix="gpufeed-remote-")
-    store = Store(work, args.latency_ms)
+    store = common.Store(work, args.latency_ms)
     try:
         raw, shards = os.path.join(work, "raw"), os.path.join(work, "shards")
         make_demo_dataset(
@@ -184,8 +109,8 @@ def main() -> None:
             )
         }
         time_prepare(raw, shards, store, 0)  # the dataset the loader rows read (and a warm page cache)
-        upload(store, raw, "s3://bench/raw")
-        upload(store, shards, "s3://bench/shards")
+        common.upload(store, raw, "s3://bench/raw")
+        common.upload(store, shards, "s3://bench/shards")
         out = os.path.join(work, "out")
         for round_ in range(max(2, args.rounds)):
             rows["prepare_local"].runs.append(time_prepare(raw, out, store, 32))
