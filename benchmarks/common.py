@@ -365,7 +365,5 @@ def upload(store: Store, local: str, url: str) -> None:
     root = url.removeprefix("s3://")
     if not fs.exists(root.split("/")[0]):
         fs.mkdir(root.split("/")[0])
-    for dirpath, _, names in os.walk(local):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            fs.put_file(path, f"{root}/{os.path.relpath(path, local)}")
+    paths = [os.path.join(dirpath, name) for dirpath, _, names in os.walk(local) for name in names]
+    fs.put(paths, [f"{root}/{os.path.relpath(path, local)}" for path in paths])  # s3fs puts a list concurrently

@@ -183,8 +183,14 @@ def run_local(spec: Any, processes: int, storage_options: dict[str, Any] | None 
     return seconds
 
 
-def run_service(spec: Any, settings: Any, store: Any, storage_options: dict[str, Any] | None = None) -> float:
-    """Submit the spec (with the job's non-secret store settings, if any) and wait until it succeeded."""
+def run_service(
+    spec: Any, settings: Any, store: Any, storage_options: dict[str, Any] | None = None, phases: dict[str, float] | None = None
+) -> float:
+    """Submit the spec (with the job's non-secret store settings, if any) and wait until it succeeded.
+
+    `phases`, when given, receives the seconds from submit to the plan's end
+    (`planned_s`) and to the last shard's (`shards_done_s`), as the polling saw them.
+    """
     from worker.client import submit_job
 
     payload: dict[str, Any] = {"spec": spec.to_dict()}
@@ -192,13 +198,17 @@ def run_service(spec: Any, settings: Any, store: Any, storage_options: dict[str,
         payload["storage_options"] = storage_options
     started = time.perf_counter()
     job = submit_job("prepare", payload, settings, store)
-    wait_succeeded(job, store)
+    wait_succeeded(job, store, started, phases)
     return time.perf_counter() - started
 
 
-def wait_succeeded(job: str, store: Any) -> Any:
+def wait_succeeded(job: str, store: Any, started: float = 0.0, phases: dict[str, float] | None = None) -> Any:
     """Poll the job record until it is finished; its record, or SystemExit unless it succeeded."""
     while (record := store.require(job)).state not in ("succeeded", "failed", "cancelled"):
+        if phases is not None and record.shards_total:
+            phases.setdefault("planned_s", time.perf_counter() - started)
+            if record.shards_done >= record.shards_total:
+                phases.setdefault("shards_done_s", time.perf_counter() - started)
         time.sleep(POLL_S)
     if record.state != "succeeded":
         raise SystemExit(f"service job {job} ended {record.state}: {record.error}")
@@ -260,6 +270,7 @@ def main() -> None:
     parser.add_argument("--store", action="store_true", help="SRC and OUT on an S3 server (moto) instead of local folders")
     parser.add_argument("--latency-ms", type=int, default=20, help="with --store: the delay of every store request")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM still stops Redis, the store and the workers
 
     data = os.path.abspath(ensure_data(args.data, args.n))
     images = len(common.list_jpegs(data))
@@ -483,9 +494,12 @@ def _store_round(order: list[str], round_: int, rows: dict[str, dict[str, Any]],
             seconds, noise, cpu = measured(lambda: run_local(spec, processes, s3.options), workers, s3)
             used: dict[str, int] = {}
         else:
-            seconds, noise, cpu = measured(lambda: run_service(spec, settings, store, job_storage_options(s3)), workers, s3)
+            phases: dict[str, float] = {}
+            options = job_storage_options(s3)
+            seconds, noise, cpu = measured(lambda: run_service(spec, settings, store, options, phases), workers, s3)
             used = next(r.workers for r in store.list_jobs(1))
-        detail = {**cpu, "max_reads_in_flight": s3.max_in_flight(), "shards_per_worker": used, **check_output(s3, out, images)}
+            cpu.update(phases)
+        detail = {**cpu, "seconds": seconds, "max_reads_in_flight": s3.max_in_flight(), "shards_per_worker": used, **check_output(s3, out, images)}
         if name.startswith("service") and len(used) != processes:
             raise SystemExit(f"{name}: shards written by {sorted(used)}, expected {processes} workers")
         store_cpu = detail["store_cpu_s"]
@@ -497,9 +511,17 @@ def _store_round(order: list[str], round_: int, rows: dict[str, dict[str, Any]],
         print(
             f"  {name:<14} {seconds:6.2f} s  (noise {noise if noise is None else f'{noise:.0%}'}; "
             f"store CPU {store_cpu if store_cpu is None else f'{store_cpu:.1f} s, {share:.0%} of the CPUs'}; "
-            f"gpufeed CPU {detail['gpufeed_cpu_s']:.1f} s)",
+            f"gpufeed CPU {detail['gpufeed_cpu_s']:.1f} s{_phases_text(detail)})",
             file=sys.stderr,
         )
+
+
+def _phases_text(detail: dict[str, Any]) -> str:
+    """"; plan 2.1 s, shards 25.0 s, finalize 3.0 s" for a service run whose phases were seen."""
+    planned, done, total = detail.get("planned_s"), detail.get("shards_done_s"), detail.get("seconds")
+    if planned is None or done is None or total is None:
+        return ""
+    return f"; plan {planned:.1f} s, shards {done - planned:.1f} s, finalize {total - done:.1f} s"
 
 
 def _store_report(rows: dict[str, dict[str, Any]], images: int, args: Any, data: str) -> dict[str, Any]:
@@ -526,7 +548,7 @@ def _store_report(rows: dict[str, dict[str, Any]], images: int, args: Any, data:
         print(
             f"{name:<14} {row['seconds']:6.2f} s  {row['images_per_s']:7.1f} images/s  runs {row['runs_s']} "
             f"noise {row['runs_noise']}  store CPU {detail['store_cpu_s']} s ({'-' if share is None else f'{share:.0%}'}), "
-            f"gpufeed CPU {detail['gpufeed_cpu_s']} s, reads in flight <= {detail['max_reads_in_flight']}"
+            f"gpufeed CPU {detail['gpufeed_cpu_s']} s, reads in flight <= {detail['max_reads_in_flight']}{_phases_text(detail)}"
         )
     print("targets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in met.items()))
     print(
