@@ -25,6 +25,9 @@ processes; 2 workers >= 1.7x one worker.
 answering every request --latency-ms late, 20 by default), in place of the
 local rows:
 
+  local s3 x0     prepare_dataset(s3 spec, workers=0, storage_options=endpoint + credentials):
+                  no pool, one process, as a worker runs each shard (no target; printed
+                  as the 1-worker row's overhead against it)
   local s3 x1     prepare_dataset(s3 spec, workers=1, storage_options=endpoint + credentials)
   service s3 x1   the spec submitted with storage_options {"endpoint_url": ...} only (what
                   `gpufeed submit prepare --storage-option endpoint_url=...` records), one worker
@@ -73,7 +76,7 @@ DEFAULT_DATA = os.path.join(REPO, "benchmarks", "results", "data")
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "service-out")
 TARGETS = {"max_overhead": 0.10, "min_scaling": 1.7}
 POLL_S = 0.02
-STORE_ROWS = ("local s3 x1", "service s3 x1", "local s3 x2", "service s3 x2")
+STORE_ROWS = ("local s3 x0", "local s3 x1", "service s3 x1", "local s3 x2", "service s3 x2")
 BUCKET = "bench"
 
 
@@ -461,7 +464,7 @@ def main_store(args: Any, data: str, images: int) -> dict[str, Any]:
                     workers.start(name, env=machine_env(scratch, name))
                     _cli_warmup(s3, submitter, store, f"s3://{BUCKET}/warmup-out-{count}")
                     for round_ in range(args.rounds):
-                        pair = [f"local s3 x{count}", f"service s3 x{count}"]
+                        pair = [f"local s3 x{count}", f"service s3 x{count}"] + (["local s3 x0"] if count == 1 else [])
                         _store_round(pair if round_ % 2 == 0 else pair[::-1], round_, rows, images, args, settings, store, workers, s3)
             finally:
                 workers.stop_all()
@@ -532,6 +535,7 @@ def _store_report(rows: dict[str, dict[str, Any]], images: int, args: Any, data:
         row["best_detail"] = row["runs_detail"][row["runs_s"].index(best[name])]
     ratios = {
         "overhead_x1": round(best["service s3 x1"] / best["local s3 x1"] - 1, 4),
+        "overhead_x1_vs_in_process": round(best["service s3 x1"] / best["local s3 x0"] - 1, 4),
         "overhead_x2": round(best["service s3 x2"] / best["local s3 x2"] - 1, 4),
         "scaling_2_workers": round(best["service s3 x1"] / best["service s3 x2"], 3),
         "local_scaling_2_processes": round(best["local s3 x1"] / best["local s3 x2"], 3),
@@ -553,7 +557,8 @@ def _store_report(rows: dict[str, dict[str, Any]], images: int, args: Any, data:
     print("targets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in met.items()))
     print(
         f"service s3: overhead {ratios['overhead_x1']:+.1%} (1 process), {ratios['overhead_x2']:+.1%} (2 processes); "
-        f"2 workers {ratios['scaling_2_workers']:.2f}x one worker (local 2 processes: {ratios['local_scaling_2_processes']:.2f}x)"
+        f"2 workers {ratios['scaling_2_workers']:.2f}x one worker (local 2 processes: {ratios['local_scaling_2_processes']:.2f}x); "
+        f"1 worker vs prepare_dataset in one process (workers=0): {ratios['overhead_x1_vs_in_process']:+.1%}"
     )
     return {
         "mode": "store",
