@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
 CHUNK = 16  # tasks per pool message for the baseline loops (a common imap chunksize)
 SHARD_BYTES = 256 * 1024 * 1024  # gpufeed's default --shard-size, for the ShardWriter rows
+LOOPBACK = "127.0.0.1"
+S3_CREDENTIALS_ENV = {  # the benchmark store's credentials (s3store.py), as a worker of its own gets them
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 def available_processes() -> int:

@@ -40,10 +40,10 @@ from collections.abc import Callable
 
 try:
     from . import common
-    from .s3store import Store
+    from .s3store import Store, upload
 except ImportError:  # run as a script: benchmarks/ is sys.path[0]
     import common  # type: ignore[no-redef]
-    from s3store import Store  # type: ignore[no-redef]
+    from s3store import Store, upload  # type: ignore[no-redef]
 
 Run, Row = common.Run, common.Row
 
@@ -52,15 +52,6 @@ DEMO_SIDES = (800, 1250)  # ~1 MP photo-like JPEGs
 LOADER_SIDES = (300, 400)  # the loader rows' dataset: small sources, the same 256-px shards, quick to make
 BATCH = 64
 TARGETS = {"loader_epoch1": 0.80, "loader_epoch2": 0.95, "prepare_s3": 0.80}
-
-
-def upload(store: Store, local: str, url: str) -> None:
-    import s3fs  # type: ignore[import-untyped]
-
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **store.options)
-    root = url.removeprefix("s3://")
-    store.make_bucket(root.split("/")[0])
-    fs.put(local.rstrip("/") + "/", root + "/", recursive=True)  # s3fs sends the files concurrently
 
 
 def measured(store: Store, timed: Callable[[], int]) -> Run:

@@ -14,8 +14,8 @@ The proxy delays every byte going to the server by the latency, from the
 moment it arrives, so each request's answer comes that much later, however
 many are in flight, and an upload is delayed once, not per chunk; the
 answers come back untouched. It counts requests in flight (sent, no answer
-byte yet) and answers ``GET /_proxy/in_flight`` (``{"max": n}``) and
-``POST /_proxy/reset`` itself.
+byte yet) and answers ``GET /_proxy/in_flight`` (``{"max": n}``), ``POST /_proxy/reset``
+and ``POST /_proxy/latency?ms=N`` itself.
 
 Both processes' CPU seconds are readable (`Store.cpu_seconds`): a benchmark
 on a machine this small reports how much of it the store took.
@@ -82,6 +82,11 @@ class Store:
         if server == "rclone" and rclone is None:
             raise RuntimeError("rclone is not installed: run bash benchmarks/setup_baselines.sh")
         self.kind = "rclone" if rclone else "moto"
+        if rclone:
+            # rclone answers a ranged GET with the whole object's checksum, which botocore then refuses:
+            # checksums only where the API requires them, here and in every process started from here
+            # (a worker gets no storage option but the endpoint). AWS's own answers do not need this.
+            os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
         self.log = open(os.path.join(directory, "s3.log"), "wb")  # noqa: SIM115 - closed in stop()
         upstream = free_port()
         if rclone:
@@ -103,13 +108,17 @@ class Store:
         self._wait_until_ready(upstream)
 
     @property
+    def endpoint(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
     def options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {"endpoint_url": f"http://{LOOPBACK}:{self.port}", "key": ACCESS_KEY, "secret": SECRET_KEY}
-        if self.kind == "rclone":
-            # rclone answers a ranged GET with the whole object's checksum, which botocore then
-            # refuses: ask for checksums only where the API requires them (AWS's own answers differ).
-            options["config_kwargs"] = {"response_checksum_validation": "when_required"}
-        return options
+        """fsspec storage options for the store, credentials included."""
+        return {"endpoint_url": self.endpoint, "key": ACCESS_KEY, "secret": SECRET_KEY}
+
+    def set_latency(self, ms: int) -> None:
+        """Delay every request `ms` from now on (0: at once)."""
+        self._call(f"latency?ms={int(ms)}", method="POST")
 
     def _call(self, route: str, method: str = "GET") -> Any:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
@@ -160,6 +169,17 @@ class Store:
                 except subprocess.TimeoutExpired:
                     process.kill()
         self.log.close()
+
+
+def upload(store: Store, local: str, url: str) -> None:
+    """Copy a local folder to `url` (s3://bucket/prefix) on the store, creating the bucket."""
+    import s3fs  # type: ignore[import-untyped]
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **store.options)
+    root = url.removeprefix("s3://")
+    store.make_bucket(root.split("/")[0])
+    paths = [os.path.join(dirpath, name) for dirpath, _, names in os.walk(local) for name in names]
+    fs.put(paths, [f"{root}/{os.path.relpath(path, local)}" for path in paths])  # s3fs puts a list concurrently
 
 
 class LatencyProxy:
@@ -234,6 +254,9 @@ class LatencyProxy:
     async def _control(self, request: bytes, writer: asyncio.StreamWriter) -> None:
         if request.startswith(b"POST /_proxy/reset"):
             self.max_in_flight = self.in_flight
+            payload = b"{}"
+        elif request.startswith(b"POST /_proxy/latency?ms="):
+            self.latency_s = int(request.split(b"=", 1)[1].split(b" ", 1)[0]) / 1000
             payload = b"{}"
         else:
             payload = json.dumps({"max": self.max_in_flight}).encode()
