@@ -24,7 +24,7 @@ whole machine, as it has against a bucket elsewhere. The verdicts are on the
 plain ratios.
 
 Usage:
-    python benchmarks/remote.py [--n 1200] [--loader-n 4000] [--rounds 2] [--latency-ms 20]
+    python benchmarks/remote.py [--n 1200] [--loader-n 12000] [--rounds 2] [--latency-ms 20]
                                 [--server auto|rclone|moto] [--json FILE]
 """
 
@@ -51,6 +51,7 @@ SIZE = 256
 DEMO_SIDES = (800, 1250)  # ~1 MP photo-like JPEGs
 LOADER_SIDES = (300, 400)  # the loader rows' dataset: small sources, the same 256-px shards, quick to make
 BATCH = 64
+LOADER_SHARD_SAMPLES = 250  # 48 shards of ~5 MB for 12,000 images: a dataset of many shards, as any real one is
 TARGETS = {"loader_epoch1": 0.80, "loader_epoch2": 0.95, "prepare_s3": 0.80}
 
 
@@ -66,11 +67,12 @@ def measured(store: Store, timed: Callable[[], int]) -> Run:
     return Run(images, seconds, {"store_cpu_share": round(store_share, 3)}, noise)
 
 
-def time_prepare(source: str, out: str, store: Store, io_threads: int) -> Run:
-    from pipeline import PrepareSpec, ResizeSpec, prepare_dataset
+def time_prepare(source: str, out: str, store: Store, io_threads: int, shard_samples: int | None = None) -> Run:
+    from pipeline import PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
 
     shutil.rmtree(out, ignore_errors=True)
-    spec = PrepareSpec(source=source, out=out, resize=ResizeSpec(size=SIZE))
+    shards = ShardSpec(max_samples=shard_samples) if shard_samples else ShardSpec()
+    spec = PrepareSpec(source=source, out=out, resize=ResizeSpec(size=SIZE), shards=shards)
     store.reset()
 
     def job() -> int:
@@ -122,7 +124,7 @@ BASELINES = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1200, help="demo images (~1 MP) for the prepare rows")
-    parser.add_argument("--loader-n", type=int, default=4000, help="images in the dataset the loader rows read")
+    parser.add_argument("--loader-n", type=int, default=12000, help="images in the dataset the loader rows read")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--latency-ms", type=int, default=20)
     parser.add_argument("--server", choices=("auto", "rclone", "moto"), default="auto")
@@ -139,7 +141,8 @@ def main() -> None:
         make_demo_dataset(raw, args.n, min_side=DEMO_SIDES[0], max_side=DEMO_SIDES[1], workers=workers)
         make_demo_dataset(loader_raw, args.loader_n, min_side=LOADER_SIDES[0], max_side=LOADER_SIDES[1], workers=workers)
         rows = {name: Row(name) for name in ROW_NAMES}
-        time_prepare(loader_raw, shards, store, 0)  # the dataset the loader rows read (and a warm page cache)
+        # the dataset the loader rows read (and a warm page cache), in shards of LOADER_SHARD_SAMPLES
+        time_prepare(loader_raw, shards, store, 0, LOADER_SHARD_SAMPLES)
         upload(store, raw, "s3://bench/raw")
         upload(store, shards, "s3://bench/shards")
         out = os.path.join(work, "out")

@@ -79,7 +79,8 @@ from .fs import local_path, open_fs, redact_url
 
 log = logging.getLogger("gpufeed.cache")
 
-STORE_CHUNK = 8 << 20  # bytes per read from the store: few requests, bytes arrive often enough
+STORE_CHUNK = 8 << 20  # the most bytes a fill asks the store for at once: few requests, bytes arrive often enough
+FIRST_PIECE = 1 << 20  # a fill's first request: its readers start after one MiB, not a whole shard; then x2 a request
 STORE_BLOCK = 8 << 20  # the store file's own read-ahead block
 VERIFY_TAIL = 4 << 20  # close() reads at most this much more to check a shard (a tar's end padding is 10 KiB)
 PREFETCH_THREADS = 6  # downloads in flight: sized for the store's latency, not for the cores
@@ -786,29 +787,30 @@ def copy_from_store(
     """
     fs, path = open_fs(url, storage_options)
     hasher = hashlib.sha256()
-    count = 0
-    try:
-        handle = fs.open(path, "rb", block_size=STORE_BLOCK)
-    except Exception as exc:
-        raise SourceError(f"cannot read {redact_url(url)}: {exc}") from exc
-    try:
-        while True:
-            try:
-                chunk = handle.read(STORE_CHUNK)
-            except Exception as exc:
-                raise SourceError(f"cannot read {redact_url(url)}: {exc}") from exc
-            if not chunk:
+    count, piece = 0, FIRST_PIECE
+    while count <= limit:
+        # the last piece asks for one byte past `limit`: an object longer than the manifest says shows
+        end = count + piece if count + piece < limit else limit + 1
+        try:
+            chunk = fs.cat_file(path, start=count, end=end)
+        except OSError as exc:
+            if count and exc.errno == errno.EINVAL:  # 416: the object ended where the last piece did
                 break
-            count += len(chunk)
-            if count > limit:
-                break
-            hasher.update(chunk)
-            _write_all(fd, chunk)
-            if on_chunk is not None:
-                on_chunk(len(chunk))
-    finally:
-        with contextlib.suppress(Exception):
-            handle.close()
+            raise SourceError(f"cannot read {redact_url(url)}: {exc}") from exc
+        except Exception as exc:
+            raise SourceError(f"cannot read {redact_url(url)}: {exc}") from exc
+        if not chunk:
+            break
+        count += len(chunk)
+        if count > limit:
+            break
+        hasher.update(chunk)
+        _write_all(fd, chunk)
+        if on_chunk is not None:
+            on_chunk(len(chunk))
+        if len(chunk) < end - (count - len(chunk)):
+            break  # the object ended
+        piece = min(piece * 2, STORE_CHUNK)
     return hasher.hexdigest(), count
 
 

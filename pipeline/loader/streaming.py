@@ -64,9 +64,10 @@ class ShardOpener:
             return open_shard(shard.url)
         remote = [s for s in upcoming[: self.ahead] if local_path(s.url) is None]
         if self.cache is not None and shard.sha256 and shard.bytes is not None:
-            handle = self.cache.open(shard.url, shard.sha256, shard.bytes)
+            # the next shards' fills start first: at an epoch's start the interleaved shards are opened
+            # one after another, and each would otherwise wait for its own download in turn
             self.cache.prefetch((s.url, s.sha256, s.bytes) for s in remote if s.sha256 and s.bytes is not None)
-            return handle
+            return self.cache.open(shard.url, shard.sha256, shard.bytes)
         ready = self._read_ahead(shard, remote)
         if ready is not None:
             return io.BytesIO(_downloaded(ready, shard.url))
