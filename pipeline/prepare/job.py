@@ -261,9 +261,10 @@ def prepare_dataset(
             ``profile``, ``anon``, credentials); used in this process and its pool only,
             never written anywhere. Credentials otherwise come from the usual places
             (``AWS_*`` variables, ``~/.aws``).
-        io_threads: for a remote SRC, reads each worker keeps in flight while it
-            decodes (sized for the store's latency, not for cores); 0 reads one file
-            at a time. A local SRC is read in line whatever this is.
+        io_threads: for a remote SRC, reads kept in flight while the workers decode
+            (sized for the store's latency, not for cores): with a pool they run in
+            this process, read ahead across chunks; 0 has each worker read one file at
+            a time. A local SRC is read in line whatever this is.
 
     Returns:
         A PrepareResult summary.
