@@ -61,6 +61,7 @@ from .resume import (
     clear_output,
     damaged_shards,
     finished_manifest,
+    for_each_shard,
     has_shard_record,
     pending_shards,
     planned_conflict,
@@ -775,10 +776,8 @@ def _finish(job: _Job) -> Manifest:
     warned = 0
     present = job.output.file_sizes()  # the manifest lists only what OUT holds now (a store may have lost files)
     lost: list[int] = []
-    for shard in range(job.plan.shards):
-        try:
-            record = read_shard_record(job.output, shard)
-        except FileNotFoundError:
+    for shard, record in enumerate(for_each_shard(job.output, job.plan.shards, _record_or_none)):
+        if record is None:
             lost.append(shard)
             continue
         for info in record["shards"]:
@@ -824,6 +823,13 @@ def _finish(job: _Job) -> Manifest:
     job.listing.close()
     remove_work(job.output)
     return manifest
+
+
+def _record_or_none(output: Output, shard: int) -> dict[str, Any] | None:
+    try:
+        return read_shard_record(output, shard)
+    except FileNotFoundError:
+        return None
 
 
 def _finish_repair(job: _Job) -> Manifest:
