@@ -136,6 +136,7 @@ def test_a_finalize_repeated_after_its_manifest_was_written_succeeds_with_the_sa
         "rejected": 0,
         "shards": first.shards,
         "bytes": first.bytes,
+        "decoded_with_warnings": 0,
     }
     assert first.shards == len(written) and first.bytes == sum(s.bytes for s in assert_verified(out).shards)
 
