@@ -359,22 +359,28 @@ def _round(order: list[str], rows: dict[str, dict[str, Any]], data: str, out_roo
         print(f"  {name:<11} {seconds:6.2f} s  (noise {noise if noise is None else f'{noise:.0%}'})", file=sys.stderr)
 
 
-def _report(rows: dict[str, dict[str, Any]], images: int, args: Any, data: str, workers_used: Any) -> dict[str, Any]:
-    best = {name: min(row["runs_s"]) for name, row in rows.items()}
-    for name, row in rows.items():
-        row["seconds"] = best[name]
-        row["images_per_s"] = round(images / best[name], 1)
+def ratios_and_verdicts(best: dict[str, float], local: str, service: str) -> tuple[dict[str, float], dict[str, bool]]:
+    """The overheads and the scaling from the best seconds of rows named "<local> x1" ... "<service> x2", and the targets' verdicts."""
     ratios = {
-        "overhead_x1": round(best["service x1"] / best["local x1"] - 1, 4),
-        "overhead_x2": round(best["service x2"] / best["local x2"] - 1, 4),
-        "scaling_2_workers": round(best["service x1"] / best["service x2"], 3),
-        "local_scaling_2_processes": round(best["local x1"] / best["local x2"], 3),
+        "overhead_x1": round(best[f"{service} x1"] / best[f"{local} x1"] - 1, 4),
+        "overhead_x2": round(best[f"{service} x2"] / best[f"{local} x2"] - 1, 4),
+        "scaling_2_workers": round(best[f"{service} x1"] / best[f"{service} x2"], 3),
+        "local_scaling_2_processes": round(best[f"{local} x1"] / best[f"{local} x2"], 3),
     }
     met = {
         "overhead_x1 <= 10%": ratios["overhead_x1"] <= TARGETS["max_overhead"],
         "overhead_x2 <= 10%": ratios["overhead_x2"] <= TARGETS["max_overhead"],
         "scaling >= 1.7x": ratios["scaling_2_workers"] >= TARGETS["min_scaling"],
     }
+    return ratios, met
+
+
+def _report(rows: dict[str, dict[str, Any]], images: int, args: Any, data: str, workers_used: Any) -> dict[str, Any]:
+    best = {name: min(row["runs_s"]) for name, row in rows.items()}
+    for name, row in rows.items():
+        row["seconds"] = best[name]
+        row["images_per_s"] = round(images / best[name], 1)
+    ratios, met = ratios_and_verdicts(best, "local", "service")
     for name, row in rows.items():
         print(f"{name:<11} {row['seconds']:6.2f} s  {row['images_per_s']:7.1f} images/s  runs {row['runs_s']} noise {row['runs_noise']}")
     print("targets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in met.items()))
@@ -535,18 +541,8 @@ def _store_report(rows: dict[str, dict[str, Any]], images: int, args: Any, data:
         row["seconds"] = best[name]
         row["images_per_s"] = round(images / best[name], 1)
         row["best_detail"] = row["runs_detail"][row["runs_s"].index(best[name])]
-    ratios = {
-        "overhead_x1": round(best["service s3 x1"] / best["local s3 x1"] - 1, 4),
-        "overhead_x1_vs_in_process": round(best["service s3 x1"] / best["local s3 x0"] - 1, 4),
-        "overhead_x2": round(best["service s3 x2"] / best["local s3 x2"] - 1, 4),
-        "scaling_2_workers": round(best["service s3 x1"] / best["service s3 x2"], 3),
-        "local_scaling_2_processes": round(best["local s3 x1"] / best["local s3 x2"], 3),
-    }
-    met = {
-        "overhead_x1 <= 10%": ratios["overhead_x1"] <= TARGETS["max_overhead"],
-        "overhead_x2 <= 10%": ratios["overhead_x2"] <= TARGETS["max_overhead"],
-        "scaling >= 1.7x": ratios["scaling_2_workers"] >= TARGETS["min_scaling"],
-    }
+    ratios, met = ratios_and_verdicts(best, "local s3", "service s3")
+    ratios["overhead_x1_vs_in_process"] = round(best["service s3 x1"] / best["local s3 x0"] - 1, 4)
     print(f"{images} images, s3 -> s3, {args.latency_ms} ms per request, {args.shard_count} samples per shard")
     for name, row in rows.items():
         detail = row["best_detail"]

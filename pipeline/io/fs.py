@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import SourceError, StorageError
+from .s3get import getter_for
 
 
 def is_url(path: str) -> bool:
@@ -232,16 +233,15 @@ def read_source_bytes(url: str, max_bytes: int) -> bytes:
                 raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
             return handle.read()
     fs, path = open_fs(url)
-    from .s3get import getter_for
-
     getter = getter_for(fs)
     fetched = getter.get(path, max_bytes + 1) if getter is not None else None
-    refused: tuple[type[BaseException], ...] = (*store_errors(), ValueError, NotImplementedError)
     try:
         data: bytes = fs.cat_file(path, start=0, end=max_bytes + 1) if fetched is None else fetched
     except FileNotFoundError:
         raise
-    except refused:
+    except Exception as exc:
+        if not isinstance(exc, (*store_errors(), ValueError, NotImplementedError)):
+            raise
         data = b""
         size = fs.size(path)
         if size is not None and size > max_bytes:

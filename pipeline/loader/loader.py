@@ -225,12 +225,7 @@ class Loader:
         _check_resumed_world(self._resume_world, placement[1])
         if placement == self._placed:
             return
-        self._discard_next_run()
-        for run in list(self._runs):
-            self._stop_run(run)
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        self._stop_workers()
         self._placed = placement
         self._finish = self._new_finish()
 
@@ -450,6 +445,15 @@ class Loader:
         self._runs.discard(run)
         stop_run(run, self._finish.outputs.release)
 
+    def _stop_workers(self) -> None:
+        """Stop every run (the next one prepared too) and the worker pool; the next iteration starts them again."""
+        self._discard_next_run()
+        for run in list(self._runs):
+            self._stop_run(run)
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
     def _discard_next_run(self) -> None:
         with self._run_lock:
             run, self._next_run = self._next_run, None
@@ -464,12 +468,7 @@ class Loader:
         """
         self._closed = True
         self._iteration = None
-        self._discard_next_run()
-        for run in list(self._runs):
-            self._stop_run(run)
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        self._stop_workers()
         self._opener.close()
 
     def __del__(self) -> None:
