@@ -149,13 +149,13 @@ class S3Server:
         """Requests since the last reset, by HTTP method (``{"GET": n, "HEAD": n}``)."""
         return {method: int(count) for method, count in self._call("GET", "requests").items()}
 
-    def max_in_flight(self) -> int:
-        """The most object GETs the server served at once since the last reset."""
-        return int(self._call("GET", "in_flight")["max"])
+    def max_in_flight(self, bucket: str | None = None) -> int:
+        """The most object GETs the server served at once since the last reset (of `bucket` only, if given)."""
+        return int(self._call("GET", "in_flight" + (f"?bucket={bucket}" if bucket else ""))["max"])
 
-    def max_lists_in_flight(self) -> int:
-        """The most LIST requests (bucket listings) the server served at once since the last reset."""
-        return int(self._call("GET", "in_flight")["lists"])
+    def max_lists_in_flight(self, bucket: str | None = None) -> int:
+        """The most LIST requests (bucket listings) served at once since the last reset (of `bucket` only, if given)."""
+        return int(self._call("GET", "in_flight" + (f"?bucket={bucket}" if bucket else ""))["lists"])
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ names have no underscore):
 
 - ``GET /_test/reads``: the counts as JSON, ``{"bucket/key": {"gets": n, "bytes": b}}``;
 - ``GET /_test/in_flight``: ``{"max": n, "lists": m}``, the most object GETs and the most
-  LIST requests served at once;
+  LIST requests served at once; ``?bucket=NAME``: those of one bucket only, so a request
+  another test left running on another bucket does not count;
 - ``GET /_test/requests``: every request by method, ``{"GET": n, "HEAD": n, ...}``;
 - ``POST /_test/reset``: zero the counts (and those maxima);
 - ``POST /_test/throttle?bytes_per_s=N``: serve object bodies at about N bytes/s (0: full speed);
@@ -45,11 +46,10 @@ class CountingApp:
         self.reads: dict[str, dict[str, int]] = {}
         self.bytes_per_s = 0
         self.latency_s = 0.0
-        self.in_flight = 0
-        self.max_in_flight = 0
         self.methods: dict[str, int] = {}
-        self.lists_in_flight = 0
-        self.max_lists_in_flight = 0
+        # In flight now and the most at once since the last reset, by bucket and by kind ("get", "list").
+        self.in_flight: dict[tuple[str, str], int] = {}
+        self.max_in_flight: dict[tuple[str, str], int] = {}
         self.upload_bytes_per_s = 0
         self.uploading: dict[str, int] = {}
         self.refuse_writes = False
@@ -69,31 +69,39 @@ class CountingApp:
                 return self._upload(key, environ, start_response)
         counted = method == "GET" and "/" in key and not environ.get("QUERY_STRING")
         listing = method == "GET" and bool(key) and "/" not in key.rstrip("/") and _is_listing(environ)
+        bucket = key.split("/", 1)[0]
         if counted:
-            with self.lock:
-                self.in_flight += 1
-                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self._begin(bucket, "get")
         if listing:
-            with self.lock:
-                self.lists_in_flight += 1
-                self.max_lists_in_flight = max(self.max_lists_in_flight, self.lists_in_flight)
+            self._begin(bucket, "list")
         try:
             if self.latency_s:
                 time.sleep(self.latency_s)
             body = self.app(environ, start_response)
         except BaseException:
             if counted:
-                self._done()
+                self._end(bucket, "get")
             raise
         finally:
             if listing:
-                with self.lock:
-                    self.lists_in_flight -= 1
+                self._end(bucket, "list")
         if not counted:
             return body
         with self.lock:
             self.reads.setdefault(key, {"gets": 0, "bytes": 0})["gets"] += 1
         return self._count(key, body)
+
+    def _begin(self, bucket: str, kind: str) -> None:
+        with self.lock:
+            now = self.in_flight[bucket, kind] = self.in_flight.get((bucket, kind), 0) + 1
+            self.max_in_flight[bucket, kind] = max(self.max_in_flight.get((bucket, kind), 0), now)
+
+    def _end(self, bucket: str, kind: str) -> None:
+        with self.lock:
+            self.in_flight[bucket, kind] -= 1
+
+    def _most_in_flight(self, kind: str, bucket: str | None) -> int:
+        return max((most for (name, what), most in self.max_in_flight.items() if what == kind and bucket in (None, name)), default=0)
 
     def _upload(self, key: str, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         """A write of an object: its body taken in at the upload throttle's pace, the key listed as uploading meanwhile."""
@@ -111,10 +119,6 @@ class CountingApp:
                 if not self.uploading[key]:
                     del self.uploading[key]
 
-    def _done(self) -> None:
-        with self.lock:
-            self.in_flight -= 1
-
     def _count(self, key: str, body: Iterable[bytes]) -> Iterator[bytes]:
         try:
             for chunk in body:
@@ -126,7 +130,7 @@ class CountingApp:
                         time.sleep(len(piece) / self.bytes_per_s)
                     yield piece
         finally:
-            self._done()
+            self._end(key.split("/", 1)[0], "get")
             close = getattr(body, "close", None)
             if close is not None:
                 close()
@@ -137,14 +141,15 @@ class CountingApp:
             if path == "/_test/reads":
                 payload = json.dumps(self.reads).encode()
             elif path == "/_test/in_flight":
-                payload = json.dumps({"max": self.max_in_flight, "lists": self.max_lists_in_flight}).encode()
+                bucket = query.get("bucket", [None])[0]
+                most = {"max": self._most_in_flight("get", bucket), "lists": self._most_in_flight("list", bucket)}
+                payload = json.dumps(most).encode()
             elif path == "/_test/requests":
                 payload = json.dumps(self.methods).encode()
             elif path == "/_test/reset":
                 self.reads = {}
                 self.methods = {}
-                self.max_in_flight = self.in_flight
-                self.max_lists_in_flight = self.lists_in_flight
+                self.max_in_flight = dict(self.in_flight)
                 payload = b"{}"
             elif path == "/_test/latency":
                 self.latency_s = int(query.get("ms", ["0"])[0]) / 1000

@@ -91,7 +91,7 @@ def test_prepare_from_a_slow_store_reads_ahead_and_equals_the_local_run(s3_serve
     result = prepare_dataset(spec_of(bucket.url, str(out)), workers=1, storage_options=s3_server.storage_options)
     assert result.samples == IMAGES and result.rejected == 0
     assert samples_of(local_shards(out)) == samples_of(local_run)
-    assert s3_server.max_in_flight() > 1  # one worker process, several reads at once: its I/O threads
+    assert s3_server.max_in_flight(bucket.name) > 1  # one worker process, several reads at once: its I/O threads
 
 
 def test_prepare_without_io_threads_reads_one_file_at_a_time(s3_server, s3_upload, raw_images, local_run, tmp_path):
@@ -101,7 +101,7 @@ def test_prepare_without_io_threads_reads_one_file_at_a_time(s3_server, s3_uploa
     spec = spec_of(bucket.url, str(out))
     prepare_dataset(spec, workers=1, storage_options=s3_server.storage_options, io_threads=0)
     assert samples_of(local_shards(out)) == samples_of(local_run)
-    assert s3_server.max_in_flight() == 1
+    assert s3_server.max_in_flight(bucket.name) == 1
 
 
 def test_prepare_read_ahead_rejects_what_reading_in_line_rejects(s3_server, s3_upload, raw_images, tmp_path):
@@ -261,7 +261,7 @@ def test_listing_a_store_lists_the_class_folders_at_once_and_equals_the_sequenti
         info = ListingInfo()
         with storage_options_for([url], options):
             items = [(item.url, item.rel, item.label, item.rejected) for item in list_images(url, info, threads=threads)]
-        return items, info, s3_server.max_lists_in_flight()
+        return items, info, s3_server.max_lists_in_flight(bucket.name)
 
     s3_server.delay(50)  # every request 50 ms late: a distant store
     sequential, sequential_info, sequential_lists = listing(threads=1)
