@@ -109,15 +109,26 @@ def read_manifest(where: DatasetLocation) -> Manifest:
         ManifestError: missing, not JSON, or not a gpufeed manifest.
     """
     output = _as_output(where)
-    if not output.exists(MANIFEST_NAME):
-        raise ManifestError(
-            f"no {MANIFEST_NAME} in {output.url}: not a prepared dataset (or its prepare did not finish)"
-        )
     try:
-        data = json.loads(output.read_bytes(MANIFEST_NAME))
-    except (OSError, ValueError) as exc:
+        text = output.read_if_exists(MANIFEST_NAME)
+    except OSError as exc:
         raise ManifestError(f"cannot read {output.url}/{MANIFEST_NAME}: {exc}") from exc
-    return Manifest.from_dict(data, f"{output.url}/{MANIFEST_NAME}")
+    if text is None:
+        raise ManifestError(f"no {MANIFEST_NAME} in {output.url}: not a prepared dataset (or its prepare did not finish)")
+    return parse_manifest(text, f"{output.url}/{MANIFEST_NAME}")
+
+
+def parse_manifest(text: bytes, where: str) -> Manifest:
+    """A manifest from the bytes of a manifest.json read from `where` (named in errors).
+
+    Raises:
+        ManifestError: not JSON, or not a gpufeed manifest.
+    """
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ManifestError(f"cannot read {where}: {exc}") from exc
+    return Manifest.from_dict(data, where)
 
 
 @dataclasses.dataclass

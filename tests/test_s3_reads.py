@@ -64,6 +64,48 @@ def test_limits_empty_and_missing_files_behave_as_on_disk(s3_server: S3Server, f
         read(s3_server, f"{files.url}/not-there.bin")
 
 
+def test_ranges_and_whole_objects_are_one_get_each(s3_server: S3Server, files: Bucket) -> None:
+    # What the shard cache (pieces of a shard) and a remote OUT (its records, whole) ask for.
+    data = bytes(range(256)) * 700
+    with storage_options_for([files.url], s3_server.storage_options):
+        fs, root = open_fs(files.url)
+        getter = getter_for(fs)
+    assert getter is not None
+    s3_server.reset_reads()
+    assert getter.get(f"{root}/a.bin") == data
+    assert getter.get(f"{root}/a.bin", 70_000, start=1000) == data[1000:70_000]
+    assert getter.get(f"{root}/a.bin", 500_000, start=179_000) == data[179_000:]  # the object ends first
+    assert getter.get(f"{root}/a.bin", start=179_000) == data[179_000:]
+    assert s3_server.requests() == {"GET": 4}
+    assert getter.get(f"{root}/a.bin", 180_500, start=179_200) is None  # past the end (416): s3fs says what that is
+
+
+class IgnoresRange(http.server.BaseHTTPRequestHandler):
+    """A loopback server that answers every GET 200 with the whole object, whatever range was asked."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", "10")
+        self.end_headers()
+        self.wfile.write(b"0123456789")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_store_that_ignores_the_range_of_a_read_from_the_middle_is_left_to_s3fs() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), IgnoresRange)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        getter = S3Getter(client=None, loop=None, endpoint_url=endpoint, region="us-east-1", anonymous=True)
+        assert getter.get("bucket/key", 4) == b"0123456789"  # from the start: the first bytes are right
+        assert getter.get("bucket/key", 8, start=4) is None  # from the middle: they are not
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_anonymous_access_reads_unsigned(s3_server: S3Server, files: Bucket) -> None:
     s3_server.filesystem().chmod(f"{files.name}/{files.key('a.bin')}", acl="public-read")
     options = {"endpoint_url": s3_server.endpoint, "anon": True}

@@ -96,7 +96,7 @@ def test_a_multipart_upload_cut_short_is_aborted_and_a_retry_leaves_none_in_prog
         try:
             uploader.start()
             wait_for(lambda: multipart_uploads(s3_server, bucket.name), "multipart upload")
-            wait_for(lambda: [key for key in s3_server.uploading() if ".tmp-" in key], "part being uploaded")
+            wait_for(lambda: [key for key in s3_server.uploading() if key.endswith("/shards/big.tar")], "part being uploaded")
             s3_server.refuse_writes(True)  # the store takes the right to write away: the next part, the abort and the clean-up are refused
             uploader.join(timeout=60)
         finally:
@@ -107,8 +107,8 @@ def test_a_multipart_upload_cut_short_is_aborted_and_a_retry_leaves_none_in_prog
         message = str(failure[0])
         assert "upload big.tar to" in message and "\n" not in message
         left = multipart_uploads(s3_server, bucket.name)
-        assert len(left) == 1 and left[0]["Key"].startswith("shards/big.tar.tmp-")  # its parts kept, unseen, under the temp name
-        assert f"{bucket.name}/shards/big.tar" not in objects(s3_server, bucket.name)
+        assert [upload["Key"] for upload in left] == ["shards/big.tar"]  # its parts kept, unseen
+        assert f"{bucket.name}/shards/big.tar" not in objects(s3_server, bucket.name)  # no object until an upload completes
         assert Path(output.local("big.tar")).read_bytes() == data  # the local file is kept for the retry
 
         output.publish("big.tar")  # the store takes writes again: the retry goes up and cleans up what was left
@@ -116,6 +116,75 @@ def test_a_multipart_upload_cut_short_is_aborted_and_a_retry_leaves_none_in_prog
     assert multipart_uploads(s3_server, bucket.name) == []
     assert s3_server.filesystem().cat_file(f"{bucket.name}/shards/big.tar") == data
     assert list(objects(s3_server, bucket.name)) == [f"{bucket.name}/shards/big.tar"]
+
+
+def test_an_upload_that_fails_over_an_earlier_copy_keeps_that_copy(
+    s3_server: S3Server, s3_upload: Callable[[Path], Bucket], tmp_path: Path
+) -> None:
+    # On S3 a file is uploaded under its final name: what a failed upload leaves is parts, never
+    # an object, and the clean-up aborts them without touching the complete copy already there.
+    bucket = s3_upload(empty_folder(tmp_path))
+    url = f"s3://{bucket.name}/shards"
+    earlier, later = os.urandom(3 * PART + MiB), os.urandom(3 * PART + MiB)
+    with storage_options_for([url], s3_server.storage_options):
+        output = Output(url, part_bytes=PART)
+        output.makedirs()
+        Path(output.local("big.tar")).write_bytes(earlier)
+        output.publish("big.tar")
+        Path(output.local("big.tar")).write_bytes(later)
+        s3_server.throttle_uploads(8 * MiB)
+        failure: list[BaseException] = []
+
+        def publish() -> None:
+            try:
+                output.publish("big.tar")
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                failure.append(exc)
+
+        uploader = threading.Thread(target=publish)
+        try:
+            uploader.start()
+            wait_for(lambda: multipart_uploads(s3_server, bucket.name), "multipart upload")
+            wait_for(lambda: [key for key in s3_server.uploading() if key.endswith("/shards/big.tar")], "part being uploaded")
+            s3_server.refuse_writes(True)  # the part, the abort and the clean-up are refused
+            uploader.join(timeout=60)
+        finally:
+            s3_server.refuse_writes(False)
+            s3_server.throttle_uploads(0)
+        assert len(failure) == 1 and isinstance(failure[0], StorageError), failure
+        assert s3_server.filesystem().cat_file(f"{bucket.name}/shards/big.tar") == earlier  # still the whole earlier copy
+
+        Path(output.local("other.tar")).write_bytes(b"another member")
+        output.publish("other.tar")  # the next publish cleans up what the failed one left: its parts only
+
+    assert multipart_uploads(s3_server, bucket.name) == []
+    assert s3_server.filesystem().cat_file(f"{bucket.name}/shards/big.tar") == earlier
+    assert sorted(objects(s3_server, bucket.name)) == [f"{bucket.name}/shards/big.tar", f"{bucket.name}/shards/other.tar"]
+
+
+def test_publishing_and_reading_a_small_file_on_s3_is_one_request_each(
+    s3_server: S3Server, s3_upload: Callable[[Path], Bucket], tmp_path: Path
+) -> None:
+    # A shard task publishes a shard and its record and reads the plan and records: against a
+    # store 20 ms away every extra request (a temp name's copy and delete, a HEAD before a GET)
+    # is time the workers wait.
+    bucket = s3_upload(empty_folder(tmp_path))
+    url = f"s3://{bucket.name}/shards"
+    with storage_options_for([url], s3_server.storage_options):
+        output = Output(url)
+        output.makedirs()
+        Path(output.local("shard-000000.tar")).write_bytes(b"x" * 4096)
+        s3_server.reset_reads()
+        output.publish("shard-000000.tar")
+        assert s3_server.requests() == {"PUT": 1}
+        assert list(objects(s3_server, bucket.name)) == [f"{bucket.name}/shards/shard-000000.tar"]
+
+        s3_server.reset_reads()
+        assert output.read_bytes("shard-000000.tar") == b"x" * 4096
+        assert output.read_if_exists("nothing.json") is None
+        assert s3_server.requests() == {"GET": 2}
+        with pytest.raises(FileNotFoundError):
+            output.read_bytes("nothing.json")
 
 
 def test_a_finished_prepare_aborts_the_uploads_left_in_progress_under_out(
@@ -182,7 +251,7 @@ def restart_mid_upload(server: S3Server, bucket: str) -> str:
     fs = server.filesystem()
 
     def later_shard_going_up() -> str:
-        going = [key for key in server.uploading() if "/shard-" in key and "shard-000000" not in key and ".tmp-" in key]
+        going = [key for key in server.uploading() if "/shard-" in key and "shard-000000" not in key]
         return going[0] if going and fs.exists(f"{bucket}/shards/shard-000000.tar") else ""
 
     interrupted = str(wait_for(later_shard_going_up, "shard upload after the first"))

@@ -2,8 +2,10 @@
 
 `Output` hides the difference: shards are always written to a local file
 first (a staging folder for remote targets), then published under their final
-name in one step (`os.replace` locally, upload-to-temp + move remotely), so a
-reader never sees a partial shard or manifest.
+name in one step, so a reader never sees a partial shard or manifest:
+`os.replace` locally; on S3 one upload under the final name, since an object
+appears only once its upload completes (one request for a small file, where
+upload-to-temp + move was about eight); on other stores upload-to-temp + move.
 """
 
 from __future__ import annotations
@@ -21,10 +23,17 @@ from typing import Any
 
 from ..errors import StorageError, write_failure
 from .fs import abort_uploads, local_path, open_fs, store_errors, store_failure, temp_suffix
+from .s3get import getter_for
 
-# Temp objects of this process whose failed upload could not be cleaned up (the store refused or
-# was away): each later publish to the store tries again, so a retried job leaves no parts behind.
-_LEFT_BEHIND: set[str] = set()
+# Stores on which an object appears only when its upload completes, whole (a single PUT, or a
+# multipart upload once it is completed): a file is published by uploading it under its final name.
+WHOLE_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a"})
+
+# Objects of this process whose failed upload could not be cleaned up (the store refused or was
+# away), each with whether the object itself goes too (a temp object) or only its unfinished
+# uploads (a final name, which may hold a complete earlier copy): each later publish to the store
+# tries again, so a retried job leaves no parts behind.
+_LEFT_BEHIND: dict[str, bool] = {}
 _LEFT_BEHIND_LOCK = threading.Lock()
 
 
@@ -47,9 +56,12 @@ class Output:
             self.fs: Any = None
             self.remote_root = ""
             self.staging = self.root
+            self.whole_uploads = False
         else:
             self.fs, self.remote_root = open_fs(url)
             self.remote_root = self.remote_root.rstrip("/")
+            protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+            self.whole_uploads = bool(WHOLE_UPLOAD_PROTOCOLS.intersection(protocols))
             digest = hashlib.sha1(url.encode()).hexdigest()[:16]
             self.staging = os.path.join(tempfile.gettempdir(), f"gpufeed-staging-{digest}")
             self.root = self.staging
@@ -72,10 +84,12 @@ class Output:
     def publish(self, rel: str, *, keep_local: bool = False) -> None:
         """Move a finished local file to its final place (no-op for local outputs).
 
-        Remotely the file is uploaded under a temp name, then moved: a reader
-        never sees a partial object. An upload that fails is aborted (no
-        multipart upload is left in progress on the store) and what is left
-        under the temp name is removed; when the store refuses or is away for
+        On S3 the file is uploaded under its final name: the object appears
+        when the upload completes, whole, so a reader never sees a partial
+        one. On other stores it is uploaded under a temp name, then moved. An
+        upload that fails is aborted (no multipart upload is left in progress
+        on the store) and what is left under a temp name is removed, never
+        what is under the final name; when the store refuses or is away for
         that too, the next publish of this process cleans up again.
 
         Args:
@@ -89,14 +103,16 @@ class Output:
             return
         source = self.local(rel)
         final = self._remote(rel)
-        temp = f"{final}{temp_suffix()}"
+        target = final if self.whole_uploads else f"{final}{temp_suffix()}"
         options = {"chunksize": self.part_bytes} if self.part_bytes else {}
         try:
-            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(source, temp, **options)
-            self.fs.mv(temp, final)
+            if target != final:
+                self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.put_file(source, target, **options)
+            if target != final:
+                self.fs.mv(target, final)
         except Exception as exc:
-            self._forget(temp)
+            self._forget(target, remove=target != final)
             if isinstance(exc, store_errors()):
                 raise store_failure(f"upload {rel} to", self.url, exc) from exc
             raise
@@ -104,24 +120,26 @@ class Output:
         if not keep_local:
             os.unlink(source)
 
-    def _forget(self, remote: str) -> None:
-        """Remove a temp object and abort its uploads in progress; remember it when the store will not."""
+    def _forget(self, remote: str, *, remove: bool) -> None:
+        """Abort an object's uploads in progress, and with `remove` remove the object (a temp one);
+        remember it when the store will not."""
         try:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(remote)
+            if remove:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(remote)
             abort_uploads(self.fs, remote)
         except store_errors():
             with _LEFT_BEHIND_LOCK:
-                _LEFT_BEHIND.add(remote)
+                _LEFT_BEHIND[remote] = remove
         else:
             with _LEFT_BEHIND_LOCK:
-                _LEFT_BEHIND.discard(remote)
+                _LEFT_BEHIND.pop(remote, None)
 
     def _forget_left_behind(self) -> None:
         with _LEFT_BEHIND_LOCK:
-            mine = sorted(remote for remote in _LEFT_BEHIND if remote.startswith(f"{self.remote_root}/"))
-        for remote in mine:
-            self._forget(remote)
+            mine = sorted((remote, remove) for remote, remove in _LEFT_BEHIND.items() if remote.startswith(f"{self.remote_root}/"))
+        for remote, remove in mine:
+            self._forget(remote, remove=remove)
 
     def abort_uploads(self) -> int:
         """Abort every multipart upload in progress under OUT (none locally): what failed uploads left.
@@ -182,16 +200,37 @@ class Output:
             return None
 
     def read_bytes(self, rel: str) -> bytes:
+        """A member's bytes: one GET on S3 (see `s3get`).
+
+        Raises:
+            FileNotFoundError: there is no such member.
+            StorageError: the store cannot be read (retryable).
+        """
         if self.is_local:
             with open(self.local(rel), "rb") as handle:
                 return handle.read()
+        remote = self._remote(rel)
+        getter = getter_for(self.fs)
         try:
-            data: bytes = self.fs.cat_file(self._remote(rel))
+            fetched = getter.get(remote) if getter is not None else None
+            data: bytes = self.fs.cat_file(remote) if fetched is None else fetched
         except FileNotFoundError:
             raise
         except store_errors() as exc:
             raise store_failure(f"read {rel} from", self.url, exc) from exc
         return data
+
+    def read_if_exists(self, rel: str) -> bytes | None:
+        """A member's bytes, or None when there is no such member: one request where `exists` and
+        `read_bytes` make three on S3 (a HEAD, a LIST when it is missing, a GET).
+
+        Raises:
+            StorageError: the store cannot be read (retryable).
+        """
+        try:
+            return self.read_bytes(rel)
+        except FileNotFoundError:
+            return None
 
     def open_read(self, rel: str) -> Any:
         if self.is_local:
@@ -272,8 +311,9 @@ class Output:
 def remove_temp_objects(output: Output, finals: Iterable[str], *, older_than_s: float) -> list[str]:
     """Remove what crashed writers left on a remote OUT under temp names of `finals`; returns the members removed.
 
-    A publish uploads to ``<final>.tmp-HOST-PID`` and moves it in one step, so a
-    temp object outlives its publish only when its writer died in between. Only
+    A publish to a store other than S3 uploads to ``<final>.tmp-HOST-PID`` and moves it
+    in one step, so a temp object outlives its publish only when its writer died in
+    between (and S3 OUTs written by earlier versions, which published that way too). Only
     temp names of the given finals go, never a final name, and only objects the
     store dates more than `older_than_s` back: a live writer's upload in the
     middle of its move is younger. An object the store gives no date is kept.

@@ -1,4 +1,4 @@
-"""One signed GET per object: how prepare reads many small source files from an S3 store.
+"""One signed GET per object: how prepare reads many small files (source images, its own records) from an S3 store.
 
 A source image is one request, and through s3fs (aiobotocore) that request
 costs 1.5-3 ms of CPU on the client: the endpoint rules, the event hooks,
@@ -125,12 +125,14 @@ class S3Getter:
             return None
         return f"{self._scheme}://{bucket}.s3.{self.region}.amazonaws.com/{quoted}"
 
-    def get(self, path: str, end: int) -> bytes | None:
-        """The first `end` bytes of the object at `path` (``bucket/key``): one GET.
+    def get(self, path: str, end: int | None = None, start: int = 0) -> bytes | None:
+        """Bytes `start` to `end` (exclusive) of the object at `path` (``bucket/key``); to its end if `end` is None: one GET.
 
         Returns:
-            The bytes (the whole object when it is shorter); None when the store
-            answered anything but the object or its absence: the caller reads it through s3fs.
+            The bytes (fewer when the object ends first); None when the store
+            answered anything but those bytes or the object's absence (a range
+            past the end, a store that ignored the range of a read from the
+            middle): the caller reads it through s3fs.
 
         Raises:
             FileNotFoundError: the store says there is no such object.
@@ -143,7 +145,7 @@ class S3Getter:
         host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
         host_header = parts.netloc
         for attempt in (0, 1):
-            headers = {"Range": f"bytes=0-{end - 1}"}
+            headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"} if start or end is not None else {}
             if not self.anonymous:
                 credentials = self._frozen_credentials(fresh=attempt > 0)
                 if credentials is None:
@@ -153,7 +155,7 @@ class S3Getter:
                 status, body = self._request(host, port, host_header, parts.path, headers)
             except (OSError, ValueError):  # a dropped connection, a timeout, an answer not understood: s3fs takes over
                 return None
-            if status in (200, 206):
+            if status == 206 or (status == 200 and not start):
                 return body
             if status == 404:
                 raise FileNotFoundError(f"no such object: s3://{path}")

@@ -467,7 +467,8 @@ def swapped_in(output: Output, version: str) -> SwapInfo | None:
 def _read_swap(output: Output, version: str) -> dict[str, Any] | None:
     rel = f"{version}/{SWAP_NAME}"
     try:
-        record = json.loads(output.read_bytes(rel)) if output.exists(rel) else None
+        text = output.read_if_exists(rel)
+        record = json.loads(text) if text is not None else None
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and record.get("version") == version else None

@@ -27,7 +27,7 @@ from ..errors import JobConflictError, ManifestError, StorageError
 from ..io.fs import file_sha256
 from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
-from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest
+from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, parse_manifest, read_manifest
 from ..specs import PREPARE_FLAG_VALUES, PREPARE_OPTION_NAMES, PrepareSpec
 from ..units import format_bytes
 
@@ -44,9 +44,10 @@ STALE_TEMP_OBJECT_S = 600.0
 
 def read_plan(output: Output) -> dict[str, Any] | None:
     """The saved plan record of an unfinished job in OUT, or None when there is none."""
-    if not output.exists(PLAN_REL):
+    text = output.read_if_exists(PLAN_REL)
+    if text is None:
         return None
-    record: dict[str, Any] = json.loads(output.read_bytes(PLAN_REL))
+    record: dict[str, Any] = json.loads(text)
     return record
 
 
@@ -93,9 +94,8 @@ def remove_shards(output: Output, shards: list[int]) -> None:
 
 def read_rejects(output: Output) -> list[dict[str, str]]:
     """The entries of a finished dataset's rejected.jsonl ([] when it has none)."""
-    if not output.exists(REJECTED_NAME):
-        return []
-    return [json.loads(line) for line in output.read_bytes(REJECTED_NAME).splitlines() if line.strip()]
+    text = output.read_if_exists(REJECTED_NAME)
+    return [json.loads(line) for line in (text or b"").splitlines() if line.strip()]
 
 
 def has_shard_record(output: Output, shard: int) -> bool:
@@ -105,10 +105,10 @@ def has_shard_record(output: Output, shard: int) -> bool:
 
 def shard_is_complete(output: Output, shard: int) -> bool:
     """Whether the shard was recorded and its files are still exactly what was recorded."""
-    rel = _shard_record_rel(shard)
-    if not output.exists(rel):
+    text = output.read_if_exists(_shard_record_rel(shard))
+    if text is None:
         return False
-    for info in read_shard_record(output, shard)["shards"]:
+    for info in json.loads(text)["shards"]:
         if output.size(info["path"]) != info["bytes"]:
             return False
         # Locally a hash is cheap next to rewriting; remotely the size has to do.
@@ -214,9 +214,10 @@ def _sha256_of(output: Output, rel: str) -> str:
 
 def recorded_source(output: Output) -> str | None:
     """The SRC that OUT's dataset, or its unfinished prepare, records; None when OUT holds neither."""
-    if output.exists(MANIFEST_NAME):
+    text = output.read_if_exists(MANIFEST_NAME)
+    if text is not None:
         try:
-            source = read_manifest(output).params.get("source")
+            source = parse_manifest(text, f"{output.url}/{MANIFEST_NAME}").params.get("source")
         except ManifestError:
             return None
     else:
@@ -276,8 +277,6 @@ def _conflict(differences: list[str]) -> str:
 
 def finished_manifest(output: Output, spec: PrepareSpec) -> Manifest | None:
     """OUT's manifest when OUT holds the finished dataset of exactly these settings, else None."""
-    if not output.exists(MANIFEST_NAME):
-        return None
     try:
         manifest = read_manifest(output)
     except ManifestError:
@@ -293,12 +292,13 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool) -> Manife
             `overwrite` is False; the message names each setting that differs.
     """
     identity = spec.output_identity()
-    if output.exists(MANIFEST_NAME):
+    text = output.read_if_exists(MANIFEST_NAME)
+    if text is not None:
         if overwrite:
             clear_output(output)
             return None
         try:
-            manifest = read_manifest(output)
+            manifest = parse_manifest(text, f"{output.url}/{MANIFEST_NAME}")
         except ManifestError as exc:
             raise JobConflictError(f"{exc}; choose another OUT or pass --overwrite to replace it") from exc
         if manifest.params == identity:
