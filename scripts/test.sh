@@ -2,8 +2,11 @@
 # Run the test suite on this machine, from nothing: sets up .venv (scripts/setup.sh),
 # makes sure a Redis is there for the tests, runs the static checks (scripts/check.sh:
 # ruff, mypy, import contracts) when no arguments are given, then pytest with any arguments:
-#   bash scripts/test.sh                      # everything
-#   bash scripts/test.sh tests/test_cli.py -x # a selection
+#   bash scripts/test.sh                      # everything, in several pytest processes (below)
+#   bash scripts/test.sh tests/test_cli.py -x # a selection, in this one process
+# The whole suite runs in GPUFEED_TEST_PROCESSES pytest processes (pytest-xdist; default: the
+# cores, at most 4; 1: this process only), each test file in one of them, since most of the
+# time is spent waiting on Redis, the S3 server, workers and subprocesses.
 # Redis: GPUFEED_TEST_REDIS_URL if set (a loopback address), else a private redis-server
 # on a free 127.0.0.1 port, without persistence, stopped when this script exits.
 set -euo pipefail
@@ -85,11 +88,31 @@ else
     echo "test: redis-server not found; tests that need Redis will be skipped" >&2
 fi
 
+test_processes() {
+    if [[ -n "${GPUFEED_TEST_PROCESSES:-}" ]]; then
+        echo "$GPUFEED_TEST_PROCESSES"
+        return
+    fi
+    local cores
+    cores="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
+    echo $((cores < 4 ? cores : 4))
+}
+
 status=0
+args=("$@")
 if [[ $# == 0 ]]; then  # the whole suite: the static checks first (a selection skips them)
+    processes="$(test_processes)"
+    if ! [[ "$processes" =~ ^[1-9][0-9]*$ ]]; then
+        echo "test: GPUFEED_TEST_PROCESSES must be a whole number of processes (1 or more), got '$processes'" >&2
+        exit 2
+    fi
     bash scripts/check.sh || status=$?
+    if [[ "$processes" -gt 1 ]]; then
+        args=(-n "$processes" --dist loadfile)
+        echo "test: $processes pytest processes (GPUFEED_TEST_PROCESSES=1: one)"
+    fi
 fi
-"$PY" -m pytest "$@" || status=$?
+"$PY" -m pytest "${args[@]}" || status=$?
 if [[ "$status" == 5 ]]; then
     echo "test: FAILED: pytest collected no tests (exit code 5); check the paths and -k/-m filters" >&2
 fi
