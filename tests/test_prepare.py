@@ -517,13 +517,15 @@ def test_finish_of_another_job_s_dataset_is_refused(raw: Path, tmp_path: Path) -
 def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
     from pipeline.prepare.pool import CHUNK_ITEMS, TAIL_CHUNK_ITEMS, chunk_sizes
 
-    for total, workers in ((1000, 2), (12_345, 8), (7, 2), (1, 1), (300, 0)):
+    for total, workers in ((1000, 2), (12_345, 8), (7, 2), (1, 1)):
         sizes = chunk_sizes(total, workers)
         assert sum(sizes) == total and all(0 < size <= CHUNK_ITEMS for size in sizes)
         assert sizes == sorted(sizes, reverse=True)  # never a big task after a small one
         assert sizes[-1] <= TAIL_CHUNK_ITEMS
-    assert chunk_sizes(0, 2) == []
+    assert chunk_sizes(0, 2) == [] == chunk_sizes(0, 0)
     assert chunk_sizes(10_000, 2)[0] == CHUNK_ITEMS
+    # in this process (no pool): no small tasks at the end, since no other worker waits for the last one
+    assert chunk_sizes(300, 0) == [CHUNK_ITEMS] * 4 + [300 - 4 * CHUNK_ITEMS]
 
 
 # ---------------------------------------------------------------------------

@@ -54,9 +54,10 @@ from ..specs import PrepareSpec
 from ..units import format_count
 from .listing import Listing, class_names, fetch_listing, share_listing
 from .plan import ShardPlan, plan_shards, planned_shard_of, shard_name
-from .pool import IO_THREADS, Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes, make_outcome
+from .pool import IO_THREADS, Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes
 from .resume import (
     WORK_DIR,
+    OutRecords,
     check_existing,
     clear_output,
     damaged_shards,
@@ -65,7 +66,6 @@ from .resume import (
     has_shard_record,
     pending_shards,
     planned_conflict,
-    read_plan,
     read_rejects,
     read_shard_record,
     recorded_source,
@@ -361,9 +361,10 @@ def _open_or_plan(
     without, the estimate runs in this process.
     """
     output = Output(spec.out)
-    spec = _as_recorded(spec, output)
+    records = OutRecords(output)
+    spec = _as_recorded(spec, records)
     _refuse_out_inside_source(spec)
-    finished = check_existing(output, spec, overwrite)
+    finished = check_existing(output, spec, overwrite, records)
     if finished is not None:
         damaged = damaged_shards(output, finished, verify=verify)
         if not damaged:
@@ -371,17 +372,19 @@ def _open_or_plan(
             return finished
         return _start_repair(spec, output, _Repair(finished, damaged), workers, io_threads)
     output.makedirs()
-    return _start_job(spec, output, force, overwrite, workers, io_threads=io_threads)
+    if overwrite:
+        records = OutRecords(output)  # check_existing may have cleared OUT: what it read is stale
+    return _start_job(spec, output, force, overwrite, workers, io_threads=io_threads, records=records)
 
 
-def _as_recorded(spec: PrepareSpec, output: Output) -> PrepareSpec:
+def _as_recorded(spec: PrepareSpec, records: OutRecords) -> PrepareSpec:
     """`spec` with SRC resolved, or spelled as OUT records it when that names the same place (through symlinks).
 
     Samples record their source path, so a job resumed or repaired through
     another spelling of the same folder still writes the bytes it first wrote.
     """
     source = resolve_location(spec.source)
-    recorded = recorded_source(output)
+    recorded = recorded_source(records)
     if recorded is not None and recorded != source and same_location(recorded, source):
         source = recorded
     return spec if source == spec.source else dataclasses.replace(spec, source=source)
@@ -406,9 +409,10 @@ def _start_job(
     workers: int | None,
     repair: _Repair | None = None,
     io_threads: int = IO_THREADS,
+    records: OutRecords | None = None,
 ) -> _Job:
     work = output.local(WORK_DIR)
-    had_plan = read_plan(output) is not None
+    old_plan = (records or OutRecords(output)).plan
     os.makedirs(os.path.join(work, "shards"), exist_ok=True)
     listing = Listing(work)
     info = ListingInfo()
@@ -420,13 +424,13 @@ def _start_job(
         _check_repairable(spec, repair, listed, classes)
     if listed == 0:
         listing.close()
-        if not had_plan:
+        if old_plan is None:
             output.remove(WORK_DIR)  # this run made it: an empty source leaves nothing behind
         raise NoImagesError(
             f"no images found in {spec.source}"
             + (f" ({format_count(info.ignored, 'file')} without an image extension ignored)" if info.ignored else "")
         )
-    saved = _saved_plan_of(spec, output, digest, listed, overwrite) if repair is None else None
+    saved = _saved_plan_of(spec, old_plan, output, digest, listed, overwrite) if repair is None else None
     if saved is not None:
         return _Job(spec, output, listing, ShardPlan(**saved["plan"]), classes, listed, info.ignored, [])
     # The worker pool starts now: it measures the size estimate in parallel,
@@ -500,9 +504,10 @@ def _not_the_recorded_file(spec: PrepareSpec, rel: str) -> SourceError:
     )
 
 
-def _saved_plan_of(spec: PrepareSpec, output: Output, digest: str, listed: int, overwrite: bool) -> dict[str, Any] | None:
-    """The plan an interrupted run of this job saved, if the source is still what it listed."""
-    saved = read_plan(output)
+def _saved_plan_of(
+    spec: PrepareSpec, saved: dict[str, Any] | None, output: Output, digest: str, listed: int, overwrite: bool
+) -> dict[str, Any] | None:
+    """The plan an interrupted run of this job saved (`saved`, as read from OUT), if the source is still what it listed."""
     if saved is None or saved.get("listing_sha256") == digest:
         return saved
     if not overwrite:
@@ -525,14 +530,17 @@ def _estimate_sample_bytes(
     """
     step = max(1, listed // ESTIMATE_SAMPLES)
     chunk = [(index, listing.get(index)) for index in range(0, listed, step)[:ESTIMATE_SAMPLES]]
+    here = pool is None  # in this process, its remote sources read at once on the I/O threads
     if pool is None:
-        class_index = {name: i for i, name in enumerate(classes)}
-        outcomes = [make_outcome(item, index, spec, class_index) for index, item in chunk]
-    else:
+        pool = SamplePool(0, spec, classes)
+    try:
         per_worker = max(1, -(-len(chunk) // max(1, pool.workers)))
         pieces = [chunk[i : i + per_worker] for i in range(0, len(chunk), per_worker)]
         pending = [(pool.submit(piece), piece) for piece in pieces]
         outcomes = [outcome for future, piece in pending for outcome in pool.result(future, piece)]
+    finally:
+        if here:
+            pool.close()
     sizes = [len(outcome.tars[0]) for outcome in outcomes if outcome.tars]
     cache = {outcome.index: outcome for outcome in outcomes}
     if not sizes:
@@ -616,8 +624,12 @@ def _write_one_shard(
     progress: ProgressCallback | None,
     started: float,
     rewrite: AbstractSet[str] = frozenset(),
-) -> None:
-    """Write a planned shard's files (one per variant set); in a repair, only those in `rewrite`, each checked."""
+) -> dict[str, Any]:
+    """Write a planned shard's files (one per variant set); in a repair, only those in `rewrite`, each checked.
+
+    Returns:
+        The shard's record (`write_shard_record`).
+    """
     sets = set_prefixes(job.spec.augment.variants)
     writers = [TarShardWriter(job.output.local(prefix + shard_name(shard))) for _, prefix in sets]
     rejected: list[dict[str, str]] = []
@@ -642,8 +654,9 @@ def _write_one_shard(
                 info = writer.commit(rel, variant)
                 job.output.publish(info.path)
                 infos.append(info)
-    write_shard_record(job.output, shard, infos, rejected, state.warned - warned_before)
+    record = write_shard_record(job.output, shard, infos, rejected, state.warned - warned_before)
     job.written.append(shard)
+    return record
 
 
 def _commit_repaired(job: _Job, writer: TarShardWriter, rel: str, rewrite: bool) -> list[ShardInfo]:
@@ -941,11 +954,12 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
         if not skipped:
             state = PrepareProgress(0, len(job.plan.positions(shard)), 0, 0.0)
             pool = SamplePool(0, job.spec, job.classes)
-            _write_one_shard(job, shard, pool, state, progress, time.perf_counter(), rewrite)
+            record = _write_one_shard(job, shard, pool, state, progress, time.perf_counter(), rewrite)
         if job.repair is not None and skipped:  # an intact shard of a repaired dataset has no record
             files = [info for info in job.repair.manifest.shards if planned_shard_of(info.path) == shard]
             return ShardRecord(shard, max((info.samples for info in files), default=0), 0, True)
-        record = read_shard_record(job.output, shard)
+        if skipped:
+            record = read_shard_record(job.output, shard)
     finally:
         job.listing.close()
     samples = max((info["samples"] for info in record["shards"]), default=0)
@@ -977,8 +991,9 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
             or a finished dataset's shard file is still missing or damaged.
     """
     output = Output(spec.out)
-    spec = _as_recorded(spec, output)
-    manifest = finished_manifest(output, spec)
+    records = OutRecords(output)
+    spec = _as_recorded(spec, records)
+    manifest = finished_manifest(output, spec, records)
     if manifest is not None:
         damaged = damaged_shards(output, manifest)
         if damaged:
@@ -987,7 +1002,7 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
         remove_stale_temp_objects(output, manifest)
         remove_work(output)  # the leftovers of a finish that stopped right after its manifest (or of a repair)
         return _result(spec.out, manifest)
-    job = _load_planned_job(spec)
+    job = _load_planned_job(spec, records)
     try:
         missing = pending_shards(job.output, job.plan.shards)
         if missing:
@@ -1032,20 +1047,21 @@ def local_copies_folder(spec: PrepareSpec) -> str | None:
     return None if output.is_local else output.staging
 
 
-def _load_planned_job(spec: PrepareSpec) -> _Job:
-    output = Output(spec.out)
-    spec = _as_recorded(spec, output)
-    saved = read_plan(output)
+def _load_planned_job(spec: PrepareSpec, records: OutRecords | None = None) -> _Job:
+    """The planned job in OUT (`records`: what the caller read of OUT already)."""
+    records = records or OutRecords(Output(spec.out))
+    output, saved = records.output, records.plan
     if saved is None:
         raise ConfigError(
             f"{spec.out} has no planned prepare; run plan_prepare first (a job planned there has lost "
             "its work folder: was OUT emptied or removed meanwhile? then start the job again)"
         )
+    spec = _as_recorded(spec, records)
     if saved.get("identity") != spec.output_identity():
         raise planned_conflict(spec, saved.get("identity") or {})
     repair = None
     if saved.get("repair"):
-        manifest = finished_manifest(output, spec)
+        manifest = finished_manifest(output, spec, records)
         if manifest is None:
             raise ConfigError(f"{spec.out} has no planned prepare (its planned repair lost its manifest); run plan_prepare first")
         repair = _Repair(manifest, dict(saved["repair"]))

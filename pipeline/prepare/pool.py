@@ -65,16 +65,21 @@ def chunk_sizes(total: int, workers: int) -> list[int]:
     Every task costs a round trip through the pool (pickling, a wake-up, the
     results back), so most are CHUNK_ITEMS long; but a worker handed one of
     those last would leave the others idle, so each task is at most a
-    quarter of what remains per worker, down to TAIL_CHUNK_ITEMS.
+    quarter of what remains per worker, down to TAIL_CHUNK_ITEMS. Without a
+    pool (0 workers) nobody waits on a last task, and each task of a remote
+    SRC waits for the store once where the next one's reads did not start
+    early enough, so every task is CHUNK_ITEMS long (the last one what is left).
 
     Args:
         total: images in the shard.
-        workers: pool processes (0 counts as 1).
+        workers: pool processes (0: none, the chunks run in this process).
 
     Returns:
         The task sizes, in order; they add up to `total`.
     """
-    sizes, remaining, workers = [], total, max(1, workers)
+    if workers == 0:
+        return [min(CHUNK_ITEMS, total - start) for start in range(0, total, CHUNK_ITEMS)]
+    sizes, remaining = [], total
     while remaining > 0:
         size = min(remaining, max(TAIL_CHUNK_ITEMS, min(CHUNK_ITEMS, remaining // (workers * 4))))
         sizes.append(size)
@@ -122,10 +127,18 @@ def _process_fetched(chunk: list[tuple[int, SourceItem, bytes | str | None]]) ->
 
 def _process_read_ahead(chunk: Chunk, spec: PrepareSpec, classes: dict[str, int]) -> list[SampleOutcome]:
     """The chunk's outcomes, its sources read on the I/O threads: file i decodes while i+1... download."""
+    return _outcomes_of_reads(chunk, _start_reads(chunk, spec), spec, classes)
+
+
+def _start_reads(chunk: Chunk, spec: PrepareSpec) -> list[Future[bytes | str] | None]:
+    """Reads of the chunk's sources started on this process's I/O threads (None: rejected unread)."""
     reader = _io_executor()
-    reads: list[Future[bytes | str] | None] = [
-        None if item.rejected else reader.submit(read_item, item, spec) for _, item in chunk
-    ]
+    return [None if item.rejected else reader.submit(read_item, item, spec) for _, item in chunk]
+
+
+def _outcomes_of_reads(
+    chunk: Chunk, reads: list[Future[bytes | str] | None], spec: PrepareSpec, classes: dict[str, int]
+) -> list[SampleOutcome]:
     try:
         return [
             make_outcome(item, index, spec, classes) if read is None else process_item(item, index, spec, classes, read.result())
@@ -187,6 +200,8 @@ class SamplePool:
         if self._executor is None:
             from concurrent.futures import Future
 
+            if self._io_threads and any(is_url(item.url) and not item.rejected for _, item in chunk):
+                return _ReadingAhead(chunk)
             done: Future[list[SampleOutcome]] = Future()
             done.set_result(_process_chunk(chunk))
             return done
@@ -316,6 +331,22 @@ class _Fetching:
             raise self._error
         assert self._pending is not None
         return self._pending.result()
+
+
+class _ReadingAhead:
+    """A chunk that runs in this process (no pool), its remote sources downloading from the moment it is submitted.
+
+    The caller submits the next chunk before it takes this one's outcomes, so
+    the next chunk's reads are in flight while this one decodes: a store's
+    latency is paid once per shard, not once per chunk.
+    """
+
+    def __init__(self, chunk: Chunk) -> None:
+        self._chunk = chunk
+        self._reads = _start_reads(chunk, _WORKER["spec"])
+
+    def result(self) -> list[SampleOutcome]:
+        return _outcomes_of_reads(self._chunk, self._reads, _WORKER["spec"], _WORKER["classes"])
 
 
 class _WithKnown:

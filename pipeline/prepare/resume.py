@@ -15,6 +15,7 @@ damaged, and a re-run writes it again (see `job.py`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ from ..errors import JobConflictError, ManifestError, StorageError
 from ..io.fs import file_sha256
 from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
-from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, parse_manifest, read_manifest
+from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, parse_manifest
 from ..specs import PREPARE_FLAG_VALUES, PREPARE_OPTION_NAMES, PrepareSpec
 from ..units import format_bytes
 
@@ -69,11 +70,12 @@ def _shard_record_rel(shard: int) -> str:
 
 def write_shard_record(
     output: Output, shard: int, infos: list[ShardInfo], rejected: list[dict[str, str]], warned: int = 0
-) -> None:
+) -> dict[str, Any]:
     """Record a written shard: its files (one per variant set that got samples), its rejects, and how
-    many of its samples were decoded with warnings."""
+    many of its samples were decoded with warnings. Returns the record, as `read_shard_record` reads it."""
     record = {"shard": shard, "shards": [info.to_dict() for info in infos], "rejected": rejected, "warned": warned}
     output.write_bytes_atomic(_shard_record_rel(shard), json.dumps(record).encode("utf-8"))
+    return record
 
 
 def read_shard_record(output: Output, shard: int) -> dict[str, Any]:
@@ -212,16 +214,54 @@ def _sha256_of(output: Output, rel: str) -> str:
     return digest.hexdigest()
 
 
-def recorded_source(output: Output) -> str | None:
-    """The SRC that OUT's dataset, or its unfinished prepare, records; None when OUT holds neither."""
-    text = output.read_if_exists(MANIFEST_NAME)
-    if text is not None:
+class OutRecords:
+    """OUT's manifest.json and plan record, each read from OUT once, when first asked for.
+
+    A step of a job (plan, a shard, the finish) asks several questions of the
+    two; on a store each read is a round trip. Make a new one after OUT changes.
+    """
+
+    def __init__(self, output: Output) -> None:
+        self.output = output
+
+    @functools.cached_property
+    def plan(self) -> dict[str, Any] | None:
+        """The plan record of an unfinished job (`read_plan`), or None."""
+        return read_plan(self.output)
+
+    @functools.cached_property
+    def manifest_text(self) -> bytes | None:
+        """The bytes of manifest.json, or None when there is none."""
+        return self.output.read_if_exists(MANIFEST_NAME)
+
+    def manifest(self) -> Manifest:
+        """The manifest, validated (`read_manifest`).
+
+        Raises:
+            ManifestError: missing, not JSON, or not a gpufeed manifest.
+        """
+        where = f"{self.output.url}/{MANIFEST_NAME}"
+        if self.manifest_text is None:
+            raise ManifestError(f"no {MANIFEST_NAME} in {self.output.url}: not a prepared dataset (or its prepare did not finish)")
+        return parse_manifest(self.manifest_text, where)
+
+
+def recorded_source(records: OutRecords) -> str | None:
+    """The SRC that OUT's unfinished prepare, or else its dataset, records; None when OUT holds neither.
+
+    The plan comes first: an unfinished job's plan records the SRC its manifest
+    will (a repair's plan, the manifest's), and a shard step then needs no
+    other read.
+    """
+    if records.plan is not None:
+        source = (records.plan.get("identity") or {}).get("source")
+    elif records.manifest_text is not None:
         try:
-            source = parse_manifest(text, f"{output.url}/{MANIFEST_NAME}").params.get("source")
+            source = records.manifest().params.get("source")
         except ManifestError:
             return None
     else:
-        source = ((read_plan(output) or {}).get("identity") or {}).get("source")
+        return None
     return source if isinstance(source, str) else None
 
 
@@ -275,30 +315,35 @@ def _conflict(differences: list[str]) -> str:
     return f" ({'; '.join(differences)})" if differences else ""
 
 
-def finished_manifest(output: Output, spec: PrepareSpec) -> Manifest | None:
-    """OUT's manifest when OUT holds the finished dataset of exactly these settings, else None."""
+def finished_manifest(output: Output, spec: PrepareSpec, records: OutRecords | None = None) -> Manifest | None:
+    """OUT's manifest when OUT holds the finished dataset of exactly these settings, else None.
+
+    `records`: what the caller read of OUT already.
+    """
     try:
-        manifest = read_manifest(output)
+        manifest = (records or OutRecords(output)).manifest()
     except ManifestError:
         return None
     return manifest if manifest.params == spec.output_identity() else None
 
 
-def check_existing(output: Output, spec: PrepareSpec, overwrite: bool) -> Manifest | None:
+def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: OutRecords | None = None) -> Manifest | None:
     """The existing manifest when OUT already holds this exact job, else None (OUT cleared when asked).
+
+    `records`: what the caller read of OUT already (stale once OUT is cleared here).
 
     Raises:
         JobConflictError: OUT holds another job's dataset or unfinished work and
             `overwrite` is False; the message names each setting that differs.
     """
     identity = spec.output_identity()
-    text = output.read_if_exists(MANIFEST_NAME)
-    if text is not None:
+    records = records or OutRecords(output)
+    if records.manifest_text is not None:
         if overwrite:
             clear_output(output)
             return None
         try:
-            manifest = parse_manifest(text, f"{output.url}/{MANIFEST_NAME}")
+            manifest = records.manifest()
         except ManifestError as exc:
             raise JobConflictError(f"{exc}; choose another OUT or pass --overwrite to replace it") from exc
         if manifest.params == identity:
@@ -308,7 +353,7 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool) -> Manife
             f"{spec.out} already holds a dataset prepared with different settings{_conflict(differences)}; "
             "choose another OUT or pass --overwrite to replace it"
         )
-    plan = read_plan(output)
+    plan = records.plan
     if plan is not None and plan.get("identity") != identity:
         if not overwrite:
             differences = setting_differences(identity, plan.get("identity") or {}, "the unfinished prepare")
