@@ -42,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import ConfigError, ManifestError, NoImagesError, SampleError, SourceError, StorageError
@@ -783,20 +784,26 @@ def _refuse_finished_with_rejects(spec: PrepareSpec, output: Output, manifest: M
 # Finishing: rejected.jsonl, then the manifest (the switch), then the work folder goes
 
 
-def _finish(job: _Job) -> Manifest:
+def _finish(
+    job: _Job, written: list[dict[str, Any] | None] | None = None, present: dict[str, int] | None = None
+) -> Manifest:
+    """Write rejected.jsonl and the manifest of every shard recorded, once OUT holds each at its size.
+
+    `written`, `present`: the shard records and OUT's file sizes, when the caller read them.
+    """
     shards: list[ShardInfo] = []
     rejected_lines: list[bytes] = []
     warned = 0
-    present = job.output.file_sizes()  # the manifest lists only what OUT holds now (a store may have lost files)
+    if written is None or present is None:
+        written, present = _written_and_present(job)
     lost: list[int] = []
-    for shard, record in enumerate(for_each_shard(job.output, job.plan.shards, _record_or_none)):
-        if record is None:
+    for shard, record in enumerate(written):
+        if _lost(record, present):
             lost.append(shard)
+        if record is None:
             continue
         for info in record["shards"]:
             shards.append(ShardInfo(info["path"], info["samples"], info["bytes"], info["sha256"], info.get("variant")))
-            if present.get(info["path"]) != info["bytes"]:
-                lost.append(shard)
         rejected_lines += [json.dumps(entry).encode("ascii") + b"\n" for entry in record["rejected"]]
         warned += record.get("warned", 0)
     if lost:
@@ -832,10 +839,30 @@ def _finish(job: _Job) -> Manifest:
         decoded_with_warnings=warned,
     )
     write_manifest(job.output, manifest)
-    remove_stale_temp_objects(job.output, manifest)
     job.listing.close()
-    remove_work(job.output)
+    if job.output.is_local:
+        remove_stale_temp_objects(job.output, manifest)
+        remove_work(job.output)
+    else:  # independent clean-ups, each a few round trips to the store: at once
+        with ThreadPoolExecutor(2, thread_name_prefix="gpufeed-finish") as pool:
+            temps, work = pool.submit(remove_stale_temp_objects, job.output, manifest), pool.submit(remove_work, job.output)
+            temps.result()
+            work.result()
     return manifest
+
+
+def _written_and_present(job: _Job) -> tuple[list[dict[str, Any] | None], dict[str, int]]:
+    """Every planned shard's record (None: not written) and the size of every file under OUT now (one
+    listing, paged on a store: the manifest lists only what OUT holds, and a store may have lost files)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="gpufeed-finish") as pool:
+        listing = pool.submit(job.output.file_sizes)
+        written = for_each_shard(job.output, job.plan.shards, _record_or_none)
+        return written, listing.result()
+
+
+def _lost(record: dict[str, Any] | None, present: dict[str, int]) -> bool:
+    """Whether a shard is unwritten, or a file of its record is missing from OUT or of another size."""
+    return record is None or any(present.get(info["path"]) != info["bytes"] for info in record["shards"])
 
 
 def _record_or_none(output: Output, shard: int) -> dict[str, Any] | None:
@@ -1004,12 +1031,17 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
         return _result(spec.out, manifest)
     job = _load_planned_job(spec, records)
     try:
-        missing = pending_shards(job.output, job.plan.shards)
+        if job.output.is_local:  # sizes and sha256, file by file
+            written, present = None, None
+            missing = pending_shards(job.output, job.plan.shards)
+        else:  # the records and one listing of OUT, at once: the sizes they record are checked against it
+            written, present = _written_and_present(job)
+            missing = [shard for shard, record in enumerate(written) if _lost(record, present)]
         if missing:
             listed = ", ".join(str(shard) for shard in missing[:10]) + (" ..." if len(missing) > 10 else "")
             missing_shards = f"shard {listed} is" if len(missing) == 1 else f"shards {listed} are"
             raise StorageError(f"cannot finish {spec.out}: {missing_shards} missing or invalid")
-        return _result(spec.out, _finish(job))
+        return _result(spec.out, _finish(job, written, present))
     finally:
         job.listing.close()
 
