@@ -80,27 +80,46 @@ def test_ranges_and_whole_objects_are_one_get_each(s3_server: S3Server, files: B
     assert getter.get(f"{root}/a.bin", 180_500, start=179_200) is None  # past the end (416): s3fs says what that is
 
 
-class IgnoresRange(http.server.BaseHTTPRequestHandler):
-    """A loopback server that answers every GET 200 with the whole object, whatever range was asked."""
+class RangesAs200(http.server.BaseHTTPRequestHandler):
+    """A loopback server answering every GET 200, for the object "0123456789": with `ranges`, the
+    bytes asked for and their Content-Range (as rclone's S3 server does); without, the whole object
+    (a server that ignores Range); with `wrong_start`, bytes from elsewhere than asked."""
+
+    ranges = False
+    wrong_start = False
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        data = b"0123456789"
+        first, last = 0, len(data) - 1
+        if self.ranges:
+            asked = self.headers["Range"].removeprefix("bytes=").split("-")
+            first, last = int(asked[0]) + self.wrong_start, min(int(asked[1]), last)
         self.send_response(200)
-        self.send_header("Content-Length", "10")
+        self.send_header("Content-Length", str(last - first + 1))
+        if self.ranges:
+            self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
         self.end_headers()
-        self.wfile.write(b"0123456789")
+        self.wfile.write(data[first : last + 1])
 
     def log_message(self, *args: Any) -> None:
         pass
 
 
-def test_a_store_that_ignores_the_range_of_a_read_from_the_middle_is_left_to_s3fs() -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), IgnoresRange)
+@pytest.mark.parametrize(
+    ("ranges", "wrong_start", "from_the_middle"),
+    [(False, False, None), (True, False, b"4567"), (True, True, None)],
+    ids=["range-ignored", "range-in-a-200", "another-range-in-a-200"],
+)
+def test_a_200_answer_is_taken_only_for_the_bytes_asked_for(ranges: bool, wrong_start: bool, from_the_middle: bytes | None) -> None:
+    RangesAs200.ranges, RangesAs200.wrong_start = ranges, wrong_start
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RangesAs200)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         endpoint = f"http://127.0.0.1:{server.server_address[1]}"
         getter = S3Getter(client=None, loop=None, endpoint_url=endpoint, region="us-east-1", anonymous=True)
-        assert getter.get("bucket/key", 4) == b"0123456789"  # from the start: the first bytes are right
-        assert getter.get("bucket/key", 8, start=4) is None  # from the middle: they are not
+        if not wrong_start:
+            assert getter.get("bucket/key", 4) in (b"0123", b"0123456789")  # from the start: the first bytes are right
+        assert getter.get("bucket/key", 8, start=4) == from_the_middle  # from the middle: only where it says so
     finally:
         server.shutdown()
         server.server_close()

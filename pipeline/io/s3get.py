@@ -152,10 +152,10 @@ class S3Getter:
                     return None
                 headers = sign_get(host_header, parts.path, headers, credentials, self.region)
             try:
-                status, body = self._request(host, port, host_header, parts.path, headers)
+                status, body, content_range = self._request(host, port, host_header, parts.path, headers)
             except (OSError, ValueError):  # a dropped connection, a timeout, an answer not understood: s3fs takes over
                 return None
-            if status == 206 or (status == 200 and not start):
+            if status in (200, 206) and _starts_at(content_range, start, status):
                 return body
             if status == 404:
                 raise FileNotFoundError(f"no such object: s3://{path}")
@@ -163,8 +163,10 @@ class S3Getter:
                 return None
         return None
 
-    def _request(self, host: str, port: int, host_header: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
-        """(status, body) of one GET on this thread's kept-alive connection; a stale one is replaced once."""
+    def _request(
+        self, host: str, port: int, host_header: str, path: str, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]:
+        """(status, body, Content-Range) of one GET on this thread's kept-alive connection; a stale one is replaced once."""
         head = f"GET {path} HTTP/1.1\r\nHost: {host_header}\r\n" + "".join(
             f"{name}: {value}\r\n" for name, value in headers.items()
         )
@@ -176,7 +178,7 @@ class S3Getter:
             if connection is None:
                 connection = connections[(host, port)] = _Connection(host, port, self._tls)
             try:
-                status, body, keep = connection.exchange(request)
+                status, body, keep, content_range = connection.exchange(request)
             except OSError:
                 connection.close()
                 connections.pop((host, port), None)
@@ -186,7 +188,7 @@ class S3Getter:
             if not keep:
                 connection.close()
                 connections.pop((host, port), None)
-            return status, body
+            return status, body, content_range
         raise OSError("no answer")
 
     def _frozen_credentials(self, fresh: bool) -> Any:
@@ -211,6 +213,19 @@ class S3Getter:
 
         frozen = sync(self._loop, freeze)
         return frozen if getattr(frozen, "access_key", None) else None
+
+
+def _starts_at(content_range: str | None, start: int, status: int) -> bool:
+    """Whether an answer's body begins at byte `start` of the object.
+
+    A 206 says where in its Content-Range; so does the 200 some S3 servers send
+    for a range (rclone's). A 200 without one is the whole object: its start.
+    """
+    if content_range is None:
+        return status == 206 or start == 0
+    unit, _, rest = content_range.partition(" ")
+    first = rest.partition("-")[0]
+    return unit.strip().lower() == "bytes" and first.strip().isdigit() and int(first) == start
 
 
 def _plain_options(fs: Any) -> bool:
@@ -283,8 +298,8 @@ class _Connection:
         self.sock = tls.wrap_socket(sock, server_hostname=host) if tls is not None else sock
         self.reader = self.sock.makefile("rb", buffering=READ_BUFFER)
 
-    def exchange(self, request: bytes) -> tuple[int, bytes, bool]:
-        """Send `request`; (status, body, whether the connection may be used again)."""
+    def exchange(self, request: bytes) -> tuple[int, bytes, bool, str | None]:
+        """Send `request`; (status, body, whether the connection may be used again, the Content-Range header)."""
         self.sock.sendall(request)
         status_line = self.reader.readline(8192)
         if not status_line:
@@ -303,7 +318,7 @@ class _Connection:
         else:
             raise ValueError("an answer without a length")  # read to the end: rare; s3fs reads it instead
         keep = version != "HTTP/1.0" and headers.get("connection", "").lower() != "close"
-        return int(status), body, keep
+        return int(status), body, keep, headers.get("content-range")
 
     def _exactly(self, size: int) -> bytes:
         body = self.reader.read(size)
