@@ -362,7 +362,7 @@ def _open_or_plan(
     without, the estimate runs in this process.
     """
     output = Output(spec.out)
-    records = OutRecords(output)
+    records = OutRecords(output).read_both()
     spec = _as_recorded(spec, records)
     _refuse_out_inside_source(spec)
     finished = check_existing(output, spec, overwrite, records)
@@ -1018,7 +1018,7 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
             or a finished dataset's shard file is still missing or damaged.
     """
     output = Output(spec.out)
-    records = OutRecords(output)
+    records = OutRecords(output).read_both()
     spec = _as_recorded(spec, records)
     manifest = finished_manifest(output, spec, records)
     if manifest is not None:

@@ -97,8 +97,11 @@ def share_listing(output: Output, work_dir: str, digest: str) -> None:
     """
     if output.is_local:
         return
-    for name in (LINES_NAME, INDEX_NAME):
-        output.publish(f"{work_dir}/{name}", keep_local=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2, thread_name_prefix="gpufeed-share") as pool:  # two uploads, one round trip
+        for upload in [pool.submit(output.publish, f"{work_dir}/{name}", keep_local=True) for name in (LINES_NAME, INDEX_NAME)]:
+            upload.result()
     _mark_fetched(output.local(work_dir), digest)
 
 

@@ -224,6 +224,17 @@ class OutRecords:
     def __init__(self, output: Output) -> None:
         self.output = output
 
+    def read_both(self) -> OutRecords:
+        """Read the plan and the manifest now, at once (two requests, one round trip on a store)."""
+        if not self.output.is_local:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(1, thread_name_prefix="gpufeed-records") as pool:
+                manifest = pool.submit(lambda: self.manifest_text)
+                _ = self.plan
+                manifest.result()
+        return self
+
     @functools.cached_property
     def plan(self) -> dict[str, Any] | None:
         """The plan record of an unfinished job (`read_plan`), or None."""
