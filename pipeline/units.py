@@ -33,7 +33,7 @@ def parse_bytes(text: str | int) -> int:
     binary = "i" in unit
     letter = unit[:1] if unit[:1] in "kmgt" else ""
     factor = 1024 ** ("kmgt".index(letter) + 1) if binary and letter else _UNITS[letter]
-    return int(number * factor)
+    return int(round(number * factor))  # to the nearest byte: "1.04 KiB" is 1064.96 bytes
 
 
 _BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
