@@ -44,7 +44,7 @@ def raw_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_decoder_has_a_row_raw_vs_prepared(raw_images: Path) -> None:
-    result = benchmark_decode(str(raw_images), sample=16, target=224, size=256, min_seconds=0.05)
+    result = benchmark_decode(str(raw_images), sample=16, target=224, size=256, min_seconds=0.2)  # many passes: the fastest counts
     names = [row.decoder for row in result.rows]
     assert names[: len(available_decoders())] == list(available_decoders())
     assert names[-1] == "npy (no decode)"
@@ -100,7 +100,7 @@ def test_decoder_names_are_what_the_option_takes_or_what_the_rows_say() -> None:
 
 @pytest.mark.skipif(native.library(warn=False) is None, reason="gpufeed's native library is not built here")
 def test_the_loaders_region_decoder_is_measured(raw_images: Path) -> None:
-    result = benchmark_decode(str(raw_images), sample=4, decoders=["region", "pil"], min_seconds=0.02)
+    result = benchmark_decode(str(raw_images), sample=4, decoders=["region", "pil"], min_seconds=0.2)  # many passes: the fastest counts
     region = result.rows[0]
     assert region.decoder == "region" and "the loader's" in region.note and "JPEG files only" in region.note
     assert region.raw_images_per_s and region.prepared_images_per_s  # the JPEGs of the sample decode
