@@ -120,20 +120,44 @@ class CountingApp:
                     del self.uploading[key]
 
     def _count(self, key: str, body: Iterable[bytes]) -> Iterator[bytes]:
+        """The body, counted and throttled; the GET stops being in flight as its last piece is handed over.
+
+        Not after: the client has every byte once the server writes the last piece, and may
+        send its next request on another connection before this generator is resumed to end.
+        """
+        bucket = key.split("/", 1)[0]
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._end(bucket, "get")
+
         try:
-            for chunk in body:
-                for start in range(0, len(chunk), THROTTLE_PIECE if self.bytes_per_s else max(len(chunk), 1)):
-                    piece = chunk[start : start + THROTTLE_PIECE] if self.bytes_per_s else chunk
-                    with self.lock:
-                        self.reads[key]["bytes"] += len(piece)
-                    if self.bytes_per_s:
-                        time.sleep(len(piece) / self.bytes_per_s)
-                    yield piece
+            pieces = self._pieces(key, body)
+            piece = next(pieces, None)
+            while piece is not None:
+                following = next(pieces, None)
+                if following is None:
+                    end()
+                yield piece
+                piece = following
         finally:
-            self._end(key.split("/", 1)[0], "get")
+            end()
             close = getattr(body, "close", None)
             if close is not None:
                 close()
+
+    def _pieces(self, key: str, body: Iterable[bytes]) -> Iterator[bytes]:
+        for chunk in body:
+            for start in range(0, len(chunk), THROTTLE_PIECE if self.bytes_per_s else max(len(chunk), 1)):
+                piece = chunk[start : start + THROTTLE_PIECE] if self.bytes_per_s else chunk
+                with self.lock:
+                    self.reads[key]["bytes"] += len(piece)
+                if self.bytes_per_s:
+                    time.sleep(len(piece) / self.bytes_per_s)
+                yield piece
 
     def _control(self, path: str, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
         query = parse_qs(environ.get("QUERY_STRING", ""))
