@@ -228,6 +228,24 @@ def test_a_full_cache_keeps_a_stable_subset_and_reads_the_rest_from_the_store(
     assert len(cache_warnings(caplog, "is full")) == 1
 
 
+def test_a_fill_published_while_the_space_is_counted_is_counted_once(tmp_path: Path) -> None:
+    # A fill moves its file from partial/ to shards/ when it publishes; a count that lists
+    # partial/ just before and shards/ just after sees it twice, and refused a shard that fit.
+    from pipeline.io.cache import _lock, _unlock
+
+    digest, size = "ab" * 32, 1000
+    cache = ShardCache(tmp_path / "cache", 10_000)
+    (tmp_path / "cache" / "partial" / f"{digest}-{size}.part").write_bytes(b"x" * 10)  # still filling, as listed first
+    (tmp_path / "cache" / "shards" / f"{digest}.tar").write_bytes(b"x" * size)  # and published, as listed next
+    held = _lock(str(tmp_path / "cache" / "locks" / f"{digest}.lock"))  # its filler is alive
+    try:
+        usage = cache.usage()
+    finally:
+        _unlock(held)
+    assert usage.used_bytes == size
+    cache.close()
+
+
 def test_the_bound_holds_across_processes(s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path) -> None:
     shards = addresses(s3_bucket)
     room = sum(s[2] for s in shards[:2]) + 1

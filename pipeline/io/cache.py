@@ -495,7 +495,9 @@ class ShardCache:
     def _count_space(self, exclude: str) -> tuple[int, int, int]:
         """(bytes used, complete shards, fills) with the space lock held; removes partial files of dead fills."""
         used = filling = 0
-        for entry in _scandir(self._partial):  # before the shards: a fill published meanwhile is counted twice, not missed
+        reserved: set[str] = set()
+        # The partial files before the shards: a fill published meanwhile is seen in both, and counted once.
+        for entry in _scandir(self._partial):
             match = _PARTIAL.fullmatch(entry.name)
             if match is None or match["digest"] == exclude:
                 continue
@@ -503,6 +505,7 @@ class ShardCache:
             if lock is None:
                 used += int(match["size"])  # a live fill's reservation
                 filling += 1
+                reserved.add(match["digest"])
                 continue
             try:
                 _remove(entry.path)
@@ -510,7 +513,7 @@ class ShardCache:
                 _unlock(lock)
         shards = 0
         for entry in _scandir(self._shards):
-            if entry.name.endswith(".tar"):
+            if entry.name.endswith(".tar") and entry.name[: -len(".tar")] not in reserved:
                 with contextlib.suppress(FileNotFoundError):
                     used += entry.stat().st_size
                     shards += 1
