@@ -73,6 +73,32 @@ def empty_folder(tmp_path: Path) -> Path:
 # A multipart upload cut short
 
 
+def publish_cut_short(server: S3Server, bucket: Bucket, output: Output, rel: str) -> list[BaseException]:
+    """Publish `rel` (a file of several parts) while the store takes the right to write away between
+    two parts: the next part, the abort and the clean-up are refused. Returns what the publish raised."""
+    server.throttle_uploads(8 * MiB)  # about 2 s for a 16 MiB file: the test acts between parts
+    failure: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            output.publish(rel)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            failure.append(exc)
+
+    uploader = threading.Thread(target=publish)
+    try:
+        uploader.start()
+        wait_for(lambda: multipart_uploads(server, bucket.name), "multipart upload")
+        wait_for(lambda: f"{output.remote_root}/{rel}" in server.uploading(), "part being uploaded")
+        server.refuse_writes(True)
+        uploader.join(timeout=60)
+    finally:
+        server.refuse_writes(False)
+        server.throttle_uploads(0)
+    assert not uploader.is_alive()
+    return failure
+
+
 def test_a_multipart_upload_cut_short_is_aborted_and_a_retry_leaves_none_in_progress(
     s3_server: S3Server, s3_upload: Callable[[Path], Bucket], tmp_path: Path
 ) -> None:
@@ -83,26 +109,7 @@ def test_a_multipart_upload_cut_short_is_aborted_and_a_retry_leaves_none_in_prog
         output.makedirs()
         data = os.urandom(3 * PART + MiB)  # four parts
         Path(output.local("big.tar")).write_bytes(data)
-        s3_server.throttle_uploads(8 * MiB)  # about 2 s for the whole file: the test acts between parts
-        failure: list[BaseException] = []
-
-        def publish() -> None:
-            try:
-                output.publish("big.tar")
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                failure.append(exc)
-
-        uploader = threading.Thread(target=publish)
-        try:
-            uploader.start()
-            wait_for(lambda: multipart_uploads(s3_server, bucket.name), "multipart upload")
-            wait_for(lambda: [key for key in s3_server.uploading() if key.endswith("/shards/big.tar")], "part being uploaded")
-            s3_server.refuse_writes(True)  # the store takes the right to write away: the next part, the abort and the clean-up are refused
-            uploader.join(timeout=60)
-        finally:
-            s3_server.refuse_writes(False)
-            s3_server.throttle_uploads(0)
-        assert not uploader.is_alive()
+        failure = publish_cut_short(s3_server, bucket, output, "big.tar")
         assert len(failure) == 1 and isinstance(failure[0], StorageError), failure
         message = str(failure[0])
         assert "upload big.tar to" in message and "\n" not in message
@@ -132,25 +139,7 @@ def test_an_upload_that_fails_over_an_earlier_copy_keeps_that_copy(
         Path(output.local("big.tar")).write_bytes(earlier)
         output.publish("big.tar")
         Path(output.local("big.tar")).write_bytes(later)
-        s3_server.throttle_uploads(8 * MiB)
-        failure: list[BaseException] = []
-
-        def publish() -> None:
-            try:
-                output.publish("big.tar")
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                failure.append(exc)
-
-        uploader = threading.Thread(target=publish)
-        try:
-            uploader.start()
-            wait_for(lambda: multipart_uploads(s3_server, bucket.name), "multipart upload")
-            wait_for(lambda: [key for key in s3_server.uploading() if key.endswith("/shards/big.tar")], "part being uploaded")
-            s3_server.refuse_writes(True)  # the part, the abort and the clean-up are refused
-            uploader.join(timeout=60)
-        finally:
-            s3_server.refuse_writes(False)
-            s3_server.throttle_uploads(0)
+        failure = publish_cut_short(s3_server, bucket, output, "big.tar")
         assert len(failure) == 1 and isinstance(failure[0], StorageError), failure
         assert s3_server.filesystem().cat_file(f"{bucket.name}/shards/big.tar") == earlier  # still the whole earlier copy
 
