@@ -113,17 +113,18 @@ def read_manifest(where: DatasetLocation) -> Manifest:
         text = output.read_if_exists(MANIFEST_NAME)
     except OSError as exc:
         raise ManifestError(f"cannot read {output.url}/{MANIFEST_NAME}: {exc}") from exc
-    if text is None:
-        raise ManifestError(f"no {MANIFEST_NAME} in {output.url}: not a prepared dataset (or its prepare did not finish)")
-    return parse_manifest(text, f"{output.url}/{MANIFEST_NAME}")
+    return parse_manifest(text, output.url)
 
 
-def parse_manifest(text: bytes, where: str) -> Manifest:
-    """A manifest from the bytes of a manifest.json read from `where` (named in errors).
+def parse_manifest(text: bytes | None, url: str) -> Manifest:
+    """The manifest from the bytes of the dataset folder `url`'s manifest.json (None: it has none).
 
     Raises:
-        ManifestError: not JSON, or not a gpufeed manifest.
+        ManifestError: missing, not JSON, or not a gpufeed manifest.
     """
+    if text is None:
+        raise ManifestError(f"no {MANIFEST_NAME} in {url}: not a prepared dataset (or its prepare did not finish)")
+    where = f"{url}/{MANIFEST_NAME}"
     try:
         data = json.loads(text)
     except ValueError as exc:

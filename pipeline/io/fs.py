@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -165,6 +165,20 @@ def store_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return tuple(errors)
+
+
+def at_once(*calls: Callable[[], Any]) -> list[Any]:
+    """Run independent calls (each a few round trips to a store) on threads of their own; their results in order.
+
+    Every call runs to its end; the first one's error (in the order given) is raised then.
+    """
+    if len(calls) < 2:
+        return [call() for call in calls]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="gpufeed-at-once") as pool:
+        running = [pool.submit(call) for call in calls]
+        return [future.result() for future in running]
 
 
 def store_failure(what: str, url: str, exc: BaseException) -> StorageError:

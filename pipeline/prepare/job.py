@@ -42,12 +42,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import ConfigError, ManifestError, NoImagesError, SampleError, SourceError, StorageError
 from ..io.devices import device_info, faster_local_disk, free_bytes
-from ..io.fs import resolve_location, same_location, storage_options_for
+from ..io.fs import at_once, resolve_location, same_location, storage_options_for
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, write_manifest
@@ -840,24 +839,20 @@ def _finish(
     )
     write_manifest(job.output, manifest)
     job.listing.close()
-    if job.output.is_local:
-        remove_stale_temp_objects(job.output, manifest)
-        remove_work(job.output)
-    else:  # independent clean-ups, each a few round trips to the store: at once
-        with ThreadPoolExecutor(2, thread_name_prefix="gpufeed-finish") as pool:
-            temps, work = pool.submit(remove_stale_temp_objects, job.output, manifest), pool.submit(remove_work, job.output)
-            temps.result()
-            work.result()
+    _clean_up(job.output, manifest)
     return manifest
+
+
+def _clean_up(output: Output, manifest: Manifest) -> None:
+    """Once the manifest is written: the temp objects crashed writers left and the work folder go (at once)."""
+    at_once(lambda: remove_stale_temp_objects(output, manifest), lambda: remove_work(output))
 
 
 def _written_and_present(job: _Job) -> tuple[list[dict[str, Any] | None], dict[str, int]]:
     """Every planned shard's record (None: not written) and the size of every file under OUT now (one
     listing, paged on a store: the manifest lists only what OUT holds, and a store may have lost files)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="gpufeed-finish") as pool:
-        listing = pool.submit(job.output.file_sizes)
-        written = for_each_shard(job.output, job.plan.shards, _record_or_none)
-        return written, listing.result()
+    written, present = at_once(lambda: for_each_shard(job.output, job.plan.shards, _record_or_none), job.output.file_sizes)
+    return written, present
 
 
 def _lost(record: dict[str, Any] | None, present: dict[str, int]) -> bool:
@@ -1026,8 +1021,7 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
         if damaged:
             listed = ", ".join(f"{path} {problem}" for path, problem in list(damaged.items())[:10])
             raise StorageError(f"cannot finish {spec.out}: {listed}; write those shards first (plan_prepare plans them)")
-        remove_stale_temp_objects(output, manifest)
-        remove_work(output)  # the leftovers of a finish that stopped right after its manifest (or of a repair)
+        _clean_up(output, manifest)  # the leftovers of a finish that stopped right after its manifest (or of a repair)
         return _result(spec.out, manifest)
     job = _load_planned_job(spec, records)
     try:

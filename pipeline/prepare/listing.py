@@ -15,6 +15,7 @@ never a folder.
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import os
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from typing import IO
 import numpy as np
 
 from ..errors import StorageError, write_failure
-from ..io.fs import file_sha256
+from ..io.fs import at_once, file_sha256
 from ..io.output import Output
 from .sources import ListingInfo, SourceItem
 
@@ -97,11 +98,7 @@ def share_listing(output: Output, work_dir: str, digest: str) -> None:
     """
     if output.is_local:
         return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(2, thread_name_prefix="gpufeed-share") as pool:  # two uploads, one round trip
-        for upload in [pool.submit(output.publish, f"{work_dir}/{name}", keep_local=True) for name in (LINES_NAME, INDEX_NAME)]:
-            upload.result()
+    at_once(*(functools.partial(output.publish, f"{work_dir}/{name}", keep_local=True) for name in (LINES_NAME, INDEX_NAME)))
     _mark_fetched(output.local(work_dir), digest)
 
 

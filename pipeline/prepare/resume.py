@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import JobConflictError, ManifestError, StorageError
-from ..io.fs import file_sha256
+from ..io.fs import at_once, file_sha256
 from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, parse_manifest
@@ -227,12 +227,7 @@ class OutRecords:
     def read_both(self) -> OutRecords:
         """Read the plan and the manifest now, at once (two requests, one round trip on a store)."""
         if not self.output.is_local:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(1, thread_name_prefix="gpufeed-records") as pool:
-                manifest = pool.submit(lambda: self.manifest_text)
-                _ = self.plan
-                manifest.result()
+            at_once(lambda: self.plan, lambda: self.manifest_text)
         return self
 
     @functools.cached_property
@@ -251,10 +246,7 @@ class OutRecords:
         Raises:
             ManifestError: missing, not JSON, or not a gpufeed manifest.
         """
-        where = f"{self.output.url}/{MANIFEST_NAME}"
-        if self.manifest_text is None:
-            raise ManifestError(f"no {MANIFEST_NAME} in {self.output.url}: not a prepared dataset (or its prepare did not finish)")
-        return parse_manifest(self.manifest_text, where)
+        return parse_manifest(self.manifest_text, self.output.url)
 
 
 def recorded_source(records: OutRecords) -> str | None:
