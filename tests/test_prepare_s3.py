@@ -291,3 +291,34 @@ def test_a_listing_error_on_the_store_is_a_source_error(s3_server, tmp_path, get
     url = "s3://nowhere/raw"
     with storage_options_for([url], options), pytest.raises(SourceError, match="cannot reach"):
         list(list_images(url))
+
+
+@pytest.mark.parametrize("kind", ["folder", "list"])
+def test_a_second_listing_in_one_process_lists_what_the_store_holds_now(s3_server, tmp_path, kind):
+    """A long-lived process (a service worker, a notebook) lists a source twice while another machine changes it."""
+    from s3_fixtures import upload
+
+    from pipeline.prepare.sources import list_images
+
+    bucket = upload(s3_server, _empty(tmp_path))
+    other_machine = s3_server.filesystem()
+    root = f"{bucket.name}/raw"
+    for name in ("a.jpg", "b.jpg"):
+        other_machine.pipe_file(f"{root}/cats/{name}", b"x")
+    other_machine.pipe_file(f"{root}/dogs/c.jpg", b"x")
+    url = f"s3://{root}"
+    if kind == "list":
+        other_machine.pipe_file(f"{root}/list.csv", b"path\ncats/a.jpg\ncats/b.jpg\n")
+        url = f"{url}/list.csv"
+
+    def listing() -> list[str]:
+        with storage_options_for([url], s3_server.storage_options):  # the process's one cached client, as in a job
+            return [item.rel for item in list_images(url)]
+
+    first = listing()
+    assert first == (["cats/a.jpg", "cats/b.jpg", "dogs/c.jpg"] if kind == "folder" else ["cats/a.jpg", "cats/b.jpg"])
+    other_machine.rm_file(f"{root}/cats/a.jpg")
+    other_machine.pipe_file(f"{root}/dogs/d.jpg", b"x")
+    if kind == "list":
+        other_machine.pipe_file(f"{root}/list.csv", b"path\ncats/b.jpg\ndogs/c.jpg\ndogs/d.jpg\n")
+    assert listing() == ["cats/b.jpg", "dogs/c.jpg", "dogs/d.jpg"]

@@ -96,6 +96,26 @@ def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple
     return fs, path
 
 
+def forget_listings(fs: Any, path: str) -> None:
+    """Make `fs` ask the store again about `path` and everything under it.
+
+    An fsspec filesystem is shared by every caller in a process with the same
+    options, and s3fs keeps each folder listing it made for the life of that
+    process: a second prepare of a source another machine has added images to
+    (or deleted some from) since the first one would list it as it was.
+
+    Args:
+        fs: an fsspec filesystem.
+        path: a folder or file inside it (no protocol).
+    """
+    fs.invalidate_cache(path)  # the path and its parents
+    listings = getattr(fs, "dircache", None)
+    if listings:
+        inside = path.rstrip("/") + "/"
+        for key in [key for key in list(listings) if str(key).startswith(inside)]:
+            listings.pop(key, None)
+
+
 # Option names that carry credentials (s3fs `key`/`secret`/`token`, gcsfs `token`, adlfs `account_key` …):
 # kept in this process only, never recorded in a job or shown.
 _SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "private", "signature", "sas")

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..errors import ConfigError, SourceError
-from ..io.fs import local_path, open_fs, store_errors
+from ..io.fs import forget_listings, local_path, open_fs, store_errors
 
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .gif .bmp .dib .tif .tiff .webp .ppm .pgm .pbm .pnm "
@@ -108,6 +108,7 @@ def list_images(source: str, info: ListingInfo | None = None, *, threads: int = 
             return
         raise SourceError(f"source not found: {source}")
     fs, root = open_fs(source)
+    forget_listings(fs, root)  # what the store holds now, not what this process listed before
     try:
         is_dir = fs.isdir(root)
         exists = is_dir or fs.exists(root)
