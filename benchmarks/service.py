@@ -425,8 +425,6 @@ def job_storage_options(s3: Store) -> dict[str, Any]:
 
 def check_output(s3: Store, out: str, images: int) -> dict[str, Any]:
     """The run's manifest must exist on the store and count every image; then its prefix is removed."""
-    import s3fs
-
     from pipeline.io.fs import storage_options_for
     from pipeline.manifest import read_manifest
 
@@ -434,7 +432,7 @@ def check_output(s3: Store, out: str, images: int) -> dict[str, Any]:
         manifest = read_manifest(out)
     if manifest.samples != images:
         raise SystemExit(f"{out}: the manifest counts {manifest.samples} samples, expected {images}")
-    s3fs.S3FileSystem(skip_instance_cache=True, **s3.options).rm(out.removeprefix("s3://"), recursive=True)
+    s3.filesystem().rm(out.removeprefix("s3://"), recursive=True)
     return {"manifest_samples": manifest.samples, "manifest_shards": len(manifest.shards)}
 
 
