@@ -35,6 +35,7 @@ runner (the service) runs the same job in steps: `plan_prepare` once,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -417,8 +418,6 @@ def _start_job(
     listing = Listing(work)
     info = ListingInfo()
     listed, digest, labels = listing.write(list_images(spec.source, info))
-    if listed:
-        share_listing(output, WORK_DIR, digest)  # the shard tasks of other machines read it from OUT
     classes = class_names(info, labels)
     if repair is not None:
         _check_repairable(spec, repair, listed, classes)
@@ -431,13 +430,17 @@ def _start_job(
             + (f" ({format_count(info.ignored, 'file')} without an image extension ignored)" if info.ignored else "")
         )
     saved = _saved_plan_of(spec, old_plan, output, digest, listed, overwrite) if repair is None else None
+    # the shard tasks of other machines read the listing from OUT
+    share = functools.partial(share_listing, output, WORK_DIR, digest)
     if saved is not None:
+        share()
         return _Job(spec, output, listing, ShardPlan(**saved["plan"]), classes, listed, info.ignored, [])
     # The worker pool starts now: it measures the size estimate in parallel,
     # and the samples it measured are kept for their shards, not redone.
     pool = SamplePool(workers, spec, classes, io_threads) if workers is not None else None
     try:
-        per_sample, cache = _estimate_sample_bytes(listing, listed, spec, classes, pool)
+        # the upload and the estimate's reads are round trips to stores: side by side, not one after the other
+        _, (per_sample, cache) = at_once(share, functools.partial(_estimate_sample_bytes, listing, listed, spec, classes, pool))
         plan = plan_shards(listed, _samples_per_shard(spec, per_sample), spec.seed)
         if repair is None:
             warnings = _check_placement(spec, per_sample * listed * max(1, spec.augment.variants), force)
