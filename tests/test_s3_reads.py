@@ -192,11 +192,13 @@ def test_any_answer_but_the_object_or_its_absence_is_left_to_s3fs(odd_store: str
     OddStore.status = status
     getter = S3Getter(client=None, loop=None, endpoint_url=odd_store, region="us-east-1", anonymous=True)
     assert getter.get("bucket/key", 100) is None
+    assert getter.list_objects("bucket/raw/", delimiter="/") is None  # no listing: s3fs lists, and says why not
 
 
 def test_an_unreachable_store_is_left_to_s3fs(get_free_port: Any) -> None:
     getter = S3Getter(None, None, f"http://127.0.0.1:{get_free_port()}", "us-east-1", anonymous=True)
     assert getter.get("bucket/key", 100) is None
+    assert getter.list_objects("bucket/raw/") is None
 
 
 def test_urls_are_path_style_on_a_custom_endpoint_and_virtual_host_style_on_aws() -> None:
@@ -207,13 +209,14 @@ def test_urls_are_path_style_on_a_custom_endpoint_and_virtual_host_style_on_aws(
     assert aws.url("dotted.bucket", "k") is None  # TLS cannot check a dotted bucket's host name: s3fs reads it
 
 
+@pytest.mark.parametrize("query", [None, {"list-type": "2", "prefix": "raw/a b+c~/", "delimiter": "/", "continuation-token": "x=y/z"}])
 @pytest.mark.parametrize("token", [None, "a-session-token"])
 @pytest.mark.parametrize(
     ("host", "path"),
     [("127.0.0.1:9000", "/bucket/raw/a%20b%2Bc~.jpg"), ("my-bucket.s3.eu-west-1.amazonaws.com", "/k/1.jpg")],
 )
 def test_the_signature_is_the_one_botocore_computes(
-    monkeypatch: pytest.MonkeyPatch, host: str, path: str, token: str | None
+    monkeypatch: pytest.MonkeyPatch, host: str, path: str, token: str | None, query: dict[str, str] | None
 ) -> None:
     import datetime
 
@@ -221,14 +224,15 @@ def test_the_signature_is_the_one_botocore_computes(
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
 
-    from pipeline.io.s3get import sign_get
+    from pipeline.io.s3get import canonical_query, sign_get
 
     at = datetime.datetime(2026, 11, 30, 23, 59, 58, tzinfo=datetime.timezone.utc)
     monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: at.replace(tzinfo=None))
     credentials = Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", token).get_frozen_credentials()
-    request = AWSRequest(method="GET", url=f"http://{host}{path}", headers={"Range": "bytes=0-99"})
+    request = AWSRequest(method="GET", url=f"http://{host}{path}", headers={"Range": "bytes=0-99"}, params=query or {})
     botocore.auth.S3SigV4Auth(credentials, "s3", "eu-west-1").add_auth(request)
-    ours = sign_get(host, path, {"Range": "bytes=0-99"}, credentials, "eu-west-1", now=at)
+    signed_query = canonical_query(query) if query else ""
+    ours = sign_get(host, path, {"Range": "bytes=0-99"}, credentials, "eu-west-1", now=at, query=signed_query)
     assert {name.lower(): value for name, value in ours.items()} == {
         name.lower(): value for name, value in request.headers.items()
     }
