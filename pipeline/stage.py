@@ -26,7 +26,7 @@ from typing import Any
 from .errors import ConfigError, GpufeedError, ManifestError, SourceError, StorageError, write_failure
 from .io.cache import copy_from_store
 from .io.devices import free_bytes
-from .io.fs import file_sha256, local_path, open_fs, redact_url, temp_suffix
+from .io.fs import file_sha256, forget_listings, local_path, open_fs, redact_url, temp_suffix
 from .io.output import Output
 from .manifest import MANIFEST_NAME, REJECTED_NAME, Manifest
 from .units import format_bytes
@@ -292,6 +292,7 @@ def _read_manifest_bytes(root: str, storage_options: Mapping[str, Any] | None) -
 def _read_optional(root: str, name: str, storage_options: Mapping[str, Any] | None) -> bytes | None:
     """A small file of the source dataset, or None when it has none."""
     fs, path = open_fs(f"{root}/{name}", storage_options)
+    forget_listings(fs, path)  # the store's answer now, not a listing this process made before
     try:
         if not fs.exists(path):
             return None

@@ -322,3 +322,43 @@ def test_a_second_listing_in_one_process_lists_what_the_store_holds_now(s3_serve
     if kind == "list":
         other_machine.pipe_file(f"{root}/list.csv", b"path\ncats/b.jpg\ndogs/c.jpg\ndogs/d.jpg\n")
     assert listing() == ["cats/b.jpg", "dogs/c.jpg", "dogs/d.jpg"]
+
+
+def test_output_on_a_store_answers_for_what_it_holds_now_not_what_this_process_listed(s3_server, tmp_path):
+    from s3_fixtures import upload
+
+    from pipeline.io.output import Output
+
+    bucket = upload(s3_server, _empty(tmp_path))
+    other_machine = s3_server.filesystem()
+    root = f"{bucket.name}/ds"
+    other_machine.pipe_file(f"{root}/shards/a.tar", b"x" * 10)
+    other_machine.pipe_file(f"{root}/v1/b.tar", b"y")
+    with storage_options_for([f"s3://{root}"], s3_server.storage_options):
+        output = Output(f"s3://{root}")
+        assert output.file_sizes() == {"shards/a.tar": 10, "v1/b.tar": 1}  # s3fs keeps this listing
+        other_machine.rm_file(f"{root}/shards/a.tar")
+        other_machine.rm_file(f"{root}/v1/b.tar")
+        other_machine.pipe_file(f"{root}/v2/c.tar", b"zz")
+        assert not output.exists("shards/a.tar")
+        assert output.size("shards/a.tar") is None
+        assert output.size("v2/c.tar") == 2
+        assert output.listdir() == ["v2"]
+        assert output.listdir("v1") == []
+        assert output.file_sizes() == {"v2/c.tar": 2}
+
+
+def test_a_second_run_in_one_process_rewrites_a_shard_deleted_since_the_first(s3_server, raw_images, local_run, tmp_path):
+    """A long-lived worker finishes a job, someone deletes a shard, the same job comes again: it is repaired."""
+    from s3_fixtures import upload
+
+    bucket = upload(s3_server, _empty(tmp_path))
+    out = f"s3://{bucket.name}/shards"
+    spec = spec_of(str(raw_images), out)
+    assert prepare_dataset(spec, workers=0, storage_options=s3_server.storage_options).samples == IMAGES
+    assert prepare_dataset(spec, workers=0, storage_options=s3_server.storage_options).already_complete
+    lost = sorted(local_run)[1]
+    s3_server.filesystem().rm_file(f"{bucket.name}/shards/{lost}")
+    again = prepare_dataset(spec, workers=0, storage_options=s3_server.storage_options)
+    assert again.samples == IMAGES
+    assert remote_shards(s3_server, out) == local_run  # the deleted shard is there again, byte for byte

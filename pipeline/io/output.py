@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import StorageError, write_failure
-from .fs import abort_uploads, local_path, open_fs, store_errors, store_failure, temp_suffix
+from .fs import abort_uploads, forget_listings, local_path, open_fs, store_errors, store_failure, temp_suffix
 from .s3get import getter_for
 
 # Stores on which an object appears only when its upload completes, whole (a single PUT, or a
@@ -72,6 +72,17 @@ class Output:
 
     def _remote(self, rel: str) -> str:
         return f"{self.remote_root}/{rel}"
+
+    def _fresh(self, rel: str) -> str:
+        """`rel`'s path on the store (OUT itself for ""), with what this process listed of it forgotten.
+
+        The filesystem is shared in the process and s3fs answers exists, size and
+        ls from any listing it made before: a long-lived worker would see the
+        shards of its last job on OUT, not what the store holds now.
+        """
+        path = self._remote(rel) if rel else self.remote_root
+        forget_listings(self.fs, path)
+        return path
 
     def makedirs(self) -> None:
         try:
@@ -187,7 +198,7 @@ class Output:
         if self.is_local:
             return os.path.exists(self.local(rel))
         try:
-            return bool(self.fs.exists(self._remote(rel)))
+            return bool(self.fs.exists(self._fresh(rel)))
         except store_errors() as exc:
             raise store_failure(f"look for {rel} in", self.url, exc) from exc
 
@@ -195,7 +206,7 @@ class Output:
         try:
             if self.is_local:
                 return os.path.getsize(self.local(rel))
-            return int(self.fs.size(self._remote(rel)))
+            return int(self.fs.size(self._fresh(rel)))
         except (OSError, FileNotFoundError):
             return None
 
@@ -262,7 +273,7 @@ class Output:
                     shutil.rmtree(path)
                 elif os.path.exists(path):
                     os.unlink(path)
-            elif self.fs.exists(self._remote(rel)):
+            elif self.fs.exists(self._fresh(rel)):
                 self.fs.rm(self._remote(rel), recursive=True)
         except store_errors() as exc:
             raise store_failure(f"remove {rel} from", self.url, exc) from exc
@@ -283,8 +294,7 @@ class Output:
             return sizes
         prefix = f"{self.remote_root}/"
         try:
-            self.fs.invalidate_cache(self.remote_root)  # what the store holds now, not what was listed before
-            found = self.fs.find(self.remote_root, detail=True)
+            found = self.fs.find(self._fresh(""), detail=True)
         except FileNotFoundError:
             return {}
         except store_errors() as exc:
@@ -300,7 +310,7 @@ class Output:
             if self.is_local:
                 path = self.local(rel) if rel else self.root
                 return sorted(os.listdir(path)) if os.path.isdir(path) else []
-            base = self._remote(rel) if rel else self.remote_root
+            base = self._fresh(rel) if rel else self._fresh("")
             if not self.fs.isdir(base):
                 return []
             return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False))
@@ -351,7 +361,7 @@ def remove_temp_objects(output: Output, finals: Iterable[str], *, older_than_s: 
 def _old_temp_names(output: Output, folder: str, finals: set[str], cutoff: float) -> list[str]:
     base = output._remote(folder) if folder else output.remote_root
     try:
-        output.fs.invalidate_cache(base)
+        forget_listings(output.fs, base)
         entries = output.fs.ls(base, detail=True)
     except FileNotFoundError:
         return []

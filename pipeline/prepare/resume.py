@@ -182,13 +182,16 @@ def _is_temp_shard(name: str) -> bool:
     return name.startswith(".shard-") and ".tmp-" in name
 
 
-def shard_file_problem(output: Output, info: ShardInfo, *, verify: bool = False) -> str:
+def shard_file_problem(
+    output: Output, info: ShardInfo, *, verify: bool = False, sizes: dict[str, int] | None = None
+) -> str:
     """What is wrong with a finished dataset's shard file on disk, phrased to follow its name; "" when nothing.
 
     Cheap by default (the file is there with its recorded size); with
-    `verify`, its sha256 is computed and compared too.
+    `verify`, its sha256 is computed and compared too. `sizes`: OUT's files
+    and sizes, listed once (`Output.file_sizes`), instead of asking for this one.
     """
-    size = output.size(info.path)
+    size = output.size(info.path) if sizes is None else sizes.get(info.path)
     if size is None:
         return "was missing"
     if size != info.bytes:
@@ -199,8 +202,13 @@ def shard_file_problem(output: Output, info: ShardInfo, *, verify: bool = False)
 
 
 def damaged_shards(output: Output, manifest: Manifest, *, verify: bool = False) -> dict[str, str]:
-    """The manifest's shard files that are missing or damaged in OUT: path -> what is wrong (see `shard_file_problem`)."""
-    problems = {info.path: shard_file_problem(output, info, verify=verify) for info in manifest.shards}
+    """The manifest's shard files that are missing or damaged in OUT: path -> what is wrong (see `shard_file_problem`).
+
+    On a store, OUT is listed once for every shard's size (one request per
+    thousand files, not one per shard).
+    """
+    sizes = None if output.is_local else output.file_sizes()
+    problems = {info.path: shard_file_problem(output, info, verify=verify, sizes=sizes) for info in manifest.shards}
     return {path: problem for path, problem in problems.items() if problem}
 
 
