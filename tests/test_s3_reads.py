@@ -270,3 +270,42 @@ def test_chunked_answers_are_read_and_the_connection_kept() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+class GarbledOnce(http.server.BaseHTTPRequestHandler):
+    """Answers its first GET with something that is not HTTP (and more of it after), every later one properly."""
+
+    protocol_version = "HTTP/1.1"
+    connections = 0
+    answered = 0
+
+    def setup(self) -> None:
+        super().setup()
+        GarbledOnce.connections += 1
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        GarbledOnce.answered += 1
+        if GarbledOnce.answered == 1:
+            self.wfile.write(b"SPAM 200 OK\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nwrong")
+            self.wfile.flush()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", "5")
+        self.end_headers()
+        self.wfile.write(b"right")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_connection_that_gave_an_answer_not_understood_is_not_used_again() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), GarbledOnce)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        getter = S3Getter(None, None, f"http://127.0.0.1:{server.server_address[1]}", "us-east-1", anonymous=True)
+        assert getter.get("b/k1", 100) is None  # s3fs reads this one
+        assert getter.get("b/k2", 100) == b"right"  # not the rest of the garbled answer
+        assert GarbledOnce.connections == 2
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -231,6 +231,10 @@ class S3Getter:
                 connection = connections[(host, port)] = _Connection(host, port, self._tls)
             try:
                 status, body, keep, content_range = connection.exchange(request)
+            except ValueError:  # an answer not understood: what is left of it would garble the next one
+                connection.close()
+                connections.pop((host, port), None)
+                raise
             except OSError:
                 connection.close()
                 connections.pop((host, port), None)
