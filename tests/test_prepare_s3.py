@@ -362,3 +362,29 @@ def test_a_second_run_in_one_process_rewrites_a_shard_deleted_since_the_first(s3
     again = prepare_dataset(spec, workers=0, storage_options=s3_server.storage_options)
     assert again.samples == IMAGES
     assert remote_shards(s3_server, out) == local_run  # the deleted shard is there again, byte for byte
+
+
+def test_a_finish_on_a_machine_of_its_own_does_not_download_the_listing(s3_server, raw_images, local_run, tmp_path, monkeypatch):
+    """The finish reads no source: the listing (100 MB and more for a million images) stays on the store."""
+    import tempfile
+
+    from s3_fixtures import upload
+
+    from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
+
+    bucket = upload(s3_server, _empty(tmp_path))
+    out = f"s3://{bucket.name}/shards"
+    spec = spec_of(str(raw_images), out)
+    with storage_options_for([out], s3_server.storage_options):
+        plan = plan_prepare(spec)
+        for shard in plan.pending:
+            write_prepare_shard(spec, shard)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "finishing-machine"))  # a staging folder of its own
+        (tmp_path / "finishing-machine").mkdir()
+        s3_server.reset_reads()
+        manifest = finish_prepare(spec)
+        read = s3_server.reads()
+    assert manifest.samples == IMAGES
+    assert not [key for key in read if "listing" in key], read
+    assert len([key for key in read if "/.gpufeed/shards/" in key]) == plan.shards  # it read every shard's record
+    assert remote_shards(s3_server, out) == local_run

@@ -1026,7 +1026,7 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
             raise StorageError(f"cannot finish {spec.out}: {listed}; write those shards first (plan_prepare plans them)")
         _clean_up(output, manifest)  # the leftovers of a finish that stopped right after its manifest (or of a repair)
         return _result(spec.out, manifest)
-    job = _load_planned_job(spec, records)
+    job = _load_planned_job(spec, records, with_listing=False)
     try:
         if job.output.is_local:  # sizes and sha256, file by file
             written, present = None, None
@@ -1076,8 +1076,13 @@ def local_copies_folder(spec: PrepareSpec) -> str | None:
     return None if output.is_local else output.staging
 
 
-def _load_planned_job(spec: PrepareSpec, records: OutRecords | None = None) -> _Job:
-    """The planned job in OUT (`records`: what the caller read of OUT already)."""
+def _load_planned_job(spec: PrepareSpec, records: OutRecords | None = None, *, with_listing: bool = True) -> _Job:
+    """The planned job in OUT (`records`: what the caller read of OUT already).
+
+    `with_listing` False: the job's listing is not downloaded to this machine
+    (the finish reads no source; on a store the listing of a million images is
+    a download of 100 MB and more).
+    """
     records = records or OutRecords(Output(spec.out))
     output, saved = records.output, records.plan
     if saved is None:
@@ -1094,6 +1099,9 @@ def _load_planned_job(spec: PrepareSpec, records: OutRecords | None = None) -> _
         if manifest is None:
             raise ConfigError(f"{spec.out} has no planned prepare (its planned repair lost its manifest); run plan_prepare first")
         repair = _Repair(manifest, dict(saved["repair"]))
-    listing = fetch_listing(output, WORK_DIR, saved["listing_sha256"])
+    if with_listing:
+        listing = fetch_listing(output, WORK_DIR, saved["listing_sha256"])
+    else:
+        listing = Listing(output.local(WORK_DIR))  # never read: opening it reads nothing
     plan = ShardPlan(**saved["plan"])
     return _Job(spec, output, listing, plan, saved["classes"], saved["listed"], saved.get("ignored", 0), [], repair=repair)
