@@ -126,13 +126,17 @@ def test_names_the_fast_listing_cannot_place_are_listed_by_s3fs(s3_server: S3Ser
     assert _listing(url, s3_server.storage_options) == expected
 
 
-def test_a_missing_source_and_a_list_file_still_go_through_s3fs(s3_server: S3Server, tmp_path: Path) -> None:
+def test_a_missing_source_and_a_list_file_still_go_through_s3fs(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pipeline.errors import SourceError
 
     _fill(s3_server, "list-file", "raw", ["cats/a.jpg", "cats/b.jpg"])
     s3_server.filesystem().pipe_file("list-file/raw/list.csv", b"path,label\ncats/b.jpg,x\n")
+    fast_lists = _counting_lists(monkeypatch)
     items, info = _listing("s3://list-file/raw/list.csv", s3_server.storage_options)
     assert [(rel, label) for _, rel, label, _ in items] == [("cats/b.jpg", "x")] and info.kind == "list"
+    assert fast_lists[0] == 0  # a list file is no folder: no LIST request for it
     with pytest.raises(SourceError, match="source not found"):
         _listing("s3://list-file/nothing-here", s3_server.storage_options)
 

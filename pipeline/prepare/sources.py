@@ -110,7 +110,7 @@ def list_images(source: str, info: ListingInfo | None = None, *, threads: int = 
         raise SourceError(f"source not found: {source}")
     fs, root = open_fs(source)
     forget_listings(fs, root)  # what the store holds now, not what this process listed before
-    top = _listed_top(fs, root)
+    top = None if root.lower().endswith(LIST_EXTENSIONS) else _listed_top(fs, root)  # a list file: s3fs looks
     if top is not None and (top.dirs or top.files):
         yield from _list_fs_dir(fs, root, info, threads, top)
         return
