@@ -309,3 +309,53 @@ def test_a_connection_that_gave_an_answer_not_understood_is_not_used_again() -> 
     finally:
         server.shutdown()
         server.server_close()
+
+
+class RotatingKeys(http.server.BaseHTTPRequestHandler):
+    """Refuses requests signed with the key that expired (403); answers an object or a listing to the new one."""
+
+    protocol_version = "HTTP/1.1"
+    keys_seen: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        key = self.headers.get("Authorization", "").split("Credential=", 1)[-1].split("/", 1)[0]
+        RotatingKeys.keys_seen.append(key)
+        if key != "NEW":
+            body, status = b"<Error><Code>ExpiredToken</Code></Error>", 403
+        elif "list-type=2" in self.path:
+            body, status = b"<ListBucketResult><IsTruncated>false</IsTruncated><Contents><Key>raw/a.jpg</Key></Contents></ListBucketResult>", 200
+        else:
+            body, status = b"object", 200
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("call", ["get", "list"])
+def test_a_refusal_is_tried_once_more_with_credentials_fetched_afresh(call: str) -> None:
+    from botocore.credentials import Credentials
+
+    class Rotating(S3Getter):
+        fetched = 0
+
+        def _fetch_credentials(self) -> Any:
+            Rotating.fetched += 1
+            return Credentials("OLD" if Rotating.fetched == 1 else "NEW", "secret").get_frozen_credentials()
+
+    RotatingKeys.keys_seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RotatingKeys)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        getter = Rotating(None, None, f"http://127.0.0.1:{server.server_address[1]}", "us-east-1", anonymous=False)
+        if call == "get":
+            assert getter.get("b/raw/a.jpg", 100) == b"object"
+        else:
+            assert getter.list_objects("b/raw/") == (["b/raw/a.jpg"], [])
+        assert RotatingKeys.keys_seen == ["OLD", "NEW"]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -197,18 +197,24 @@ class S3Getter:
             if token:
                 params["continuation-token"] = token
             query = canonical_query(params)
-            headers: dict[str, str] = {}
-            if not self.anonymous:
-                credentials = self._frozen_credentials(fresh=False)
-                if credentials is None:
+            for attempt in (0, 1):
+                headers: dict[str, str] = {}
+                if not self.anonymous:
+                    credentials = self._frozen_credentials(fresh=attempt > 0)
+                    if credentials is None:
+                        return None
+                    headers = sign_get(parts.netloc, request_path, headers, credentials, self.region, query=query)
+                try:
+                    status, body, _ = self._request(host, port, parts.netloc, f"{request_path}?{query}", headers)
+                except (OSError, ValueError):  # a dropped connection, an answer not understood: s3fs lists instead
                     return None
-                headers = sign_get(parts.netloc, request_path, headers, credentials, self.region, query=query)
+                if status != 403 or self.anonymous:  # 403: maybe expired credentials, tried once more afresh
+                    break
+            if status != 200:
+                return None
             try:
-                status, body, _ = self._request(host, port, parts.netloc, f"{request_path}?{query}", headers)
-                if status != 200:
-                    return None
                 page_keys, page_prefixes, token = parse_listing(body)
-            except (OSError, ValueError):  # a dropped connection, an answer not understood: s3fs lists instead
+            except ValueError:
                 return None
             keys += [f"{bucket}/{key}" for key in page_keys]
             prefixes += [f"{bucket}/{name}" for name in page_prefixes]
