@@ -388,3 +388,24 @@ def test_a_finish_on_a_machine_of_its_own_does_not_download_the_listing(s3_serve
     assert not [key for key in read if "listing" in key], read
     assert len([key for key in read if "/.gpufeed/shards/" in key]) == plan.shards  # it read every shard's record
     assert remote_shards(s3_server, out) == local_run
+
+
+def test_small_uploads_go_in_one_round_trip_without_waiting_for_a_go_ahead(s3_server, tmp_path, monkeypatch):
+    """botocore asks for "Expect: 100-continue" on every PUT of a file: a round trip more before the body goes."""
+    from s3_fixtures import upload
+
+    from pipeline.io.output import Output
+
+    bucket = upload(s3_server, _empty(tmp_path))
+    sent: list[dict[str, Any]] = []
+    with storage_options_for([f"s3://{bucket.name}/ds"], s3_server.storage_options):
+        output = Output(f"s3://{bucket.name}/ds")
+        output.write_bytes_atomic("first.json", b"{}")  # the client gets its hook on the first upload
+        output.fs.s3.meta.events.register_last("before-send.s3.PutObject", lambda request, **_: sent.append(dict(request.headers)))
+        output.write_bytes_atomic("small.json", b"x" * 100)
+        monkeypatch.setattr("pipeline.io.fs.LEAN_PUT_BYTES", 10, raising=False)
+        output.write_bytes_atomic("large.json", b"y" * 100)
+    assert [any(name.lower() == "expect" for name in headers) for headers in sent] == [False, True]
+    other_machine = s3_server.filesystem()
+    assert other_machine.cat_file(f"{bucket.name}/ds/small.json") == b"x" * 100
+    assert other_machine.cat_file(f"{bucket.name}/ds/large.json") == b"y" * 100

@@ -116,6 +116,43 @@ def forget_listings(fs: Any, path: str) -> None:
             listings.pop(key, None)
 
 
+LEAN_PUT_BYTES = 16 << 20  # uploads up to this size go without "Expect: 100-continue": one round trip, not two
+
+
+def lean_puts(fs: Any) -> None:
+    """Make small uploads to S3 through `fs` one round trip instead of two (no-op for other filesystems).
+
+    botocore puts ``Expect: 100-continue`` on every PutObject of a file, and the
+    client then waits a round trip for the store's go-ahead before it sends the
+    body: a 1 KB record 20 ms away took 45 ms. The header only spares sending a
+    body the store would refuse, which for a small one costs less than the wait.
+    """
+    if type(fs).__name__ != "S3FileSystem":
+        return
+    try:
+        client = fs.s3
+        if getattr(client, "_gpufeed_lean_puts", False):
+            return
+        client.meta.events.register_last("before-send.s3.PutObject", _drop_expect_for_small_bodies)
+        client._gpufeed_lean_puts = True
+    except Exception:  # noqa: BLE001 - a client of another make-up: uploads as botocore sends them
+        return
+
+
+def _drop_expect_for_small_bodies(request: Any, **_: Any) -> None:
+    """botocore's before-send hook: the request about to go out, its headers final (returns None: it is sent)."""
+    headers = request.headers
+    expect = headers.get("Expect")
+    if expect is None or (expect.decode() if isinstance(expect, bytes) else str(expect)).lower() != "100-continue":
+        return
+    try:
+        size = int(headers.get("Content-Length"))
+    except (TypeError, ValueError):
+        return  # a body of unknown length: as botocore sends it
+    if size <= LEAN_PUT_BYTES:
+        del headers["Expect"]
+
+
 # Option names that carry credentials (s3fs `key`/`secret`/`token`, gcsfs `token`, adlfs `account_key` …):
 # kept in this process only, never recorded in a job or shown.
 _SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "private", "signature", "sas")

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import StorageError, write_failure
-from .fs import abort_uploads, forget_listings, local_path, open_fs, store_errors, store_failure, temp_suffix
+from .fs import abort_uploads, forget_listings, lean_puts, local_path, open_fs, store_errors, store_failure, temp_suffix
 from .s3get import getter_for
 
 # Stores on which an object appears only when its upload completes, whole (a single PUT, or a
@@ -116,6 +116,7 @@ class Output:
         final = self._remote(rel)
         target = final if self.whole_uploads else f"{final}{temp_suffix()}"
         options = {"chunksize": self.part_bytes} if self.part_bytes else {}
+        lean_puts(self.fs)
         try:
             if target != final:
                 self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
