@@ -311,7 +311,7 @@ class Output:
             if self.is_local:
                 path = self.local(rel) if rel else self.root
                 return sorted(os.listdir(path)) if os.path.isdir(path) else []
-            base = self._fresh(rel) if rel else self._fresh("")
+            base = self._fresh(rel)
             if not self.fs.isdir(base):
                 return []
             return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False))
@@ -360,9 +360,8 @@ def remove_temp_objects(output: Output, finals: Iterable[str], *, older_than_s: 
 
 
 def _old_temp_names(output: Output, folder: str, finals: set[str], cutoff: float) -> list[str]:
-    base = output._remote(folder) if folder else output.remote_root
+    base = output._fresh(folder)
     try:
-        forget_listings(output.fs, base)
         entries = output.fs.ls(base, detail=True)
     except FileNotFoundError:
         return []

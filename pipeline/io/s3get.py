@@ -147,27 +147,41 @@ class S3Getter:
         url = self.url(bucket, key) if key else None
         if url is None:
             return None
+        headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"} if start or end is not None else {}
+        answer = self._signed_get(url, headers)
+        if answer is None:
+            return None
+        status, body, content_range = answer
+        if status in (200, 206) and _starts_at(content_range, start, status):
+            return body
+        if status == 404:
+            raise FileNotFoundError(f"no such object: s3://{path}")
+        return None
+
+    def _signed_get(self, url: str, headers: dict[str, str], query: str = "") -> tuple[int, bytes, str | None] | None:
+        """(status, body, Content-Range) of one signed GET of `url` (`query`: canonical); None where s3fs must take over.
+
+        A 403 is tried once more with credentials fetched afresh (they may have
+        expired); a dropped connection, a timeout or an answer not understood is None.
+        """
         parts = urlsplit(url)
         host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-        host_header = parts.netloc
+        path = parts.path or "/"
+        answer: tuple[int, bytes, str | None] | None = None
         for attempt in (0, 1):
-            headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"} if start or end is not None else {}
+            signed = headers
             if not self.anonymous:
                 credentials = self._frozen_credentials(fresh=attempt > 0)
                 if credentials is None:
                     return None
-                headers = sign_get(host_header, parts.path, headers, credentials, self.region)
+                signed = sign_get(parts.netloc, path, headers, credentials, self.region, query=query)
             try:
-                status, body, content_range = self._request(host, port, host_header, parts.path, headers)
-            except (OSError, ValueError):  # a dropped connection, a timeout, an answer not understood: s3fs takes over
+                answer = self._request(host, port, parts.netloc, f"{path}?{query}" if query else path, signed)
+            except (OSError, ValueError):
                 return None
-            if status in (200, 206) and _starts_at(content_range, start, status):
-                return body
-            if status == 404:
-                raise FileNotFoundError(f"no such object: s3://{path}")
-            if status != 403 or self.anonymous:  # 403: maybe expired credentials, tried once more afresh
-                return None
-        return None
+            if answer[0] != 403 or self.anonymous:
+                break
+        return answer
 
     def list_objects(self, path: str, delimiter: str | None = None) -> tuple[list[str], list[str]] | None:
         """Every key under `path` (``bucket/prefix``: keys starting with it), and with `delimiter` the common prefixes.
@@ -181,12 +195,10 @@ class S3Getter:
             when the store answered anything but a listing (the caller lists through s3fs).
         """
         bucket, _, prefix = path.partition("/")
-        url = self.url(bucket, "")
-        if url is None or not bucket:
+        url = self.url(bucket, "") if bucket else None
+        if url is None:
             return None
-        parts = urlsplit(url)
-        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-        request_path = parts.path.rstrip("/") or "/"
+        url = url.rstrip("/")  # the bucket itself: /bucket on a custom endpoint, / on its own host
         keys: list[str] = []
         prefixes: list[str] = []
         token: str | None = None
@@ -196,24 +208,11 @@ class S3Getter:
                 params["delimiter"] = delimiter
             if token:
                 params["continuation-token"] = token
-            query = canonical_query(params)
-            for attempt in (0, 1):
-                headers: dict[str, str] = {}
-                if not self.anonymous:
-                    credentials = self._frozen_credentials(fresh=attempt > 0)
-                    if credentials is None:
-                        return None
-                    headers = sign_get(parts.netloc, request_path, headers, credentials, self.region, query=query)
-                try:
-                    status, body, _ = self._request(host, port, parts.netloc, f"{request_path}?{query}", headers)
-                except (OSError, ValueError):  # a dropped connection, an answer not understood: s3fs lists instead
-                    return None
-                if status != 403 or self.anonymous:  # 403: maybe expired credentials, tried once more afresh
-                    break
-            if status != 200:
+            answer = self._signed_get(url, {}, query=canonical_query(params))
+            if answer is None or answer[0] != 200:
                 return None
             try:
-                page_keys, page_prefixes, token = parse_listing(body)
+                page_keys, page_prefixes, token = parse_listing(answer[1])
             except ValueError:
                 return None
             keys += [f"{bucket}/{key}" for key in page_keys]
@@ -237,14 +236,10 @@ class S3Getter:
                 connection = connections[(host, port)] = _Connection(host, port, self._tls)
             try:
                 status, body, keep, content_range = connection.exchange(request)
-            except ValueError:  # an answer not understood: what is left of it would garble the next one
-                connection.close()
+            except (OSError, ValueError) as exc:
+                connection.close()  # after an answer not understood, what is left of it would garble the next one
                 connections.pop((host, port), None)
-                raise
-            except OSError:
-                connection.close()
-                connections.pop((host, port), None)
-                if fresh or attempt:  # a new connection that fails is the store's answer
+                if isinstance(exc, ValueError) or fresh or attempt:  # a new connection that fails is the store's answer
                     raise
                 continue  # the store closed a kept-alive connection meanwhile: once more on a new one
             if not keep:
