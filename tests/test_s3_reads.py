@@ -9,6 +9,7 @@ through s3fs instead.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import threading
 from collections.abc import Iterator
@@ -37,6 +38,18 @@ def files(s3_server: S3Server, s3_upload: Any, tmp_path: Path) -> Bucket:
     (folder / "empty.bin").write_bytes(b"")
     bucket: Bucket = s3_upload(folder)
     return bucket
+
+
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A loopback HTTP server answering with `handler` while the block runs: its endpoint URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def read(server: S3Server, url: str, max_bytes: int = 1 << 26, **options: Any) -> bytes:
@@ -112,17 +125,11 @@ class RangesAs200(http.server.BaseHTTPRequestHandler):
 )
 def test_a_200_answer_is_taken_only_for_the_bytes_asked_for(ranges: bool, wrong_start: bool, from_the_middle: bytes | None) -> None:
     RangesAs200.ranges, RangesAs200.wrong_start = ranges, wrong_start
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RangesAs200)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    with serving(RangesAs200) as endpoint:
         getter = S3Getter(client=None, loop=None, endpoint_url=endpoint, region="us-east-1", anonymous=True)
         if not wrong_start:
             assert getter.get("bucket/key", 4) in (b"0123", b"0123456789")  # from the start: the first bytes are right
         assert getter.get("bucket/key", 8, start=4) == from_the_middle  # from the middle: only where it says so
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_anonymous_access_reads_unsigned(s3_server: S3Server, files: Bucket) -> None:
@@ -177,14 +184,8 @@ class OddStore(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def odd_store() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OddStore)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(OddStore) as endpoint:
+        yield endpoint
 
 
 @pytest.mark.parametrize("status", [301, 307, 400, 403, 416, 500, 503])
@@ -261,15 +262,10 @@ class ChunkedStore(http.server.BaseHTTPRequestHandler):
 
 
 def test_chunked_answers_are_read_and_the_connection_kept() -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ChunkedStore)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        getter = S3Getter(None, None, f"http://127.0.0.1:{server.server_address[1]}", "us-east-1", anonymous=True)
+    with serving(ChunkedStore) as endpoint:
+        getter = S3Getter(None, None, endpoint, "us-east-1", anonymous=True)
         assert [getter.get(f"b/k{i}", 100) for i in range(3)] == [b"hello, chunked world"] * 3
         assert ChunkedStore.connections == 1
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 class GarbledOnce(http.server.BaseHTTPRequestHandler):
@@ -299,16 +295,11 @@ class GarbledOnce(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_connection_that_gave_an_answer_not_understood_is_not_used_again() -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), GarbledOnce)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        getter = S3Getter(None, None, f"http://127.0.0.1:{server.server_address[1]}", "us-east-1", anonymous=True)
+    with serving(GarbledOnce) as endpoint:
+        getter = S3Getter(None, None, endpoint, "us-east-1", anonymous=True)
         assert getter.get("b/k1", 100) is None  # s3fs reads this one
         assert getter.get("b/k2", 100) == b"right"  # not the rest of the garbled answer
         assert GarbledOnce.connections == 2
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 class RotatingKeys(http.server.BaseHTTPRequestHandler):
@@ -347,15 +338,10 @@ def test_a_refusal_is_tried_once_more_with_credentials_fetched_afresh(call: str)
             return Credentials("OLD" if Rotating.fetched == 1 else "NEW", "secret").get_frozen_credentials()
 
     RotatingKeys.keys_seen = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RotatingKeys)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        getter = Rotating(None, None, f"http://127.0.0.1:{server.server_address[1]}", "us-east-1", anonymous=False)
+    with serving(RotatingKeys) as endpoint:
+        getter = Rotating(None, None, endpoint, "us-east-1", anonymous=False)
         if call == "get":
             assert getter.get("b/raw/a.jpg", 100) == b"object"
         else:
             assert getter.list_objects("b/raw/") == (["b/raw/a.jpg"], [])
         assert RotatingKeys.keys_seen == ["OLD", "NEW"]
-    finally:
-        server.shutdown()
-        server.server_close()
