@@ -514,6 +514,23 @@ def test_finish_of_another_job_s_dataset_is_refused(raw: Path, tmp_path: Path) -
     assert (tmp_path / "out" / "manifest.json").read_bytes() == manifest
 
 
+def test_a_process_pool_keeps_the_parent_s_objects_out_of_the_collector_while_it_runs(raw: Path, tmp_path: Path) -> None:
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    seen: list[int] = []
+    result = prepare_dataset(spec_for(raw, tmp_path / "out"), workers=2, progress=lambda _: seen.append(gc.get_freeze_count()))
+    assert result.samples and seen and min(seen) > 0  # frozen before the workers forked, for the whole job
+    assert gc.get_freeze_count() == 0  # thawed when the pool closed: a long-lived process collects them again
+    gc.freeze()  # a caller that froze its own objects keeps its freeze: the pool neither adds to it nor thaws it
+    try:
+        frozen = gc.get_freeze_count()
+        prepare_dataset(spec_for(raw, tmp_path / "out2"), workers=2)
+        assert 0 < gc.get_freeze_count() <= frozen  # (a frozen object freed since counts no more)
+    finally:
+        gc.unfreeze()
+
+
 def test_pool_tasks_are_large_in_the_middle_and_small_at_the_end() -> None:
     from pipeline.prepare.pool import CHUNK_ITEMS, TAIL_CHUNK_ITEMS, chunk_sizes
 

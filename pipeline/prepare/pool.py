@@ -1,7 +1,8 @@
 """The process pool a prepare runs its samples on, and how a shard is cut into pool tasks.
 
-Workers are forked (after `sample.warm_up`, so each inherits warm codecs)
-and get the job's spec once, at start; a task is a chunk of (index, source)
+Workers are forked (after `sample.warm_up`, so each inherits warm codecs,
+and with the parent's objects frozen out of the garbage collector's reach,
+`_freeze_heap`) and get the job's spec once, at start; a task is a chunk of (index, source)
 pairs and comes back as their `SampleOutcome`s. A C decoder can crash (or be
 killed for memory) on a hostile file: the broken pool is replaced, and the
 chunk it held is re-run one file per fresh process, so only the file that
@@ -21,6 +22,7 @@ first files decode. Local sources are read in line, as before.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -102,6 +104,24 @@ def _init_worker(spec_dict: dict[str, Any], classes: list[str], io_threads: int)
     _WORKER["io_threads"] = io_threads
 
 
+def _freeze_heap() -> bool:
+    """Put what this process holds now out of the garbage collector's reach, before the workers fork; True if done.
+
+    A forked worker shares the parent's memory until either side writes to
+    it, and a collection writes to every object it visits: with tens of
+    thousands of objects from the imports alone (more with torch loaded),
+    each collection in the parent, and in each worker, copies pages the two
+    shared, and the parent's collections walk objects that live as long as
+    the process. Frozen (`gc.freeze`), they are neither walked nor written;
+    the pool thaws them when it closes. A caller that froze objects itself
+    keeps its own freeze, and nothing is thawed.
+    """
+    if gc.get_freeze_count():
+        return False
+    gc.freeze()
+    return True
+
+
 def make_outcome(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[str, int]) -> SampleOutcome:
     """What becomes of one listed source: rejected unread when its listing already says why, else `process_item`."""
     if item.rejected:
@@ -178,10 +198,12 @@ class SamplePool:
         self._initargs = (spec.to_dict(), classes, io_threads)
         self._executor: ProcessPoolExecutor | None = None
         self._reader: ThreadPoolExecutor | None = None
+        self._froze = False
         if workers == 0:
             _init_worker(*self._initargs)
         else:
             warm_up(spec)  # forked workers inherit it: their first image starts sooner
+            self._froze = _freeze_heap()
             self._executor = self._new_executor(workers)
 
     def _new_executor(self, workers: int) -> ProcessPoolExecutor:
@@ -250,6 +272,12 @@ class SamplePool:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._stop_reader()
+        self._thaw()
+
+    def _thaw(self) -> None:
+        froze, self._froze = self._froze, False
+        if froze:
+            gc.unfreeze()
 
     def _stop_reader(self) -> None:
         reader, self._reader = self._reader, None
@@ -266,6 +294,7 @@ class SamplePool:
         own; only one still busy after that (stuck on a file) is killed.
         """
         self._stop_reader()
+        self._thaw()
         if self._executor is None:
             return
         executor, self._executor = self._executor, None
