@@ -84,6 +84,29 @@ def test_prepare_s3_to_local_equals_the_local_run(s3_server, s3_upload, raw_imag
     assert read_manifest(str(out)).source == bucket.url
 
 
+@pytest.mark.parametrize("arena_bytes", [None, 512])
+def test_the_workers_get_the_bytes_through_shared_memory_or_the_pipe_when_it_is_full(
+    s3_server, s3_upload, raw_images, local_run, tmp_path, monkeypatch, arena_bytes
+):
+    from pipeline.prepare import handoff, pool
+
+    if arena_bytes is not None:  # smaller than every image: each one goes through the pool's pipe instead
+        monkeypatch.setattr(pool, "ARENA_PER_WORKER", arena_bytes // 2)
+    put, closed = [], []
+    monkeypatch.setattr(handoff.Arena, "put", lambda self, data, _put=handoff.Arena.put: put.append(_put(self, data)) or put[-1])
+    monkeypatch.setattr(
+        handoff.Arena, "close", lambda self, _close=handoff.Arena.close: closed.append(self.free_bytes() == self.size) or _close(self)
+    )
+    bucket: Bucket = s3_upload(raw_images)
+    out = tmp_path / "shards"
+    result = prepare_dataset(spec_of(bucket.url, str(out)), workers=2, storage_options=s3_server.storage_options)
+    assert result.samples == IMAGES and result.rejected == 0
+    assert samples_of(local_shards(out)) == samples_of(local_run)
+    handed = [h for h in put if h is not None]
+    assert len(put) == IMAGES and len(handed) == (IMAGES if arena_bytes is None else 0)
+    assert closed and all(closed)  # every range given back before the arena closed
+
+
 def test_prepare_from_a_slow_store_reads_ahead_and_equals_the_local_run(s3_server, s3_upload, raw_images, local_run, tmp_path):
     bucket: Bucket = s3_upload(raw_images)
     s3_server.delay(20)  # every request 20 ms late, as from a distant store

@@ -12,8 +12,9 @@ When SRC is remote, its files are read on a thread pool sized for the
 store's latency, not for cores (`io_threads`): a store that answers in 20 ms
 would otherwise leave the CPUs idle between files. With worker processes the
 reads run in the parent, on one pool: a chunk's files are fetched as soon as
-the chunk is submitted, and the chunk goes to a worker with its bytes once
-they are all in. The parent keeps several chunks in flight, so while the
+the chunk is submitted, and the chunk goes to a worker once they are all
+in, its bytes left in memory the workers share (`handoff.py`), not pickled
+through the pool's pipe. The parent keeps several chunks in flight, so while the
 workers decode one, the next ones download, with no stall between chunks (a
 worker reading its own chunk would wait one round trip at the start of
 each). In-process (`workers=0`) a chunk's reads run on that pool while its
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..io.fs import is_url
 from ..specs import PrepareSpec
+from .handoff import Arena, Handoff
 from .sample import SampleOutcome, process_item, read_item, sample_key, warm_up
 from .sources import SourceItem
 
@@ -42,6 +44,8 @@ CHUNK_ITEMS = 64  # images per pool task while many remain: few round trips thro
 TAIL_CHUNK_ITEMS = 4  # near the end of a shard: small tasks, so no worker waits on another's last one
 TERMINATE_GRACE_S = 10.0  # after an error, how long workers may take to finish the chunk in hand
 IO_THREADS = 32  # reads in flight per worker for a remote SRC: enough to hide tens of ms per request
+ARENA_PER_WORKER = 64 << 20  # shared memory for the bytes read for one worker's chunks in flight (`handoff.py`)
+ARENA_MAX = 2 << 30  # and no more than this, however many workers
 
 Chunk = list[tuple[int, SourceItem]]
 """A pool task: (listing index, source) pairs."""
@@ -93,15 +97,16 @@ def chunk_sizes(total: int, workers: int) -> list[int]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_child(spec_dict: dict[str, Any], classes: list[str], io_threads: int) -> None:
+def _init_child(spec_dict: dict[str, Any], classes: list[str], io_threads: int, arena: Arena | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
-    _init_worker(spec_dict, classes, io_threads)
+    _init_worker(spec_dict, classes, io_threads, arena)
 
 
-def _init_worker(spec_dict: dict[str, Any], classes: list[str], io_threads: int) -> None:
+def _init_worker(spec_dict: dict[str, Any], classes: list[str], io_threads: int, arena: Arena | None = None) -> None:
     _WORKER["spec"] = PrepareSpec.from_dict(spec_dict)
     _WORKER["classes"] = {name: i for i, name in enumerate(classes)}
     _WORKER["io_threads"] = io_threads
+    _WORKER["arena"] = arena  # forked: the parent's shared mapping, inherited, not pickled
 
 
 def _freeze_heap() -> bool:
@@ -136,13 +141,20 @@ def _process_chunk(chunk: Chunk) -> list[SampleOutcome]:
     return [make_outcome(item, index, spec, classes) for index, item in chunk]
 
 
-def _process_fetched(chunk: list[tuple[int, SourceItem, bytes | str | None]]) -> list[SampleOutcome]:
-    """A chunk whose sources the parent read already: (index, source, its bytes or why not; None if rejected unread)."""
+def _process_fetched(chunk: list[tuple[int, SourceItem, bytes | str | Handoff | None]]) -> list[SampleOutcome]:
+    """A chunk whose sources the parent read already: (index, source, its bytes or why not; None if rejected unread).
+
+    Bytes the parent left in the shared arena come as a `Handoff`.
+    """
     spec, classes = _WORKER["spec"], _WORKER["classes"]
-    return [
-        make_outcome(item, index, spec, classes) if data is None else process_item(item, index, spec, classes, data)
-        for index, item, data in chunk
-    ]
+    outcomes = []
+    for index, item, data in chunk:
+        if data is None:
+            outcomes.append(make_outcome(item, index, spec, classes))
+        else:
+            taken = _WORKER["arena"].take(data) if isinstance(data, Handoff) else data
+            outcomes.append(process_item(item, index, spec, classes, taken))
+    return outcomes
 
 
 def _process_read_ahead(chunk: Chunk, spec: PrepareSpec, classes: dict[str, int]) -> list[SampleOutcome]:
@@ -199,6 +211,8 @@ class SamplePool:
         self._executor: ProcessPoolExecutor | None = None
         self._reader: ThreadPoolExecutor | None = None
         self._froze = False
+        # made before the workers fork, so that they share it; memory is taken only for what a remote SRC puts there
+        self._arena = Arena(min(ARENA_MAX, workers * ARENA_PER_WORKER)) if workers and io_threads else None
         if workers == 0:
             _init_worker(*self._initargs)
         else:
@@ -210,7 +224,8 @@ class SamplePool:
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("fork")
-        return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_child, initargs=self._initargs)
+        initargs = (*self._initargs, self._arena)
+        return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_child, initargs=initargs)
 
     def submit(self, chunk: Chunk, cache: dict[int, SampleOutcome] | None = None) -> PendingChunk:
         """Start a chunk; outcomes already in `cache` (taken out of it) are not redone."""
@@ -231,15 +246,29 @@ class SamplePool:
             return _Fetching(self, chunk)
         return self._executor.submit(_process_chunk, chunk)
 
-    def _read(self, item: SourceItem) -> Future[bytes | str]:
+    def _read(self, item: SourceItem) -> Future[bytes | str | Handoff]:
         """Start reading one remote source on the parent's I/O threads."""
         if self._reader is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._reader = ThreadPoolExecutor(self._io_threads, thread_name_prefix="gpufeed-read")
-        return self._reader.submit(read_item, item, self._spec)
+        return self._reader.submit(self._read_for_worker, item)
 
-    def _submit_fetched(self, fetched: list[tuple[int, SourceItem, bytes | str | None]]) -> Future[list[SampleOutcome]]:
+    def _read_for_worker(self, item: SourceItem) -> bytes | str | Handoff:
+        """One remote source's bytes, left in the shared arena where they fit (the worker takes them there)."""
+        data = read_item(item, self._spec)
+        if isinstance(data, bytes) and self._arena is not None:
+            return self._arena.put(data) or data
+        return data
+
+    def _release(self, data: object) -> None:
+        """A handed-off range back to the arena, once the worker that took it has answered."""
+        if isinstance(data, Handoff) and self._arena is not None:
+            self._arena.free(data)
+
+    def _submit_fetched(
+        self, fetched: list[tuple[int, SourceItem, bytes | str | Handoff | None]]
+    ) -> Future[list[SampleOutcome]]:
         assert self._executor is not None  # only a process pool fetches in the parent
         return self._executor.submit(_process_fetched, fetched)
 
@@ -273,6 +302,12 @@ class SamplePool:
             self._executor = None
         self._stop_reader()
         self._thaw()
+        self._close_arena()
+
+    def _close_arena(self) -> None:
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()
 
     def _thaw(self) -> None:
         froze, self._froze = self._froze, False
@@ -295,6 +330,12 @@ class SamplePool:
         """
         self._stop_reader()
         self._thaw()
+        try:
+            self._stop_workers()
+        finally:
+            self._close_arena()  # after the workers: none reads it any more
+
+    def _stop_workers(self) -> None:
         if self._executor is None:
             return
         executor, self._executor = self._executor, None
@@ -326,7 +367,7 @@ class _Fetching:
         self._lock = threading.Lock()
         self._pending: Future[list[SampleOutcome]] | None = None
         self._error: BaseException | None = None
-        self._reads: list[Future[bytes | str] | None] = [
+        self._reads: list[Future[bytes | str | Handoff] | None] = [
             None if item.rejected or not is_url(item.url) else pool._read(item) for _, item in chunk
         ]
         self._chunk = chunk
@@ -335,7 +376,7 @@ class _Fetching:
             if read is not None:
                 read.add_done_callback(self._one_done)
 
-    def _one_done(self, _: Future[bytes | str]) -> None:
+    def _one_done(self, _: Future[bytes | str | Handoff]) -> None:
         with self._lock:
             self._left -= 1
             if self._left:
@@ -356,10 +397,15 @@ class _Fetching:
 
     def result(self) -> list[SampleOutcome]:
         self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._pending is not None
-        return self._pending.result()
+        try:
+            if self._error is not None:
+                raise self._error
+            assert self._pending is not None
+            return self._pending.result()
+        finally:  # the worker has answered (or never will): the bytes it was handed are no longer needed
+            for read in self._reads:
+                if read is not None and read.done() and not read.cancelled() and read.exception() is None:
+                    self._pool._release(read.result())
 
 
 class _ReadingAhead:
