@@ -413,6 +413,31 @@ def test_a_finish_on_a_machine_of_its_own_does_not_download_the_listing(s3_serve
     assert remote_shards(s3_server, out) == local_run
 
 
+def test_a_shard_step_on_a_store_reads_its_record_beside_the_plan_and_only_once(s3_server, raw_images, tmp_path):
+    """Each step of a service job first reads the plan and the shard's record: one round trip for both, not two."""
+    from s3_fixtures import upload
+
+    from pipeline.prepare.job import plan_prepare, write_prepare_shard
+
+    bucket = upload(s3_server, _empty(tmp_path))
+    out = f"s3://{bucket.name}/shards"
+    spec = spec_of(str(raw_images), out)
+    record = f"{bucket.name}/shards/.gpufeed/shards/000000.json"
+    with storage_options_for([out], s3_server.storage_options):
+        plan_prepare(spec)
+        first = write_prepare_shard(spec, 0)
+        s3_server.delay(50)  # both GETs are in flight at once only if they are sent together
+        try:
+            s3_server.reset_reads()
+            again = write_prepare_shard(spec, 0)  # a re-delivered step: the shard is complete, left as it is
+            read, most = s3_server.reads(), s3_server.max_in_flight(bucket.name)
+        finally:
+            s3_server.delay(0)
+    assert not first.skipped and again.skipped and (again.samples, again.rejected) == (first.samples, first.rejected)
+    assert most >= 2
+    assert read[record]["gets"] == 1, read  # the skip answers from the record it read first
+
+
 def test_small_uploads_go_in_one_round_trip_without_waiting_for_a_go_ahead(s3_server, tmp_path, monkeypatch):
     """botocore asks for "Expect: 100-continue" on every PUT of a file: a round trip more before the body goes."""
     from s3_fixtures import upload

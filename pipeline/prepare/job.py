@@ -69,6 +69,7 @@ from .resume import (
     planned_conflict,
     read_rejects,
     read_shard_record,
+    recorded_files_intact,
     recorded_source,
     remove_shards,
     remove_stale_temp_files,
@@ -78,6 +79,7 @@ from .resume import (
     set_prefixes,
     shard_file_problem,
     shard_is_complete,
+    shard_record_text,
     write_plan,
     write_shard_record,
 )
@@ -970,12 +972,21 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
         SourceError: in a repair, the file made again is not the one the manifest records.
         StorageError: OUT cannot be written.
     """
-    job = _load_planned_job(spec)
+    records = OutRecords(Output(spec.out))
+    recorded: bytes | None = None
+    if not records.output.is_local:  # the shard's record is read beside the plan: one round trip, not two
+        _, recorded = at_once(lambda: records.plan, lambda: shard_record_text(records.output, shard))
+    job = _load_planned_job(spec, records)
     try:
         if not 0 <= shard < job.plan.shards:
             raise ConfigError(f"shard {shard} is outside the plan (0..{job.plan.shards - 1})")
         rewrite = _rewrites(job, shard).get(shard, set()) if job.repair is not None else set()
-        skipped = not rewrite if job.repair is not None else shard_is_complete(job.output, shard)
+        if job.repair is not None:
+            skipped = not rewrite
+        elif job.output.is_local:
+            skipped = shard_is_complete(job.output, shard)
+        else:
+            skipped = recorded_files_intact(job.output, recorded)
         if not skipped:
             state = PrepareProgress(0, len(job.plan.positions(shard)), 0, 0.0)
             pool = SamplePool(0, job.spec, job.classes)
@@ -984,7 +995,7 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
             files = [info for info in job.repair.manifest.shards if planned_shard_of(info.path) == shard]
             return ShardRecord(shard, max((info.samples for info in files), default=0), 0, True)
         if skipped:
-            record = read_shard_record(job.output, shard)
+            record = json.loads(recorded) if recorded is not None else read_shard_record(job.output, shard)
     finally:
         job.listing.close()
     samples = max((info["samples"] for info in record["shards"]), default=0)

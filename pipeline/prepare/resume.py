@@ -107,7 +107,16 @@ def has_shard_record(output: Output, shard: int) -> bool:
 
 def shard_is_complete(output: Output, shard: int) -> bool:
     """Whether the shard was recorded and its files are still exactly what was recorded."""
-    text = output.read_if_exists(_shard_record_rel(shard))
+    return recorded_files_intact(output, shard_record_text(output, shard))
+
+
+def shard_record_text(output: Output, shard: int) -> bytes | None:
+    """The bytes of a shard's record; None when the shard has none."""
+    return output.read_if_exists(_shard_record_rel(shard))
+
+
+def recorded_files_intact(output: Output, text: bytes | None) -> bool:
+    """Whether a shard record's files (`text`, `shard_record_text`; None: no record) are still exactly what it records."""
     if text is None:
         return False
     for info in json.loads(text)["shards"]:
