@@ -200,6 +200,40 @@ def test_threads_opening_one_shard_at_once_share_one_download(s3_server: S3Serve
     assert stats.fills == 1 and stats.followed + stats.hits == 4
 
 
+def test_a_reader_following_a_fill_published_between_its_looks_reads_on_and_downloads_nothing_more(
+    s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that caught up with the fill looks for the file at its names; the filler renames it meanwhile.
+
+    The look at the final name is made to answer as of a moment before the
+    filler published: the worst case of a rename between two looks. A reader
+    that then concluded the fill had died read the rest of the shard from the
+    store, a second download (seen in CI under load).
+    """
+    url, sha256, size, rel = addresses(s3_bucket)[1]
+    s3_server.throttle(100_000)  # ~0.3 s: the reader catches up with the fill and looks again and again
+    looked = threading.Event()
+    identity = ShardCache._identity
+
+    def stale(self: ShardCache, path: str) -> tuple[int, int] | None:
+        answer = identity(self, path)
+        if path == self.path_for(sha256) and answer is None and not looked.is_set():
+            looked.set()
+            deadline = time.monotonic() + 10
+            while identity(self, path) is None and time.monotonic() < deadline:
+                time.sleep(0.005)  # the filler publishes while this look's answer is on its way
+        return answer
+
+    monkeypatch.setattr(ShardCache, "_identity", stale)
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options) as cache:
+        data = read_shard(cache, url, sha256, size)
+        cache.wait()
+        stats = cache.stats()
+    assert data == (s3_bucket.local / rel).read_bytes()
+    assert stats.fills == 1
+    assert downloads(s3_server, s3_bucket, rel, size) == 1
+
+
 def test_a_full_cache_keeps_a_stable_subset_and_reads_the_rest_from_the_store(
     s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

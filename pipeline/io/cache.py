@@ -700,15 +700,20 @@ class _ShardReader(io.RawIOBase):
             return True
         mine = (st.st_dev, st.st_ino)
         cache, shard = self._cache, self._shard
-        if mine in (cache._identity(cache.path_for(shard.digest)), cache._identity(cache._partial_path(shard, "done"))):
-            return True  # finished just now: read on
-        if cache._identity(cache._partial_path(shard, "part")) != mine:
-            return False
-        lock = _try_lock(cache._lock_path(shard))
-        if lock is None:
-            return True
-        _unlock(lock)
-        return os.fstat(self._part.fileno()).st_size > self._pos
+        # The file only ever moves forward (part, then done, then the final name), so it is looked for in that
+        # order: looked for the other way round, a rename between two looks lost it, and the reader took the
+        # fill for dead and downloaded the rest of the shard a second time.
+        still_partial = cache._identity(cache._partial_path(shard, "part")) == mine
+        if still_partial:
+            lock = _try_lock(cache._lock_path(shard))
+            if lock is None:
+                return True  # being filled
+            _unlock(lock)
+        if mine in (cache._identity(cache._partial_path(shard, "done")), cache._identity(cache.path_for(shard.digest))):
+            return True  # checked and published (just now, perhaps): read on
+        if not still_partial:
+            return False  # rejected, or its filler went away and another removed the file
+        return os.fstat(self._part.fileno()).st_size > self._pos  # its filler died: what it wrote is all there is
 
     def _switch_to_store(self) -> None:
         """Go on from the store at the current position (hashing what the fill had already given)."""
