@@ -107,6 +107,21 @@ def test_the_workers_get_the_bytes_through_shared_memory_or_the_pipe_when_it_is_
     assert closed and all(closed)  # every range given back before the arena closed
 
 
+def test_a_system_that_refuses_the_shared_arena_gets_the_bytes_through_the_pipe(
+    s3_server, s3_upload, raw_images, local_run, tmp_path, monkeypatch
+):
+    from pipeline.prepare import handoff
+
+    def refuse(self: handoff.Arena, size: int) -> None:
+        raise OSError(12, "Cannot allocate memory")  # as mmap does under strict overcommit
+
+    monkeypatch.setattr(handoff.Arena, "__init__", refuse)
+    bucket: Bucket = s3_upload(raw_images)
+    out = tmp_path / "shards"
+    result = prepare_dataset(spec_of(bucket.url, str(out)), workers=2, storage_options=s3_server.storage_options)
+    assert result.samples == IMAGES and samples_of(local_shards(out)) == samples_of(local_run)
+
+
 def test_prepare_from_a_slow_store_reads_ahead_and_equals_the_local_run(s3_server, s3_upload, raw_images, local_run, tmp_path):
     bucket: Bucket = s3_upload(raw_images)
     s3_server.delay(20)  # every request 20 ms late, as from a distant store

@@ -38,11 +38,15 @@ class Arena:
 
     Args:
         size: bytes of the mapping; memory is taken only as ranges are first written.
+
+    Raises:
+        OSError: the system refuses the mapping (strict overcommit, a limit on address space).
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_SHARED)
+        # no swap reserved up front: pages are taken as ranges are written, as many as are in flight
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_NORESERVE", 0))
         self._lock = threading.Lock()
         self._starts = [0]  # free ranges, sorted by start, never touching one another
         self._ends = [size]

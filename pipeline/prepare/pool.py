@@ -109,6 +109,14 @@ def _init_worker(spec_dict: dict[str, Any], classes: list[str], io_threads: int,
     _WORKER["arena"] = arena  # forked: the parent's shared mapping, inherited, not pickled
 
 
+def _shared_arena(workers: int) -> Arena | None:
+    """The arena the workers take a remote SRC's bytes from; None (the pool's pipe) where the system refuses one."""
+    try:
+        return Arena(min(ARENA_MAX, workers * ARENA_PER_WORKER))
+    except OSError:
+        return None
+
+
 def _freeze_heap() -> bool:
     """Put what this process holds now out of the garbage collector's reach, before the workers fork; True if done.
 
@@ -212,7 +220,7 @@ class SamplePool:
         self._reader: ThreadPoolExecutor | None = None
         self._froze = False
         # made before the workers fork, so that they share it; memory is taken only for what a remote SRC puts there
-        self._arena = Arena(min(ARENA_MAX, workers * ARENA_PER_WORKER)) if workers and io_threads else None
+        self._arena = _shared_arena(workers) if workers and io_threads else None
         if workers == 0:
             _init_worker(*self._initargs)
         else:
