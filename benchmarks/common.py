@@ -220,14 +220,19 @@ def _machine_busy_seconds() -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
-def _own_cpu_seconds() -> float:
+def cpu_seconds(children: bool = True) -> float:
+    """CPU seconds this process (all its threads) has used, with its ended children's unless `children` is False."""
     import resource
 
     total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) if children else (resource.RUSAGE_SELF,):
         usage = resource.getrusage(who)
         total += usage.ru_utime + usage.ru_stime
     return total
+
+
+def _own_cpu_seconds() -> float:
+    return cpu_seconds()
 
 
 def print_json_line(data: dict[str, Any]) -> None:

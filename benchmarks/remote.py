@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -80,20 +79,15 @@ def time_prepare(source: str, out: str, store: Store, io_threads: int, shard_sam
         workers = common.available_processes()
         return prepare_dataset(spec, workers=workers, storage_options=store.options, io_threads=io_threads).samples
 
-    before = parent_cpu_seconds()
+    before = common.cpu_seconds(children=False)
     run = measured(store, job)
     # the one process that lists, reads ahead and hands the bytes to the workers: what it spends per image
     # is what caps a machine with many more cores than this one, where the workers would keep up
-    run.detail["parent_cpu_ms_per_image"] = round((parent_cpu_seconds() - before) / max(1, run.images) * 1000, 3)
+    run.detail["parent_cpu_ms_per_image"] = round((common.cpu_seconds(children=False) - before) / max(1, run.images) * 1000, 3)
     if source.startswith("s3://"):
         run.detail["max_requests_in_flight"] = store.max_in_flight()
     return run
 
-
-def parent_cpu_seconds() -> float:
-    """CPU seconds this process has used, all its threads (not its worker processes)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def time_epochs(source: str, store: Store, cache_dir: str | None, epochs: int) -> list[Run]:
@@ -186,12 +180,12 @@ def fresh_write_cost(work: str, size: int, times: int = 3) -> list[float]:
     for attempt in range(times):
         folder = os.path.join(work, f"fresh-{attempt}")
         os.makedirs(folder)
-        before = parent_cpu_seconds()
+        before = common.cpu_seconds(children=False)
         for number in range(max(1, size >> 22)):
             with open(os.path.join(folder, f"{number}.bin"), "wb") as handle:
                 for _ in range(4):
                     handle.write(block)
-        costs.append((parent_cpu_seconds() - before) / max(1, size >> 20) * 1000)
+        costs.append((common.cpu_seconds(children=False) - before) / max(1, size >> 20) * 1000)
     for attempt in range(times):
         shutil.rmtree(os.path.join(work, f"fresh-{attempt}"), ignore_errors=True)
     return costs

@@ -228,14 +228,7 @@ def measured(
     The workers' CPU counts as ours, not as noise, and so does the S3 server's
     (reported apart, as `store_cpu_s`).
     """
-    import resource
-
-    def own() -> float:
-        return sum(
-            usage.ru_utime + usage.ru_stime
-            for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
-        )
-
+    own = common.cpu_seconds
     cpu_before, own_before = workers.cpu_seconds(), own()
     store_before = s3.cpu_seconds() if s3 is not None else None
     with common.NoiseMeter() as meter:

@@ -93,7 +93,25 @@ def test_ranges_and_whole_objects_are_one_get_each(s3_server: S3Server, files: B
     assert getter.get(f"{root}/a.bin", 180_500, start=179_200) is None  # past the end (416): s3fs says what that is
 
 
-class RangesAs200(http.server.BaseHTTPRequestHandler):
+class QuietStore(http.server.BaseHTTPRequestHandler):
+    """A loopback store for one test: it logs nothing."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class KeptAliveStore(QuietStore):
+    """A quiet store speaking HTTP/1.1 (connections kept alive), counting the connections it was given."""
+
+    protocol_version = "HTTP/1.1"
+    connections = 0
+
+    def setup(self) -> None:
+        super().setup()
+        type(self).connections += 1
+
+
+class RangesAs200(QuietStore):
     """A loopback server answering every GET 200, for the object "0123456789": with `ranges`, the
     bytes asked for and their Content-Range (as rclone's S3 server does); without, the whole object
     (a server that ignores Range); with `wrong_start`, bytes from elsewhere than asked."""
@@ -113,9 +131,6 @@ class RangesAs200(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
         self.end_headers()
         self.wfile.write(data[first : last + 1])
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
 
 @pytest.mark.parametrize(
@@ -167,7 +182,7 @@ def test_a_proxy_in_the_environment_leaves_the_reading_to_s3fs(
         assert getter_for(open_fs(files.url)[0]) is None
 
 
-class OddStore(http.server.BaseHTTPRequestHandler):
+class OddStore(QuietStore):
     """A loopback server answering every GET with one status: what the fast path must not take for an object."""
 
     status = 503
@@ -177,9 +192,6 @@ class OddStore(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", "4")
         self.end_headers()
         self.wfile.write(b"nope")
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
 
 @pytest.fixture
@@ -239,15 +251,10 @@ def test_the_signature_is_the_one_botocore_computes(
     }
 
 
-class ChunkedStore(http.server.BaseHTTPRequestHandler):
+class ChunkedStore(KeptAliveStore):
     """Answers GETs in chunks on a kept-alive HTTP/1.1 connection, and counts the connections it was given."""
 
-    protocol_version = "HTTP/1.1"
     connections = 0
-
-    def setup(self) -> None:
-        super().setup()
-        ChunkedStore.connections += 1
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         self.send_response(206)
@@ -257,9 +264,6 @@ class ChunkedStore(http.server.BaseHTTPRequestHandler):
             self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
         self.wfile.write(b"0\r\n\r\n")
 
-    def log_message(self, *args: Any) -> None:
-        pass
-
 
 def test_chunked_answers_are_read_and_the_connection_kept() -> None:
     with serving(ChunkedStore) as endpoint:
@@ -268,16 +272,11 @@ def test_chunked_answers_are_read_and_the_connection_kept() -> None:
         assert ChunkedStore.connections == 1
 
 
-class GarbledOnce(http.server.BaseHTTPRequestHandler):
+class GarbledOnce(KeptAliveStore):
     """Answers its first GET with something that is not HTTP (and more of it after), every later one properly."""
 
-    protocol_version = "HTTP/1.1"
     connections = 0
     answered = 0
-
-    def setup(self) -> None:
-        super().setup()
-        GarbledOnce.connections += 1
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         GarbledOnce.answered += 1
@@ -290,9 +289,6 @@ class GarbledOnce(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(b"right")
 
-    def log_message(self, *args: Any) -> None:
-        pass
-
 
 def test_a_connection_that_gave_an_answer_not_understood_is_not_used_again() -> None:
     with serving(GarbledOnce) as endpoint:
@@ -302,10 +298,9 @@ def test_a_connection_that_gave_an_answer_not_understood_is_not_used_again() -> 
         assert GarbledOnce.connections == 2
 
 
-class RotatingKeys(http.server.BaseHTTPRequestHandler):
+class RotatingKeys(KeptAliveStore):
     """Refuses requests signed with the key that expired (403); answers an object or a listing to the new one."""
 
-    protocol_version = "HTTP/1.1"
     keys_seen: list[str] = []
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -321,9 +316,6 @@ class RotatingKeys(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
 
 @pytest.mark.parametrize("call", ["get", "list"])

@@ -53,7 +53,7 @@ class Arena:
 
     def put(self, data: bytes) -> Handoff | None:
         """Copy `data` into a free range; None when none is large enough (send the bytes themselves)."""
-        want = max(ALIGN, -(-len(data) // ALIGN) * ALIGN)
+        want = _span(len(data))
         with self._lock:
             found = next((i for i, (a, b) in enumerate(zip(self._starts, self._ends)) if b - a >= want), None)
             if found is None:
@@ -73,7 +73,7 @@ class Arena:
     def free(self, handoff: Handoff) -> None:
         """Give a range back (the parent, once the worker that took it has answered)."""
         start = handoff.offset
-        end = start + max(ALIGN, -(-handoff.size // ALIGN) * ALIGN)
+        end = start + _span(handoff.size)
         with self._lock:
             at = bisect.bisect(self._starts, start)
             if at and self._ends[at - 1] > start or at < len(self._starts) and self._starts[at] < end:
@@ -97,3 +97,8 @@ class Arena:
 
     def close(self) -> None:
         self._map.close()
+
+
+def _span(size: int) -> int:
+    """The bytes of the arena a range of `size` bytes takes: whole cache lines, at least one."""
+    return max(ALIGN, -(-size // ALIGN) * ALIGN)

@@ -78,7 +78,6 @@ from .resume import (
     remove_work,
     set_prefixes,
     shard_file_problem,
-    shard_is_complete,
     shard_record_text,
     write_plan,
     write_shard_record,
@@ -973,20 +972,14 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
         StorageError: OUT cannot be written.
     """
     records = OutRecords(Output(spec.out))
-    recorded: bytes | None = None
-    if not records.output.is_local:  # the shard's record is read beside the plan: one round trip, not two
-        _, recorded = at_once(lambda: records.plan, lambda: shard_record_text(records.output, shard))
+    # the shard's record is read beside the plan: on a store, one round trip, not two
+    _, recorded = at_once(lambda: records.plan, lambda: shard_record_text(records.output, shard))
     job = _load_planned_job(spec, records)
     try:
         if not 0 <= shard < job.plan.shards:
             raise ConfigError(f"shard {shard} is outside the plan (0..{job.plan.shards - 1})")
         rewrite = _rewrites(job, shard).get(shard, set()) if job.repair is not None else set()
-        if job.repair is not None:
-            skipped = not rewrite
-        elif job.output.is_local:
-            skipped = shard_is_complete(job.output, shard)
-        else:
-            skipped = recorded_files_intact(job.output, recorded)
+        skipped = not rewrite if job.repair is not None else recorded_files_intact(job.output, recorded)
         if not skipped:
             state = PrepareProgress(0, len(job.plan.positions(shard)), 0, 0.0)
             pool = SamplePool(0, job.spec, job.classes)
@@ -995,7 +988,8 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
             files = [info for info in job.repair.manifest.shards if planned_shard_of(info.path) == shard]
             return ShardRecord(shard, max((info.samples for info in files), default=0), 0, True)
         if skipped:
-            record = json.loads(recorded) if recorded is not None else read_shard_record(job.output, shard)
+            assert recorded is not None  # intact files are recorded ones
+            record = json.loads(recorded)
     finally:
         job.listing.close()
     samples = max((info["samples"] for info in record["shards"]), default=0)
