@@ -92,8 +92,10 @@ def test_the_workers_get_the_bytes_through_shared_memory_or_the_pipe_when_it_is_
 
     if arena_bytes is not None:  # smaller than every image: each one goes through the pool's pipe instead
         monkeypatch.setattr(pool, "ARENA_PER_WORKER", arena_bytes // 2)
-    put, closed = [], []
-    monkeypatch.setattr(handoff.Arena, "put", lambda self, data, _put=handoff.Arena.put: put.append(_put(self, data)) or put[-1])
+    put, closed = [], []  # every range asked for: by a GET reading straight into the arena, or by a copy into it
+    monkeypatch.setattr(
+        handoff.Arena, "reserve", lambda self, size, _reserve=handoff.Arena.reserve: put.append(_reserve(self, size)) or put[-1]
+    )
     monkeypatch.setattr(
         handoff.Arena, "close", lambda self, _close=handoff.Arena.close: closed.append(self.free_bytes() == self.size) or _close(self)
     )
@@ -122,14 +124,24 @@ def test_a_system_that_refuses_the_shared_arena_gets_the_bytes_through_the_pipe(
     assert result.samples == IMAGES and samples_of(local_shards(out)) == samples_of(local_run)
 
 
-def test_prepare_from_a_slow_store_reads_ahead_and_equals_the_local_run(s3_server, s3_upload, raw_images, local_run, tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_prepare_from_a_slow_store_reads_ahead_and_equals_the_local_run(
+    s3_server, s3_upload, raw_images, local_run, tmp_path, monkeypatch, workers
+):
+    from pipeline.prepare import reads
+
+    on_threads = []  # files read on threads rather than by the one loop of GETs: none, from a store that answers plainly
+    monkeypatch.setattr(
+        reads.SourceReads, "_read_on_threads", lambda self, item, _read=reads.SourceReads._read_on_threads: on_threads.append(item) or _read(self, item)
+    )
     bucket: Bucket = s3_upload(raw_images)
     s3_server.delay(20)  # every request 20 ms late, as from a distant store
     out = tmp_path / "shards"
-    result = prepare_dataset(spec_of(bucket.url, str(out)), workers=1, storage_options=s3_server.storage_options)
+    result = prepare_dataset(spec_of(bucket.url, str(out)), workers=workers, storage_options=s3_server.storage_options)
     assert result.samples == IMAGES and result.rejected == 0
     assert samples_of(local_shards(out)) == samples_of(local_run)
-    assert s3_server.max_in_flight(bucket.name) > 1  # one worker process, several reads at once: its I/O threads
+    assert s3_server.max_in_flight(bucket.name) > 1  # one decoding process, several reads at once
+    assert on_threads == []
 
 
 def test_prepare_without_io_threads_reads_one_file_at_a_time(s3_server, s3_upload, raw_images, local_run, tmp_path):
@@ -142,7 +154,8 @@ def test_prepare_without_io_threads_reads_one_file_at_a_time(s3_server, s3_uploa
     assert s3_server.max_in_flight(bucket.name) == 1
 
 
-def test_prepare_read_ahead_rejects_what_reading_in_line_rejects(s3_server, s3_upload, raw_images, tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_prepare_read_ahead_rejects_what_reading_in_line_rejects(s3_server, s3_upload, raw_images, tmp_path, workers):
     bucket: Bucket = s3_upload(raw_images)
     names = sorted(path.relative_to(raw_images).as_posix() for path in raw_images.rglob("*") if path.is_file())
     bucket.put(names[0], b"not an image at all")
@@ -153,7 +166,7 @@ def test_prepare_read_ahead_rejects_what_reading_in_line_rejects(s3_server, s3_u
     def rejects(io_threads: int) -> list[dict[str, Any]]:
         out = tmp_path / f"shards-{io_threads}"
         result = prepare_dataset(
-            dataclasses.replace(spec, out=str(out)), workers=1, storage_options=s3_server.storage_options, io_threads=io_threads
+            dataclasses.replace(spec, out=str(out)), workers=workers, storage_options=s3_server.storage_options, io_threads=io_threads
         )
         assert result.rejected > 1
         lines = (out / "rejected.jsonl").read_text().splitlines()

@@ -152,7 +152,7 @@ class S3Getter:
         if answer is None:
             return None
         status, body, content_range = answer
-        if status in (200, 206) and _starts_at(content_range, start, status):
+        if status in (200, 206) and starts_at(content_range, start, status):
             return body
         if status == 404:
             raise FileNotFoundError(f"no such object: s3://{path}")
@@ -248,6 +248,15 @@ class S3Getter:
             return status, body, content_range
         raise OSError("no answer")
 
+    @property
+    def tls_context(self) -> Any:
+        """The TLS settings connections to an https endpoint use (None for http)."""
+        return self._tls
+
+    def credentials(self) -> Any:
+        """The frozen credentials requests are signed with now (None where none can be had)."""
+        return self._frozen_credentials(fresh=False)
+
     def _frozen_credentials(self, fresh: bool) -> Any:
         with self._lock:
             if fresh or self._credentials is None or time.monotonic() - self._credentials_at > CREDENTIALS_TTL_S:
@@ -272,7 +281,7 @@ class S3Getter:
         return frozen if getattr(frozen, "access_key", None) else None
 
 
-def _starts_at(content_range: str | None, start: int, status: int) -> bool:
+def starts_at(content_range: str | None, start: int, status: int) -> bool:
     """Whether an answer's body begins at byte `start` of the object.
 
     A 206 says where in its Content-Range; so does the 200 some S3 servers send

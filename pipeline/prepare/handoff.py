@@ -53,7 +53,14 @@ class Arena:
 
     def put(self, data: bytes) -> Handoff | None:
         """Copy `data` into a free range; None when none is large enough (send the bytes themselves)."""
-        want = _span(len(data))
+        handoff = self.reserve(len(data))
+        if handoff is not None:
+            self._map[handoff.offset : handoff.offset + handoff.size] = data
+        return handoff
+
+    def reserve(self, size: int) -> Handoff | None:
+        """A free range of `size` bytes, to be written through `view`; None when none is large enough."""
+        want = _span(size)
         with self._lock:
             found = next((i for i, (a, b) in enumerate(zip(self._starts, self._ends)) if b - a >= want), None)
             if found is None:
@@ -63,8 +70,11 @@ class Arena:
                 del self._starts[found], self._ends[found]
             else:
                 self._starts[found] = start + want
-        self._map[start : start + len(data)] = data
-        return Handoff(start, len(data))
+        return Handoff(start, size)
+
+    def view(self, handoff: Handoff) -> memoryview:
+        """A writable view of a reserved range (released by its user before the arena closes)."""
+        return memoryview(self._map)[handoff.offset : handoff.offset + handoff.size]
 
     def take(self, handoff: Handoff) -> bytes:
         """The bytes of a range (in a worker); the parent frees it later."""
@@ -96,7 +106,10 @@ class Arena:
             return sum(b - a for a, b in zip(self._starts, self._ends))
 
     def close(self) -> None:
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a view still held (a read abandoned mid-answer): the mapping goes with the last one
+            pass
 
 
 def _span(size: int) -> int:

@@ -8,13 +8,15 @@ killed for memory) on a hostile file: the broken pool is replaced, and the
 chunk it held is re-run one file per fresh process, so only the file that
 crashes again is rejected.
 
-When SRC is remote, its files are read on a thread pool sized for the
-store's latency, not for cores (`io_threads`): a store that answers in 20 ms
-would otherwise leave the CPUs idle between files. With worker processes the
-reads run in the parent, on one pool: a chunk's files are fetched as soon as
-the chunk is submitted, and the chunk goes to a worker once they are all
-in, its bytes left in memory the workers share (`handoff.py`), not pickled
-through the pool's pipe. The parent keeps several chunks in flight, so while the
+When SRC is remote, `io_threads` of its files are read at once, a number
+sized for the store's latency, not for cores (`reads.py`: GETs on one
+thread's event loop where the S3 fast path serves the store, else a thread
+pool): a store that answers in 20 ms would otherwise leave the CPUs idle
+between files. With worker processes the reads run in the parent: a chunk's
+files are fetched as soon as the chunk is submitted, and the chunk goes to a
+worker once they are all in, its bytes left in memory the workers share
+(`handoff.py`, the GETs' answers read straight into it), not pickled through
+the pool's pipe. The parent keeps several chunks in flight, so while the
 workers decode one, the next ones download, with no stall between chunks (a
 worker reading its own chunk would wait one round trip at the start of
 each). In-process (`workers=0`) a chunk's reads run on that pool while its
@@ -34,16 +36,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..io.fs import is_url
 from ..specs import PrepareSpec
 from .handoff import Arena, Handoff
-from .sample import SampleOutcome, process_item, read_item, sample_key, warm_up
+from .reads import Fetched, SourceReads
+from .sample import SampleOutcome, process_item, sample_key, warm_up
 from .sources import SourceItem
 
 if TYPE_CHECKING:  # concurrent.futures is imported on first use: `import pipeline` stays light
-    from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+    from concurrent.futures import Future, ProcessPoolExecutor
 
 CHUNK_ITEMS = 64  # images per pool task while many remain: few round trips through the pool
 TAIL_CHUNK_ITEMS = 4  # near the end of a shard: small tasks, so no worker waits on another's last one
 TERMINATE_GRACE_S = 10.0  # after an error, how long workers may take to finish the chunk in hand
-IO_THREADS = 32  # reads in flight per worker for a remote SRC: enough to hide tens of ms per request
+IO_THREADS = 32  # reads of a remote SRC in flight per reading process: enough to hide tens of ms per request
 ARENA_PER_WORKER = 64 << 20  # shared memory for the bytes read for one worker's chunks in flight (`handoff.py`)
 ARENA_MAX = 2 << 30  # and no more than this, however many workers
 
@@ -166,22 +169,22 @@ def _process_fetched(chunk: list[tuple[int, SourceItem, bytes | str | Handoff | 
 
 
 def _process_read_ahead(chunk: Chunk, spec: PrepareSpec, classes: dict[str, int]) -> list[SampleOutcome]:
-    """The chunk's outcomes, its sources read on the I/O threads: file i decodes while i+1... download."""
-    return _outcomes_of_reads(chunk, _start_reads(chunk, spec), spec, classes)
+    """The chunk's outcomes, its sources read ahead (`reads.py`): file i decodes while i+1... download."""
+    return _outcomes_of_reads(chunk, _start_reads(chunk), spec, classes)
 
 
-def _start_reads(chunk: Chunk, spec: PrepareSpec) -> list[Future[bytes | str] | None]:
-    """Reads of the chunk's sources started on this process's I/O threads (None: rejected unread)."""
-    reader = _io_executor()
-    return [None if item.rejected else reader.submit(read_item, item, spec) for _, item in chunk]
+def _start_reads(chunk: Chunk) -> list[Future[Fetched] | None]:
+    """Reads of the chunk's remote sources started in this process (`reads.py`); None: rejected unread, or local."""
+    reads = _source_reads()
+    return [None if item.rejected or not is_url(item.url) else reads.submit(item) for _, item in chunk]
 
 
 def _outcomes_of_reads(
-    chunk: Chunk, reads: list[Future[bytes | str] | None], spec: PrepareSpec, classes: dict[str, int]
+    chunk: Chunk, reads: list[Future[Fetched] | None], spec: PrepareSpec, classes: dict[str, int]
 ) -> list[SampleOutcome]:
     try:
         return [
-            make_outcome(item, index, spec, classes) if read is None else process_item(item, index, spec, classes, read.result())
+            make_outcome(item, index, spec, classes) if read is None else process_item(item, index, spec, classes, _in_hand(read))
             for (index, item), read in zip(chunk, reads, strict=True)
         ]
     finally:
@@ -190,17 +193,24 @@ def _outcomes_of_reads(
                 read.cancel()
 
 
-def _io_executor() -> ThreadPoolExecutor:
-    """This process's I/O threads, made on first use (a forked child makes its own: threads do not survive fork)."""
-    from concurrent.futures import ThreadPoolExecutor
+def _in_hand(read: Future[Fetched]) -> bytes | str:
+    """What an in-process read gave (no arena there: never a `Handoff`)."""
+    fetched = read.result()
+    assert not isinstance(fetched, Handoff)
+    return fetched
 
-    owner = (os.getpid(), _WORKER["io_threads"])
-    held = _WORKER.get("io_executor")
+
+def _source_reads() -> SourceReads:
+    """This process's reads of remote sources, made on first use (a forked child makes its own: threads do not survive fork)."""
+    owner = (os.getpid(), _WORKER["io_threads"], id(_WORKER["spec"]))
+    held = _WORKER.get("source_reads")
     if held is None or held[0] != owner:
-        held = (owner, ThreadPoolExecutor(_WORKER["io_threads"], thread_name_prefix="gpufeed-read"))
-        _WORKER["io_executor"] = held
-    executor: ThreadPoolExecutor = held[1]
-    return executor
+        if held is not None and held[0][0] == owner[0]:
+            held[1].close()  # the last job's: its reads are all in
+        held = (owner, SourceReads(_WORKER["spec"], _WORKER["io_threads"]))
+        _WORKER["source_reads"] = held
+    reads: SourceReads = held[1]
+    return reads
 
 
 class SamplePool:
@@ -217,7 +227,7 @@ class SamplePool:
         self._io_threads = io_threads
         self._initargs = (spec.to_dict(), classes, io_threads)
         self._executor: ProcessPoolExecutor | None = None
-        self._reader: ThreadPoolExecutor | None = None
+        self._reads: SourceReads | None = None
         self._froze = False
         # made before the workers fork, so that they share it; memory is taken only for what a remote SRC puts there
         self._arena = _shared_arena(workers) if workers and io_threads else None
@@ -254,20 +264,11 @@ class SamplePool:
             return _Fetching(self, chunk)
         return self._executor.submit(_process_chunk, chunk)
 
-    def _read(self, item: SourceItem) -> Future[bytes | str | Handoff]:
-        """Start reading one remote source on the parent's I/O threads."""
-        if self._reader is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._reader = ThreadPoolExecutor(self._io_threads, thread_name_prefix="gpufeed-read")
-        return self._reader.submit(self._read_for_worker, item)
-
-    def _read_for_worker(self, item: SourceItem) -> bytes | str | Handoff:
-        """One remote source's bytes, left in the shared arena where they fit (the worker takes them there)."""
-        data = read_item(item, self._spec)
-        if isinstance(data, bytes) and self._arena is not None:
-            return self._arena.put(data) or data
-        return data
+    def _read(self, item: SourceItem) -> Future[Fetched]:
+        """Start reading one remote source in the parent, its bytes left in the shared arena where they fit."""
+        if self._reads is None:
+            self._reads = SourceReads(self._spec, self._io_threads, self._arena)
+        return self._reads.submit(item)
 
     def _release(self, data: object) -> None:
         """A handed-off range back to the arena, once the worker that took it has answered."""
@@ -323,9 +324,9 @@ class SamplePool:
             gc.unfreeze()
 
     def _stop_reader(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.shutdown(wait=True, cancel_futures=True)
+        reads, self._reads = self._reads, None
+        if reads is not None:
+            reads.close()
 
     def terminate(self) -> None:
         """Stop the pool after an error: queued chunks are dropped, running ones may finish.
@@ -426,7 +427,7 @@ class _ReadingAhead:
 
     def __init__(self, chunk: Chunk) -> None:
         self._chunk = chunk
-        self._reads = _start_reads(chunk, _WORKER["spec"])
+        self._reads = _start_reads(chunk)
 
     def result(self) -> list[SampleOutcome]:
         return _outcomes_of_reads(self._chunk, self._reads, _WORKER["spec"], _WORKER["classes"])
