@@ -30,7 +30,7 @@ from test_s3_reads import KeptAliveStore, OddStore, QuietStore, serving  # noqa:
 from pipeline.io import getloop  # noqa: E402
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
 from pipeline.io.getloop import GetLoop  # noqa: E402
-from pipeline.io.s3get import S3Getter, getter_for  # noqa: E402
+from pipeline.io.s3get import S3Getter  # noqa: E402
 
 if TYPE_CHECKING:
     from s3_fixtures import Bucket, S3Server
@@ -60,7 +60,7 @@ def objects(s3_server: S3Server, s3_upload: Any, tmp_path: Path) -> Bucket:
 def store_getter(server: S3Server, bucket: Bucket) -> tuple[S3Getter, str]:
     with storage_options_for([bucket.url], server.storage_options):
         fs, root = open_fs(bucket.url)
-        getter = getter_for(fs)
+        getter = S3Getter.for_filesystem(fs)  # not getter_for's: this process's cache of getters stays as it was
     assert getter is not None
     return getter, root
 
@@ -168,6 +168,26 @@ def test_any_answer_but_the_object_or_its_absence_is_none(status: int) -> None:
         loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=2)
         try:
             assert loop.get("bucket/key", 100).result(WAIT_S) is None
+        finally:
+            loop.close()
+
+
+class IgnoresRanges(KeptAliveStore):
+    """Answers every GET with 1,000 bytes, whatever range was asked for."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b"z" * 1000)
+
+
+def test_an_answer_longer_than_the_range_asked_for_is_none_and_not_read_into_memory() -> None:
+    with serving(IgnoresRanges) as endpoint:
+        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=1)
+        try:
+            assert loop.get("b/k", 100).result(WAIT_S) is None  # the caller reads it its way (and finds it too long)
+            assert loop.get("b/k", 1000).result(WAIT_S) == b"z" * 1000
         finally:
             loop.close()
 

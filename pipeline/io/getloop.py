@@ -38,6 +38,7 @@ from .s3get import S3Getter, sign_get, starts_at
 IDLE_S = 1.0  # the longest the loop sleeps with nothing to do (it is woken for new requests)
 TIMEOUT_S = 60.0  # a connection with no progress this long is given up (its request: None)
 HEAD_LIMIT = 64 << 10  # an answer's status line and headers
+ERROR_LIMIT = 1 << 20  # the body of an answer that is not the object (an error document) is read up to this
 RECV_BYTES = 1 << 16  # what is read at a time before the body's size is known
 
 _CONNECTING, _HANDSHAKE, _SENDING, _READING = range(4)
@@ -98,7 +99,8 @@ class GetLoop:
                 future.cancel()
                 return future
             wake = not self._queue  # a queue with requests in it is looked at whenever a connection comes free
-            self._queue.append(_Request(url, headers, start, future, into))
+            most = None if end is None else max(0, end - start)
+            self._queue.append(_Request(url, headers, start, most, future, into))
         if wake:
             self._wake()
         return future
@@ -158,7 +160,12 @@ class GetLoop:
             link = self._idle_link(request) or self._new_link(request)
             if link is None:
                 continue  # the request was answered None: no connection could be made
-            self._begin(link, request)
+            try:
+                self._begin(link, request)
+            except Exception:  # noqa: BLE001 - signing failed (credentials, clock): the caller reads it its way
+                self._busy.discard(link)
+                self._drop(link)
+                request.answer(None)
 
     def _idle_link(self, request: _Request) -> _Link | None:
         """A kept-alive connection to the request's host, if one is idle (one to another host is closed for room)."""
@@ -219,7 +226,7 @@ class GetLoop:
         """Move `link` on as far as its socket allows; finish its request when the answer is whole."""
         try:
             done = link.advance(self.getter)
-        except (OSError, ValueError, ssl.SSLError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a socket error, an answer not understood, anything: this request only
             self._fail(link, exc)
             return
         if not done:
@@ -290,12 +297,19 @@ def _address(url: str) -> tuple[str, int]:
 
 
 class _Request:
-    __slots__ = ("url", "headers", "start", "future", "into", "retried")
+    __slots__ = ("url", "headers", "start", "most", "future", "into", "retried")
 
     def __init__(
-        self, url: str, headers: dict[str, str], start: int, future: Future[Body | None], into: Into | None
+        self,
+        url: str,
+        headers: dict[str, str],
+        start: int,
+        most: int | None,
+        future: Future[Body | None],
+        into: Into | None,
     ) -> None:
         self.url, self.headers, self.start, self.future, self.into = url, headers, start, future, into
+        self.most = most  # the most bytes the answer may have: the range's length
         self.retried = False
 
     def answer(self, value: Body | BaseException | None) -> None:
@@ -416,6 +430,12 @@ class _Link:
         length = int(headers["content-length"])
         if len(rest) > length:
             raise ValueError("more bytes than the answer's length")  # nothing was asked for after it
+        assert self.request is not None
+        if self._is_the_object(self.request):
+            if self.request.most is not None and length > self.request.most:
+                raise ValueError("an answer longer than the range asked for")  # the caller reads it its way
+        elif length > ERROR_LIMIT:
+            raise ValueError("an error answer of more than a megabyte")
         self._body = self._buffer(length)
         self._body[: len(rest)] = rest
         self._got = len(rest)
