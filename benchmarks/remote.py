@@ -7,7 +7,7 @@ bytes themselves move at loopback speed. Rows, measured in the same run, in
 alternating rounds (the best run counts):
 
   prepare local->local        prepare_dataset from the raw JPEGs on disk (the baseline)
-  prepare s3->local           the same job from the bucket, reads on I/O threads (io_threads=32)
+  prepare s3->local           the same job from the bucket, 32 reads in flight (io_threads=32: GETs on one event loop)
   prepare s3->local, serial   the same, io_threads=0: one read at a time per worker
   loader local disk           one epoch of make_loader over the prepared shards on disk (the baseline)
   loader s3 epoch 1           make_loader("s3://...", cache_dir=fresh): read-ahead, filling the cache
