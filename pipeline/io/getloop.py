@@ -115,11 +115,6 @@ class GetLoop:
         if self._thread is not threading.current_thread():
             self._thread.join()
 
-    def in_flight(self) -> int:
-        """Requests sent or waiting to be (an estimate, for tests and reports)."""
-        with self._lock:
-            return len(self._queue) + len(self._busy)
-
     # -- the loop thread
 
     def _wake(self) -> None:
