@@ -17,6 +17,7 @@ import http.server
 import ipaddress
 import ssl
 import threading
+import time
 from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -273,6 +274,26 @@ class EchoStore(KeptAliveStore):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+def test_a_connection_left_idle_is_closed_and_the_next_request_opens_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(getloop, "KEEP_IDLE_S", 0.2)
+    monkeypatch.setattr(getloop, "IDLE_S", 0.05)
+    EchoStore.connections = 0
+    with serving(EchoStore) as endpoint:
+        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=1)
+        try:
+            assert loop.get("b/k1", 100).result(WAIT_S) == b"/b/k1"
+            assert loop.get("b/k2", 100).result(WAIT_S) == b"/b/k2"
+            assert EchoStore.connections == 1  # kept alive between requests in a row
+            deadline = time.monotonic() + WAIT_S
+            while loop._idle and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not loop._idle  # closed once idle longer than KEEP_IDLE_S, by the loop itself
+            assert loop.get("b/k3", 100).result(WAIT_S) == b"/b/k3"
+            assert EchoStore.connections == 2
+        finally:
+            loop.close()
 
 
 class Silent(QuietStore):

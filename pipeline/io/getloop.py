@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 from .s3get import S3Getter, sign_get, starts_at
 
 IDLE_S = 1.0  # the longest the loop sleeps with nothing to do (it is woken for new requests)
+KEEP_IDLE_S = 15.0  # a kept-alive connection unused this long is closed (stores close theirs after 20 s or so)
 TIMEOUT_S = 60.0  # a connection with no progress this long is given up (its request: None)
 HEAD_LIMIT = 64 << 10  # an answer's status line and headers
 ERROR_LIMIT = 1 << 20  # the body of an answer that is not the object (an error document) is read up to this
@@ -132,7 +133,7 @@ class GetLoop:
                     else:
                         self._step(key.data)
                 self._start_queued()
-                if time.monotonic() - self._expired_at > 1.0:
+                if time.monotonic() - self._expired_at > min(1.0, IDLE_S):
                     self._expire()
         finally:
             self._shut_down()
@@ -250,12 +251,16 @@ class GetLoop:
         request.answer(None)
 
     def _expire(self) -> None:
+        """Give up requests that made no progress for TIMEOUT_S; close connections idle for KEEP_IDLE_S."""
         now = self._expired_at = time.monotonic()
         for link in [link for link in self._busy if now - link.progress_at > TIMEOUT_S]:
             self._busy.discard(link)
             self._drop(link)
             if link.request is not None:
                 link.request.answer(None)
+        for link in [link for link in self._idle if now - link.progress_at > KEEP_IDLE_S]:
+            self._idle.remove(link)
+            self._drop(link)
 
     def _unwatch(self, link: _Link) -> None:
         if link.registered is not None:
