@@ -12,12 +12,14 @@ none left waiting for a wake-up that never comes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import http.server
 import ipaddress
 import ssl
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +66,21 @@ def store_getter(server: S3Server, bucket: Bucket) -> tuple[S3Getter, str]:
         getter = S3Getter.for_filesystem(fs)  # not getter_for's: this process's cache of getters stays as it was
     assert getter is not None
     return getter, root
+
+
+def anonymous_getter(endpoint: str) -> S3Getter:
+    return S3Getter(None, None, endpoint, "us-east-1", anonymous=True)
+
+
+@contextlib.contextmanager
+def loop_serving(handler: type[http.server.BaseHTTPRequestHandler], connections: int) -> Iterator[GetLoop]:
+    """A loop of `connections` to a loopback store answering with `handler`, while the block runs."""
+    with serving(handler) as endpoint:
+        loop = GetLoop(anonymous_getter(endpoint), connections)
+        try:
+            yield loop
+        finally:
+            loop.close()
 
 
 def test_many_gets_in_flight_give_what_the_blocking_fast_path_gives(s3_server: S3Server, objects: Bucket) -> None:
@@ -165,12 +182,8 @@ def test_an_answer_is_read_straight_into_the_buffer_the_caller_gives(s3_server: 
 @pytest.mark.parametrize("status", [301, 307, 400, 403, 416, 500, 503])
 def test_any_answer_but_the_object_or_its_absence_is_none(status: int) -> None:
     OddStore.status = status
-    with serving(OddStore) as endpoint:
-        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=2)
-        try:
-            assert loop.get("bucket/key", 100).result(WAIT_S) is None
-        finally:
-            loop.close()
+    with loop_serving(OddStore, connections=2) as loop:
+        assert loop.get("bucket/key", 100).result(WAIT_S) is None
 
 
 class IgnoresRanges(KeptAliveStore):
@@ -184,13 +197,9 @@ class IgnoresRanges(KeptAliveStore):
 
 
 def test_an_answer_longer_than_the_range_asked_for_is_none_and_not_read_into_memory() -> None:
-    with serving(IgnoresRanges) as endpoint:
-        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=1)
-        try:
-            assert loop.get("b/k", 100).result(WAIT_S) is None  # the caller reads it its way (and finds it too long)
-            assert loop.get("b/k", 1000).result(WAIT_S) == b"z" * 1000
-        finally:
-            loop.close()
+    with loop_serving(IgnoresRanges, connections=1) as loop:
+        assert loop.get("b/k", 100).result(WAIT_S) is None  # the caller reads it its way (and finds it too long)
+        assert loop.get("b/k", 1000).result(WAIT_S) == b"z" * 1000
 
 
 class ChunkedOnce(KeptAliveStore):
@@ -214,53 +223,10 @@ class ChunkedOnce(KeptAliveStore):
 
 def test_a_chunked_answer_is_none_and_its_connection_is_not_used_again() -> None:
     ChunkedOnce.connections = ChunkedOnce.answered = 0
-    with serving(ChunkedOnce) as endpoint:
-        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=1)
-        try:
-            assert loop.get("b/k1", 100).result(WAIT_S) is None  # the caller reads it the ordinary way
-            assert loop.get("b/k2", 100).result(WAIT_S) == b"plain"  # not the rest of the chunked answer
-            assert ChunkedOnce.connections == 2
-        finally:
-            loop.close()
-
-
-class ClosesAfterEach(KeptAliveStore):
-    """Speaks HTTP/1.1 but closes every connection after one answer without saying so: a kept-alive one gone stale."""
-
-    connections = 0
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        body = self.path.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-        self.close_connection = True
-
-
-def test_a_kept_alive_connection_the_store_closed_is_replaced_and_the_request_answered() -> None:
-    ClosesAfterEach.connections = 0
-    with serving(ClosesAfterEach) as endpoint:
-        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=1)
-        try:
-            assert [loop.get(f"b/k{i}", 100).result(WAIT_S) for i in range(4)] == [
-                f"/b/k{i}".encode() for i in range(4)
-            ]
-            assert ClosesAfterEach.connections == 4
-        finally:
-            loop.close()
-
-
-def test_connections_are_kept_alive_and_no_more_are_opened_than_allowed() -> None:
-    EchoStore.connections = 0
-    with serving(EchoStore) as endpoint:
-        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=3)
-        try:
-            answers = [loop.get(f"b/k{i}", 100) for i in range(30)]
-            assert [answer.result(WAIT_S) for answer in answers] == [f"/b/k{i}".encode() for i in range(30)]
-            assert 1 <= EchoStore.connections <= 3
-        finally:
-            loop.close()
+    with loop_serving(ChunkedOnce, connections=1) as loop:
+        assert loop.get("b/k1", 100).result(WAIT_S) is None  # the caller reads it the ordinary way
+        assert loop.get("b/k2", 100).result(WAIT_S) == b"plain"  # not the rest of the chunked answer
+        assert ChunkedOnce.connections == 2
 
 
 class EchoStore(KeptAliveStore):
@@ -276,24 +242,45 @@ class EchoStore(KeptAliveStore):
         self.wfile.write(body)
 
 
+class ClosesAfterEach(EchoStore):
+    """Speaks HTTP/1.1 but closes every connection after one answer without saying so: a kept-alive one gone stale."""
+
+    connections = 0
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        super().do_GET()
+        self.close_connection = True
+
+
+def test_a_kept_alive_connection_the_store_closed_is_replaced_and_the_request_answered() -> None:
+    ClosesAfterEach.connections = 0
+    with loop_serving(ClosesAfterEach, connections=1) as loop:
+        assert [loop.get(f"b/k{i}", 100).result(WAIT_S) for i in range(4)] == [f"/b/k{i}".encode() for i in range(4)]
+        assert ClosesAfterEach.connections == 4
+
+
+def test_connections_are_kept_alive_and_no_more_are_opened_than_allowed() -> None:
+    EchoStore.connections = 0
+    with loop_serving(EchoStore, connections=3) as loop:
+        answers = [loop.get(f"b/k{i}", 100) for i in range(30)]
+        assert [answer.result(WAIT_S) for answer in answers] == [f"/b/k{i}".encode() for i in range(30)]
+        assert 1 <= EchoStore.connections <= 3
+
+
 def test_a_connection_left_idle_is_closed_and_the_next_request_opens_another(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(getloop, "KEEP_IDLE_S", 0.2)
     monkeypatch.setattr(getloop, "IDLE_S", 0.05)
     EchoStore.connections = 0
-    with serving(EchoStore) as endpoint:
-        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=1)
-        try:
-            assert loop.get("b/k1", 100).result(WAIT_S) == b"/b/k1"
-            assert loop.get("b/k2", 100).result(WAIT_S) == b"/b/k2"
-            assert EchoStore.connections == 1  # kept alive between requests in a row
-            deadline = time.monotonic() + WAIT_S
-            while loop._idle and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not loop._idle  # closed once idle longer than KEEP_IDLE_S, by the loop itself
-            assert loop.get("b/k3", 100).result(WAIT_S) == b"/b/k3"
-            assert EchoStore.connections == 2
-        finally:
-            loop.close()
+    with loop_serving(EchoStore, connections=1) as loop:
+        assert loop.get("b/k1", 100).result(WAIT_S) == b"/b/k1"
+        assert loop.get("b/k2", 100).result(WAIT_S) == b"/b/k2"
+        assert EchoStore.connections == 1  # kept alive between requests in a row
+        deadline = time.monotonic() + WAIT_S
+        while loop._idle and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not loop._idle  # closed once idle longer than KEEP_IDLE_S, by the loop itself
+        assert loop.get("b/k3", 100).result(WAIT_S) == b"/b/k3"
+        assert EchoStore.connections == 2
 
 
 class Silent(QuietStore):
@@ -308,7 +295,7 @@ class Silent(QuietStore):
 def test_closing_the_loop_cancels_what_is_unanswered(monkeypatch: pytest.MonkeyPatch) -> None:
     Silent.release.clear()
     with serving(Silent) as endpoint:
-        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=1)
+        loop = GetLoop(anonymous_getter(endpoint), connections=1)
         answers = [loop.get(f"b/k{i}", 100) for i in range(3)]  # one sent, two queued
         loop.close()
         Silent.release.set()
@@ -323,7 +310,7 @@ def test_a_store_that_stops_answering_gives_none_after_the_timeout(monkeypatch: 
     monkeypatch.setattr(getloop, "IDLE_S", 0.1)
     Silent.release.clear()
     with serving(Silent) as endpoint:
-        loop = GetLoop(S3Getter(None, None, endpoint, "us-east-1", anonymous=True), connections=1)
+        loop = GetLoop(anonymous_getter(endpoint), connections=1)
         try:
             assert loop.get("b/k", 100).result(WAIT_S) is None
         finally:
@@ -332,7 +319,7 @@ def test_a_store_that_stops_answering_gives_none_after_the_timeout(monkeypatch: 
 
 
 def test_an_unreachable_store_is_none(get_free_port: Any) -> None:
-    loop = GetLoop(S3Getter(None, None, f"http://127.0.0.1:{get_free_port()}", "us-east-1", anonymous=True), 2)
+    loop = GetLoop(anonymous_getter(f"http://127.0.0.1:{get_free_port()}"), 2)
     try:
         assert loop.get("bucket/key", 100).result(WAIT_S) is None
     finally:
@@ -386,7 +373,7 @@ def test_a_tls_store_is_read_the_same_way(tmp_path: Path, monkeypatch: pytest.Mo
     threading.Thread(target=server.serve_forever, daemon=True).start()
     BigEcho.connections = 0
     try:
-        getter = S3Getter(None, None, f"https://127.0.0.1:{server.server_address[1]}", "us-east-1", anonymous=True)
+        getter = anonymous_getter(f"https://127.0.0.1:{server.server_address[1]}")
         loop = GetLoop(getter, connections=2)
         try:
             answers = [loop.get(f"b/k{i}", 1 << 20) for i in range(6)]
@@ -396,7 +383,7 @@ def test_a_tls_store_is_read_the_same_way(tmp_path: Path, monkeypatch: pytest.Mo
             assert BigEcho.connections <= 2
         finally:
             loop.close()
-        untrusted = S3Getter(None, None, f"https://localhost:{server.server_address[1]}", "us-east-1", anonymous=True)
+        untrusted = anonymous_getter(f"https://localhost:{server.server_address[1]}")
         loop = GetLoop(untrusted, connections=1)  # the certificate does not name localhost: refused, so None
         try:
             assert loop.get("b/k", 100).result(WAIT_S) is None

@@ -165,18 +165,16 @@ class GetLoop:
 
     def _idle_link(self, request: _Request) -> _Link | None:
         """A kept-alive connection to the request's host, if one is idle (one to another host is closed for room)."""
-        address = _address(request.url)
         for at, link in enumerate(self._idle):
-            if (link.host, link.port) == address:
+            if (link.host, link.port) == (request.host, request.port):
                 return self._idle.pop(at)
         if self._idle and len(self._idle) + len(self._busy) >= self.connections:
             self._drop(self._idle.pop(0))
         return None
 
     def _new_link(self, request: _Request) -> _Link | None:
-        host, port = _address(request.url)
         try:
-            address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            address = socket.getaddrinfo(request.host, request.port, type=socket.SOCK_STREAM)[0]
             sock = socket.socket(address[0], address[1], address[2])
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -188,11 +186,10 @@ class GetLoop:
             sock.close()
             request.answer(None)
             return None
-        return _Link(sock, host, port, request.url.startswith("https:"))
+        return _Link(sock, request.host, request.port, request.tls)
 
     def _begin(self, link: _Link, request: _Request) -> None:
         """Sign `request` and start it on `link`."""
-        parts = urlsplit(request.url)
         headers = request.headers
         if not self.getter.anonymous:
             credentials = self.getter.credentials()
@@ -200,8 +197,8 @@ class GetLoop:
                 self._idle.append(link)
                 request.answer(None)
                 return
-            headers = sign_get(parts.netloc, parts.path or "/", headers, credentials, self.getter.region)
-        head = f"GET {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n" + "".join(
+            headers = sign_get(request.netloc, request.path, headers, credentials, self.getter.region)
+        head = f"GET {request.path} HTTP/1.1\r\nHost: {request.netloc}\r\n" + "".join(
             f"{name}: {value}\r\n" for name, value in headers.items()
         )
         link.start(request, (head + "\r\n").encode("latin-1"))
@@ -291,13 +288,23 @@ class GetLoop:
         self._waker_out.close()
 
 
-def _address(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-
-
 class _Request:
-    __slots__ = ("url", "headers", "start", "most", "future", "into", "retried")
+    """One GET: where it goes (the URL taken apart once), what it asks for, and the future its answer goes to."""
+
+    __slots__ = (
+        "url",
+        "host",
+        "port",
+        "netloc",
+        "path",
+        "tls",
+        "headers",
+        "start",
+        "most",
+        "future",
+        "into",
+        "retried",
+    )
 
     def __init__(
         self,
@@ -308,7 +315,10 @@ class _Request:
         future: Future[Body | None],
         into: Into | None,
     ) -> None:
-        self.url, self.headers, self.start, self.future, self.into = url, headers, start, future, into
+        parts = urlsplit(url)
+        self.url, self.netloc, self.path, self.tls = url, parts.netloc, parts.path or "/", parts.scheme == "https"
+        self.host, self.port = parts.hostname or "", parts.port or (443 if self.tls else 80)
+        self.headers, self.start, self.future, self.into = headers, start, future, into
         self.most = most  # the most bytes the answer may have: the range's length
         self.retried = False
 

@@ -119,10 +119,7 @@ class SourceReads:
             return reserved[0]  # read straight into the arena
         tried = bool(reserved)  # and the arena was full: the bytes go through the pipe
         self._free(reserved)
-        data = bytes(body)
-        if self.arena is not None and not tried:
-            return self.arena.put(data) or data
-        return data
+        return bytes(body) if tried else self._placed(bytes(body))
 
     def _free(self, reserved: list[Handoff | None]) -> None:
         handoff = reserved.pop() if reserved else None
@@ -139,9 +136,11 @@ class SourceReads:
 
     def _read_now(self, item: SourceItem) -> Fetched:
         data = read_item(item, self.spec)
-        if isinstance(data, bytes) and self.arena is not None:
-            return self.arena.put(data) or data
-        return data
+        return self._placed(data) if isinstance(data, bytes) else data
+
+    def _placed(self, data: bytes) -> bytes | Handoff:
+        """`data` copied into the arena where there is one and it fits (its `Handoff`), else the bytes themselves."""
+        return (self.arena.put(data) if self.arena is not None else None) or data
 
     def _loop_for(self, url: str) -> tuple[GetLoop | None, str]:
         """This process's loop for the store `url` is on, and the object's path; (None, "") where threads read it."""
