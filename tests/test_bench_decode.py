@@ -104,8 +104,9 @@ def test_the_loaders_region_decoder_is_measured(raw_images: Path) -> None:
     region = result.rows[0]
     assert region.decoder == "region" and "the loader's" in region.note and "JPEG files only" in region.note
     assert region.raw_images_per_s and region.prepared_images_per_s  # the JPEGs of the sample decode
-    # It decodes only the blocks of a crop, not the whole picture: faster than a full PIL decode on raw JPEGs.
-    assert region.raw_images_per_s > result.rows[1].raw_images_per_s  # type: ignore[operator]
+    assert result.rows[1].decoder == "PIL" and result.rows[1].raw_images_per_s  # measured beside it, in the same run
+    # How much faster it is than a full decode is a benchmark's to show (benchmarks/loader.py), not a timed test's:
+    # 4 images timed for 0.2 s beside another test process on 2 cores can put either one ahead.
 
 
 def test_sample_is_even_deterministic_and_in_listing_order(tmp_path: Path) -> None:
