@@ -149,9 +149,17 @@ class S3Server:
         """Requests since the last reset, by HTTP method (``{"GET": n, "HEAD": n}``)."""
         return {method: int(count) for method, count in self._call("GET", "requests").items()}
 
+    def listings(self) -> dict[str, int]:
+        """LIST requests since the last reset, by ``bucket/prefix`` (every page counts)."""
+        return {prefix: int(count) for prefix, count in self._call("GET", "listings").items()}
+
     def max_in_flight(self, bucket: str | None = None) -> int:
         """The most object GETs the server served at once since the last reset (of `bucket` only, if given)."""
         return int(self._call("GET", "in_flight" + (f"?bucket={bucket}" if bucket else ""))["max"])
+
+    def max_writes_in_flight(self, bucket: str | None = None) -> int:
+        """The most object writes (PUT, POST, DELETE) the server took at once since the last reset (of `bucket` only, if given)."""
+        return int(self._call("GET", "in_flight" + (f"?bucket={bucket}" if bucket else ""))["puts"])
 
     def max_lists_in_flight(self, bucket: str | None = None) -> int:
         """The most LIST requests (bucket listings) served at once since the last reset (of `bucket` only, if given)."""

@@ -7,10 +7,11 @@ ever in flight at once, and the most bucket listings (LIST requests) in flight a
 names have no underscore):
 
 - ``GET /_test/reads``: the counts as JSON, ``{"bucket/key": {"gets": n, "bytes": b}}``;
-- ``GET /_test/in_flight``: ``{"max": n, "lists": m}``, the most object GETs and the most
-  LIST requests served at once; ``?bucket=NAME``: those of one bucket only, so a request
+- ``GET /_test/in_flight``: ``{"max": n, "lists": m, "puts": p}``, the most object GETs, LIST
+  requests and object writes (PUT, POST, DELETE) served at once; ``?bucket=NAME``: those of one bucket only, so a request
   another test left running on another bucket does not count;
 - ``GET /_test/requests``: every request by method, ``{"GET": n, "HEAD": n, ...}``;
+- ``GET /_test/listings``: the LIST requests by what they list, ``{"bucket/prefix": n}``;
 - ``POST /_test/reset``: zero the counts (and those maxima);
 - ``POST /_test/throttle?bytes_per_s=N``: serve object bodies at about N bytes/s (0: full speed);
   ``?upload_bytes_per_s=N``: take in upload bodies (PUT, POST) at about N bytes/s;
@@ -47,6 +48,7 @@ class CountingApp:
         self.bytes_per_s = 0
         self.latency_s = 0.0
         self.methods: dict[str, int] = {}
+        self.listings: dict[str, int] = {}  # LIST requests by "bucket/prefix"
         # In flight now and the most at once since the last reset, by bucket and by kind ("get", "list").
         self.in_flight: dict[tuple[str, str], int] = {}
         self.max_in_flight: dict[tuple[str, str], int] = {}
@@ -74,6 +76,9 @@ class CountingApp:
             self._begin(bucket, "get")
         if listing:
             self._begin(bucket, "list")
+            prefix = parse_qs(environ.get("QUERY_STRING", "")).get("prefix", [""])[0]
+            with self.lock:
+                self.listings[f"{bucket}/{prefix}"] = self.listings.get(f"{bucket}/{prefix}", 0) + 1
         try:
             if self.latency_s:
                 time.sleep(self.latency_s)
@@ -109,11 +114,14 @@ class CountingApp:
             environ["wsgi.input"] = SlowInput(environ["wsgi.input"], lambda: self.upload_bytes_per_s)
         with self.lock:
             self.uploading[key] = self.uploading.get(key, 0) + 1
+        bucket = key.split("/", 1)[0]
+        self._begin(bucket, "put")
         try:
             if self.latency_s:
                 time.sleep(self.latency_s)
             return self.app(environ, start_response)
         finally:
+            self._end(bucket, "put")
             with self.lock:
                 self.uploading[key] -= 1
                 if not self.uploading[key]:
@@ -166,13 +174,16 @@ class CountingApp:
                 payload = json.dumps(self.reads).encode()
             elif path == "/_test/in_flight":
                 bucket = query.get("bucket", [None])[0]
-                most = {"max": self._most_in_flight("get", bucket), "lists": self._most_in_flight("list", bucket)}
+                most = {kind: self._most_in_flight(counted, bucket) for kind, counted in (("max", "get"), ("lists", "list"), ("puts", "put"))}
                 payload = json.dumps(most).encode()
             elif path == "/_test/requests":
                 payload = json.dumps(self.methods).encode()
+            elif path == "/_test/listings":
+                payload = json.dumps(self.listings).encode()
             elif path == "/_test/reset":
                 self.reads = {}
                 self.methods = {}
+                self.listings = {}
                 self.max_in_flight = dict(self.in_flight)
                 payload = b"{}"
             elif path == "/_test/latency":

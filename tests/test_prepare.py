@@ -469,6 +469,32 @@ def test_step_api_plan_shards_finish_equals_local_prepare(raw: Path, tmp_path: P
         write_prepare_shard(spec_for(raw, tmp_path / "never"), 0)
 
 
+def test_the_plan_checks_every_listed_file_as_it_lists_and_a_refusal_leaves_nothing(raw: Path, tmp_path: Path) -> None:
+    """The service's allowed-roots check runs inside the plan's own listing: SRC is listed once."""
+    from pipeline.prepare.job import plan_prepare
+
+    seen: list[str] = []
+    plan = plan_prepare(spec_for(raw, tmp_path / "checked"), check_source=seen.append)
+    assert plan.listed == 60 and sorted(seen) == sorted(str(path) for path in raw.rglob("*.jpg"))
+    victim = sorted(seen)[30]
+
+    def refuse(url: str) -> None:
+        if url == victim:
+            raise ConfigError(f"{url} is not allowed")
+
+    refused = tmp_path / "refused"
+    with pytest.raises(ConfigError, match="is not allowed"):
+        plan_prepare(spec_for(raw, refused), check_source=refuse)
+    assert not (refused / ".gpufeed").exists()
+    with pytest.raises(SourceError, match="source not found"):  # any failed listing of a new job leaves no work folder
+        prepare_dataset(spec_for(tmp_path / "missing", tmp_path / "from-missing"))
+    assert not (tmp_path / "from-missing" / ".gpufeed").exists()
+    # a job resumed from its saved plan keeps its work folder when the listing is refused this time
+    with pytest.raises(ConfigError, match="is not allowed"):
+        plan_prepare(spec_for(raw, tmp_path / "checked"), check_source=refuse)
+    assert (tmp_path / "checked" / ".gpufeed" / "plan.json").exists()
+
+
 def test_finish_twice_gives_the_same_manifest_and_result(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A finish repeated after a crash right after the manifest (work folder still there) changes nothing."""
     import pipeline.prepare.job as job

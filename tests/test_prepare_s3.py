@@ -466,6 +466,37 @@ def test_a_shard_step_on_a_store_reads_its_record_beside_the_plan_and_only_once(
     assert read[record]["gets"] == 1, read  # the skip answers from the record it read first
 
 
+def test_a_new_plan_on_a_store_reads_no_shard_record_and_a_step_sends_its_record_beside_its_shard(s3_server, raw_images, tmp_path):
+    """Round trips a distant store charges every job: none for records a new plan cannot have, one for a shard and its record."""
+    from s3_fixtures import upload
+
+    from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
+
+    bucket = upload(s3_server, _empty(tmp_path))
+    out = f"s3://{bucket.name}/shards"
+    spec = spec_of(str(raw_images), out)
+    with storage_options_for([out], s3_server.storage_options):
+        s3_server.reset_reads()
+        plan = plan_prepare(spec)
+        assert plan.pending == list(range(plan.shards)) and plan.shards >= 2
+        assert not [key for key in s3_server.reads() if "/.gpufeed/shards/" in key]  # a new plan has no records to read
+        s3_server.delay(50)  # the shard and its record are taken in at once only if they are sent together
+        try:
+            s3_server.reset_reads()
+            write_prepare_shard(spec, 0)
+            most = s3_server.max_writes_in_flight(bucket.name)
+        finally:
+            s3_server.delay(0)
+        assert most >= 2
+        assert plan_prepare(spec).pending == list(range(1, plan.shards))  # a resumed plan reads the records
+        for shard in range(1, plan.shards):
+            write_prepare_shard(spec, shard)
+        finish_prepare(spec)
+        assert verify_dataset(out).ok
+    left = s3_server.filesystem().find(f"{bucket.name}/shards")
+    assert left and not [path for path in left if "/.gpufeed" in path]  # the work folder went, in one listing and one delete
+
+
 def test_small_uploads_go_in_one_round_trip_without_waiting_for_a_go_ahead(s3_server, tmp_path, monkeypatch):
     """botocore asks for "Expect: 100-continue" on every PUT of a file: a round trip more before the body goes."""
     from s3_fixtures import upload

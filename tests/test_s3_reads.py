@@ -272,6 +272,36 @@ def test_chunked_answers_are_read_and_the_connection_kept() -> None:
         assert ChunkedStore.connections == 1
 
 
+class SmallObjects(KeptAliveStore):
+    """Answers every GET with the same few bytes on kept-alive connections, counting the connections."""
+
+    connections = 0
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+
+def test_reads_on_new_threads_take_the_connections_earlier_threads_left_idle() -> None:
+    """Records and plans are read by bursts of short-lived threads: each burst reuses the last one's connections."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serving(SmallObjects) as endpoint:
+        getter = S3Getter(None, None, endpoint, "us-east-1", anonymous=True)
+        for burst in range(3):
+            barrier = threading.Barrier(4)
+
+            def read(index: int) -> bytes | None:
+                barrier.wait()  # all four in flight at once: four connections are needed
+                return getter.get(f"b/k{index}", 100)
+
+            with ThreadPoolExecutor(4) as pool:  # new threads each time
+                assert list(pool.map(read, range(4))) == [b"ok"] * 4
+        assert SmallObjects.connections <= 4 + 1  # one burst's worth (a connection may still be in a handler's hands)
+
+
 class GarbledOnce(KeptAliveStore):
     """Answers its first GET with something that is not HTTP (and more of it after), every later one properly."""
 

@@ -202,23 +202,35 @@ def test_a_source_folder_may_not_link_outside_the_roots(tmp_path: Path) -> None:
     (root / "src" / "cats" / "a.jpg").write_bytes(b"x")
     (outside / "secret.jpg").write_bytes(b"x")
     (root / "src" / "cats" / "inside.jpg").symlink_to(root / "src" / "cats" / "a.jpg")
-    security.check_listed_sources(str(root / "src"), [str(root)])  # links that stay inside are fine
+    # a folder is walked at once, and leaves nothing to check per listed file
+    assert security.listed_source_check(str(root / "src"), [str(root)]) is None  # links that stay inside are fine
 
     (root / "src" / "cats" / "b.jpg").symlink_to(outside / "secret.jpg")
     with pytest.raises(ConfigError, match="a link to .* outside GPUFEED_ALLOWED_ROOTS"):
-        security.check_listed_sources(str(root / "src"), [str(root)])
+        security.listed_source_check(str(root / "src"), [str(root)])
     (root / "src" / "cats" / "b.jpg").unlink()
     (root / "src" / "dogs").symlink_to(outside)
     with pytest.raises(ConfigError, match="outside GPUFEED_ALLOWED_ROOTS"):
-        security.check_listed_sources(str(root / "src"), [str(root)])
+        security.listed_source_check(str(root / "src"), [str(root)])
     (root / "src" / "dogs").unlink()
     (root / "src" / "loop").symlink_to(root / "src")  # a loop back inside: checked once, no endless walk
-    security.check_listed_sources(str(root / "src"), [str(root)])
+    assert security.listed_source_check(str(root / "src"), [str(root)]) is None
 
+
+def test_a_list_file_or_a_url_source_is_checked_file_by_file_as_the_plan_lists_it(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
     listing = root / "list.jsonl"
-    listing.write_text(f'{{"path": "{root / "src" / "cats" / "a.jpg"}"}}\n{{"path": "{outside / "secret.jpg"}"}}\n')
-    with pytest.raises(ConfigError, match="lists .*secret.jpg"):
-        security.check_listed_sources(str(listing), [str(root)])
+    check = security.listed_source_check(str(listing), [str(root)])
+    assert check is not None
+    check(str(root / "src" / "a.jpg"))
+    with pytest.raises(ConfigError, match="lists .*secret.jpg.*outside GPUFEED_ALLOWED_ROOTS"):
+        check(str(outside / "secret.jpg"))
+    bucket = security.listed_source_check("s3://bench/raw", ["s3://bench/"])
+    assert bucket is not None
+    bucket("s3://bench/raw/cats/a.jpg")
+    for escape in ("s3://other/raw/a.jpg", "s3://bench/raw/../secret/a.jpg"):
+        with pytest.raises(ConfigError, match="outside GPUFEED_ALLOWED_ROOTS"):
+            bucket(escape)
 
 
 def test_status_shows_the_samples_decoded_with_warnings_only_when_there_are_some(capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,6 +58,7 @@ def test_three_workers_sharing_only_the_store_equal_a_local_run(
     for name in ("w1", "w2", "w3"):
         service.start_worker(name, env=machine_env(workers, name))
     submitter = machine_env(workers, "submitter")
+    s3_server.reset_reads()
     result = service.cli(
         "submit",
         "prepare",
@@ -76,6 +77,9 @@ def test_three_workers_sharing_only_the_store_equal_a_local_run(
     job = json.loads(result.stdout)["job"]
     record = service.wait_finished(job, timeout=180)
     assert record.state == "succeeded", (record.error, record.to_status())
+    # SRC is listed once, by the plan, which checks each listed file against the allowed roots as it goes
+    source_listings = {prefix: n for prefix, n in s3_server.listings().items() if prefix.startswith(f"{bucket.name}/data")}
+    assert source_listings and set(source_listings.values()) == {1}, source_listings
     shards = service.store.client.hvals(f"{service.store.job_key(job)}:shards")
     assert len({json.loads(entry)["worker"] for entry in shards}) >= 2  # shards written on several "machines"
     with storage_options_for([out], s3_server.storage_options):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pipeline.errors import ConfigError
@@ -211,25 +211,32 @@ def lock_name(path: str) -> str:
     return os.path.realpath(local)
 
 
-def check_listed_sources(source: str, roots: Iterable[str]) -> None:
-    """Refuse a source that would make the job read outside the roots.
+def listed_source_check(source: str, roots: Iterable[str]) -> Callable[[str], None] | None:
+    """How a job's plan keeps what SRC lists inside the roots.
 
     A local folder (itself inside a root) can only lead outside through a
-    symlink, so only symlinks are resolved; a list file (CSV/JSONL) or a URL
-    is listed and every entry checked.
-    """
-    from pipeline.prepare.sources import list_images
+    symlink: its tree is walked here, at once, and there is nothing left to
+    check (None). A list file (CSV/JSONL) or a URL can name anything: the
+    check of one listed file's URL is returned, and the plan calls it on each
+    file as it lists SRC (`plan_prepare(check_source=...)`), so a store's
+    million objects are listed once, not once to check and once to plan.
 
+    Raises:
+        ConfigError: a symlink in the local folder leads outside the roots.
+    """
     roots = require_roots(roots)
     local = local_path(source)
     if local is not None and os.path.isdir(local):
         _check_source_tree(local, roots, source)
-        return
-    for item in list_images(source):
+        return None
+
+    def check(url: str) -> None:
         try:
-            check_path(item.url, roots, "a listed source file")
+            check_path(url, roots, "a listed source file")
         except ConfigError as exc:
-            raise ConfigError(f"SRC {source} lists {item.url!r}, which is outside GPUFEED_ALLOWED_ROOTS") from exc
+            raise ConfigError(f"SRC {source} lists {url!r}, which is outside GPUFEED_ALLOWED_ROOTS") from exc
+
+    return check
 
 
 def _check_source_tree(top: str, roots: tuple[str, ...], source: str) -> None:

@@ -139,10 +139,10 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
         store().transition(job_id, "running", ACTIVE)
         spec, force, overwrite = _planned_spec(record, payload)
         with _job_storage(record, spec):
-            security.check_listed_sources(spec.source, settings.allowed_roots)
+            check_source = security.listed_source_check(spec.source, settings.allowed_roots)
             run.check()
             mark_copies(spec, job_id)
-            info = plan_prepare(spec, force=force, overwrite=overwrite)
+            info = plan_prepare(spec, force=force, overwrite=overwrite, check_source=check_source)
             run.check()
             if info.already_complete:
                 store().update(job_id, shards_total=info.shards, shards_done=info.shards, listed=info.listed)

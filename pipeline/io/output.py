@@ -267,6 +267,15 @@ class Output:
         self.publish(rel)
 
     def remove(self, rel: str) -> None:
+        """Remove a member, file or folder (nothing when there is none).
+
+        On a store the removal is asked for at once, without looking first: a
+        folder goes in one listing and one batch delete, where looking first
+        costs two more round trips.
+
+        Raises:
+            StorageError: the store refuses or cannot be reached (retryable).
+        """
         try:
             if self.is_local:
                 path = self.local(rel)
@@ -274,8 +283,9 @@ class Output:
                     shutil.rmtree(path)
                 elif os.path.exists(path):
                     os.unlink(path)
-            elif self.fs.exists(self._fresh(rel)):
-                self.fs.rm(self._remote(rel), recursive=True)
+                return
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self._fresh(rel), recursive=True)
         except store_errors() as exc:
             raise store_failure(f"remove {rel} from", self.url, exc) from exc
 

@@ -46,6 +46,7 @@ CREDENTIALS_TTL_S = 60.0  # how long frozen credentials are reused before asking
 TIMEOUT_S = 60.0  # connect, and each read of an answer
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # the payload hash of a request without a body
 READ_BUFFER = 1 << 16
+IDLE_CONNECTIONS = 32  # kept-alive connections kept for later requests, per endpoint
 LIST_PAGE_KEYS = 1000  # keys per ListObjectsV2 answer: the most S3 gives
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
 _SUPPORTED_OPTIONS = {"endpoint_url", "key", "secret", "token", "anon", "profile", "client_kwargs", "config_kwargs"}
@@ -94,7 +95,10 @@ class S3Getter:
         self._credentials: Any = None
         self._credentials_at = 0.0
         self._lock = threading.Lock()
-        self._local = threading.local()  # each thread's kept-alive connections, by (host, port)
+        # kept-alive connections not in use, by (host, port): any thread takes one, so the short-lived
+        # threads of a burst of reads (records, plans) reuse the connections of the last burst
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._idle_lock = threading.Lock()
         self._tls: Any = None
         if parts.scheme == "https":
             import ssl
@@ -223,30 +227,42 @@ class S3Getter:
     def _request(
         self, host: str, port: int, host_header: str, path: str, headers: dict[str, str]
     ) -> tuple[int, bytes, str | None]:
-        """(status, body, Content-Range) of one GET on this thread's kept-alive connection; a stale one is replaced once."""
+        """(status, body, Content-Range) of one GET on an idle kept-alive connection (else a new one); a stale one is replaced once."""
         head = f"GET {path} HTTP/1.1\r\nHost: {host_header}\r\n" + "".join(
             f"{name}: {value}\r\n" for name, value in headers.items()
         )
         request = (head + "\r\n").encode("latin-1")
-        connections: dict[tuple[str, int], _Connection] = self._local.__dict__.setdefault("connections", {})
         for attempt in (0, 1):
-            connection = connections.get((host, port))
+            connection = self._take_idle((host, port)) if attempt == 0 else None
             fresh = connection is None
             if connection is None:
-                connection = connections[(host, port)] = _Connection(host, port, self._tls)
+                connection = _Connection(host, port, self._tls)
             try:
                 status, body, keep, content_range = connection.exchange(request)
             except (OSError, ValueError) as exc:
                 connection.close()  # after an answer not understood, what is left of it would garble the next one
-                connections.pop((host, port), None)
                 if isinstance(exc, ValueError) or fresh or attempt:  # a new connection that fails is the store's answer
                     raise
                 continue  # the store closed a kept-alive connection meanwhile: once more on a new one
-            if not keep:
+            if keep:
+                self._keep_idle((host, port), connection)
+            else:
                 connection.close()
-                connections.pop((host, port), None)
             return status, body, content_range
         raise OSError("no answer")
+
+    def _take_idle(self, where: tuple[str, int]) -> _Connection | None:
+        with self._idle_lock:
+            idle = self._idle.get(where)
+            return idle.pop() if idle else None
+
+    def _keep_idle(self, where: tuple[str, int], connection: _Connection) -> None:
+        with self._idle_lock:
+            idle = self._idle.setdefault(where, [])
+            if len(idle) < IDLE_CONNECTIONS:
+                idle.append(connection)
+                return
+        connection.close()
 
     @property
     def tls_context(self) -> Any:

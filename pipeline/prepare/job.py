@@ -39,9 +39,10 @@ import functools
 import json
 import math
 import os
+import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -83,12 +84,14 @@ from .resume import (
     write_shard_record,
 )
 from .sample import SampleOutcome
-from .sources import ListingInfo, list_images
+from .sources import ListingInfo, SourceItem, list_images
 
 ESTIMATE_SAMPLES = 16
 SHARD_FILL = 0.92  # plan shards to 92 % of --shard-size: the estimate is an estimate
 
 ProgressCallback = Callable[["PrepareProgress"], None]
+SourceCheck = Callable[[str], None]
+"""Called with the URL of every file SRC lists, as it is listed; what it raises stops the plan."""
 
 
 @dataclasses.dataclass
@@ -356,6 +359,7 @@ def _open_or_plan(
     workers: int | None = None,
     verify: bool = False,
     io_threads: int = IO_THREADS,
+    check_source: SourceCheck | None = None,
 ) -> _Job | Manifest:
     """The finished dataset's manifest when OUT holds it intact, else the job opened (planned now, resumed, or a repair).
 
@@ -363,7 +367,10 @@ def _open_or_plan(
     without, the estimate runs in this process.
     """
     output = Output(spec.out)
-    records = OutRecords(output).read_both()
+    if output.is_local:
+        records = OutRecords(output).read_both()
+    else:  # the bucket is looked for (made if missing) beside the reads of what OUT holds: one round trip, not two
+        records, _ = at_once(OutRecords(output).read_both, output.makedirs)
     spec = _as_recorded(spec, records)
     _refuse_out_inside_source(spec)
     finished = check_existing(output, spec, overwrite, records)
@@ -372,11 +379,12 @@ def _open_or_plan(
         if not damaged:
             remove_stale_temp_objects(output, finished)
             return finished
-        return _start_repair(spec, output, _Repair(finished, damaged), workers, io_threads)
-    output.makedirs()
+        return _start_repair(spec, output, _Repair(finished, damaged), workers, io_threads, check_source)
+    if output.is_local:
+        output.makedirs()
     if overwrite:
         records = OutRecords(output)  # check_existing may have cleared OUT: what it read is stale
-    return _start_job(spec, output, force, overwrite, workers, io_threads=io_threads, records=records)
+    return _start_job(spec, output, force, overwrite, workers, io_threads=io_threads, records=records, check_source=check_source)
 
 
 def _as_recorded(spec: PrepareSpec, records: OutRecords) -> PrepareSpec:
@@ -412,20 +420,28 @@ def _start_job(
     repair: _Repair | None = None,
     io_threads: int = IO_THREADS,
     records: OutRecords | None = None,
+    check_source: SourceCheck | None = None,
 ) -> _Job:
     work = output.local(WORK_DIR)
     old_plan = (records or OutRecords(output)).plan
     os.makedirs(os.path.join(work, "shards"), exist_ok=True)
     listing = Listing(work)
     info = ListingInfo()
-    listed, digest, labels = listing.write(list_images(spec.source, info))
+    try:
+        items = list_images(spec.source, info)
+        listed, digest, labels = listing.write(items if check_source is None else _checked(items, check_source))
+    except BaseException:
+        listing.close()
+        if old_plan is None:  # this run made the work folder, and nothing of it is on a store yet
+            shutil.rmtree(work, ignore_errors=True)
+        raise
     classes = class_names(info, labels)
     if repair is not None:
         _check_repairable(spec, repair, listed, classes)
     if listed == 0:
         listing.close()
         if old_plan is None:
-            output.remove(WORK_DIR)  # this run made it: an empty source leaves nothing behind
+            shutil.rmtree(work, ignore_errors=True)  # this run made it: an empty source leaves nothing behind
         raise NoImagesError(
             f"no images found in {spec.source}"
             + (f" ({format_count(info.ignored, 'file')} without an image extension ignored)" if info.ignored else "")
@@ -467,7 +483,15 @@ def _start_job(
     return _Job(spec, output, listing, plan, classes, listed, info.ignored, warnings, pool, cache, planned_here=True, repair=repair)
 
 
-def _start_repair(spec: PrepareSpec, output: Output, repair: _Repair, workers: int | None, io_threads: int) -> _Job:
+def _checked(items: Iterable[SourceItem], check: SourceCheck) -> Iterator[SourceItem]:
+    for item in items:
+        check(item.url)
+        yield item
+
+
+def _start_repair(
+    spec: PrepareSpec, output: Output, repair: _Repair, workers: int | None, io_threads: int, check_source: SourceCheck | None
+) -> _Job:
     """Open the job that writes a finished dataset's damaged files again, from a fresh listing and plan."""
     foreign = [path for path in repair.damaged if planned_shard_of(path) is None]
     if foreign:
@@ -477,7 +501,7 @@ def _start_repair(spec: PrepareSpec, output: Output, repair: _Repair, workers: i
         )
     output.remove(WORK_DIR)  # what an earlier repair or finish left: the plan is made again from the listing
     try:
-        return _start_job(spec, output, True, False, workers, repair, io_threads)
+        return _start_job(spec, output, True, False, workers, repair, io_threads, check_source=check_source)
     except BaseException:
         output.remove(WORK_DIR)
         raise
@@ -592,7 +616,7 @@ def _write_pending_shards(
 ) -> tuple[int, int]:
     remove_stale_temp_files(job.output, job.spec.augment.variants)
     rewrites = _rewrites(job) if job.repair is not None else {}
-    pending = sorted(rewrites) if job.repair is not None else pending_shards(job.output, job.plan.shards)
+    pending = sorted(rewrites) if job.repair is not None else _unwritten(job)
     resumed = job.plan.shards - len(pending)
     total = sum(len(job.plan.positions(s)) for s in pending)
     state = PrepareProgress(0, total, 0, 0.0)
@@ -605,6 +629,13 @@ def _write_pending_shards(
         pool.terminate()
         raise
     return total, resumed
+
+
+def _unwritten(job: _Job) -> list[int]:
+    """The planned shards without a complete record. A plan made just now has none written (a plan is made
+    only where none is, or where its old records went with it), so its records are not read: on a store,
+    a round trip less before the first shard."""
+    return list(range(job.plan.shards)) if job.planned_here else pending_shards(job.output, job.plan.shards)
 
 
 def _rewrites(job: _Job, only: int | None = None) -> dict[int, set[str]]:
@@ -655,10 +686,13 @@ def _write_one_shard(
             if job.repair is not None:
                 infos += _commit_repaired(job, writer, rel, rel in rewrite)
             elif writer.samples:
-                info = writer.commit(rel, variant)
-                job.output.publish(info.path)
-                infos.append(info)
-    record = write_shard_record(job.output, shard, infos, rejected, state.warned - warned_before)
+                infos.append(writer.commit(rel, variant))
+    uploads = [] if job.output.is_local or job.repair is not None else [functools.partial(job.output.publish, info.path) for info in infos]
+    # On a store the record goes up beside its files, not after them (a round trip less per shard):
+    # a record whose file is missing or of another size counts as unwritten (recorded_files_intact),
+    # so a record that lands before its file, or without it, only makes a re-run write the shard again.
+    recording = functools.partial(write_shard_record, job.output, shard, infos, rejected, state.warned - warned_before)
+    record: dict[str, Any] = at_once(*uploads, recording)[-1]
     job.written.append(shard)
     return record
 
@@ -912,7 +946,14 @@ class ShardRecord:
     skipped: bool
 
 
-def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = False, verify: bool = False) -> PreparePlanInfo:
+def plan_prepare(
+    spec: PrepareSpec,
+    *,
+    force: bool = False,
+    overwrite: bool = False,
+    verify: bool = False,
+    check_source: SourceCheck | None = None,
+) -> PreparePlanInfo:
     """List SRC and plan the shards (kept in OUT/.gpufeed); resumable like `prepare_dataset`.
 
     When OUT holds the finished dataset with damaged shard files, this plans
@@ -924,6 +965,9 @@ def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = Fa
         force: plan even when the free-space check says it will not fit.
         overwrite: replace an OUT prepared (or being prepared) with different settings.
         verify: check a finished dataset's shards by sha256, not only by size.
+        check_source: called with the URL of each file SRC lists, as it is listed (the service
+            refuses files outside its allowed roots this way); what it raises stops the plan
+            before anything is planned, and a work folder this call made goes.
 
     Returns:
         The plan: shards per variant set, and which of them still need writing.
@@ -931,7 +975,7 @@ def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = Fa
     Raises:
         The same errors as `prepare_dataset`.
     """
-    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, verify=verify)
+    job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, verify=verify, check_source=check_source)
     if isinstance(job_or_done, Manifest):
         done = job_or_done
         shards = len(done.shards) // max(1, done.variants)
@@ -939,7 +983,7 @@ def plan_prepare(spec: PrepareSpec, *, force: bool = False, overwrite: bool = Fa
     job = job_or_done
     try:
         remove_stale_temp_files(job.output, spec.augment.variants)
-        pending = sorted(_rewrites(job)) if job.repair is not None else pending_shards(job.output, job.plan.shards)
+        pending = sorted(_rewrites(job)) if job.repair is not None else _unwritten(job)
     finally:
         job.listing.close()
     return PreparePlanInfo(job.plan.shards, job.listed, job.ignored, job.classes, pending, False, job.warnings)

@@ -120,8 +120,7 @@ def fetch_listing(output: Output, work_dir: str, digest: str) -> Listing:
     listing = Listing(directory)
     if output.is_local or _fetched(directory) == digest:
         return listing
-    for name in (LINES_NAME, INDEX_NAME):
-        output.fetch(f"{work_dir}/{name}")
+    at_once(*(functools.partial(output.fetch, f"{work_dir}/{name}") for name in (LINES_NAME, INDEX_NAME)))
     got, _ = file_sha256(listing.lines_path)
     if got != digest:
         raise StorageError(f"the listing in {output.url}/{work_dir} is not the one its plan records; plan the job again")

@@ -404,8 +404,13 @@ def remove_work(output: Output) -> None:
     On a store, the multipart uploads that failed uploads left in progress under OUT are
     aborted too, as far as the store lets them be (they are invisible, but stored and billed).
     """
-    output.remove(WORK_DIR)
-    if not output.is_local:
-        shutil.rmtree(output.staging, ignore_errors=True)
+    if output.is_local:
+        output.remove(WORK_DIR)
+        return
+
+    def abort_uploads() -> None:
         with contextlib.suppress(StorageError):
             output.abort_uploads()
+
+    at_once(functools.partial(output.remove, WORK_DIR), abort_uploads)  # independent round trips: side by side
+    shutil.rmtree(output.staging, ignore_errors=True)
