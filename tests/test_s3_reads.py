@@ -110,6 +110,13 @@ class KeptAliveStore(QuietStore):
         super().setup()
         type(self).connections += 1
 
+    def answer(self, body: bytes, status: int = 200) -> None:
+        """An answer with `body`, the connection kept."""
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
 
 class RangesAs200(QuietStore):
     """A loopback server answering every GET 200, for the object "0123456789": with `ranges`, the
@@ -278,10 +285,7 @@ class SmallObjects(KeptAliveStore):
     connections = 0
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self.send_response(200)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"ok")
+        self.answer(b"ok")
 
 
 def test_reads_on_new_threads_take_the_connections_earlier_threads_left_idle() -> None:
@@ -290,7 +294,7 @@ def test_reads_on_new_threads_take_the_connections_earlier_threads_left_idle() -
 
     with serving(SmallObjects) as endpoint:
         getter = S3Getter(None, None, endpoint, "us-east-1", anonymous=True)
-        for burst in range(3):
+        for _ in range(3):
             barrier = threading.Barrier(4)
 
             def read(index: int) -> bytes | None:
@@ -314,10 +318,7 @@ class GarbledOnce(KeptAliveStore):
             self.wfile.write(b"SPAM 200 OK\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nwrong")
             self.wfile.flush()
             return
-        self.send_response(200)
-        self.send_header("Content-Length", "5")
-        self.end_headers()
-        self.wfile.write(b"right")
+        self.answer(b"right")
 
 
 def test_a_connection_that_gave_an_answer_not_understood_is_not_used_again() -> None:
@@ -342,10 +343,7 @@ class RotatingKeys(KeptAliveStore):
             body, status = b"<ListBucketResult><IsTruncated>false</IsTruncated><Contents><Key>raw/a.jpg</Key></Contents></ListBucketResult>", 200
         else:
             body, status = b"object", 200
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.answer(body, status)
 
 
 @pytest.mark.parametrize("call", ["get", "list"])
