@@ -155,15 +155,18 @@ class S3Server:
 
     def max_in_flight(self, bucket: str | None = None) -> int:
         """The most object GETs the server served at once since the last reset (of `bucket` only, if given)."""
-        return int(self._call("GET", "in_flight" + (f"?bucket={bucket}" if bucket else ""))["max"])
+        return self._most_in_flight("max", bucket)
 
     def max_writes_in_flight(self, bucket: str | None = None) -> int:
         """The most object writes (PUT, POST, DELETE) the server took at once since the last reset (of `bucket` only, if given)."""
-        return int(self._call("GET", "in_flight" + (f"?bucket={bucket}" if bucket else ""))["puts"])
+        return self._most_in_flight("puts", bucket)
 
     def max_lists_in_flight(self, bucket: str | None = None) -> int:
         """The most LIST requests (bucket listings) served at once since the last reset (of `bucket` only, if given)."""
-        return int(self._call("GET", "in_flight" + (f"?bucket={bucket}" if bucket else ""))["lists"])
+        return self._most_in_flight("lists", bucket)
+
+    def _most_in_flight(self, kind: str, bucket: str | None) -> int:
+        return int(self._call("GET", "in_flight" + (f"?bucket={bucket}" if bucket else ""))[kind])
 
 
 @pytest.fixture(scope="session")

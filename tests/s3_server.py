@@ -49,7 +49,7 @@ class CountingApp:
         self.latency_s = 0.0
         self.methods: dict[str, int] = {}
         self.listings: dict[str, int] = {}  # LIST requests by "bucket/prefix"
-        # In flight now and the most at once since the last reset, by bucket and by kind ("get", "list").
+        # In flight now and the most at once since the last reset, by bucket and by kind ("get", "list", "put").
         self.in_flight: dict[tuple[str, str], int] = {}
         self.max_in_flight: dict[tuple[str, str], int] = {}
         self.upload_bytes_per_s = 0

@@ -430,22 +430,19 @@ def _start_job(
     try:
         items = list_images(spec.source, info)
         listed, digest, labels = listing.write(items if check_source is None else _checked(items, check_source))
+        classes = class_names(info, labels)
+        if repair is not None:
+            _check_repairable(spec, repair, listed, classes)
+        if listed == 0:
+            raise NoImagesError(
+                f"no images found in {spec.source}"
+                + (f" ({format_count(info.ignored, 'file')} without an image extension ignored)" if info.ignored else "")
+            )
     except BaseException:
         listing.close()
-        if old_plan is None:  # this run made the work folder, and nothing of it is on a store yet
+        if old_plan is None:  # this run made the work folder, and nothing of it is on a store yet: it goes
             shutil.rmtree(work, ignore_errors=True)
         raise
-    classes = class_names(info, labels)
-    if repair is not None:
-        _check_repairable(spec, repair, listed, classes)
-    if listed == 0:
-        listing.close()
-        if old_plan is None:
-            shutil.rmtree(work, ignore_errors=True)  # this run made it: an empty source leaves nothing behind
-        raise NoImagesError(
-            f"no images found in {spec.source}"
-            + (f" ({format_count(info.ignored, 'file')} without an image extension ignored)" if info.ignored else "")
-        )
     saved = _saved_plan_of(spec, old_plan, output, digest, listed, overwrite) if repair is None else None
     # the shard tasks of other machines read the listing from OUT
     share = functools.partial(share_listing, output, WORK_DIR, digest)
