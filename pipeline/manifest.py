@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 from typing import Any
 
 from .errors import ManifestError
@@ -27,6 +28,60 @@ DatasetLocation = str | os.PathLike[str] | Output
 
 def _as_output(where: DatasetLocation) -> Output:
     return where if isinstance(where, Output) else Output(os.fspath(where))
+
+
+MAX_SHARD_PATH = 1024  # characters; prepare writes `v12/shard-000000.tar`-sized names
+_UNSAFE_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
+
+
+def shard_path_problem(rel: object) -> str | None:
+    """Why `rel` is not a shard path a manifest may name (None when it is).
+
+    A shard path is relative to the dataset and stays inside it: plain
+    `/`-separated names, none of them empty, `.` or `..`, no scheme, no
+    leading `/`, no backslash or control character. Joined to the dataset's
+    folder or URL it can name nothing in another folder, bucket or scheme.
+    """
+    if not isinstance(rel, str) or not rel:
+        return "is not a non-empty string"
+    if len(rel) > MAX_SHARD_PATH:
+        return f"is longer than {MAX_SHARD_PATH} characters"
+    if _UNSAFE_CHARS.search(rel):
+        return "holds a backslash or a control character"
+    if rel.startswith("/"):
+        return "is an absolute path"
+    if "://" in rel:
+        return "is a URL (another scheme or bucket)"
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        return "has an empty, '.' or '..' part (it would climb out of the dataset)"
+    return None
+
+
+def shard_location(output: Output, rel: str, *, links_outside: bool = False) -> str:
+    """Where the manifest's shard `rel` of the dataset at `output` is: a local path or a URL, checked.
+
+    Args:
+        output: the dataset's folder or URL.
+        rel: a shard path of its manifest (already checked by `shard_path_problem`).
+        links_outside: follow a local shard that is a symlink (or under one)
+            to a file outside the dataset's folder; by default that is refused.
+
+    Raises:
+        ManifestError: the shard resolves outside the dataset's folder.
+    """
+    if not output.is_local:
+        return f"{output.url}/{rel}"
+    path = output.local(rel)
+    if not links_outside:
+        root = os.path.realpath(output.root)
+        real = os.path.realpath(path)
+        if os.path.commonpath([root, real]) != root:
+            raise ManifestError(
+                f"{output.url}/{MANIFEST_NAME} names shard {rel!r}, which is a link to {real}, outside the dataset "
+                f"folder {root}; move the shard into the folder, or allow it explicitly (make_loader(..., "
+                "links_outside=True), gpufeed inspect --links-outside)"
+            )
+    return path
 
 
 @dataclasses.dataclass
@@ -73,6 +128,7 @@ class Manifest:
                 ShardInfo(s["path"], int(s["samples"]), int(s["bytes"]), s["sha256"], s.get("variant"))
                 for s in data["shards"]
             ]
+            _check_shard_paths(shards, where)
             return cls(
                 samples=int(data["samples"]),
                 classes=list(data["classes"]),
@@ -86,6 +142,17 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where} is malformed: {exc!r}") from exc
+
+
+def _check_shard_paths(shards: list[ShardInfo], where: str) -> None:
+    seen: set[str] = set()
+    for shard in shards:
+        problem = shard_path_problem(shard.path)
+        if problem is not None:
+            raise ManifestError(f"{where} names a shard outside the dataset: {shard.path!r} {problem}")
+        if shard.path in seen:
+            raise ManifestError(f"{where} lists shard {shard.path!r} more than once")
+        seen.add(shard.path)
 
 
 def write_manifest(output: Output, manifest: Manifest) -> None:
@@ -146,7 +213,9 @@ class VerifyResult:
         return not self.problems
 
 
-def verify_dataset(where: DatasetLocation, manifest: Manifest | None = None) -> VerifyResult:
+def verify_dataset(
+    where: DatasetLocation, manifest: Manifest | None = None, *, links_outside: bool = False
+) -> VerifyResult:
     """Re-read every shard: size, sha256, and sample count must match the manifest.
 
     Args:
@@ -154,16 +223,21 @@ def verify_dataset(where: DatasetLocation, manifest: Manifest | None = None) -> 
         manifest: the manifest to check the shards against (default: the
             dataset's own manifest.json; pass another, e.g. an older version,
             to check that its shards are still intact).
+        links_outside: read local shards that are links to files outside
+            the dataset's folder (refused by default).
 
     Returns:
         What was checked, and every problem seen (`ok` is True when none).
 
     Raises:
-        ManifestError: when no manifest is given and the dataset's cannot be read.
+        ManifestError: when no manifest is given and the dataset's cannot be
+            read, or a shard resolves outside the dataset (before any is read).
     """
     output = _as_output(where)
     if manifest is None:
         manifest = read_manifest(output)
+    for shard in manifest.shards:
+        shard_location(output, shard.path, links_outside=links_outside)
     result = VerifyResult()
     per_variant: dict[Any, int] = {}
     for shard in manifest.shards:

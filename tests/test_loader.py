@@ -183,7 +183,7 @@ def test_make_loader_lists_every_loader_spec_setting_with_its_default() -> None:
 
     parameters = inspect.signature(make_loader).parameters
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    own = {"source", "device", "rank", "world_size", "storage_options"}  # what the loader needs besides its settings
+    own = {"source", "device", "rank", "world_size", "storage_options", "links_outside"}  # besides its settings
     settings = {name: p for name, p in parameters.items() if p.kind in named and name not in own}
     fields = dataclasses.fields(LoaderSpec)
     assert list(settings) == [field.name for field in fields]
@@ -453,39 +453,77 @@ def test_batch_size_and_dataset_as_on_a_dataloader(dataset: Path) -> None:
     assert len(loader) == N // 2 // 16
 
 
-def test_a_second_iteration_while_one_runs_is_an_error(dataset: Path) -> None:
+def _epoch_order(dataset: Path, epoch: int) -> list[int]:
+    fresh = loader_for(dataset, batch_size=8, drop_last=False)
+    fresh.set_epoch(epoch)
+    try:
+        return all_labels(fresh)
+    finally:
+        fresh.close()
+
+
+def test_a_new_iteration_ends_the_one_before_and_moves_on_as_a_dataloader_does(dataset: Path) -> None:
+    # A torch DataLoader's iter() starts a new pass whatever the last one did;
+    # Lightning, accelerate and `zip(range(len(loader)), loader)` stop after
+    # len(loader) batches and never ask for the StopIteration.
     loader = loader_for(dataset, batch_size=8, drop_last=False)
-    first = iter(loader)
-    labels = [next(first)[1]]
-    with pytest.raises(RuntimeError, match="already being iterated"):
-        iter(loader)
-    with pytest.raises(RuntimeError, match="already being iterated"):
-        for _ in loader:
-            pass
-    labels += [batch_labels for _, batch_labels in first]  # the first goes on unharmed
-    assert sorted(torch.cat(labels).tolist()) == list(range(N))
-    assert loader.epoch == 1
-    # Finished, closed or dropped, an iteration leaves the loader free for the next.
-    second = iter(loader)
-    next(second)
-    second.close()
-    third = iter(loader)
-    next(third)
-    del third
-    fourth = iter(loader)  # created but never started, then dropped
-    del fourth
-    for _ in loader:  # left with break
+    orders = {epoch: _epoch_order(dataset, epoch) for epoch in range(6)}
+    assert len({tuple(order) for order in orders.values()}) == 6  # each epoch its own shuffle
+    for epoch in range(3):
+        seen = [int(v) for _, (_, labels) in zip(range(len(loader)), loader) for v in labels]
+        assert seen == orders[epoch] and sorted(seen) == list(range(N))
+        assert (loader.epoch, loader.state_dict()["batches"]) == (epoch, len(loader))  # moves on at the next iter()
+    # Broken off early: the state says where it stopped, and the next iteration is the next epoch.
+    for _ in loader:
         break
-    assert sorted(all_labels(loader)) == list(range(N))
-    assert loader.epoch == 2
-    # An iteration nobody can reach any more (kept by a traceback, in a notebook): loader.close() ends it.
+    assert loader.epoch == 3 and loader.state_dict()["batches"] == 1
+    first = iter(loader)  # epoch 4
+    next(first)
+    assert all_labels(loader) == orders[5] and loader.epoch == 6  # first ended, its epoch over
+    assert list(first) == []
+    # Created and never started, an iteration moves nothing on.
+    unstarted = iter(loader)
+    del unstarted
+    assert loader.epoch == 6
+    # set_epoch while an iteration is left half-way: the next epoch is the one set.
+    half = iter(loader)
+    next(half)
+    loader.set_epoch(2)
+    assert all_labels(loader) == orders[2] and loader.epoch == 3
+    # loader.close() ends an iteration; the stale one yields nothing more.
     stale = iter(loader)
     next(stale)
-    with pytest.raises(RuntimeError, match=r"loader\.close\(\)"):
-        iter(loader)
     loader.close()
-    assert sorted(all_labels(loader)) == list(range(N)) and loader.epoch == 3
-    assert list(stale) == [] and loader.epoch == 3  # it ends at once and moves nothing on
+    assert list(stale) == [] and loader.epoch == 3
+    assert all_labels(loader) == orders[4] and loader.epoch == 5
+    loader.close()
+
+
+def test_an_iteration_left_after_its_last_batch_resumes_as_the_next_epoch(dataset: Path) -> None:
+    # state_dict after a loop that stopped at len(loader) batches: a new loader
+    # loading it starts the next epoch, as the old one would have.
+    loader = loader_for(dataset, batch_size=8, drop_last=False)
+    it = iter(loader)
+    for _ in range(len(loader)):
+        next(it)
+    assert loader.state_dict()["batches"] == len(loader)
+    iter(loader).close()
+    assert loader.state_dict() == {**loader.state_dict(), "epoch": 1, "batches": 0}
+    loader.close()
+    # Broken off mid-epoch, the state is where it stopped: a new loader continues there.
+    loader = loader_for(dataset, batch_size=8, drop_last=False)
+    seen = []
+    for index, (_, labels) in enumerate(loader):
+        seen += labels.tolist()
+        if index == 2:
+            break
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches"]) == (0, 3)
+    resumed = loader_for(dataset, batch_size=8, drop_last=False)
+    resumed.load_state_dict(state)
+    assert seen + all_labels(resumed) == _epoch_order(dataset, 0)
+    loader.close()
+    resumed.close()
 
 
 def test_a_crop_larger_than_the_prepared_size_warns_once(dataset: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from loader_data import prepare_labelled
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, ManifestError
 from pipeline.loader import make_loader
 from pipeline.loader.dataset import resolve_dataset
 from pipeline.loader.epoch import plan_epoch
@@ -243,3 +243,16 @@ def test_two_processes_filling_one_cache_through_make_loader_download_each_shard
     if world == 2:
         labels = sorted(label for epochs in got for batch in epochs[0] for label in batch[0])
         assert labels == list(range(N))  # epoch 0: the two ranks share the dataset out between them
+
+
+@pytest.mark.parametrize("rel", ["s3://another-bucket/ds/shard-000000.tar", "file:///etc/passwd", "../other/shard-000000.tar"])
+def test_a_remote_manifest_naming_another_bucket_scheme_or_prefix_is_refused(
+    s3_server: S3Server, bucket: Bucket, labelled: Path, rel: str
+) -> None:
+    manifest = json.loads((labelled / "manifest.json").read_text())
+    manifest["shards"][0]["path"] = rel
+    bucket.put("manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(ManifestError, match=r"names a shard outside the dataset"):
+        loader_for(bucket.url, s3_server)
+    shard_reads = [key for key in s3_server.reads() if key.startswith(f"{bucket.name}/") and key.endswith(".tar")]
+    assert shard_reads == []  # refused before a byte of a shard was read

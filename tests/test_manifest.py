@@ -114,7 +114,15 @@ def test_non_ascii_text_round_trips(tmp_path):
 
 shard_infos = st.builds(
     ShardInfo,
-    path=st.text(min_size=1, max_size=20),
+    path=st.lists(
+        st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs"), blacklist_characters="/\\"), min_size=1, max_size=8).filter(
+            lambda part: part not in (".", "..")
+        ),
+        min_size=1,
+        max_size=3,
+    )
+    .map("/".join)
+    .filter(lambda path: "://" not in path),
     samples=st.integers(0, 10**6),
     bytes=st.integers(0, 2**40),
     sha256=st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
@@ -131,7 +139,7 @@ json_values = st.recursive(
 @given(
     samples=st.integers(0, 10**7),
     classes=st.lists(st.text(max_size=10), max_size=5),
-    shards=st.lists(shard_infos, max_size=5),
+    shards=st.lists(shard_infos, max_size=5, unique_by=lambda shard: shard.path),
     params=st.dictionaries(st.text(max_size=8), json_values, max_size=4),
     source=st.text(max_size=30),
     rejected=st.integers(0, 10**6),
@@ -439,3 +447,93 @@ def test_verify_of_a_folder_without_a_manifest_says_so(tmp_path):
         verify_dataset(str(tmp_path))
     with pytest.raises(ManifestError, match="no manifest.json"):
         read_manifest(tmp_path / "absent")
+
+
+# ---------------------------------------------------------------------------
+# A dataset never reaches outside itself
+
+
+def _with_shard_path(out: Output, manifest: Manifest, index: int, rel: str) -> None:
+    data = manifest.to_dict()
+    data["shards"][index]["path"] = rel
+    (_root(out) / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def _root(out: Output):
+    from pathlib import Path
+
+    return Path(out.root)
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "/etc/passwd",
+        "../../etc/passwd",
+        "v0/../../outside.tar",
+        "./shard-000000.tar",
+        "a//b.tar",
+        "file:///etc/passwd",
+        "s3://another-bucket/shard-000000.tar",
+        "shard\\..\\..\\x.tar",
+        "shard-000000.tar\x00",
+        "",
+    ],
+)
+def test_a_shard_path_that_leaves_the_dataset_is_refused_before_a_byte_is_read(dataset, rel) -> None:
+    out, manifest = dataset
+    _with_shard_path(out, manifest, 1, rel)
+    with pytest.raises(ManifestError, match="names a shard outside the dataset"):
+        read_manifest(out)
+
+
+def test_a_shard_listed_twice_is_refused(dataset) -> None:
+    out, manifest = dataset
+    _with_shard_path(out, manifest, 2, manifest.shards[0].path)
+    with pytest.raises(ManifestError, match="more than once"):
+        read_manifest(out)
+
+
+def test_a_shard_that_links_outside_the_dataset_is_refused_unless_allowed(dataset, tmp_path) -> None:
+    from pipeline.loader import make_loader
+
+    out, manifest = dataset
+    root = _root(out)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shard = root / manifest.shards[1].path
+    shutil.move(shard, elsewhere / "kept.tar")
+    os.symlink(elsewhere / "kept.tar", shard)
+    with pytest.raises(ManifestError, match=r"link to .*kept\.tar, outside the dataset folder"):
+        verify_dataset(out)
+    with pytest.raises(ManifestError, match="outside the dataset folder"):
+        make_loader(str(root), 2, device="cpu", num_workers=0)
+    # Opted in: the same link is read, and the dataset verifies.
+    assert verify_dataset(out, links_outside=True).ok
+    loader = make_loader(str(root), 2, device="cpu", num_workers=0, links_outside=True, crop=8)
+    assert loader.dataset.samples == manifest.samples
+    # A link that stays inside the dataset is fine without opting in.
+    os.unlink(shard)
+    shutil.move(elsewhere / "kept.tar", root / "inside.tar")
+    os.symlink(root / "inside.tar", shard)
+    assert verify_dataset(out).ok
+
+
+def test_a_dataset_folder_reached_through_a_link_is_inside_itself(dataset, tmp_path) -> None:
+    out, _ = dataset
+    link = tmp_path / "link-to-out"
+    os.symlink(out.root, link)
+    assert verify_dataset(Output(str(link))).ok
+
+
+def test_inspect_refuses_a_shard_outside_the_dataset_with_a_message(dataset) -> None:
+    import subprocess
+    import sys
+
+    out, manifest = dataset
+    _with_shard_path(out, manifest, 0, "/etc/passwd")
+    for args in (["inspect", out.root], ["inspect", "--verify", out.root]):
+        result = subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, timeout=120)
+        assert result.returncode != 0
+        assert "names a shard outside the dataset: '/etc/passwd' is an absolute path" in result.stderr
+        assert "Traceback" not in result.stderr

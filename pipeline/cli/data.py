@@ -83,9 +83,14 @@ def prepare(
 @click.command()
 @click.argument("dataset")
 @click.option("--verify", is_flag=True, help="Re-read every shard: sha256, sizes and sample counts.")
+@click.option(
+    "--links-outside",
+    is_flag=True,
+    help="With --verify: read shards that are links to files outside the dataset's folder (refused by default).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @user_errors
-def inspect(dataset: str, verify: bool, as_json: bool) -> None:
+def inspect(dataset: str, verify: bool, links_outside: bool, as_json: bool) -> None:
     """Summarise a prepared DATASET (folder, URL or manifest.json); --verify checks every byte."""
     from ..io.output import Output
     from ..manifest import read_manifest, verify_dataset
@@ -107,7 +112,7 @@ def inspect(dataset: str, verify: bool, as_json: bool) -> None:
         "mode": manifest.params.get("resize", {}).get("mode"),
         "created": manifest.created,
     }
-    result = verify_dataset(output, manifest) if verify else None
+    result = verify_dataset(output, manifest, links_outside=links_outside) if verify else None
     if result is not None:
         summary["verified"] = result.ok
         summary["problems"] = result.problems

@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import ConfigError, ManifestError
 from ..io.output import Output
 from ..io.tar import iter_tar_samples
-from ..manifest import MANIFEST_NAME, read_manifest
+from ..manifest import MANIFEST_NAME, read_manifest, shard_location
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,18 +59,21 @@ class DatasetInfo:
         return all(shard.sha256 for shards in self.sets for shard in shards)
 
 
-def resolve_dataset(source: str | os.PathLike[str]) -> DatasetInfo:
+def resolve_dataset(source: str | os.PathLike[str], *, links_outside: bool = False) -> DatasetInfo:
     """Resolve a manifest path/URL, a dataset directory, or a shard brace pattern.
 
     Args:
         source: what `make_loader` was given, a str or a path.
+        links_outside: accept a manifest's local shards that are links to
+            files outside the dataset's folder (refused by default).
 
     Returns:
         The dataset's shards per variant set, class names and sample count.
 
     Raises:
         ConfigError: the source is none of those.
-        ManifestError: the manifest is missing or malformed.
+        ManifestError: the manifest is missing or malformed, or names a shard
+            outside the dataset.
     """
     source = os.fspath(source)
     if "{" in source and ".." in source:
@@ -80,7 +83,7 @@ def resolve_dataset(source: str | os.PathLike[str]) -> DatasetInfo:
     manifest = read_manifest(output)
     sets: dict[int | None, list[ShardRef]] = {}
     for shard in manifest.shards:
-        url = output.local(shard.path) if output.is_local else f"{output.url}/{shard.path}"
+        url = shard_location(output, shard.path, links_outside=links_outside)
         sets.setdefault(shard.variant, []).append(ShardRef(url, shard.samples, shard.bytes, shard.sha256))
     ordered = [sets[key] for key in sorted(sets, key=lambda v: -1 if v is None else v)]
     return DatasetInfo(ordered, manifest.classes, manifest.samples, root, _prepared_size(manifest.params))

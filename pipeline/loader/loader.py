@@ -131,9 +131,15 @@ class LoaderStats:
 class Loader:
     """Iterable of (images, labels) batches on a device; build it with `make_loader`.
 
-    Each iteration is one pass over an epoch, and one runs at a time: `iter()`
-    while another iteration is still going (neither finished, closed nor let
-    go of, and the loader not closed since) raises instead of ending it.
+    Each iteration is one pass over an epoch, and one runs at a time: as with
+    a torch DataLoader, `iter()` ends any iteration still going (a loop that
+    stopped after `len(loader)` batches, as Lightning's and accelerate's do,
+    or broke off early), and every iteration is a new, reshuffled pass: the
+    next epoch, unless `set_epoch` or `load_state_dict` said otherwise since.
+    An iteration run to its end moves `epoch` on at once; one that ended
+    before (broken off, replaced, or ended by `close()`) leaves `epoch` and
+    `state_dict()` where it stopped, so it can be saved and resumed, and the
+    next `iter()` moves on.
 
     Attributes:
         dataset: the prepared dataset it reads: shards, class names and sample
@@ -161,6 +167,8 @@ class Loader:
         self._given = placement  # (rank, world size) as given; None: torch.distributed's when an epoch starts
         self._placed = self._placement()  # what the workers are built for
         self.epoch = 0
+        self._epoch_set = 0  # counts set_epoch and load_state_dict calls: an iteration ending after one leaves epoch be
+        self._ended_at: int | None = None  # _epoch_set when an iteration ended before its end: the next one moves on
         self.stats = LoaderStats()
         self._skip_batches = 0
         self._delivered = 0
@@ -233,11 +241,12 @@ class Loader:
         """Reshuffle for `epoch`; with variant sets, read set `epoch mod K`."""
         if epoch < 0:
             raise ConfigError("epoch must be 0 or more")
-        if epoch != self.epoch:  # a loaded state's place in its epoch no longer applies
-            self._skip_batches = 0
+        if epoch != self.epoch:  # a loaded state's place in its epoch no longer applies, nor the last one's
+            self._skip_batches = self._delivered = 0
             self._resume_world = None
             self._elastic = None
         self.epoch = epoch
+        self._epoch_set += 1
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank stands: restore with `load_state_dict` to continue exactly here.
@@ -297,6 +306,7 @@ class Loader:
                     f"state was saved with {name}={state.get(name)!r}; this loader has {getattr(self.spec, name)!r}"
                 )
         epoch = int(state["epoch"])
+        self._epoch_set += 1
         resumed = None if state.get("resumed") is None else progress_from_state(state["resumed"])
         if resumed is not None:
             check_progress(self._shards(epoch), self.spec, resumed)
@@ -351,17 +361,22 @@ class Loader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of epoch `self.epoch` (from where a loaded state left it); nothing starts before the first.
 
+        An iteration of this loader still going is ended first (its epoch is over).
+
         Raises:
-            RuntimeError: another iteration of this loader is still going.
+            RuntimeError: another thread is inside an iteration of this loader now.
             ConfigError: at the rank and world size of now, this rank gets
                 no batch, or a loaded state was saved at another world size.
         """
         running = self._iteration() if self._iteration is not None else None
-        if running is not None and inspect.getgeneratorstate(running) != inspect.GEN_CLOSED:
+        if running is not None and inspect.getgeneratorstate(running) == inspect.GEN_RUNNING:
             raise RuntimeError(
-                "this loader is already being iterated: an iteration is a pass over the epoch, one at a time; "
-                "finish the other one, or end it first (its close(), or loader.close(), which ends any)"
+                "this loader is being iterated right now, in another thread: one iteration at a time"
             )
+        if running is not None:  # as a torch DataLoader does: a new iteration ends the one before
+            running.close()
+        if self._ended_at == self._epoch_set:  # one ended before its end, nothing set since: the next epoch
+            self.set_epoch(self.epoch + 1)
         self._place()
         batches = self._batches()
         self._iteration = weakref.ref(batches)
@@ -371,6 +386,7 @@ class Loader:
         self._ensure_workers()
         assert self._pool is not None
         epoch, skip, elastic = self.epoch, self._skip_batches, self._elastic
+        epoch_set = self._epoch_set
         with self._run_lock:
             ahead, self._next_run = self._next_run, None
         usable = ahead is not None and elastic is None and ahead.matches(epoch, skip) and not ahead.stop.is_set()
@@ -385,14 +401,18 @@ class Loader:
         finished = False
         try:
             yield from self._timed(self._finish.deliver(epoch, run, self._pool, self._report))
-            finished = not run.stop.is_set()  # else close() ended it: this one moves nothing on
+            finished = not run.stop.is_set()  # else loader.close() ended it
         finally:
             self._stop_run(run)
-            if finished:
-                self.epoch = epoch + 1  # a finished epoch moves on unless set_epoch says otherwise
+            if self._epoch_set != epoch_set:  # set_epoch or load_state_dict meanwhile: they say what is next
+                pass
+            elif finished:
+                self.epoch = epoch + 1
                 self._delivered = 0
                 self._elastic = None
                 self._prestart(self.epoch)
+            else:  # broken off, replaced or closed: state_dict() still says where it stopped
+                self._ended_at = epoch_set
 
     def _timed(
         self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -664,12 +684,13 @@ def make_loader(
     rank: int | None = None,
     world_size: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    links_outside: bool = False,
     **unknown: NoReturn,
 ) -> Loader:
     """Build a loader over a prepared dataset.
 
-    Every setting but `source`, `device`, `rank`, `world_size` and
-    `storage_options` is a
+    Every setting but `source`, `device`, `rank`, `world_size`,
+    `storage_options` and `links_outside` is a
     `LoaderSpec` field of the same name and default; they are validated
     there before anything is built.
 
@@ -740,6 +761,9 @@ def make_loader(
         storage_options: fsspec options for a remote dataset's store
             (endpoint_url, profile, anon, ...); credentials otherwise come
             from the usual places. Never stored in the loader's spec or state.
+        links_outside: read a local dataset's shards that are links to files
+            outside its folder; by default a manifest whose shards resolve
+            outside the dataset (links included) is refused.
         **unknown: refused: a misspelt setting is an error, never ignored.
 
     Returns:
@@ -753,7 +777,8 @@ def make_loader(
             verify=True over a source without sha256s, or a batch_size
             larger than this rank's samples per epoch with drop_last (an
             empty epoch).
-        ManifestError: the source is not a prepared dataset.
+        ManifestError: the source is not a prepared dataset, or its manifest
+            names a shard outside it.
     """
     if unknown:
         raise ConfigError(f"make_loader got unknown option(s): {', '.join(sorted(unknown))}")
@@ -789,7 +814,7 @@ def make_loader(
         check_gpu_decode(resolved)
     placement = given_placement(rank, world_size)
     with storage_options_for([os.fspath(source)], storage_options):
-        dataset = resolve_dataset(source)
+        dataset = resolve_dataset(source, links_outside=_flag("links_outside", links_outside))
     if dataset.samples == 0:
         raise ConfigError(f"{os.fspath(source)} holds no samples")
     if spec.verify and not dataset.hashed:
@@ -816,6 +841,12 @@ def shard_opener(dataset: DatasetInfo, spec: LoaderSpec, storage_options: Mappin
         size = sum(shard.bytes or 0 for shards in dataset.sets for shard in shards)
     cache = ShardCache(spec.cache_dir, size, storage_options=storage_options)
     return ShardOpener(storage_options, cache)
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _values(values: Sequence[float]) -> Any:

@@ -36,7 +36,15 @@ from typing import Any
 from ..errors import ConfigError, JobConflictError, ManifestError
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter, iter_tar_samples, sample_tar_bytes
-from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, read_manifest, verify_dataset, write_manifest
+from ..manifest import (
+    MANIFEST_NAME,
+    REJECTED_NAME,
+    Manifest,
+    read_manifest,
+    shard_location,
+    verify_dataset,
+    write_manifest,
+)
 from ..specs import MAX_SHARDS, PrepareSpec, ShardSpec, Spec, check_int
 from .job import discard_prepare, finish_prepare, prepare_dataset
 from .plan import shard_name
@@ -231,6 +239,8 @@ def repack_dataset(spec: ReshardSpec, *, progress: ReshardProgress | None = None
     if done is not None:
         return done
     manifest = read_manifest(source)
+    for shard in manifest.shards:  # never a link out of the dataset, checked before any is read
+        shard_location(source, shard.path)
     sets = _shard_sets(manifest)
     count = target_shard_count(manifest, spec)
     target, version = _open_target(spec, source, version)
