@@ -526,6 +526,30 @@ def test_an_iteration_left_after_its_last_batch_resumes_as_the_next_epoch(datase
     resumed.close()
 
 
+def test_loader_dataset_is_indexable_as_a_torchvision_dataset(dataset: Path) -> None:
+    from loader_data import SIZE
+
+    loader = loader_for(dataset, batch_size=8)
+    data = loader.dataset
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    assert data.classes == manifest["classes"]
+    assert data.class_to_idx == {name: index for index, name in enumerate(manifest["classes"])}
+    samples = [data[i] for i in range(0, len(data), 7)]
+    assert all(min(s.image.size) == SIZE and s.image.mode == "RGB" for s in samples)
+    image, label = data[-1]  # unpacks as image, label; negative indices count from the end
+    assert (image.size, label) == (data[len(data) - 1].image.size, data[len(data) - 1].label)
+    # The same samples as an epoch reads: every label once, each sample traced to its source file.
+    labels = [data[i].label for i in range(len(data))]
+    assert sorted(labels) == sorted(all_labels(loader_for(dataset, batch_size=10, drop_last=False)))
+    first = data[0]
+    assert first.key and first.shard.endswith(".tar") and Path(first.info["source"]).name.endswith(".jpg")
+    with pytest.raises(IndexError):
+        data[len(data)]
+    with pytest.raises(TypeError):
+        data["0"]  # type: ignore[index]
+    loader.close()
+
+
 def test_a_crop_larger_than_the_prepared_size_warns_once(dataset: Path, caplog: pytest.LogCaptureFixture) -> None:
     from loader_data import SIZE
 

@@ -256,3 +256,15 @@ def test_a_remote_manifest_naming_another_bucket_scheme_or_prefix_is_refused(
         loader_for(bucket.url, s3_server)
     shard_reads = [key for key in s3_server.reads() if key.startswith(f"{bucket.name}/") and key.endswith(".tar")]
     assert shard_reads == []  # refused before a byte of a shard was read
+
+
+def test_a_remote_dataset_is_indexable_through_the_loaders_store_options(
+    s3_server: S3Server, bucket: Bucket, labelled: Path
+) -> None:
+    local, remote = loader_for(labelled), loader_for(bucket.url, s3_server)
+    for index in (0, PER_SHARD + 3, -1):
+        here, there = local.dataset[index], remote.dataset[index]
+        assert (here.key, here.label, here.info) == (there.key, there.label, there.info)
+        assert here.image.tobytes() == there.image.tobytes()
+    local.close()
+    remote.close()

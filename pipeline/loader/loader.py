@@ -45,6 +45,7 @@ from .dataset import DatasetInfo, resolve_dataset
 from .device import DeviceFinish
 from .elastic import Progress, check_progress, elastic_records, progress_from_state, saved_progress
 from .epoch import epoch_records
+from .samples import LoaderDataset
 from .streaming import ShardOpener
 from .workers import DecodePool, Run, new_run, stop_run
 
@@ -142,10 +143,12 @@ class Loader:
     next `iter()` moves on.
 
     Attributes:
-        dataset: the prepared dataset it reads: shards, class names and sample
-            count. `len(loader.dataset)` is one epoch's samples over all ranks
-            together, as with a DataLoader over a DistributedSampler; this rank
-            reads `len(loader)` batches of them.
+        dataset: the prepared dataset it reads: shards, class names
+            (`classes`, `class_to_idx`) and sample count. `len(loader.dataset)`
+            is one epoch's samples over all ranks together, as with a
+            DataLoader over a DistributedSampler; this rank reads `len(loader)`
+            batches of them. `loader.dataset[i]` is one sample (`image, label`,
+            with its `key` and `info`), for a look at the data.
         spec: the validated settings.
         device: where batches are delivered.
         epoch: the epoch the next iteration runs.
@@ -160,10 +163,10 @@ class Loader:
         placement: tuple[int, int] | None = None,
         opener: ShardOpener | None = None,
     ) -> None:
-        self.dataset = dataset
         self.spec = spec
         self.device = device
         self._opener = opener or ShardOpener()
+        self.dataset = LoaderDataset.of(dataset, self._opener)
         self._given = placement  # (rank, world size) as given; None: torch.distributed's when an epoch starts
         self._placed = self._placement()  # what the workers are built for
         self.epoch = 0
