@@ -110,6 +110,23 @@ def test_prepare_rejects_bad_input_with_one_line(
     assert json.loads(as_json.stdout) == {"error": lines[0].removeprefix("gpufeed: error: ")}
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--shard-samples", "0"], "--shard-samples must be at least 1"),
+        (["--size", "7"], "--size must be between 8"),
+        (["--crop-scale", "0.9,0.1"], "--crop-scale must be two numbers"),
+        (["--jpeg-restart", "-1"], "--jpeg-restart must be"),
+    ],
+)
+def test_prepare_errors_name_the_option_the_library_names_the_setting(
+    flags: list[str], expected: str, small_source: Path, tmp_path: Path
+) -> None:
+    result = run("prepare", str(small_source), str(tmp_path / "out"), "--quiet", "--workers", "0", *flags)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"gpufeed: error: {expected}"), result.stderr
+
+
 # ---------------------------------------------------------------------------
 # The service's commands come through entry points; the library never imports the service
 
