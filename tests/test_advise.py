@@ -242,7 +242,7 @@ def test_cli_gpu_bottleneck_recommends_nothing_and_a_raised_sample_says_so(raw_p
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "note: --sample 4 was raised to 16: each loader measurement needs two batches of --batch-size 8" in out
+    assert "note: --sample=4 was raised to 16: each loader measurement needs two batches of --batch-size=8" in out
     assert "(sample of 16)" in out
     assert "The GPU is the bottleneck" in out
     assert "recommended: nothing to prepare for speed: training stays at the GPU's 5 images/s" in out
@@ -254,7 +254,35 @@ def test_cli_target_that_is_a_file_is_refused_before_measuring(raw_photos: Path,
     result = _advise_cli(str(raw_photos), "--target", "target.txt", "--gpu-images-per-s", "100", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr == (
-        f"gpufeed: error: --target target.txt is a file; give the folder the shards would go to, e.g. {tmp_path}\n"
+        f"gpufeed: error: --target=target.txt is a file; give the folder the shards would go to, e.g. {tmp_path}\n"
     )
     as_json = _advise_cli(str(raw_photos), "--target", "target.txt", "--gpu-images-per-s", "100", "--json", cwd=tmp_path)
-    assert as_json.returncode == 1 and json.loads(as_json.stdout)["error"].startswith("--target target.txt is a file")
+    assert as_json.returncode == 1 and json.loads(as_json.stdout)["error"].startswith("--target=target.txt is a file")
+
+
+def test_a_source_smaller_than_two_batches_is_refused_before_measuring(raw_photos: Path, tmp_path: Path) -> None:
+    # 48 images, batch 64: refused at once, naming the setting (the CLI: its option) and what fits.
+    with pytest.raises(ConfigError, match=r"48 images that prepare accepts, fewer than the two batches of batch_size=64.*batch_size=24 or less"):
+        advise(str(raw_photos), str(tmp_path / "t"), model="no_such_module:never_loaded", batch_size=64)
+    assert not (tmp_path / "t").exists()  # nothing was measured, not even the target
+    result = _advise_cli(str(raw_photos), "--target", "t", "--gpu-images-per-s", "100", cwd=tmp_path)
+    assert result.returncode == 1 and "drop_last" not in result.stderr
+    assert result.stderr.endswith("fewer than the two batches of --batch-size=64 each loader measurement needs: give --batch-size=24 or less\n")
+
+
+def test_only_what_prepare_accepts_is_sampled(raw_photos: Path, tmp_path: Path) -> None:
+    import shutil
+
+    source = tmp_path / "src"
+    shutil.copytree(raw_photos, source)
+    Image.new("RGB", (600, 600)).save(source / "beside-the-classes.jpg")  # prepare: "not in a class folder"
+    first_class = sorted(p for p in source.iterdir() if p.is_dir())[0]
+    (first_class / "broken.jpg").write_bytes(b"not a jpeg")  # prepare: not an image
+    result = _advise_cli(
+        "src", "--target", "t", "--gpu-images-per-s", "5", "--batch-size", "8", "--sample", "64",
+        "--duration", "0.3", "--device", "cpu", "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["listed"] == 49 and data["sample"] == 48  # the top-level image is not listed, the broken one not sampled
+    assert "replaced" not in result.stderr and "not an image" not in result.stderr, result.stderr

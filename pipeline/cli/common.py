@@ -356,12 +356,19 @@ def with_option_names(message: str, names: dict[str, str]) -> str:
 
     Args:
         message: the text of a ConfigError raised for Python callers.
-        names: setting name -> the option (or argument) that sets it in this command.
+        names: setting name -> the option (or argument) that sets it in this command. A name
+            that is also a plain word (`sample`) is given as `sample=`: only `sample=128`
+            becomes `--sample=128`, "the sample" stays as it is.
     """
     if not names:
         return message
-    words = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
-    return re.sub(rf"(?<![\w.-])({words})(?![\w-])", lambda m: names[m.group(1)], message)
+    for assigned in (True, False):
+        keys = sorted((name for name in names if name.endswith("=") == assigned), key=len, reverse=True)
+        if keys:
+            words = "|".join(re.escape(name) for name in keys)
+            end = "" if assigned else r"(?![\w-])"  # `sample=128`; a bare name only as a whole word
+            message = re.sub(rf"(?<![\w.-])({words}){end}", lambda m: names[m.group(1)] + ("=" if assigned else ""), message)
+    return message
 
 
 def option_errors(names: dict[str, str]) -> contextlib.AbstractContextManager[None]:
