@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError
+from ..units import format_bytes
 from .memory_device import MAX_BATCH, DeviceMemory, choose_memory_device, context_bytes, parse_vram, trace_device
 from .memory_trace import (
     ACTIVATIONS,
@@ -767,7 +768,31 @@ def estimate_memory(
     if estimate.throughput is not None and estimate.device_flops is None:
         estimate.device_flops = estimate.flops_per_sample_step / estimate.throughput.seconds_per_sample
     estimate.rows = batch_rows(estimate)
+    _note_allocator_dips(estimate)
     return estimate
+
+
+def _note_allocator_dips(estimate: MemoryEstimate) -> None:
+    """Say why a smaller batch can need more memory on CUDA than a larger one (the allocator's segments).
+
+    The tensor bytes grow with the batch; CUDA's figure is the caching allocator's
+    segments, and a tensor of up to 1 MiB comes from a 2 MiB segment of the small
+    pool while one above it shares a 20 MiB segment of the large pool: at batch 1
+    many small-pool segments can add up to more than batch 2's shared large one.
+    `torch.cuda.max_memory_reserved` reports the same, so the figures are kept.
+    """
+    rows = estimate.rows
+    dips = [(low, high) for low, high in zip(rows, rows[1:]) if high.memory_bytes < low.memory_bytes]
+    if estimate.memory_device != "cuda" or not dips:
+        return
+    low, high = dips[0]
+    estimate.notes.append(
+        f"batch {low.batch_size} needs more device memory than batch {high.batch_size} "
+        f"({format_bytes(low.memory_bytes)} against {format_bytes(high.memory_bytes)}) in CUDA's caching allocator: "
+        f"tensors that share a 20 MiB segment at batch {high.batch_size} are 1 MiB or less at batch {low.batch_size} "
+        "and take 2 MiB segments of their own (torch.cuda.max_memory_reserved shows the same; the tensor bytes "
+        "grow with the batch)"
+    )
 
 
 def _describe(
