@@ -34,6 +34,7 @@ runner (the service) runs the same job in steps: `plan_prepare` once,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -1110,6 +1111,24 @@ def discard_prepare(spec: PrepareSpec) -> None:
     else:
         output.remove(WORK_DIR)
     remove_temp_files(output)
+
+
+def discard_partial_shards(spec: PrepareSpec) -> None:
+    """Remove the partial shards a stopped prepare left in OUT, and nothing it finished.
+
+    Shard temp files go (and, on a store, the multipart uploads left in
+    progress); finished shards, the plan and the listing stay, so the same job
+    run again resumes, writing only the shards that are missing, as after a
+    Ctrl-C. Call it once no writer of the job is left.
+
+    Args:
+        spec: the stopped job.
+    """
+    output = Output(spec.out)
+    remove_temp_files(output)
+    if not output.is_local:
+        with contextlib.suppress(StorageError):  # invisible leftovers: a failure here must not fail the cancel
+            output.abort_uploads()
 
 
 def local_copies_folder(spec: PrepareSpec) -> str | None:
