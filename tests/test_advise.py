@@ -242,7 +242,7 @@ def test_cli_gpu_bottleneck_recommends_nothing_and_a_raised_sample_says_so(raw_p
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "note: --sample=4 was raised to 16: each loader measurement needs two batches of --batch-size=8" in out
+    assert "note: --sample 4 was raised to 16: each loader measurement needs two batches of --batch-size 8" in out
     assert "(sample of 16)" in out
     assert "The GPU is the bottleneck" in out
     assert "recommended: nothing to prepare for speed: training stays at the GPU's 5 images/s" in out
@@ -254,10 +254,10 @@ def test_cli_target_that_is_a_file_is_refused_before_measuring(raw_photos: Path,
     result = _advise_cli(str(raw_photos), "--target", "target.txt", "--gpu-images-per-s", "100", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr == (
-        f"gpufeed: error: --target=target.txt is a file; give the folder the shards would go to, e.g. {tmp_path}\n"
+        f"gpufeed: error: --target target.txt is a file; give the folder the shards would go to, e.g. {tmp_path}\n"
     )
     as_json = _advise_cli(str(raw_photos), "--target", "target.txt", "--gpu-images-per-s", "100", "--json", cwd=tmp_path)
-    assert as_json.returncode == 1 and json.loads(as_json.stdout)["error"].startswith("--target=target.txt is a file")
+    assert as_json.returncode == 1 and json.loads(as_json.stdout)["error"].startswith("--target target.txt is a file")
 
 
 def test_a_source_smaller_than_two_batches_is_refused_before_measuring(raw_photos: Path, tmp_path: Path) -> None:
@@ -267,7 +267,7 @@ def test_a_source_smaller_than_two_batches_is_refused_before_measuring(raw_photo
     assert not (tmp_path / "t").exists()  # nothing was measured, not even the target
     result = _advise_cli(str(raw_photos), "--target", "t", "--gpu-images-per-s", "100", cwd=tmp_path)
     assert result.returncode == 1 and "drop_last" not in result.stderr
-    assert result.stderr.endswith("fewer than the two batches of --batch-size=64 each loader measurement needs: give --batch-size=24 or less\n")
+    assert result.stderr.endswith("fewer than the two batches of --batch-size 64 each loader measurement needs: give --batch-size 24 or less\n")
 
 
 def test_only_what_prepare_accepts_is_sampled(raw_photos: Path, tmp_path: Path) -> None:

@@ -127,7 +127,7 @@ def test_a_dataset_smaller_than_one_batch_is_refused_at_once_naming_the_batch_si
         measure_loader(dataset, batch_size=64, device="cpu")
     result = _bench_loader(dataset, "--num-workers", "1", "--device", "cpu")  # --batch-size 64 by default
     assert result.returncode == 1 and "drop_last" not in result.stderr
-    assert "fewer than one batch of --batch-size=64" in result.stderr and "give --batch-size=48 or less" in result.stderr
+    assert "fewer than one batch of --batch-size 64" in result.stderr and "give --batch-size 48 or less" in result.stderr
 
 
 def test_estimate_memory_checks_its_dataset_before_tracing_or_measures_it_at_a_batch_that_fits(dataset: str) -> None:
@@ -136,7 +136,7 @@ def test_estimate_memory_checks_its_dataset_before_tracing_or_measures_it_at_a_b
             "--dataset", dataset, "--device", "cpu", "--device-flops", "1T"]  # fmt: skip
     given = subprocess.run([*base, "--batch-size", "64"], capture_output=True, text=True, timeout=120, check=False)
     assert given.returncode == 1 and "drop_last" not in given.stderr
-    assert "fewer than one batch of --batch-size=64" in given.stderr and "give --batch-size=48 or less" in given.stderr
+    assert "fewer than one batch of --batch-size 64" in given.stderr and "give --batch-size 48 or less" in given.stderr
     default = subprocess.run(base, capture_output=True, text=True, timeout=120, check=False)
     assert f"gpufeed: note: the loader is measured at batch 48: {dataset} holds only 48 samples" in default.stderr
     assert "drop_last" not in default.stderr and "tracing a step" in default.stderr  # on to the (failing) trace

@@ -554,7 +554,7 @@ def test_public_api_model_and_loss_specs(tmp_path: Path, monkeypatch: pytest.Mon
     assert load_loss("gpufeed_test_models:squares").__name__ == "squares"
     with pytest.raises(ConfigError, match="not a function"):
         load_loss("gpufeed_test_models:NOT_CALLABLE")
-    with pytest.raises(ConfigError, match="--loss module:fn"):  # a 1-D output has no classes
+    with pytest.raises(ConfigError, match="loss=module:fn"):  # a 1-D output has no classes
         estimate_memory("gpufeed_test_models:vector", "10")
     with_loss = estimate_memory("gpufeed_test_models:vector", "10", loss="gpufeed_test_models:squares")
     assert with_loss.loss == "gpufeed_test_models:squares"
@@ -567,7 +567,7 @@ def test_public_api_model_and_loss_specs(tmp_path: Path, monkeypatch: pytest.Mon
     for options in ({"dtype": "int8"}, {"optimizer": "lbfgs"}, {"autocast": "int8"}, {"for_device": "tpu"}):
         with pytest.raises(ConfigError):
             estimate_memory(small_mlp(), (10,), **options)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="cannot take --input"):  # the input does not fit the model
+    with pytest.raises(ConfigError, match="cannot take input_shape="):  # the input does not fit the model
         estimate_memory(small_mlp(), (11,))
 
 
@@ -686,7 +686,7 @@ def test_check_model_input_runs_one_sample_and_leaves_the_mode_alone() -> None:
     model = small_cnn().train()
     check_model_input(model, (3, 32, 32))
     assert model.training
-    with pytest.raises(ConfigError, match=r"cannot take --input 32,32,3 .* did you mean 3,32,32\?"):
+    with pytest.raises(ConfigError, match=r"cannot take input_shape=32,32,3 .* input_shape is channels first: did you mean 3,32,32\?"):
         check_model_input(model, (32, 32, 3))
     assert model.training
 

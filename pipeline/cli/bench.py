@@ -342,14 +342,23 @@ def bench_loader(
 # gpufeed advise
 
 
-ADVISE_OPTIONS = {
+MEMORY_OPTIONS = {
+    "model=": "--model",
+    "loss=": "--loss",
+    "input_shape": "--input",
+    "vram=": "--vram",
+    "device_flops": "--device-flops",
     "batch_size": "--batch-size",
+}
+"""How `gpufeed estimate-memory` spells the settings its library errors and notes name."""
+
+ADVISE_OPTIONS = {
+    **MEMORY_OPTIONS,
     "gpu_images_per_s": "--gpu-images-per-s",
     "sample=": "--sample",
     "target=": "--target",
-    "model=": "--model",
 }
-"""How `gpufeed advise` spells the settings its library errors and notes name."""
+"""How `gpufeed advise` spells them (its model is timed through estimate-memory's code)."""
 
 
 @click.command()
@@ -380,6 +389,7 @@ ADVISE_OPTIONS = {
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @plot_option("Write a PNG chart of the ceilings.")
 @_measure_errors
+@option_errors(ADVISE_OPTIONS)
 def advise(
     src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, vram: str | None,
     optimizer: str, batch_size: int, crop: int, sample: int, duration: float, device: str, apply_out: str | None,
@@ -389,23 +399,22 @@ def advise(
     from ..measure.advise import advise as run_advise
     from ..measure.advise import apply_advice
 
-    with option_errors(ADVISE_OPTIONS):
-        result = run_advise(
-            src,
-            target,
-            gpu_images_per_s=gpu_images_per_s,
-            model=model,
-            input_shape=input_shape,
-            batch_size=batch_size,
-            crop=crop,
-            sample=sample,
-            measure_seconds=duration,
-            device=device,
-            out=apply_out,
-            progress=_say,
-            vram=vram,
-            optimizer=optimizer,
-        )
+    result = run_advise(
+        src,
+        target,
+        gpu_images_per_s=gpu_images_per_s,
+        model=model,
+        input_shape=input_shape,
+        batch_size=batch_size,
+        crop=crop,
+        sample=sample,
+        measure_seconds=duration,
+        device=device,
+        out=apply_out,
+        progress=_say,
+        vram=vram,
+        optimizer=optimizer,
+    )
     result.notes = [with_option_names(note, ADVISE_OPTIONS) for note in result.notes]
     if not as_json:
         _print_advice(result)
@@ -568,6 +577,7 @@ def _print_advice(result: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @plot_option("Write a PNG chart (memory and images/s vs batch size).")
 @_measure_errors
+@option_errors(MEMORY_OPTIONS)
 def estimate_memory_command(
     model: str, input_shape: str, optimizer: str, dtype: str | None, autocast: str | None, channels_last: bool,
     foreach: bool | None, zero_grad: str, loss: str | None, vram: str | None, margin: float, for_device: str,
@@ -586,8 +596,7 @@ def estimate_memory_command(
         loader_batch = batch_size or min(LOADER_BATCH, samples)
         if batch_size is None and loader_batch < LOADER_BATCH:  # the rate per image hardly depends on the batch
             _note(f"the loader is measured at batch {loader_batch}: {dataset} holds only {format_count(samples, 'sample')}")
-        with option_errors({"batch_size": "--batch-size"}):
-            check_batches(dataset, loader_batch, samples=samples)  # before the step is traced, not after
+        check_batches(dataset, loader_batch, samples=samples)  # before the step is traced, not after
         _say(f"measuring the loader over {dataset}")
         point = measure_loader(dataset, batch_size=loader_batch, device=device)
         loader_images_per_s = point.idle_images_per_s  # scaled to an idle machine, as advise does

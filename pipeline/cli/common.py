@@ -14,7 +14,7 @@ import importlib.metadata
 import json
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -352,36 +352,46 @@ def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def with_option_names(message: str, names: dict[str, str]) -> str:
-    """A library message with each Python setting it names (`batch_size`) spelt as the command's option (`--batch-size`).
+    """A library message with each Python setting it names spelt as the command's option.
+
+    `batch_size` becomes `--batch-size`, and `batch_size=64` becomes `--batch-size 64`.
 
     Args:
-        message: the text of a ConfigError raised for Python callers.
+        message: the text of a ConfigError (or a note) written for Python callers.
         names: setting name -> the option (or argument) that sets it in this command. A name
             that is also a plain word (`sample`) is given as `sample=`: only `sample=128`
-            becomes `--sample=128`, "the sample" stays as it is.
+            becomes `--sample 128`, "the sample" stays as it is.
     """
-    if not names:
-        return message
-    for assigned in (True, False):
-        keys = sorted((name for name in names if name.endswith("=") == assigned), key=len, reverse=True)
-        if keys:
-            words = "|".join(re.escape(name) for name in keys)
-            end = "" if assigned else r"(?![\w-])"  # `sample=128`; a bare name only as a whole word
-            message = re.sub(rf"(?<![\w.-])({words}){end}", lambda m: names[m.group(1)] + ("=" if assigned else ""), message)
+    for name, option in sorted(names.items(), key=lambda item: -len(item[0])):
+        setting = re.escape(name.removesuffix("="))
+        if name.endswith("="):
+            pattern = rf"(?<![\w.-]){setting}=(?=\S)"
+        else:
+            pattern = rf"(?<![\w.-]){setting}(?:=(?=\S)|(?![\w=-]))"
+        message = re.sub(pattern, functools.partial(_spelt, option), message)
     return message
 
 
-def option_errors(names: dict[str, str]) -> contextlib.AbstractContextManager[None]:
-    """Inside it a ConfigError is re-raised with its settings spelt as options (`with_option_names`)."""
+def _spelt(option: str, match: re.Match[str]) -> str:
+    return option + (" " if match.group(0).endswith("=") else "")
 
-    @contextlib.contextmanager
-    def translated() -> Iterator[None]:
-        try:
-            yield
-        except ConfigError as exc:
-            raise ConfigError(with_option_names(str(exc), names)) from exc
 
-    return translated()
+class option_errors(contextlib.ContextDecorator):  # noqa: N801 - used like contextlib's own lower-case helpers
+    """A context (or a decorator) in which a ConfigError is re-raised with its settings spelt as options.
+
+    Args:
+        names: as `with_option_names` takes them.
+    """
+
+    def __init__(self, names: dict[str, str]) -> None:
+        self.names = names
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, trace: object) -> None:
+        if isinstance(exc, ConfigError):
+            raise ConfigError(with_option_names(str(exc), self.names)) from exc
 
 
 def _spec_names(prefix: str) -> dict[str, str]:
