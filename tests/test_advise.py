@@ -286,3 +286,30 @@ def test_only_what_prepare_accepts_is_sampled(raw_photos: Path, tmp_path: Path) 
     data = json.loads(result.stdout)
     assert data["listed"] == 49 and data["sample"] == 48  # the top-level image is not listed, the broken one not sampled
     assert "replaced" not in result.stderr and "not an image" not in result.stderr, result.stderr
+
+
+def test_apply_says_what_each_prediction_is_and_why_they_differ(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.cli.bench import _print_applied
+    from pipeline.measure.advise import AdviseResult, ApplyResult
+
+    measured_at_advise = dataclasses.replace(JPEG, loader_images_per_s=747.0, others_cpu_share=0.41)
+    advised = inputs(candidates=(measured_at_advise,), target_read_mb_s=None)
+    advice = plan_advice(advised)
+    result = AdviseResult("raw", "t", "t/out", 200, 128, 64, 224, "cpu", advised, advice, {}, 1.0)
+    applied = ApplyResult(
+        out="t/out", samples=200, prepare_seconds=1.0, prepare_images_per_s=200.0,
+        predicted_loader_images_per_s=advice.predicted_loader, predicted_now_images_per_s=1878.0,
+        measured_loader_images_per_s=2209.0, measured_wall_images_per_s=2100.0, measured_stall_fraction=0.0,
+        others_cpu_share=0.05,
+    )  # fmt: skip
+    _print_applied(applied, result)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3].startswith("loader on t/out: measured 2209 images/s; other processes used 5% of the CPU")
+    assert lines[-2] == (
+        "  predicted 1878 (-15%): the prediction (the loader over the prepared sample) re-run alternately with "
+        "that measurement, so both saw the same machine"
+    )
+    assert lines[-1] == (
+        "  advise printed 747 (-66%): the same prediction, measured earlier while other processes used 41% of the CPU "
+        "(during the check: 5%); the figure above is the fair comparison"
+    )
