@@ -435,7 +435,8 @@ def advise(
         An AdviseResult.
 
     Raises:
-        ConfigError: neither a GPU rate nor a model, or bad settings.
+        ConfigError: neither a GPU rate nor a model, bad settings, or fewer images that prepare accepts
+            in SOURCE than two batches (checked before anything is measured).
         SourceError: the source cannot be listed.
     """
     from ..io.devices import device_info
