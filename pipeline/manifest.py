@@ -180,6 +180,8 @@ def read_manifest(where: DatasetLocation) -> Manifest:
         text = output.read_if_exists(MANIFEST_NAME)
     except OSError as exc:
         raise ManifestError(f"cannot read {output.url}/{MANIFEST_NAME}: {exc}") from exc
+    if text is None and output.is_local and not os.path.exists(output.local("")):
+        raise ManifestError(f"{output.url} does not exist: give a prepared dataset's folder or its manifest.json")
     return parse_manifest(text, output.url)
 
 

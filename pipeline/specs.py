@@ -8,6 +8,7 @@ through plain JSON (`to_dict` / `from_dict`) so the same object drives a local
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, TypeVar
 
 from .errors import ConfigError
@@ -55,6 +56,8 @@ MAX_SHARDS = 1 << 16  # the most shards per variant set a reshard makes (`--shar
 def check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):  # NaN compares false with every bound, so it would pass them
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise ConfigError(f"{name} must be {bound}, got {value}")
@@ -64,8 +67,14 @@ def _is_number_pair(pair: Any) -> bool:
     return (
         isinstance(pair, (tuple, list))
         and len(pair) == 2
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)
     )
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Refuse anything but True or False: `"no"` or `1` would pass a truthiness test for what they do not say."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -92,11 +101,12 @@ class ResizeSpec(Spec):
     resample: str = "lanczos"
 
     def __post_init__(self) -> None:
-        check_int("--size", self.size, 8, 16384)
+        check_int("size", self.size, 8, 16384)
+        check_bool("upscale", self.upscale)
         if self.mode not in RESIZE_MODES:
-            raise ConfigError(f"--mode must be one of {', '.join(RESIZE_MODES)}, got {self.mode!r}")
+            raise ConfigError(f"mode must be one of {', '.join(RESIZE_MODES)}, got {self.mode!r}")
         if self.resample not in ("lanczos", "bicubic", "bilinear"):
-            raise ConfigError(f"--resample must be lanczos, bicubic or bilinear, got {self.resample!r}")
+            raise ConfigError(f"resample must be lanczos, bicubic or bilinear, got {self.resample!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +130,15 @@ class AugmentSpec(Spec):
     rotate: float = 10.0
 
     def __post_init__(self) -> None:
-        check_int("--variants", self.variants, 0, 1000)
+        check_int("variants", self.variants, 0, 1000)
         for name, pair, low, high in (("scale", self.scale, 0.01, 1.0), ("ratio", self.ratio, 0.1, 10.0)):
             if not _is_number_pair(pair) or not pair[0] <= pair[1]:
-                raise ConfigError(f"--crop-{name} must be two numbers LOW,HIGH with LOW <= HIGH")
+                raise ConfigError(f"{name} must be two numbers (low, high) with low <= high")
             for value in pair:
-                check_number(f"--crop-{name}", value, low, high)
-        check_number("--jitter", self.jitter, 0.0, 0.9)
-        check_number("--rotate", self.rotate, 0.0, 45.0)
+                check_number(name, value, low, high)
+        check_bool("flip", self.flip)
+        check_number("jitter", self.jitter, 0.0, 0.9)
+        check_number("rotate", self.rotate, 0.0, 45.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,9 +157,9 @@ class EncodeSpec(Spec):
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        check_int("--quality", self.quality, 1, 100)
-        check_int("--jpeg-restart", self.restart, 0, 65535)
+            raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        check_int("quality", self.quality, 1, 100)
+        check_int("restart", self.restart, 0, 65535)
 
     @property
     def extension(self) -> str:
@@ -165,11 +176,11 @@ class ShardSpec(Spec):
 
     def __post_init__(self) -> None:
         if self.max_bytes is None and self.max_samples is None:
-            raise ConfigError("give --shard-size, --shard-samples or both")
+            raise ConfigError("give max_bytes, max_samples or both")
         if self.max_bytes is not None:
-            check_int("--shard-size", self.max_bytes, 64 * 1024)
+            check_int("max_bytes", self.max_bytes, 64 * 1024)
         if self.max_samples is not None:
-            check_int("--shard-samples", self.max_samples, 1)
+            check_int("max_samples", self.max_samples, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +206,9 @@ class PrepareSpec(Spec):
         for name in ("source", "out"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
-                raise ConfigError(f"{name.upper()} must be a non-empty path or URL")
-        check_int("--seed", self.seed, 0, 2**63 - 1)
-        check_int("--max-pixels", self.max_pixels, 64)
+                raise ConfigError(f"{name} must be a non-empty path or URL")
+        check_int("seed", self.seed, 0, 2**63 - 1)
+        check_int("max_pixels", self.max_pixels, 64)
         check_int("max_file_bytes", self.max_file_bytes, 1)
         if (
             not isinstance(self.background, (tuple, list))
@@ -233,6 +244,7 @@ class PrepareSpec(Spec):
 
 PREPARE_OPTION_NAMES = {
     "source": "SRC",
+    "out": "OUT",
     "resize.size": "--size",
     "resize.mode": "--mode",
     "resize.upscale": "--upscale",
@@ -331,6 +343,10 @@ class LoaderSpec(Spec):
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, 1 << 16)
+        for name in ("train", "channels_last", "flip", "verify"):
+            check_bool(name, getattr(self, name))
+        if self.drop_last is not None:
+            check_bool("drop_last", self.drop_last)
         check_int("crop", self.crop, 8, 8192)
         if self.num_workers != "auto":
             check_int("num_workers", self.num_workers, 0, 256)
@@ -365,8 +381,6 @@ class LoaderSpec(Spec):
                 f"on_error must be 'skip' (warn, count, replace) or 'raise' (stop at the first damage), "
                 f"got {self.on_error!r}"
             )
-        if not isinstance(self.verify, bool):
-            raise ConfigError(f"verify must be True or False, got {self.verify!r}")
         self._check_cache()
 
     def _check_cache(self) -> None:

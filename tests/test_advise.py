@@ -258,3 +258,58 @@ def test_cli_target_that_is_a_file_is_refused_before_measuring(raw_photos: Path,
     )
     as_json = _advise_cli(str(raw_photos), "--target", "target.txt", "--gpu-images-per-s", "100", "--json", cwd=tmp_path)
     assert as_json.returncode == 1 and json.loads(as_json.stdout)["error"].startswith("--target target.txt is a file")
+
+
+def test_a_source_smaller_than_two_batches_is_refused_before_measuring(raw_photos: Path, tmp_path: Path) -> None:
+    # 48 images, batch 64: refused at once, naming the setting (the CLI: its option) and what fits.
+    with pytest.raises(ConfigError, match=r"48 images that prepare accepts, fewer than the two batches of batch_size=64.*batch_size=24 or less"):
+        advise(str(raw_photos), str(tmp_path / "t"), model="no_such_module:never_loaded", batch_size=64)
+    assert not (tmp_path / "t").exists()  # nothing was measured, not even the target
+    result = _advise_cli(str(raw_photos), "--target", "t", "--gpu-images-per-s", "100", cwd=tmp_path)
+    assert result.returncode == 1 and "drop_last" not in result.stderr
+    assert result.stderr.endswith("fewer than the two batches of --batch-size 64 each loader measurement needs: give --batch-size 24 or less\n")
+
+
+def test_only_what_prepare_accepts_is_sampled(raw_photos: Path, tmp_path: Path) -> None:
+    import shutil
+
+    source = tmp_path / "src"
+    shutil.copytree(raw_photos, source)
+    Image.new("RGB", (600, 600)).save(source / "beside-the-classes.jpg")  # prepare: "not in a class folder"
+    first_class = sorted(p for p in source.iterdir() if p.is_dir())[0]
+    (first_class / "broken.jpg").write_bytes(b"not a jpeg")  # prepare: not an image
+    result = _advise_cli(
+        "src", "--target", "t", "--gpu-images-per-s", "5", "--batch-size", "8", "--sample", "64",
+        "--duration", "0.3", "--device", "cpu", "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["listed"] == 49 and data["sample"] == 48  # the top-level image is not listed, the broken one not sampled
+    assert "replaced" not in result.stderr and "not an image" not in result.stderr, result.stderr
+
+
+def test_apply_says_what_each_prediction_is_and_why_they_differ(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.cli.bench import _print_applied
+    from pipeline.measure.advise import AdviseResult, ApplyResult
+
+    measured_at_advise = dataclasses.replace(JPEG, loader_images_per_s=747.0, others_cpu_share=0.41)
+    advised = inputs(candidates=(measured_at_advise,), target_read_mb_s=None)
+    advice = plan_advice(advised)
+    result = AdviseResult("raw", "t", "t/out", 200, 128, 64, 224, "cpu", advised, advice, {}, 1.0)
+    applied = ApplyResult(
+        out="t/out", samples=200, prepare_seconds=1.0, prepare_images_per_s=200.0,
+        predicted_loader_images_per_s=advice.predicted_loader, predicted_now_images_per_s=1878.0,
+        measured_loader_images_per_s=2209.0, measured_wall_images_per_s=2100.0, measured_stall_fraction=0.0,
+        others_cpu_share=0.05,
+    )  # fmt: skip
+    _print_applied(applied, result)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3].startswith("loader on t/out: measured 2209 images/s; other processes used 5% of the CPU")
+    assert lines[-2] == (
+        "  predicted 1878 (-15%): the prediction (the loader over the prepared sample) re-run alternately with "
+        "that measurement, so both saw the same machine"
+    )
+    assert lines[-1] == (
+        "  advise printed 747 (-66%): the same prediction, measured earlier while other processes used 41% of the CPU "
+        "(during the check: 5%); the figure above is the fair comparison"
+    )

@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from pipeline import native
+from pipeline.decode import open_image
 from pipeline.demo import render_photo_like
 from pipeline.errors import ConfigError
 from pipeline.measure.decode import (
@@ -102,11 +103,39 @@ def test_decoder_names_are_what_the_option_takes_or_what_the_rows_say() -> None:
 def test_the_loaders_region_decoder_is_measured(raw_images: Path) -> None:
     result = benchmark_decode(str(raw_images), sample=4, decoders=["region", "pil"], min_seconds=0.2)  # many passes: the fastest counts
     region = result.rows[0]
-    assert region.decoder == "region" and "the loader's" in region.note and "JPEG files only" in region.note
+    assert region.decoder == "region" and "the loader's" in region.note
+    assert ("JPEG files only" in region.note) == (region.images < result.samples)
     assert region.raw_images_per_s and region.prepared_images_per_s  # the JPEGs of the sample decode
     assert result.rows[1].decoder == "PIL" and result.rows[1].raw_images_per_s  # measured beside it, in the same run
     # How much faster it is than a full decode is a benchmark's to show (benchmarks/loader.py), not a timed test's:
     # 4 images timed for 0.2 s beside another test process on 2 cores can put either one ahead.
+
+
+def test_raw_and_prepared_figures_cover_the_same_images(raw_images: Path, tmp_path: Path) -> None:
+    # A top-level image beside class folders is what prepare rejects: it is not sampled.
+    Image.fromarray(render_photo_like(5, 480, 640)).save(raw_images / "beside-the-classes.jpg")
+    try:
+        result = benchmark_decode(str(raw_images), sample=16, min_seconds=0.01)
+        items, listed = sample_sources(str(raw_images), 16)
+    finally:
+        (raw_images / "beside-the-classes.jpg").unlink()
+    assert listed == 8 and "beside-the-classes.jpg" not in {item.rel for item in items}
+    assert result.samples == 7  # 6 JPEGs and the PNG; the broken file and the top-level image left out
+    for row in result.rows:
+        readable = sum(1 for data in read_sample(items) if _reads(row.decoder, data))
+        assert row.images == (7 if row.decoder in ("npy (no decode)",) else readable), row
+        if row.images < result.samples:  # a JPEG-only decoder: both its figures over the 6 JPEGs only
+            assert f"JPEG files only: {row.images} of 7 images" in row.note
+
+
+def _reads(name: str, data: bytes) -> bool:
+    decoders = available_decoders()
+    try:
+        open_image(data)
+        decoders[name](data, 224)
+    except Exception:
+        return False
+    return True
 
 
 def test_sample_is_even_deterministic_and_in_listing_order(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def test_a_slow_consumer_sets_the_pace_and_the_loader_does_not_stall_it(dataset:
 def test_bad_consumer_rate_is_refused(dataset: str) -> None:
     with pytest.raises(ConfigError):
         measure_loader(dataset, consumer_images_per_s=0, **FAST)
-    with pytest.raises(ConfigError, match="fewer samples than one batch"):
+    with pytest.raises(ConfigError, match="fewer than one batch of batch_size=1000"):
         measure_loader(dataset, batch_size=1000, crop=48, device="cpu")
 
 
@@ -120,3 +120,23 @@ def test_cli_table_has_a_stall_column_only_against_a_consumer_and_says_what_it_m
     header = paced.stdout.splitlines()[1]
     assert header.split()[:3] == ["num_workers", "images/s", "stall"]
     assert "(stall: the share of the training loop's time spent waiting for data)" in paced.stdout
+
+
+def test_a_dataset_smaller_than_one_batch_is_refused_at_once_naming_the_batch_size(dataset: str) -> None:
+    with pytest.raises(ConfigError, match=r"48 samples, fewer than one batch of batch_size=64.*give batch_size=48 or less"):
+        measure_loader(dataset, batch_size=64, device="cpu")
+    result = _bench_loader(dataset, "--num-workers", "1", "--device", "cpu")  # --batch-size 64 by default
+    assert result.returncode == 1 and "drop_last" not in result.stderr
+    assert "fewer than one batch of --batch-size 64" in result.stderr and "give --batch-size 48 or less" in result.stderr
+
+
+def test_estimate_memory_checks_its_dataset_before_tracing_or_measures_it_at_a_batch_that_fits(dataset: str) -> None:
+    # torch.nn:Flatten has no parameters, so tracing its training step would fail: the dataset is checked first.
+    base = [sys.executable, "-m", "pipeline", "estimate-memory", "--model", "torch.nn:Flatten", "--input", "3,8,8",
+            "--dataset", dataset, "--device", "cpu", "--device-flops", "1T"]  # fmt: skip
+    given = subprocess.run([*base, "--batch-size", "64"], capture_output=True, text=True, timeout=120, check=False)
+    assert given.returncode == 1 and "drop_last" not in given.stderr
+    assert "fewer than one batch of --batch-size 64" in given.stderr and "give --batch-size 48 or less" in given.stderr
+    default = subprocess.run(base, capture_output=True, text=True, timeout=120, check=False)
+    assert f"gpufeed: note: the loader is measured at batch 48: {dataset} holds only 48 samples" in default.stderr
+    assert "drop_last" not in default.stderr and "tracing a step" in default.stderr  # on to the (failing) trace

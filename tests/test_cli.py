@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -108,6 +109,23 @@ def test_prepare_rejects_bad_input_with_one_line(
     as_json = run("prepare", str(src), str(tmp_path / "out"), "--quiet", "--workers", "0", "--json", *flags)
     assert as_json.returncode == result.returncode and as_json.stderr == ""
     assert json.loads(as_json.stdout) == {"error": lines[0].removeprefix("gpufeed: error: ")}
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--shard-samples", "0"], "--shard-samples must be at least 1"),
+        (["--size", "7"], "--size must be between 8"),
+        (["--crop-scale", "0.9,0.1"], "--crop-scale must be two numbers"),
+        (["--jpeg-restart", "-1"], "--jpeg-restart must be"),
+    ],
+)
+def test_prepare_errors_name_the_option_the_library_names_the_setting(
+    flags: list[str], expected: str, small_source: Path, tmp_path: Path
+) -> None:
+    result = run("prepare", str(small_source), str(tmp_path / "out"), "--quiet", "--workers", "0", *flags)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"gpufeed: error: {expected}"), result.stderr
 
 
 # ---------------------------------------------------------------------------
@@ -563,6 +581,57 @@ def test_a_read_only_out_is_one_line_that_says_what_to_do(small_source: Path, re
     assert "read-only file system: choose a folder on a disk you can write to" in lines[0] or (
         "no permission to use" in lines[0] and "change its permissions or choose another folder" in lines[0]
     )
+
+
+def test_summaries_are_whole_lines_and_paths_are_never_markup(small_source: Path, tmp_path: Path) -> None:
+    # Printed into a pipe: no line broken at 80 columns; a path with brackets printed as it is (rich markup
+    # would raise on `[/]` and swallow `[red]`).
+    for name in ("data[/]", "[red]x"):
+        out = tmp_path / ("a-folder-with-a-name-long-enough-to-pass-eighty-columns-" + name) / name
+        first = run("prepare", str(small_source), str(out), "-q", "--workers", "0", "--shard-samples", "2")
+        assert first.returncode == 0, first.stderr
+        assert f"manifest: {out}/manifest.json\n" in first.stdout
+        shard = out / "shard-000001.tar"
+        size = shard.stat().st_size
+        os.truncate(shard, 1024)
+        # -q hides the progress bar only: the repair is reported.
+        again = run("prepare", str(small_source), str(out), "-q", "--workers", "0", "--shard-samples", "2")
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.startswith(
+            f"rewrote 1 of 2 shards: shard-000001.tar had 1024 bytes, the manifest says {size}\n"
+        ), again.stdout
+        assert f"manifest: {out}/manifest.json\n" in again.stdout
+        inspected = run("inspect", str(out))
+        assert inspected.returncode == 0, inspected.stderr
+        assert any(line.split() == ["dataset", str(out)] for line in inspected.stdout.splitlines()), inspected.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a disk too small for a prepare (needs root)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_the_free_space_refusal_says_sizes_people_read_and_leaves_nothing(tmp_path: Path, small_disk: Path) -> None:
+    source = tmp_path / "big"
+    made = run("demo-data", str(source), "-n", "12", "--min-side", "600", "--max-side", "700", "--workers", "0")
+    assert made.returncode == 0, made.stderr
+    result = run("prepare", str(source), str(small_disk / "out"), "--size", "512", "--format", "png", "--workers", "0")
+    assert result.returncode == 1
+    line = result.stderr.strip()
+    assert re.fullmatch(
+        rf"gpufeed: error: {small_disk}/out has \d+(\.\d+)? (KiB|MiB) free but the shards need about \d+(\.\d+)? MiB "
+        r"\(\+10 % margin\); free some space, pick another OUT, or pass --force",
+        line,
+    ), line
+    assert list((small_disk / "out").iterdir()) == []  # no OUT/.gpufeed left behind
 
 
 # ---------------------------------------------------------------------------

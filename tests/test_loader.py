@@ -227,6 +227,20 @@ def test_bad_settings_are_clear_errors(dataset: Path, tmp_path: Path) -> None:
         make_loader(str(tmp_path), 8)
 
 
+def test_errors_point_at_the_fix(dataset: Path, tmp_path: Path) -> None:
+    from pipeline import ManifestError
+
+    with pytest.raises(ManifestError, match="nope does not exist"):
+        make_loader(str(tmp_path / "nope"), 8)
+    # torch DataLoader's arguments name gpufeed's equivalent; a misspelt setting its close spelling.
+    with pytest.raises(ConfigError, match="shuffle is a torch DataLoader argument: use shuffle_buffer=N .*train=False"):
+        make_loader(str(dataset), 8, shuffle=True)
+    with pytest.raises(ConfigError, match="pin_memory .*not needed"):
+        make_loader(str(dataset), 8, pin_memory=True)
+    with pytest.raises(ConfigError, match="num_wrokers: did you mean num_workers"):
+        make_loader(str(dataset), 8, num_wrokers=2)
+
+
 DDP_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist

@@ -452,6 +452,26 @@ def test_on_cuda_the_allocator_and_the_context_are_added() -> None:
         assert any("CPU's kernels" in note for note in assumed.notes)
 
 
+def test_where_a_smaller_batch_reserves_more_on_cuda_the_report_says_why() -> None:
+    # The README's small CNN: at batch 1 its 784 KiB activations take 2 MiB small-pool segments of their own,
+    # at batch 2 they share the large pool's 20 MiB segment: CUDA reserves more for batch 1 than for batch 2.
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 1000),
+    )  # fmt: skip
+    cuda = estimate_memory(model, (3, 224, 224), optimizer="adam", vram="16GiB", cuda_context="0", measure=False)
+    memory = {row.batch_size: row.memory_bytes for row in cuda.rows}
+    assert memory[1] > memory[2] < memory[4]
+    assert cuda.memory.peak(1) < cuda.memory.peak(2)  # the tensor bytes grow with the batch
+    assert cuda.memory.allocated(1) < cuda.memory.allocated(2)
+    dips = [note for note in cuda.notes if note.startswith("batch 1 needs more device memory than batch 2")]
+    assert len(dips) == 1 and "2 MiB segments" in dips[0] and "20 MiB segment" in dips[0]
+    cpu = estimate_memory(model, (3, 224, 224), optimizer="adam", for_device="cpu", measure=False)
+    sizes = [row.memory_bytes for row in cpu.rows]
+    assert sizes == sorted(sizes) and not any("needs more device memory" in note for note in cpu.notes)
+
+
 # ---------------------------------------------------------------------------
 # Speed
 
@@ -534,7 +554,7 @@ def test_public_api_model_and_loss_specs(tmp_path: Path, monkeypatch: pytest.Mon
     assert load_loss("gpufeed_test_models:squares").__name__ == "squares"
     with pytest.raises(ConfigError, match="not a function"):
         load_loss("gpufeed_test_models:NOT_CALLABLE")
-    with pytest.raises(ConfigError, match="--loss module:fn"):  # a 1-D output has no classes
+    with pytest.raises(ConfigError, match="loss=module:fn"):  # a 1-D output has no classes
         estimate_memory("gpufeed_test_models:vector", "10")
     with_loss = estimate_memory("gpufeed_test_models:vector", "10", loss="gpufeed_test_models:squares")
     assert with_loss.loss == "gpufeed_test_models:squares"
@@ -547,7 +567,7 @@ def test_public_api_model_and_loss_specs(tmp_path: Path, monkeypatch: pytest.Mon
     for options in ({"dtype": "int8"}, {"optimizer": "lbfgs"}, {"autocast": "int8"}, {"for_device": "tpu"}):
         with pytest.raises(ConfigError):
             estimate_memory(small_mlp(), (10,), **options)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="cannot take --input"):  # the input does not fit the model
+    with pytest.raises(ConfigError, match="cannot take input_shape="):  # the input does not fit the model
         estimate_memory(small_mlp(), (11,))
 
 
@@ -666,7 +686,7 @@ def test_check_model_input_runs_one_sample_and_leaves_the_mode_alone() -> None:
     model = small_cnn().train()
     check_model_input(model, (3, 32, 32))
     assert model.training
-    with pytest.raises(ConfigError, match=r"cannot take --input 32,32,3 .* did you mean 3,32,32\?"):
+    with pytest.raises(ConfigError, match=r"cannot take input_shape=32,32,3 .* input_shape is channels first: did you mean 3,32,32\?"):
         check_model_input(model, (32, 32, 3))
     assert model.training
 

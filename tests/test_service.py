@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pickle
 import socket
 import time
@@ -22,6 +21,7 @@ from service_harness import (
     shard_bytes,
 )
 
+from pipeline.io.tar import iter_tar_samples
 from pipeline.manifest import read_manifest
 from pipeline.prepare.job import prepare_dataset
 from pipeline.specs import PrepareSpec
@@ -157,7 +157,18 @@ def test_finished_jobs_expire_after_the_configured_time(private_redis: Any, smal
         assert json.loads(service.cli("jobs", "--json").stdout) == []
 
 
-def test_cancel_stops_the_job_and_removes_its_partial_output(service: Service, slow_raw: Path, tmp_path: Path) -> None:
+def _shard_files(out: Path) -> dict[str, int]:
+    """Every file under OUT but the work folder, with its modification time."""
+    return {
+        str(path.relative_to(out)): path.stat().st_mtime_ns
+        for path in out.rglob("*")
+        if path.is_file() and ".gpufeed" not in path.relative_to(out).parts
+    }
+
+
+def test_cancel_stops_the_job_removes_its_partial_shards_and_keeps_the_finished_ones(
+    service: Service, slow_raw: Path, tmp_path: Path
+) -> None:
     service.start_worker("w1")
     out = tmp_path / "out"
     job = service.submit("prepare", str(slow_raw), str(out), *SLOWER_FLAGS)
@@ -167,21 +178,33 @@ def test_cancel_stops_the_job_and_removes_its_partial_output(service: Service, s
     assert result.returncode == 0, result.stderr
     record = service.wait_until(job, lambda r: r.cleaned, 60, "cleaned up")
     assert record.state == "cancelled"
-    done_at_cancel = record.shards_done
-    assert done_at_cancel < record.shards_total
-    time.sleep(3)  # the rest of its shards are still queued: the worker must skip every one
+    done = service.store.done_shards(job)
+    assert done and len(done) == record.shards_done < record.shards_total
+    # What is left is the finished shards, each in every variant set, and nothing partial: no temp file, no manifest.
+    # (A shard whose last chunk was being written as the cancel came is finished too: it stays, valid.)
+    kept = _shard_files(out)
+    indices = {int(name.removesuffix(".tar").rpartition("-")[2]) for name in kept}
+    assert indices >= done and len(indices - done) <= 1, (indices, done)  # one worker process: one shard in flight
+    assert sorted(kept) == sorted(f"v{v}/shard-{shard:06d}.tar" for v in range(2) for shard in indices), kept
+    for name in kept:
+        with open(out / name, "rb") as handle:
+            assert sum(1 for _ in iter_tar_samples(handle, name)) == 4
+    assert (out / ".gpufeed").is_dir()  # the plan: the same job submitted again resumes
+    time.sleep(3)  # the rest of its shards are still queued: the worker must skip every one, none completes
     record = service.record(job)
-    assert record.state == "cancelled" and record.shards_done == done_at_cancel and not record.running
-    assert not (out / "manifest.json").exists()
-    assert sorted(os.listdir(out)) == []  # shards, temp files, work folder: all gone
+    assert record.state == "cancelled" and record.shards_done == len(done) and not record.running
+    assert _shard_files(out) == kept
     assert service.status(job)["state"] == "cancelled"
     again = service.cli("cancel", job)
     assert again.returncode == 1 and "already cancelled" in again.stderr
 
-    # The output is free again: the same job can run to the end.
-    job2 = service.submit("prepare", str(slow_raw), str(out), *SLOW_FLAGS)
-    assert service.wait_finished(job2).state == "succeeded"
+    # The output is free again: the same job resumes, writing only the shards the cancel left unwritten.
+    job2 = service.submit("prepare", str(slow_raw), str(out), *SLOWER_FLAGS)
+    finished = service.wait_finished(job2)
+    assert finished.state == "succeeded", finished.error
     assert_verified(out)
+    after = _shard_files(out)
+    assert {name: after[name] for name in kept} == kept  # the finished shards were not written again
 
 
 def test_a_second_job_on_the_same_out_is_refused(service: Service, small_raw: Path, tmp_path: Path) -> None:

@@ -152,7 +152,7 @@ def test_status_and_cancel_take_an_unambiguous_start_of_the_id(service: Service,
     assert status.returncode == 0 and status.stdout.startswith(f"job {first}  prepare  queued"), status.stderr
     assert service.status(unique.upper())["job"] == first  # ids are hex: either case
     cancelled = service.cli("cancel", unique)
-    assert cancelled.returncode == 0 and cancelled.stdout == f"job {first} cancelled; its partial output is being removed\n"
+    assert cancelled.returncode == 0 and cancelled.stdout == f"job {first} cancelled; its partial shards are being removed (submit it again to resume)\n"
     assert store.require(first).state == "cancelled" and store.require(second).state == "queued"
 
     unknown = service.cli("status", "g00d")

@@ -154,7 +154,7 @@ def test_job_specs_are_validated(tmp_path: Path) -> None:
     assert security.job_paths("prepare", payload) == [str(tmp_path / "out")]
 
     bad = [
-        ("prepare", {"spec": {**spec, "resize": {"size": 3}}}, "--size"),
+        ("prepare", {"spec": {**spec, "resize": {"size": 3}}}, "size must be between 8 and 16384"),
         ("prepare", {"spec": {**spec, "colour": "blue"}}, "unknown setting"),
         ("prepare", {"spec": spec, "rm": True}, "unknown field"),
         ("prepare", {"spec": spec, "force": "yes"}, "true or false"),

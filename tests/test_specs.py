@@ -22,52 +22,82 @@ from pipeline.specs import (
 from pipeline.units import parse_bytes
 
 # ---------------------------------------------------------------------------
-# Validation: every bad value is a ConfigError whose message names the flag
+# Validation: every bad value is a ConfigError whose message names the setting (the CLI names its option)
 
 
 @pytest.mark.parametrize(
-    ("spec_type", "kwargs", "flag"),
+    ("spec_type", "kwargs", "setting"),
     [
-        (ResizeSpec, {"size": 0}, "--size"),
-        (ResizeSpec, {"size": 7}, "--size"),
-        (ResizeSpec, {"size": 16385}, "--size"),
-        (ResizeSpec, {"size": 256.0}, "--size"),
-        (ResizeSpec, {"size": "256"}, "--size"),
-        (ResizeSpec, {"size": True}, "--size"),
-        (ResizeSpec, {"mode": "stretch"}, "--mode"),
-        (ResizeSpec, {"resample": "nearest"}, "--resample"),
-        (AugmentSpec, {"variants": -1}, "--variants"),
-        (AugmentSpec, {"variants": 1001}, "--variants"),
-        (AugmentSpec, {"variants": 2.0}, "--variants"),
-        (AugmentSpec, {"scale": (0.9, 0.5)}, "--crop-scale"),
-        (AugmentSpec, {"scale": (0.0, 0.5)}, "--crop-scale"),
-        (AugmentSpec, {"scale": (0.5, 1.5)}, "--crop-scale"),
-        (AugmentSpec, {"scale": (0.5,)}, "--crop-scale"),
-        (AugmentSpec, {"scale": (0.2, 0.5, 0.9)}, "--crop-scale"),
-        (AugmentSpec, {"ratio": (2.0, 1.0)}, "--crop-ratio"),
-        (AugmentSpec, {"ratio": (0.05, 1.0)}, "--crop-ratio"),
-        (AugmentSpec, {"ratio": (1.0, 11.0)}, "--crop-ratio"),
-        (AugmentSpec, {"jitter": -0.1}, "--jitter"),
-        (AugmentSpec, {"jitter": 0.95}, "--jitter"),
-        (AugmentSpec, {"jitter": "0.2"}, "--jitter"),
-        (AugmentSpec, {"rotate": -1.0}, "--rotate"),
-        (AugmentSpec, {"rotate": 46.0}, "--rotate"),
-        (EncodeSpec, {"format": "gif"}, "--format"),
-        (EncodeSpec, {"quality": 0}, "--quality"),
-        (EncodeSpec, {"quality": 101}, "--quality"),
-        (EncodeSpec, {"quality": 90.5}, "--quality"),
-        (ShardSpec, {"max_bytes": 1024}, "--shard-size"),
-        (ShardSpec, {"max_bytes": "256MB"}, "--shard-size"),
-        (ShardSpec, {"max_samples": 0}, "--shard-samples"),
-        (ShardSpec, {"max_samples": -5}, "--shard-samples"),
+        (ResizeSpec, {"size": 0}, "size"),
+        (ResizeSpec, {"size": 7}, "size"),
+        (ResizeSpec, {"size": 16385}, "size"),
+        (ResizeSpec, {"size": 256.0}, "size"),
+        (ResizeSpec, {"size": "256"}, "size"),
+        (ResizeSpec, {"size": True}, "size"),
+        (ResizeSpec, {"mode": "stretch"}, "mode"),
+        (ResizeSpec, {"resample": "nearest"}, "resample"),
+        (AugmentSpec, {"variants": -1}, "variants"),
+        (AugmentSpec, {"variants": 1001}, "variants"),
+        (AugmentSpec, {"variants": 2.0}, "variants"),
+        (AugmentSpec, {"scale": (0.9, 0.5)}, "scale"),
+        (AugmentSpec, {"scale": (0.0, 0.5)}, "scale"),
+        (AugmentSpec, {"scale": (0.5, 1.5)}, "scale"),
+        (AugmentSpec, {"scale": (0.5,)}, "scale"),
+        (AugmentSpec, {"scale": (0.2, 0.5, 0.9)}, "scale"),
+        (AugmentSpec, {"ratio": (2.0, 1.0)}, "ratio"),
+        (AugmentSpec, {"ratio": (0.05, 1.0)}, "ratio"),
+        (AugmentSpec, {"ratio": (1.0, 11.0)}, "ratio"),
+        (AugmentSpec, {"jitter": -0.1}, "jitter"),
+        (AugmentSpec, {"jitter": 0.95}, "jitter"),
+        (AugmentSpec, {"jitter": "0.2"}, "jitter"),
+        (AugmentSpec, {"rotate": -1.0}, "rotate"),
+        (AugmentSpec, {"rotate": 46.0}, "rotate"),
+        (EncodeSpec, {"format": "gif"}, "format"),
+        (EncodeSpec, {"quality": 0}, "quality"),
+        (EncodeSpec, {"quality": 101}, "quality"),
+        (EncodeSpec, {"quality": 90.5}, "quality"),
+        (ShardSpec, {"max_bytes": 1024}, "max_bytes"),
+        (ShardSpec, {"max_bytes": "256MB"}, "max_bytes"),
+        (ShardSpec, {"max_samples": 0}, "max_samples"),
+        (ShardSpec, {"max_samples": -5}, "max_samples"),
+        (ResizeSpec, {"upscale": "no"}, "upscale"),
+        (ResizeSpec, {"upscale": 1}, "upscale"),
+        (AugmentSpec, {"flip": "yes"}, "flip"),
+        (AugmentSpec, {"jitter": float("nan")}, "jitter"),
+        (AugmentSpec, {"rotate": float("inf")}, "rotate"),
+        (AugmentSpec, {"scale": (float("nan"), 1.0)}, "scale"),
+        (AugmentSpec, {"ratio": (0.5, float("inf"))}, "ratio"),
     ],
 )
-def test_bad_value_is_config_error_naming_the_flag(spec_type, kwargs, flag):
-    with pytest.raises(ConfigError, match=flag):
+def test_bad_value_is_config_error_naming_the_setting(spec_type, kwargs, setting):
+    # A Python caller reads the name it passed (`max_samples`), not a flag of the CLI (`--shard-samples`).
+    with pytest.raises(ConfigError, match=rf"^{setting} ") as raised:
         spec_type(**kwargs)
+    assert "--" not in str(raised.value)
     # The same through from_dict (a task message or a manifest's params).
-    with pytest.raises(ConfigError, match=flag):
+    with pytest.raises(ConfigError, match=rf"^{setting} "):
         spec_type.from_dict({k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [
+        ({"train": "no"}, "train"),
+        ({"channels_last": 1}, "channels_last"),
+        ({"flip": "false"}, "flip"),
+        ({"drop_last": "no"}, "drop_last"),
+        ({"verify": 0}, "verify"),
+        ({"mean": (float("nan"), 0.5, 0.5)}, "mean"),
+        ({"std": (0.2, float("inf"), 0.2)}, "std"),
+        ({"eval_fraction": float("nan")}, "eval_fraction"),
+        ({"scale": (float("nan"), 1.0)}, "scale"),
+    ],
+)
+def test_loader_spec_refuses_non_booleans_and_non_finite_numbers(kwargs, setting):
+    from pipeline.specs import LoaderSpec
+
+    with pytest.raises(ConfigError, match=rf"^{setting} "):
+        LoaderSpec(batch_size=8, **kwargs)
 
 
 def test_config_error_is_a_value_error():
@@ -77,7 +107,7 @@ def test_config_error_is_a_value_error():
 
 
 def test_shard_spec_needs_a_bound():
-    with pytest.raises(ConfigError, match="--shard-size.*--shard-samples"):
+    with pytest.raises(ConfigError, match="max_bytes.*max_samples"):
         ShardSpec(max_bytes=None, max_samples=None)
     assert ShardSpec(max_bytes=None, max_samples=10).max_samples == 10
     assert ShardSpec().max_bytes == DEFAULT_SHARD_BYTES
@@ -86,14 +116,14 @@ def test_shard_spec_needs_a_bound():
 @pytest.mark.parametrize(
     ("kwargs", "flag"),
     [
-        ({"source": ""}, "SOURCE"),
-        ({"source": "   "}, "SOURCE"),
-        ({"out": ""}, "OUT"),
-        ({"out": 5}, "OUT"),
-        ({"seed": -1}, "--seed"),
-        ({"seed": 2**63}, "--seed"),
-        ({"seed": 1.5}, "--seed"),
-        ({"max_pixels": 10}, "--max-pixels"),
+        ({"source": ""}, "source"),
+        ({"source": "   "}, "source"),
+        ({"out": ""}, "out"),
+        ({"out": 5}, "out"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"max_pixels": 10}, "max_pixels"),
         ({"max_file_bytes": 0}, "max_file_bytes"),
         ({"background": (0, 0)}, "background"),
         ({"background": (0, 0, 256)}, "background"),
@@ -109,10 +139,10 @@ def test_prepare_spec_bad_value(kwargs, flag):
 
 
 @pytest.mark.parametrize("scale", [0.5, None, ("a", 1.0)])
-def test_augment_scale_of_wrong_type_names_the_flag(scale):
-    with pytest.raises(ConfigError, match="--crop-scale"):
+def test_augment_scale_of_wrong_type_names_the_setting(scale):
+    with pytest.raises(ConfigError, match="^scale"):
         AugmentSpec.from_dict({"scale": scale})
-    with pytest.raises(ConfigError, match="--crop-scale"):
+    with pytest.raises(ConfigError, match="^scale"):
         AugmentSpec(scale=scale)
 
 

@@ -388,9 +388,10 @@ def jobs(limit: int, as_json: bool) -> None:
 @user_errors
 @needs_service
 def cancel(job: str, as_json: bool) -> None:
-    """Cancel a job: no more of its shards start, its partial output is removed, no manifest is written.
+    """Cancel a job: no more of its shards start, running ones stop, partial shards are removed, no manifest.
 
-    JOB is a job id or its start, when that names one job.
+    Finished shards are kept: submitting the same job again resumes it. JOB is
+    a job id or its start, when that names one job.
     """
     from .client import cancel_job
     from .jobs import JobStore, redis_errors
@@ -403,7 +404,7 @@ def cancel(job: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(record.to_status(), indent=2))
     else:
-        click.echo(f"job {job} cancelled; its partial output is being removed")
+        click.echo(f"job {job} cancelled; its partial shards are being removed (submit it again to resume)")
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,8 @@ the job's paths against this worker's GPUFEED_ALLOWED_ROOTS, calls
 `pipeline`, and records the outcome. Errors become the job's `error`, except
 a retryable one (a StorageError: full disk, network store away), which sends
 the task again after a pause, up to GPUFEED_MAX_ATTEMPTS runs in all; a
-cancelled job stops at the next chunk of images.
+cancelled job's tasks stop at the next chunk of images, and its queued ones
+do not start.
 """
 
 from __future__ import annotations
@@ -336,7 +337,7 @@ def _as_dict(report: Any) -> dict[str, Any]:
 
 @app.task(bind=True, name="gpufeed.cleanup_job")
 def cleanup_job_task(self: Any, job_id: str) -> dict[str, Any]:
-    """After a cancel: wait for the job's running tasks to stop, remove its partial output, free its outputs."""
+    """After a cancel: wait for the job's running tasks to stop, remove its partial shards (finished ones stay), free its outputs."""
     settings = get_settings()
     record = store().get(job_id)
     if record is None or record.state != "cancelled":
@@ -354,12 +355,12 @@ def cleanup_job_task(self: Any, job_id: str) -> dict[str, Any]:
 
 
 def _discard_output(record: JobRecord) -> None:
-    from pipeline.prepare.job import discard_prepare
+    from pipeline.prepare.job import discard_partial_shards
 
-    if record.kind == "prepare":
+    if record.kind == "prepare":  # finished shards stay: the same job submitted again resumes
         spec = _worker_checked_spec(record.payload["spec"])
         with _job_storage(record, spec):
-            discard_prepare(spec)
+            discard_partial_shards(spec)
     elif record.kind == "reshard" and record.prepare_spec is not None:
         from pipeline.prepare.reshard import ReshardSpec, discard_reaugment
 

@@ -15,7 +15,7 @@ import click
 
 from ..errors import ConfigError
 from ..units import format_bytes, format_count, parse_bytes, parse_rate
-from .common import Duration, exit_on_user_errors, renamed_option, require_extra
+from .common import Duration, exit_on_user_errors, option_errors, renamed_option, require_extra, with_option_names
 
 # Ctrl-C: the benchmarks have removed their test files by the time this prints.
 _measure_errors = exit_on_user_errors("interrupted; temporary test files were removed")
@@ -24,6 +24,13 @@ _measure_errors = exit_on_user_errors("interrupted; temporary test files were re
 def _say(text: str) -> None:
     if sys.stderr.isatty():
         click.echo(f"gpufeed: {text} …", err=True)
+
+
+def _note(text: str) -> None:
+    click.echo(f"gpufeed: note: {text}", err=True)
+
+
+LOADER_BATCH = 64  # estimate-memory's loader measurement without --batch-size
 
 
 def _sizes(text: str, name: str) -> list[int]:
@@ -302,15 +309,16 @@ def bench_loader(
     from ..measure.loader import benchmark_loader
 
     _say(f"running the loader over {dataset}")
-    result = benchmark_loader(
-        dataset,
-        workers=_ints(num_workers, "--num-workers") if num_workers else None,
-        batch_size=batch_size,
-        consumer_images_per_s=gpu_images_per_s,
-        min_seconds=duration,
-        device=device,
-        worker_type=worker_type,
-    )
+    with option_errors({"batch_size": "--batch-size", "num_workers": "--num-workers"}):
+        result = benchmark_loader(
+            dataset,
+            workers=_ints(num_workers, "--num-workers") if num_workers else None,
+            batch_size=batch_size,
+            consumer_images_per_s=gpu_images_per_s,
+            min_seconds=duration,
+            device=device,
+            worker_type=worker_type,
+        )
     _plot("loader", plot, result)
     if as_json:
         _emit_json(result.to_dict())
@@ -332,6 +340,25 @@ def bench_loader(
 
 # ---------------------------------------------------------------------------
 # gpufeed advise
+
+
+MEMORY_OPTIONS = {
+    "model=": "--model",
+    "loss=": "--loss",
+    "input_shape": "--input",
+    "vram=": "--vram",
+    "device_flops": "--device-flops",
+    "batch_size": "--batch-size",
+}
+"""How `gpufeed estimate-memory` spells the settings its library errors and notes name."""
+
+ADVISE_OPTIONS = {
+    **MEMORY_OPTIONS,
+    "gpu_images_per_s": "--gpu-images-per-s",
+    "sample=": "--sample",
+    "target=": "--target",
+}
+"""How `gpufeed advise` spells them (its model is timed through estimate-memory's code)."""
 
 
 @click.command()
@@ -362,6 +389,7 @@ def bench_loader(
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @plot_option("Write a PNG chart of the ceilings.")
 @_measure_errors
+@option_errors(ADVISE_OPTIONS)
 def advise(
     src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, vram: str | None,
     optimizer: str, batch_size: int, crop: int, sample: int, duration: float, device: str, apply_out: str | None,
@@ -387,6 +415,7 @@ def advise(
         vram=vram,
         optimizer=optimizer,
     )
+    result.notes = [with_option_names(note, ADVISE_OPTIONS) for note in result.notes]
     if not as_json:
         _print_advice(result)
     applied = None
@@ -394,7 +423,7 @@ def advise(
         _say("running the recommended prepare")
         applied = apply_advice(result, apply_out, measure_seconds=duration)
         if not as_json:
-            _print_applied(applied)
+            _print_applied(applied, result)
     _plot("advise", plot, result, applied=applied)
     if as_json:
         data = result.to_dict()
@@ -402,7 +431,7 @@ def advise(
         _emit_json(data)
 
 
-def _print_applied(applied: Any) -> None:
+def _print_applied(applied: Any, result: Any = None) -> None:
     click.echo(f"\napplied: {applied.samples} samples prepared into {applied.out} in {applied.prepare_seconds:.1f} s")
     busy = (
         f"; other processes used {applied.others_cpu_share:.0%} of the CPU meanwhile "
@@ -410,14 +439,26 @@ def _print_applied(applied: Any) -> None:
         if applied.others_cpu_share
         else ""
     )
+    click.echo(f"loader on {applied.out}: measured {applied.measured_loader_images_per_s:.0f} images/s{busy}")
     click.echo(
-        f"loader on {applied.out}: measured {applied.measured_loader_images_per_s:.0f} images/s, "
-        f"predicted {applied.predicted_now_images_per_s:.0f} ({applied.error:+.0%}){busy}"
+        f"  predicted {applied.predicted_now_images_per_s:.0f} ({applied.error:+.0%}): the prediction (the loader over "
+        "the prepared sample) re-run alternately with that measurement, so both saw the same machine"
     )
     click.echo(
-        f"(the prediction is re-run on the sample alongside the measurement; "
-        f"advise printed {applied.predicted_loader_images_per_s:.0f}, {applied.error_advise_time:+.0%})"
+        f"  advise printed {applied.predicted_loader_images_per_s:.0f} ({applied.error_advise_time:+.0%}): the same "
+        f"prediction, measured earlier{_then_and_now(applied, result)}; the figure above is the fair comparison"
     )
+
+
+def _then_and_now(applied: Any, result: Any) -> str:
+    """How busy the machine was when advise measured its prediction, against during the check."""
+    if result is None:
+        return ""
+    chosen = next((c for c in result.inputs.candidates if c.format == result.advice.recommendation.format), None)
+    then, now = getattr(chosen, "others_cpu_share", None), applied.others_cpu_share
+    if then is None or now is None:
+        return " on a machine whose load has changed since"
+    return f" while other processes used {then:.0%} of the CPU (during the check: {now:.0%})"
 
 
 def _print_no_prepare(result: Any) -> None:
@@ -536,6 +577,7 @@ def _print_advice(result: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @plot_option("Write a PNG chart (memory and images/s vs batch size).")
 @_measure_errors
+@option_errors(MEMORY_OPTIONS)
 def estimate_memory_command(
     model: str, input_shape: str, optimizer: str, dtype: str | None, autocast: str | None, channels_last: bool,
     foreach: bool | None, zero_grad: str, loss: str | None, vram: str | None, margin: float, for_device: str,
@@ -548,10 +590,15 @@ def estimate_memory_command(
 
     flops = _rate(device_flops) if device_flops else None
     if dataset and loader_images_per_s is None:
-        from ..measure.loader import measure_loader
+        from ..measure.loader import check_batches, dataset_samples, measure_loader
 
+        samples = dataset_samples(dataset)
+        loader_batch = batch_size or min(LOADER_BATCH, samples)
+        if batch_size is None and loader_batch < LOADER_BATCH:  # the rate per image hardly depends on the batch
+            _note(f"the loader is measured at batch {loader_batch}: {dataset} holds only {format_count(samples, 'sample')}")
+        check_batches(dataset, loader_batch, samples=samples)  # before the step is traced, not after
         _say(f"measuring the loader over {dataset}")
-        point = measure_loader(dataset, batch_size=batch_size or 64, device=device)
+        point = measure_loader(dataset, batch_size=loader_batch, device=device)
         loader_images_per_s = point.idle_images_per_s  # scaled to an idle machine, as advise does
     _say("tracing a training step")
     estimate = estimate_memory(

@@ -6,11 +6,13 @@ this module; it imports none of them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import importlib
 import importlib.metadata
 import json
+import re
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from ..errors import ConfigError, GpufeedError
-from ..specs import MAX_SHARDS, AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
+from ..specs import MAX_SHARDS, PREPARE_OPTION_NAMES, AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
 from ..units import parse_bytes, parse_duration
 from .plugins import command_entry_points
 
@@ -349,26 +351,79 @@ def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+def with_option_names(message: str, names: dict[str, str]) -> str:
+    """A library message with each Python setting it names spelt as the command's option.
+
+    `batch_size` becomes `--batch-size`, and `batch_size=64` becomes `--batch-size 64`.
+
+    Args:
+        message: the text of a ConfigError (or a note) written for Python callers.
+        names: setting name -> the option (or argument) that sets it in this command. A name
+            that is also a plain word (`sample`) is given as `sample=`: only `sample=128`
+            becomes `--sample 128`, "the sample" stays as it is.
+    """
+    for name, option in sorted(names.items(), key=lambda item: -len(item[0])):
+        setting = re.escape(name.removesuffix("="))
+        if name.endswith("="):
+            pattern = rf"(?<![\w.-]){setting}=(?=\S)"
+        else:
+            pattern = rf"(?<![\w.-]){setting}(?:=(?=\S)|(?![\w=-]))"
+        message = re.sub(pattern, functools.partial(_spelt, option), message)
+    return message
+
+
+def _spelt(option: str, match: re.Match[str]) -> str:
+    return option + (" " if match.group(0).endswith("=") else "")
+
+
+class option_errors(contextlib.ContextDecorator):  # noqa: N801 - used like contextlib's own lower-case helpers
+    """A context (or a decorator) in which a ConfigError is re-raised with its settings spelt as options.
+
+    Args:
+        names: as `with_option_names` takes them.
+    """
+
+    def __init__(self, names: dict[str, str]) -> None:
+        self.names = names
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, trace: object) -> None:
+        if isinstance(exc, ConfigError):
+            raise ConfigError(with_option_names(str(exc), self.names)) from exc
+
+
+def _spec_names(prefix: str) -> dict[str, str]:
+    """`PREPARE_OPTION_NAMES` for the settings of one part of a PrepareSpec (`resize`; "" for its own)."""
+    if not prefix:
+        return {key: flag for key, flag in PREPARE_OPTION_NAMES.items() if "." not in key}
+    return {key.split(".", 1)[1]: flag for key, flag in PREPARE_OPTION_NAMES.items() if key.startswith(prefix + ".")}
+
+
 def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpec:
-    """A PrepareSpec from the values of `prepare_options` (validated; errors are ConfigError)."""
+    """A PrepareSpec from the values of `prepare_options` (validated; errors are ConfigError naming the options)."""
     o = options  # the option values by parameter name
-    return PrepareSpec(
-        source=src,
-        out=out,
-        resize=ResizeSpec(size=o["size"], mode=o["mode"], upscale=o["upscale"], resample=o["resample"]),
-        augment=AugmentSpec(
+    with option_errors(_spec_names("resize")):
+        resize = ResizeSpec(size=o["size"], mode=o["mode"], upscale=o["upscale"], resample=o["resample"])
+    with option_errors(_spec_names("augment")):
+        augment = AugmentSpec(
             variants=o["variants"],
             scale=_pair(o["crop_scale"], "--crop-scale"),
             ratio=_pair(o["crop_ratio"], "--crop-ratio"),
             flip=not o["no_flip"],
             jitter=o["jitter"],
             rotate=o["rotate"],
-        ),
-        encode=EncodeSpec(format=o["fmt"], quality=o["quality"], restart=o["jpeg_restart"]),
-        shards=ShardSpec(max_bytes=parse_bytes(o["shard_size"]), max_samples=o["shard_samples"]),
-        seed=o["seed"],
-        max_pixels=o["max_pixels"],
-    )
+        )
+    with option_errors(_spec_names("encode")):
+        encode = EncodeSpec(format=o["fmt"], quality=o["quality"], restart=o["jpeg_restart"])
+    with option_errors(_spec_names("shards")):
+        shards = ShardSpec(max_bytes=parse_bytes(o["shard_size"]), max_samples=o["shard_samples"])
+    with option_errors(_spec_names("")):
+        return PrepareSpec(
+            source=src, out=out, resize=resize, augment=augment, encode=encode, shards=shards,
+            seed=o["seed"], max_pixels=o["max_pixels"],
+        )
 
 
 def reshard_options(func: Callable[..., Any]) -> Callable[..., Any]:

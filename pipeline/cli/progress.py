@@ -39,15 +39,40 @@ def prepare_progress(enabled: bool = True) -> Iterator[Callable[[PrepareProgress
         yield update
 
 
-def print_prepare_summary(result: PrepareResult) -> None:
+def summary_console(stderr: bool = False) -> Any:
+    """The rich Console of the summaries: lines never hard-wrapped, also into a pipe or a file.
+
+    On a terminal the terminal wraps long lines itself (soft wrap); elsewhere
+    rich would break them at 80 columns, inside numbers and paths, and `grep`
+    would miss them: there the width is unbounded. User data printed through
+    it must be escaped (`escape`) or printed with ``markup=False``.
+    """
     from rich.console import Console
 
-    console = Console()
+    console = Console(stderr=stderr, soft_wrap=True)
+    if console.is_terminal:
+        return console
+    return Console(stderr=stderr, soft_wrap=True, width=UNBOUNDED_WIDTH)
+
+
+UNBOUNDED_WIDTH = 1 << 16  # "no wrapping" for rich's layout (tables), where a pipe has no width
+
+
+def escape(text: object) -> str:
+    """`text` as rich prints it literally: a path like ``out/data[/]`` or ``s3://b/[red]x`` is not markup."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(str(text))
+
+
+def print_prepare_summary(result: PrepareResult) -> None:
+    console = summary_console()
+    out = escape(result.out)
     if result.already_complete:
         checked = "sha256" if result.verified else "size"
-        console.print(f"{result.out}: already prepared with these settings, every shard at its recorded {checked}; nothing to do")
+        console.print(f"{out}: already prepared with these settings, every shard at its recorded {checked}; nothing to do")
     if result.repaired:
-        damage = ", ".join(f"{path} {problem}" for path, problem in result.repaired.items())
+        damage = escape(", ".join(f"{path} {problem}" for path, problem in result.repaired.items()))
         console.print(f"rewrote {len(result.repaired)} of {format_count(result.shards, 'shard')}: {damage}")
     resumed = (
         f", {result.resumed_shards} kept from an earlier run"
@@ -65,28 +90,27 @@ def print_prepare_summary(result: PrepareResult) -> None:
             f"with {format_count(result.workers or 1, 'worker process', 'worker processes')}"
         )
     if result.rejected:
-        console.print(f"rejected files and reasons: {result.out.rstrip('/')}/rejected.jsonl")
-    console.print(f"manifest: {result.out.rstrip('/')}/manifest.json")
+        console.print(f"rejected files and reasons: {escape(result.out.rstrip('/'))}/rejected.jsonl")
+    console.print(f"manifest: {escape(result.out.rstrip('/'))}/manifest.json")
 
 
 def print_inspect(summary: dict[str, Any], manifest: Any) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = summary_console()
     table = Table(show_header=False, box=None)
     for name in ("dataset", "samples", "classes", "variants", "shards", "bytes", "rejected", "format", "size", "mode", "created"):
-        table.add_row(name, str(summary[name]))
+        table.add_row(name, escape(summary[name]))
         if name == "rejected" and summary.get("decoded_with_warnings"):  # the samples' json say what was warned about
             table.add_row("decoded with warnings", str(summary["decoded_with_warnings"]))
     console.print(table)
     if manifest.classes:
         shown = ", ".join(manifest.classes[:10]) + (" ..." if len(manifest.classes) > 10 else "")
-        console.print(f"classes: {shown}")
+        console.print(f"classes: {escape(shown)}")
     if "verified" in summary:
         if summary["verified"]:
             console.print("[bold green]verified[/]: every shard matches its sha256, size and sample count")
         else:
             console.print(f"[bold red]verification failed[/]: {format_count(len(summary['problems']), 'problem')}")
             for problem in summary["problems"]:
-                console.print(f"  {problem}")
+                console.print(f"  {problem}", markup=False)

@@ -657,6 +657,40 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
+TORCH_DATALOADER_OPTIONS = {
+    "shuffle": "use shuffle_buffer=N (a seeded shuffle buffer, on with train=True; train=False reads in a fixed order)",
+    "sampler": "use rank= and world_size= (each rank reads disjoint samples; torch.distributed gives them when initialised)",
+    "batch_sampler": "use batch_size= with rank= and world_size= (every rank gets the same number of batches)",
+    "pin_memory": "not needed: batches are collated in pinned memory and copied to device= already",
+    "pin_memory_device": "use device=",
+    "persistent_workers": "not needed: the workers live as long as the loader (close() stops them)",
+    "prefetch_factor": "use prefetch= (batches prepared ahead)",
+    "collate_fn": "not needed: batches are (images, labels) tensors; change them in the training loop",
+    "worker_init_fn": "use worker_type= and num_workers= (the workers run gpufeed's own decode)",
+    "multiprocessing_context": "use worker_type='process'",
+    "generator": "use seed=",
+    "timeout": "not needed: a worker that fails raises in the training loop",
+    "dataset": "use source (the first argument: a prepared dataset's folder or manifest.json)",
+}
+"""torch DataLoader arguments that make_loader does not take -> what to use instead."""
+
+
+def unknown_options_message(unknown: Sequence[str]) -> str:
+    """What `make_loader` says about options it does not take: the gpufeed equivalent of a torch
+    DataLoader argument, or the close spelling of a misspelt setting."""
+    import difflib
+
+    known = [name for name in inspect.signature(make_loader).parameters if name not in ("source", "unknown")]
+    hints = []
+    for name in sorted(unknown):
+        if name in TORCH_DATALOADER_OPTIONS:
+            hints.append(f"{name} is a torch DataLoader argument: {TORCH_DATALOADER_OPTIONS[name]}")
+            continue
+        close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+        hints.append(f"{name}: did you mean {' or '.join(close)}?" if close else f"{name} is not a make_loader setting")
+    return f"make_loader got unknown option(s): {'; '.join(hints)}"
+
+
 def make_loader(
     source: str | os.PathLike[str],
     batch_size: int,
@@ -784,7 +818,7 @@ def make_loader(
             names a shard outside it.
     """
     if unknown:
-        raise ConfigError(f"make_loader got unknown option(s): {', '.join(sorted(unknown))}")
+        raise ConfigError(unknown_options_message(list(unknown)))
     spec = LoaderSpec(
         batch_size=batch_size,
         train=train,

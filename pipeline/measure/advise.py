@@ -435,34 +435,41 @@ def advise(
         An AdviseResult.
 
     Raises:
-        ConfigError: neither a GPU rate nor a model, or bad settings.
+        ConfigError: neither a GPU rate nor a model, bad settings, or fewer images that prepare accepts
+            in SOURCE than two batches (checked before anything is measured).
         SourceError: the source cannot be listed.
     """
     from ..io.devices import device_info
     from ..prepare.pool import available_cores
-    from .decode import read_sample, sample_sources
+    from .decode import usable_sample
 
     started = time.perf_counter()
     if (gpu_images_per_s is None) == (model is None):
-        raise ConfigError("give exactly one of --gpu-images-per-s N or --model module:factory")
+        raise ConfigError("give exactly one of gpu_images_per_s=N or model=module:factory")
     if gpu_images_per_s is not None and gpu_images_per_s <= 0:
-        raise ConfigError("--gpu-images-per-s must be positive")
+        raise ConfigError("gpu_images_per_s must be positive")
     if "://" in target and not target.startswith("file://"):
-        raise ConfigError("--target must be a local folder (the disk the shards will be read from)")
+        raise ConfigError(f"target={target} is not a local folder: give the folder on the disk the shards will be read from")
     if sample < 1 or batch_size < 1:
-        raise ConfigError("--sample and --batch-size must be at least 1")
+        raise ConfigError(f"sample={sample} and batch_size={batch_size}: both must be at least 1")
+    _check_target(target)
     say = progress or (lambda text: None)
     cores = num_workers or available_cores()
     prepared_size = round(crop / 0.875)  # the loader's eval crop reads 224 of 256
     notes = []
     wanted = max(sample, 2 * batch_size)
-    items, listed = sample_sources(source, wanted, seed)
+    items, blobs, listed = usable_sample(source, wanted, seed)
+    if len(items) < 2 * batch_size:  # before minutes of measuring, not after
+        fix = f"give batch_size={len(items) // 2} or less" if len(items) >= 2 else "give a source with more images"
+        raise ConfigError(
+            f"{source} has {format_count(len(items), 'image')} that prepare accepts, fewer than the two batches of "
+            f"batch_size={batch_size} each loader measurement needs: {fix}"
+        )
     if len(items) > sample:
         notes.append(
-            f"--sample {sample} was raised to {len(items)}: each loader measurement needs two batches "
-            f"of --batch-size {batch_size} (a smaller --batch-size allows a smaller sample)"
+            f"sample={sample} was raised to {len(items)}: each loader measurement needs two batches "
+            f"of batch_size={batch_size} (a smaller batch_size allows a smaller sample)"
         )
-    blobs = read_sample(items)
     details: dict[str, Any] = {"cores": cores, "num_workers": cores, "sample_asked": sample}
     with _scratch(_writable_target(target)) as scratch:  # a target that cannot be used fails now, not after minutes
         say(f"measuring the GPU rate ({'given' if gpu_images_per_s else 'synthetic batches'})")
@@ -564,14 +571,19 @@ def _writable_target(target: str) -> str:
         ConfigError: TARGET is a file.
         StorageError: the folder cannot be created.
     """
-    if os.path.exists(target) and not os.path.isdir(target):
-        folder = os.path.dirname(os.path.abspath(target))
-        raise ConfigError(f"--target {target} is a file; give the folder the shards would go to, e.g. {folder}")
+    _check_target(target)
     try:
         os.makedirs(target, exist_ok=True)
     except OSError as exc:
         raise write_failure(target, exc) from exc
     return target
+
+
+def _check_target(target: str) -> None:
+    """ConfigError when TARGET is a file (checked first: nothing is measured or created before)."""
+    if os.path.exists(target) and not os.path.isdir(target):
+        folder = os.path.dirname(os.path.abspath(target))
+        raise ConfigError(f"target={target} is a file; give the folder the shards would go to, e.g. {folder}")
 
 
 @contextlib.contextmanager

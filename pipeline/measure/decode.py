@@ -37,18 +37,24 @@ from ..prepare.encode import encode_image
 from ..prepare.sources import SourceItem, list_images
 from ..prepare.transforms import required_scale, resize_image
 from ..specs import AugmentSpec, EncodeSpec, ResizeSpec
+from ..units import format_count
 
 MAX_FILE_BYTES = 512 * 1024 * 1024
 
 
 @dataclasses.dataclass
 class DecoderRow:
-    """One decoder on the raw and the prepared sample (None: not applicable)."""
+    """One decoder on the raw and the prepared sample (None: not applicable).
+
+    Both figures cover the same `images` of the sample: the raw files this
+    decoder reads, and the prepared copies of just those.
+    """
 
     decoder: str
     raw_images_per_s: float | None
     prepared_images_per_s: float | None
     note: str = ""
+    images: int = 0
 
     @property
     def speedup(self) -> float | None:
@@ -100,8 +106,11 @@ class DecodeBenchResult:
 def sample_sources(source: str, count: int, seed: int = 0) -> tuple[list[SourceItem], int]:
     """An even random sample of `count` images of `source` (reservoir: one pass, flat memory).
 
+    Only what prepare would take is sampled: an image the listing already
+    rejects (beside class folders) is left out, and not counted.
+
     Returns:
-        (sampled items in listing order, number of images listed).
+        (sampled items in listing order, number of images listed that prepare would take).
 
     Raises:
         SourceError: the source cannot be listed.
@@ -110,7 +119,7 @@ def sample_sources(source: str, count: int, seed: int = 0) -> tuple[list[SourceI
     rng = random.Random(seed)
     chosen: list[tuple[int, SourceItem]] = []
     listed = 0
-    for index, item in enumerate(list_images(source)):
+    for index, item in enumerate(item for item in list_images(source) if not item.rejected):
         listed += 1
         if len(chosen) < count:
             chosen.append((index, item))
@@ -132,6 +141,26 @@ def read_sample(items: list[SourceItem]) -> list[bytes]:
         except (OSError, ValueError):
             continue
     return blobs
+
+
+def usable_sample(source: str, count: int, seed: int = 0) -> tuple[list[SourceItem], list[bytes], int]:
+    """`sample_sources`, then only the images prepare accepts: readable, and decoding in full.
+
+    Returns:
+        (items, their bytes, number of images listed that prepare would take); a
+        sampled file prepare would reject is left out, so fewer than `count` may come back.
+    """
+    items, listed = sample_sources(source, count, seed)
+    kept, blobs = [], []
+    for item in items:
+        try:
+            data = read_source_bytes(item.url, MAX_FILE_BYTES)
+            decode_image(data, scale_for=lambda w, h: 0.125)  # every byte decoded, DCT-scaled: cheap
+        except (OSError, ValueError, DecodeError):
+            continue
+        kept.append(item)
+        blobs.append(data)
+    return kept, blobs, listed
 
 
 def prepare_in_memory(blobs: list[bytes], size: int, encode: EncodeSpec) -> list[bytes]:
@@ -372,12 +401,13 @@ def benchmark_decode(
     started = time.perf_counter()
     if sample < 1 or target < 8 or size < 8:
         raise ConfigError("sample must be at least 1 and sizes at least 8 pixels")
-    items, _ = sample_sources(source, sample, seed)
-    raw = [blob for blob in read_sample(items) if _decodable(blob)]
+    _, raw, _ = usable_sample(source, sample, seed)
     if not raw:
         raise ConfigError(f"no decodable images in the sample of {source}")
     prepared = prepare_in_memory(raw, size, EncodeSpec(format="jpeg", quality=quality))
     npy = prepare_in_memory(raw, size, EncodeSpec(format="npy"))
+    if not len(raw) == len(prepared) == len(npy):  # usable_sample kept what decodes, so each has its copy
+        raise ConfigError(f"the sample of {source} did not prepare as it decoded")
     available = available_decoders()
     chosen = [decoder_name(name) for name in decoders] if decoders else list(available)
     missing = [name for name in chosen if name not in available]
@@ -386,16 +416,23 @@ def benchmark_decode(
         raise ConfigError(f"decoder(s) not available here: {', '.join(missing)} (have: {have})")
     rows = []
     for name in chosen:
-        note = "; ".join(part for part in (NOTES.get(name, ""), "JPEG files only" if name in JPEG_ONLY else "") if part)
+        # Raw and prepared over the same images: a decoder that reads only the JPEGs of a mixed sample is
+        # timed on the prepared copies of those JPEGs, not on every prepared image against some raw ones.
+        readable = _readable(available[name], raw, target)
+        only = f"JPEG files only: {len(readable)} of {format_count(len(raw), 'image')}" if len(readable) < len(raw) else ""
+        note = "; ".join(part for part in (NOTES.get(name, ""), only) if part)
         rows.append(
             DecoderRow(
                 name,
-                time_per_core(available[name], raw, target, min_seconds),
-                time_per_core(available[name], prepared, target, min_seconds),
+                time_per_core(available[name], [raw[i] for i in readable], target, min_seconds),
+                time_per_core(available[name], [prepared[i] for i in readable], target, min_seconds),
                 note,
+                len(readable),
             )
         )
-    rows.append(DecoderRow("npy (no decode)", None, time_per_core(decode_npy, npy, target, min_seconds), "prepared --format npy"))
+    rows.append(
+        DecoderRow("npy (no decode)", None, time_per_core(decode_npy, npy, target, min_seconds), "prepared --format npy", len(npy))
+    )
     return DecodeBenchResult(
         source=source,
         samples=len(raw),
@@ -412,12 +449,16 @@ def benchmark_decode(
     )
 
 
-def _decodable(data: bytes) -> bool:
-    try:
-        open_image(data)
-        return True
-    except DecodeError:
-        return False
+def _readable(decoder: Decoder, blobs: list[bytes], target: int) -> list[int]:
+    """The indices of the blobs `decoder` decodes (a JPEG-only decoder refuses the others)."""
+    readable = []
+    for index, data in enumerate(blobs):
+        try:
+            decoder(data, target)
+        except Exception:
+            continue
+        readable.append(index)
+    return readable
 
 
 def _pixels(data: bytes) -> int:

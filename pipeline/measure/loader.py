@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
+from ..units import format_count
 
 MAX_OTHERS_SHARE = 0.75
 
@@ -134,13 +135,46 @@ def measure_loader(
         raise ConfigError("the consumer's images/s must be positive")
     from ..loader.loader import make_loader
 
+    check_batches(dataset, batch_size)
     loader = make_loader(dataset, batch_size, device=device, num_workers=num_workers, **options)
     try:
-        if len(loader) == 0:
-            raise ConfigError(f"{dataset} has fewer samples than one batch of {batch_size}")
         return _timed_run(loader, consumer_images_per_s, min_seconds, min_batches, window_s or min_seconds / 4)
     finally:
         loader.close()
+
+
+def dataset_samples(dataset: str) -> int:
+    """The samples of a prepared dataset (its manifest's count; a brace pattern's shards are counted).
+
+    Raises:
+        ManifestError, ConfigError: as `make_loader` for a source that is not a dataset.
+    """
+    from ..loader.dataset import resolve_dataset
+
+    return resolve_dataset(dataset).samples
+
+
+def check_batches(dataset: str, batch_size: int, batches: int = 1, samples: int | None = None) -> None:
+    """ConfigError, before anything is measured, when `dataset` holds fewer than `batches` full batches.
+
+    A measurement times whole batches, so a dataset smaller than one batch has
+    nothing to time; the message names `batch_size` and the largest that works.
+
+    Args:
+        dataset: what `make_loader` takes.
+        batch_size: samples per batch of the measurement.
+        batches: full batches the measurement needs.
+        samples: the dataset's samples, when already known (else read from it).
+    """
+    count = dataset_samples(dataset) if samples is None else samples
+    if count >= batches * batch_size:
+        return
+    need = "one batch" if batches == 1 else f"{batches} batches"
+    fix = f"give batch_size={count // batches} or less" if count >= batches else "give a dataset with more samples"
+    raise ConfigError(
+        f"{dataset} holds {format_count(count, 'sample')}, fewer than {need} of batch_size={batch_size}, "
+        f"which the loader measurement needs: {fix}"
+    )
 
 
 def _timed_run(

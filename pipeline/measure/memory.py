@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError
+from ..units import format_bytes
 from .memory_device import MAX_BATCH, DeviceMemory, choose_memory_device, context_bytes, parse_vram, trace_device
 from .memory_trace import (
     ACTIVATIONS,
@@ -362,7 +363,7 @@ def load_model(spec: str, *, meta: bool = False) -> Any:
     """
     import torch
 
-    target = _load_object(spec, "--model", "module:factory", "torchvision.models:resnet50")
+    target = _load_object(spec, "model", "module:factory", "torchvision.models:resnet50")
     if callable(target) and not isinstance(target, torch.nn.Module):
         with torch.device("meta") if meta else contextlib.nullcontext():
             target = _call_factory(spec, target)
@@ -377,17 +378,17 @@ def load_loss(spec: str | Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any
     Raises:
         ConfigError: the spec cannot be imported or is not callable.
     """
-    loss = _load_object(spec, "--loss", "module:fn", "my_losses:mse") if isinstance(spec, str) else spec
+    loss = _load_object(spec, "loss", "module:fn", "my_losses:mse") if isinstance(spec, str) else spec
     if not callable(loss):
-        raise ConfigError(f"--loss {spec} is {type(loss).__name__}, not a function of (output, inputs)")
+        raise ConfigError(f"loss={spec} is {type(loss).__name__}, not a function of (output, inputs)")
     return loss
 
 
-def _load_object(spec: str, option: str, form: str, example: str) -> Any:
+def _load_object(spec: str, setting: str, form: str, example: str) -> Any:
     module_name, _, attribute = spec.rpartition(":")
     if not module_name or not attribute:
-        raise ConfigError(f"{option} must look like {form} (e.g. {example}), got {spec!r}")
-    target: Any = _import_module(module_name, option)
+        raise ConfigError(f"{setting}={spec} must look like {form} (e.g. {example})")
+    target: Any = _import_module(module_name, f"{setting}={spec}")
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise ConfigError(f"{module_name} has no attribute {attribute!r}")
@@ -400,7 +401,7 @@ def _call_factory(spec: str, factory: Callable[[], Any]) -> Any:
         inspect.signature(factory).bind()
     except TypeError:
         raise ConfigError(
-            f"--model {spec} needs arguments{_signature(factory)}; it is called without any: give a function "
+            f"model={spec} needs arguments{_signature(factory)}; it is called without any: give a function "
             f"that takes none, e.g. def make(): return {spec.rpartition(':')[2]}(...) in a file, as file.py:make"
         ) from None
     except ValueError:  # no signature to read (some builtins): just call it
@@ -408,7 +409,7 @@ def _call_factory(spec: str, factory: Callable[[], Any]) -> Any:
     try:
         return factory()
     except Exception as exc:
-        raise ConfigError(f"--model {spec} failed when called: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise ConfigError(f"model={spec} failed when called: {type(exc).__name__}: {_first_line(exc)}") from exc
 
 
 def _signature(factory: Callable[..., Any]) -> str:
@@ -424,7 +425,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def check_model_input(model: Any, input_shape: Sequence[int], name: str = "the model") -> None:
-    """Run `model` once on a zero batch of one `input_shape` sample, so a wrong --input is one clear error.
+    """Run `model` once on a zero batch of one `input_shape` sample, so a wrong input shape is one clear error.
 
     Raises:
         ConfigError: the model cannot take that input (e.g. channels last where it expects them first).
@@ -442,9 +443,9 @@ def check_model_input(model: Any, input_shape: Sequence[int], name: str = "the m
         shape = ",".join(map(str, input_shape))
         hint = ""
         if len(input_shape) == 3 and input_shape[-1] in (1, 3, 4) and input_shape[0] not in (1, 3, 4):
-            hint = f"; --input is channels first: did you mean {','.join(map(str, (input_shape[-1], *input_shape[:-1])))}?"
+            hint = f"; input_shape is channels first: did you mean {','.join(map(str, (input_shape[-1], *input_shape[:-1])))}?"
         raise ConfigError(
-            f"{name} cannot take --input {shape} (one sample's shape): {type(exc).__name__}: {_first_line(exc)}{hint}"
+            f"{name} cannot take input_shape={shape} (one sample's shape): {type(exc).__name__}: {_first_line(exc)}{hint}"
         ) from exc
     finally:
         model.train(was_training)
@@ -454,7 +455,7 @@ def _import_module(name: str, option: str) -> Any:
     try:
         if name.endswith(".py"):
             if not os.path.isfile(name):
-                raise ConfigError(f"{option} file not found: {name}")
+                raise ConfigError(f"{option}: file not found: {name}")
             module_spec = importlib.util.spec_from_file_location(f"gpufeed_model_{abs(hash(name))}", name)
             assert module_spec is not None and module_spec.loader is not None
             module = importlib.util.module_from_spec(module_spec)
@@ -476,9 +477,9 @@ def parse_shape(text: str | Sequence[int]) -> tuple[int, ...]:
     try:
         shape = tuple(int(part) for part in (text.split(",") if isinstance(text, str) else text))
     except ValueError:
-        raise ConfigError(f"--input must be sizes like 3,224,224, got {text!r}") from None
+        raise ConfigError(f"input_shape must be sizes like 3,224,224, got {text!r}") from None
     if not shape or any(size < 1 for size in shape):
-        raise ConfigError(f"--input must be positive sizes like 3,224,224, got {text!r}")
+        raise ConfigError(f"input_shape must be positive sizes like 3,224,224, got {text!r}")
     return shape
 
 
@@ -609,7 +610,7 @@ def measure_step_times(
     import torch
 
     if any(p.is_meta for p in model.parameters()):
-        raise ConfigError("a model on the meta device has no weights to time: give --device-flops instead")
+        raise ConfigError("a model on the meta device has no weights to time: give device_flops instead")
     target = _device(device)
     model = copy.deepcopy(model).to(target)  # the caller's model stays where it is
     model.train(training)
@@ -767,7 +768,31 @@ def estimate_memory(
     if estimate.throughput is not None and estimate.device_flops is None:
         estimate.device_flops = estimate.flops_per_sample_step / estimate.throughput.seconds_per_sample
     estimate.rows = batch_rows(estimate)
+    _note_allocator_dips(estimate)
     return estimate
+
+
+def _note_allocator_dips(estimate: MemoryEstimate) -> None:
+    """Say why a smaller batch can need more memory on CUDA than a larger one (the allocator's segments).
+
+    The tensor bytes grow with the batch; CUDA's figure is the caching allocator's
+    segments, and a tensor of up to 1 MiB comes from a 2 MiB segment of the small
+    pool while one above it shares a 20 MiB segment of the large pool: at batch 1
+    many small-pool segments can add up to more than batch 2's shared large one.
+    `torch.cuda.max_memory_reserved` reports the same, so the figures are kept.
+    """
+    rows = estimate.rows
+    dips = [(low, high) for low, high in zip(rows, rows[1:]) if high.memory_bytes < low.memory_bytes]
+    if estimate.memory_device != "cuda" or not dips:
+        return
+    low, high = dips[0]
+    estimate.notes.append(
+        f"batch {low.batch_size} needs more device memory than batch {high.batch_size} "
+        f"({format_bytes(low.memory_bytes)} against {format_bytes(high.memory_bytes)}) in CUDA's caching allocator: "
+        f"tensors that share a 20 MiB segment at batch {high.batch_size} are 1 MiB or less at batch {low.batch_size} "
+        "and take 2 MiB segments of their own (torch.cuda.max_memory_reserved shows the same; the tensor bytes "
+        "grow with the batch)"
+    )
 
 
 def _describe(

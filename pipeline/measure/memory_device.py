@@ -134,7 +134,7 @@ def parse_vram(vram: int | str | None) -> int | None:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("--vram device needs a CUDA device here; give a size such as 16GiB")
+            raise ConfigError("vram=device needs a CUDA device here; give a size such as 16GiB")
         return int(torch.cuda.mem_get_info()[1])
     return parse_bytes(vram)
 

@@ -291,7 +291,7 @@ class CrossEntropy:
             got = "no tensor" if logits is None else f"{tuple(logits.shape)} {logits.dtype}"
             raise ConfigError(
                 f"the default loss is cross-entropy over dimension 1, and the model returns {got}: "
-                "give a loss of your own (--loss module:fn, called as fn(output, inputs))"
+                "give a loss of your own (loss=module:fn, called as fn(output, inputs))"
             )
         shape = (logits.shape[0], *logits.shape[2:])
         if self.labels is None or tuple(self.labels.shape) != shape:

@@ -34,6 +34,7 @@ runner (the service) runs the same job in steps: `plan_prepare` once,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -53,7 +54,7 @@ from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, write_manifest
 from ..specs import PrepareSpec
-from ..units import format_count
+from ..units import format_bytes, format_count
 from .listing import Listing, class_names, fetch_listing, share_listing
 from .plan import ShardPlan, plan_shards, planned_shard_of, shard_name
 from .pool import IO_THREADS, Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes
@@ -457,7 +458,13 @@ def _start_job(
         _, (per_sample, cache) = at_once(share, functools.partial(_estimate_sample_bytes, listing, listed, spec, classes, pool))
         plan = plan_shards(listed, _samples_per_shard(spec, per_sample), spec.seed)
         if repair is None:
-            warnings = _check_placement(spec, per_sample * listed * max(1, spec.augment.variants), force)
+            try:
+                warnings = _check_placement(spec, per_sample * listed * max(1, spec.augment.variants), force)
+            except StorageError:
+                if old_plan is None:  # refused before anything was written: the work folder this run made goes
+                    listing.close()
+                    output.remove(WORK_DIR)
+                raise
         else:
             warnings = []  # a repair writes a few shards, not the dataset
             _check_planned(spec, repair, plan)
@@ -587,8 +594,8 @@ def _check_placement(spec: PrepareSpec, estimated_bytes: int, force: bool) -> li
     free = free_bytes(spec.out)
     if free is not None and estimated_bytes * 1.1 > free:
         message = (
-            f"{spec.out} has {free / 1e9:.2f} GB free but the shards need about "
-            f"{estimated_bytes / 1e9:.2f} GB (+10 % margin)"
+            f"{spec.out} has {format_bytes(free)} free but the shards need about "
+            f"{format_bytes(estimated_bytes)} (+10 % margin)"
         )
         if not force:
             raise StorageError(message + "; free some space, pick another OUT, or pass --force")
@@ -1104,6 +1111,24 @@ def discard_prepare(spec: PrepareSpec) -> None:
     else:
         output.remove(WORK_DIR)
     remove_temp_files(output)
+
+
+def discard_partial_shards(spec: PrepareSpec) -> None:
+    """Remove the partial shards a stopped prepare left in OUT, and nothing it finished.
+
+    Shard temp files go (and, on a store, the multipart uploads left in
+    progress); finished shards, the plan and the listing stay, so the same job
+    run again resumes, writing only the shards that are missing, as after a
+    Ctrl-C. Call it once no writer of the job is left.
+
+    Args:
+        spec: the stopped job.
+    """
+    output = Output(spec.out)
+    remove_temp_files(output)
+    if not output.is_local:
+        with contextlib.suppress(StorageError):  # invisible leftovers: a failure here must not fail the cancel
+            output.abort_uploads()
 
 
 def local_copies_folder(spec: PrepareSpec) -> str | None:
