@@ -89,10 +89,11 @@ can_apt() { [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; }
 apt_install() {
     can_apt || return 1
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1 && return 0
-    say "apt-get update (package lists may be stale)"
-    apt-get update -qq >/dev/null 2>&1 || true
-    apt-get install -y -qq --no-install-recommends "$@"
+    # Outside .venv, which may not exist yet (redis-server comes first).
+    local log="${TMPDIR:-/tmp}/gpufeed-setup-apt.log"
+    progress "apt-get install $*" "$log" apt-get install -y -qq --no-install-recommends "$@" && return 0
+    progress "apt-get update (package lists may be stale)" "$log" apt-get update -qq || true
+    progress "apt-get install $* (after the update)" "$log" apt-get install -y -qq --no-install-recommends "$@"
 }
 
 missing_debs() {

@@ -72,10 +72,15 @@ def test_the_ticker_stops_with_the_step(tmp_path: Path) -> None:
 def test_every_long_step_of_setup_goes_through_progress_and_ticks_every_10_s_by_default() -> None:
     text = SETUP.read_text()
     assert 'PROGRESS_S="${GPUFEED_SETUP_PROGRESS_S:-10}"' in text
-    # Every pip install or wheel build in the script is a `progress` (or `pip_install`) call.
+    # Every pip install, wheel build and apt-get run in the script is a `progress` (or `pip_install`) call.
     joined = text.replace("\\\n", " ")  # continuation lines: one command per line
-    commands = [line.strip() for line in joined.splitlines() if re.search(r"\bpip (install|wheel)\b", line)]
-    assert commands
+    long_step = r"\b(pip (install|wheel)|apt-get (install|update)) "
+    # The commands, not the messages that name them: comments and quoted strings left out.
+    code = [re.sub(r'"(\\.|[^"\\])*"', '""', line).strip() for line in joined.splitlines()]
+    commands = [line for line in code if re.search(long_step, line) and not line.startswith("#")]
+    assert len(commands) >= 5, commands  # pip_install's own pip install, three apt-get runs, the wheel build
     unwrapped = [line for line in commands if not re.search(r"(^|\s)(progress|pip_install) ", line)]
     assert unwrapped == [], unwrapped
+    # torch, gpufeed, the Pillow-SIMD wheel and the Pillow fallback all install through pip_install.
+    assert len(re.findall(r"^\s*pip_install ", text, flags=re.M)) >= 4
     assert "-qq -e" not in text and 'pip install -qq "torch' not in text
