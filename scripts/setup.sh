@@ -37,10 +37,11 @@ pip() { "$PY" -m pip --disable-pip-version-check "$@"; }
 PROGRESS_S="${GPUFEED_SETUP_PROGRESS_S:-10}"
 LOGS="$VENV/.gpufeed-logs"
 
-# The log's last line, shortened for one terminal line to its end (a compiler line ends with the file it builds).
+# The log's last line that says what the step does (not blank, not one of pip's warnings), shortened for
+# one terminal line to its end (a compiler line ends with the file it builds).
 last_line() {
     local line
-    line="$(tail -n 1 "$1" 2>/dev/null | tr -d '\r' | tr -s ' \t' ' ' || true)"
+    line="$(tr -d '\r' <"$1" 2>/dev/null | grep -v -e '^[[:space:]]*$' -e '^WARNING: ' | tail -n 1 | tr -s ' \t' ' ' || true)"
     line="${line# }"
     [[ ${#line} -gt 100 ]] && line="...${line: -97}"
     printf '%s' "${line:-(no output yet)}"
