@@ -10,11 +10,14 @@ cd "$ROOT"
 
 bash scripts/setup.sh
 export PATH="$ROOT/.venv/bin:$PATH"
+# setup.sh's `progress`: a line at least every 10 s while a silent step runs.
+source scripts/setup.sh
 
 step() { printf '\n==> %s\n' "$*"; }
 
 step "gpufeed demo-data demo/raw -n 300"
-gpufeed demo-data demo/raw -n 300
+progress "generating 300 photo-like JPEGs" demo/demo-data.log gpufeed demo-data demo/raw -n 300
+cat demo/demo-data.log
 
 step "gpufeed prepare demo/raw demo/shards --size 256"
 rm -rf demo/shards  # a fresh run each time; a re-run over complete shards would only resume

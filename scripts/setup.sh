@@ -32,9 +32,9 @@ shout() {
 }
 pip() { "$PY" -m pip --disable-pip-version-check "$@"; }
 
-# Every long step (pip installs, the Pillow-SIMD build) runs through `progress`, which says what it is
-# doing at least every GPUFEED_SETUP_PROGRESS_S seconds (default 10).
-PROGRESS_S="${GPUFEED_SETUP_PROGRESS_S:-10}"
+# Every long step (pip installs, apt-get, the Pillow-SIMD build) runs through `progress`, which says what
+# it is doing every GPUFEED_SETUP_PROGRESS_S seconds (default 8, so that a line comes at least every 10 s).
+PROGRESS_S="${GPUFEED_SETUP_PROGRESS_S:-8}"
 LOGS="$VENV/.gpufeed-logs"
 
 # The log's last line that says what the step does (not blank, not one of pip's warnings), shortened for
