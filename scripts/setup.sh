@@ -4,9 +4,9 @@
 #   <- Pillow-SIMD built against the system's libjpeg-turbo, zlib, libwebp, libtiff, openjpeg
 #   (falls back to the Pillow wheel, loudly, where it cannot be built with them),
 #   and redis-server for the tests.
-# A first run takes about 2 minutes (2 cores, an empty pip cache: torch 30 s, the other packages 1 min,
-# the Pillow-SIMD build 30 s; longer on a slow network or a busy machine) and says what it is doing at
-# least every 10 s; each long step's output is in
+# A first run takes 2 to 5 minutes on 2 cores (about 2 when the machine is otherwise idle: torch 30 s,
+# the other packages 1 min, the Pillow-SIMD build 30 s; up to 1.5 min each on a busy one) and says what
+# it is doing at least every 10 s; each long step's output is in
 # .venv/.gpufeed-logs/ (the Pillow-SIMD build's in .venv/.gpufeed-wheels/*/build.log).
 # Idempotent: when nothing changed since the last run it returns in about a second.
 # Environment: PYTHON (default python3) picks the interpreter for a new .venv.
@@ -212,7 +212,7 @@ build_pillow_simd() {
     mkdir -p "$wheels"
     # --no-cache-dir: pip's wheel cache ignores CC, so a cached wheel could lack the SIMD flags.
     # -v: the compiler's lines go to the log, so the progress lines show which file it is at.
-    CC="$cc" progress "building pillow-simd==$PILLOW_SIMD_VERSION with CC=\"$cc\" (about half a minute on 2 cores)" \
+    CC="$cc" progress "building pillow-simd==$PILLOW_SIMD_VERSION with CC=\"$cc\" (30 s to 1.5 min on 2 cores)" \
         "$wheels/build.log" pip wheel -v --no-deps --no-cache-dir --no-binary pillow-simd \
         "pillow-simd==$PILLOW_SIMD_VERSION" -w "$wheels" >&2 || return 1
     find_wheel "$wheels"
