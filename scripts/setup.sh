@@ -24,7 +24,8 @@ PILLOW_SIMD_VERSION="12.1.1.post0"
 # Debian packages with the headers Pillow-SIMD needs for each codec.
 PILLOW_BUILD_DEPS=(libwebp-dev libtiff-dev liblcms2-dev libopenjp2-7-dev libfreetype-dev libjpeg62-turbo-dev zlib1g-dev)
 
-say() { printf 'setup: %s\n' "$*"; }
+# SAY_AS names the script in every line (demo.sh, which sources this file, sets it).
+say() { printf '%s: %s\n' "${SAY_AS:-setup}" "$*"; }
 shout() {
     printf '\n%s\n' "************************************************************************" >&2
     printf 'setup: WARNING: %s\n' "$@" >&2
