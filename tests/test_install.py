@@ -265,3 +265,14 @@ def test_the_release_wheel_is_manylinux_and_runs_on_its_own_libjpeg_without_comp
     if os.geteuid() == 0 and shutil.which("unshare") is not None:
         hidden = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False).returncode == 0
         assert line.endswith(f"system libjpeg hidden: {'yes' if hidden else 'no (needs root and unshare)'})"), line
+
+    # The same check refuses the wheel before `auditwheel repair`: its library needs the system's libjpeg.
+    command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source)]
+    plain = _run([*command, "-w", str(tmp_path / "plain")], cwd=source, env=env, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    (unrepaired,) = (tmp_path / "plain").glob("gpufeed-*-linux_*.whl")
+    refused = _run(["bash", str(source / "scripts" / "check_wheel.sh"), str(unrepaired)], cwd=tmp_path, env=env, timeout=300)
+    assert refused.returncode != 0
+    assert "check_wheel: ok" not in refused.stdout
+    reasons = ("libjpeg is not the wheel's own copy", "the native library is not the wheel's extension")
+    assert any(reason in refused.stdout + refused.stderr for reason in reasons), refused.stdout + refused.stderr
