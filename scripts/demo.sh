@@ -3,6 +3,7 @@
 #   sets up .venv, generates 300 photo-like JPEGs in demo/raw, prepares them into WebDataset
 #   shards in demo/shards (256 px, shorter side), verifies every shard, and reads the shards
 #   back with plain webdataset and through make_loader. Everything it writes is under demo/
+# Every long step prints what it is doing at least every 10 s (a first run: 2 to 5 minutes on 2 cores).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -10,11 +11,15 @@ cd "$ROOT"
 
 bash scripts/setup.sh
 export PATH="$ROOT/.venv/bin:$PATH"
+# setup.sh's `progress`: a line at least every 10 s while a silent step runs.
+source scripts/setup.sh
+SAY_AS=demo
 
 step() { printf '\n==> %s\n' "$*"; }
 
 step "gpufeed demo-data demo/raw -n 300"
-gpufeed demo-data demo/raw -n 300
+progress "generating 300 photo-like JPEGs" demo/demo-data.log gpufeed demo-data demo/raw -n 300
+cat demo/demo-data.log
 
 step "gpufeed prepare demo/raw demo/shards --size 256"
 rm -rf demo/shards  # a fresh run each time; a re-run over complete shards would only resume

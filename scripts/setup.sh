@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Set up gpufeed on this machine, from nothing to ready:
-#   .venv (python3) <- torch (CPU build, pinned first) <- gpufeed[test,service,plots] (editable)
+#   .venv (python3) <- torch (CPU build, pinned first) <- gpufeed[test,service,s3,plots,docs] (editable)
 #   <- Pillow-SIMD built against the system's libjpeg-turbo, zlib, libwebp, libtiff, openjpeg
 #   (falls back to the Pillow wheel, loudly, where it cannot be built with them),
 #   and redis-server for the tests.
+# A first run takes 2 to 5 minutes on 2 cores (about 2 when the machine is otherwise idle: torch 30 s,
+# the other packages 1 min, the Pillow-SIMD build 30 s; up to 1.5 min each on a busy one) and says what
+# it is doing at least every 10 s; each long step's output is in
+# .venv/.gpufeed-logs/ (the Pillow-SIMD build's in .venv/.gpufeed-wheels/*/build.log).
 # Idempotent: when nothing changed since the last run it returns in about a second.
 # Environment: PYTHON (default python3) picks the interpreter for a new .venv.
 set -euo pipefail
@@ -20,13 +24,64 @@ PILLOW_SIMD_VERSION="12.1.1.post0"
 # Debian packages with the headers Pillow-SIMD needs for each codec.
 PILLOW_BUILD_DEPS=(libwebp-dev libtiff-dev liblcms2-dev libopenjp2-7-dev libfreetype-dev libjpeg62-turbo-dev zlib1g-dev)
 
-say() { printf 'setup: %s\n' "$*"; }
+# SAY_AS names the script in every line (demo.sh, which sources this file, sets it).
+say() { printf '%s: %s\n' "${SAY_AS:-setup}" "$*"; }
 shout() {
     printf '\n%s\n' "************************************************************************" >&2
     printf 'setup: WARNING: %s\n' "$@" >&2
     printf '%s\n\n' "************************************************************************" >&2
 }
 pip() { "$PY" -m pip --disable-pip-version-check "$@"; }
+
+# Every long step (pip installs, apt-get, the Pillow-SIMD build) runs through `progress`, which says what
+# it is doing every GPUFEED_SETUP_PROGRESS_S seconds (default 8, so that a line comes at least every 10 s).
+PROGRESS_S="${GPUFEED_SETUP_PROGRESS_S:-8}"
+LOGS="$VENV/.gpufeed-logs"
+
+# The log's last line that says what the step does (not blank, not one of pip's warnings), shortened for
+# one terminal line to its end (a compiler line ends with the file it builds).
+last_line() {
+    local line
+    line="$(tr -d '\r' <"$1" 2>/dev/null | grep -v -e '^[[:space:]]*$' -e '^WARNING: ' | tail -n 1 | tr -s ' \t' ' ' || true)"
+    line="${line# }"
+    [[ ${#line} -gt 100 ]] && line="...${line: -97}"
+    printf '%s' "${line:-(no output yet)}"
+}
+
+# progress LABEL LOG COMMAND...: runs COMMAND with its output in LOG; every PROGRESS_S seconds prints the
+# time so far and LOG's last line. On failure prints LOG's last lines. Returns COMMAND's exit status.
+progress() {
+    local label="$1" log="$2" start parent="$$" ticker status=0
+    shift 2
+    mkdir -p "$(dirname "$log")"
+    : >"$log"
+    start="$(date +%s)"
+    say "$label"
+    (
+        # Stops with the step, or when setup itself is gone (a background job does not get Ctrl-C).
+        while sleep "$PROGRESS_S" && kill -0 "$parent" 2>/dev/null; do
+            say "  ... $label: $(($(date +%s) - start)) s: $(last_line "$log")"
+        done
+    ) &
+    ticker=$!
+    "$@" >>"$log" 2>&1 || status=$?
+    kill "$ticker" 2>/dev/null || true
+    wait "$ticker" 2>/dev/null || true
+    if [[ "$status" != 0 ]]; then
+        say "$label failed after $(($(date +%s) - start)) s (exit status $status); the end of $log:" >&2
+        tail -n 25 "$log" >&2 || true
+    else
+        say "  done in $(($(date +%s) - start)) s"
+    fi
+    return "$status"
+}
+
+# pip_install LABEL NAME ARGS...: `pip install ARGS` through `progress`, logged in $LOGS/NAME.log.
+pip_install() {
+    local label="$1" name="$2"
+    shift 2
+    progress "$label" "$LOGS/$name.log" pip install --progress-bar off "$@"
+}
 
 stamp_value() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1; }
 
@@ -36,10 +91,11 @@ can_apt() { [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; }
 apt_install() {
     can_apt || return 1
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1 && return 0
-    say "apt-get update (package lists may be stale)"
-    apt-get update -qq >/dev/null 2>&1 || true
-    apt-get install -y -qq --no-install-recommends "$@"
+    # Outside .venv, which may not exist yet (redis-server comes first).
+    local log="${TMPDIR:-/tmp}/gpufeed-setup-apt.log"
+    progress "apt-get install $*" "$log" apt-get install -y -qq --no-install-recommends "$@" && return 0
+    progress "apt-get update (package lists may be stale)" "$log" apt-get update -qq || true
+    progress "apt-get install $* (after the update)" "$log" apt-get install -y -qq --no-install-recommends "$@"
 }
 
 missing_debs() {
@@ -78,8 +134,7 @@ ensure_torch() {
     fi
     # Pinned before gpufeed so that resolving gpufeed's "torch" keeps this (CPU) build
     # instead of pulling a multi-GB CUDA one.
-    say "installing torch==$TORCH_VERSION"
-    pip install -qq "torch==$TORCH_VERSION"
+    pip_install "installing torch==$TORCH_VERSION (a download of about 200 MB)" torch "torch==$TORCH_VERSION"
 }
 
 # Exits 0 when Pillow-SIMD is the active PIL and has every codec gpufeed relies on;
@@ -135,7 +190,7 @@ install_pillow_fallback() {
         "Falling back to the Pillow wheel: everything works, but resizing is several times slower." \
         "Fix the cause, then: rm $STAMP; bash scripts/setup.sh"
     pip uninstall -y -qq pillow-simd >/dev/null 2>&1 || true
-    pip install -qq --force-reinstall pillow
+    pip_install "installing the Pillow wheel" pillow --force-reinstall pillow
     PILLOW_NOTE="Pillow-SIMD is not installed (fallback to Pillow: $1)"
 }
 
@@ -155,14 +210,12 @@ find_wheel() {
 build_pillow_simd() {
     local cc="$1" wheels="$2"
     find_wheel "$wheels" && return 0
-    say "building pillow-simd==$PILLOW_SIMD_VERSION with CC=\"$cc\" (about half a minute)" >&2
     mkdir -p "$wheels"
     # --no-cache-dir: pip's wheel cache ignores CC, so a cached wheel could lack the SIMD flags.
-    if ! CC="$cc" pip wheel --no-deps --no-cache-dir --no-binary pillow-simd \
-        "pillow-simd==$PILLOW_SIMD_VERSION" -w "$wheels" >"$wheels/build.log" 2>&1; then
-        tail -n 25 "$wheels/build.log" >&2 || true
-        return 1
-    fi
+    # -v: the compiler's lines go to the log, so the progress lines show which file it is at.
+    CC="$cc" progress "building pillow-simd==$PILLOW_SIMD_VERSION with CC=\"$cc\" (30 s to 1.5 min on 2 cores)" \
+        "$wheels/build.log" pip wheel -v --no-deps --no-cache-dir --no-binary pillow-simd \
+        "pillow-simd==$PILLOW_SIMD_VERSION" -w "$wheels" >&2 || return 1
     find_wheel "$wheels"
 }
 
@@ -192,7 +245,7 @@ install_pillow_simd() {
     fi
     # Both distributions install the `PIL` package: remove Pillow so exactly one owns it.
     pip uninstall -y -qq pillow >/dev/null 2>&1 || true
-    pip install -qq --force-reinstall --no-deps "$wheel"
+    pip_install "installing the Pillow-SIMD wheel" pillow-simd --force-reinstall --no-deps "$wheel"
     if status="$(pillow_simd_ok 2>&1)"; then
         say "$status"
     else
@@ -214,8 +267,8 @@ main() {
     PILLOW_NOTE=""
     ensure_venv
     ensure_torch
-    say "installing gpufeed (editable) with the service, the charts and the test dependencies"
-    pip install -qq -e '.[test,service,plots]'
+    pip_install "installing gpufeed (editable) with the service, S3, the charts, the docs and the test tools" \
+        gpufeed -e '.[test,service,s3,plots,docs]'
     # Last, because installing anything that depends on Pillow puts Pillow's PIL back.
     install_pillow_simd
     printf '%s' "$PILLOW_NOTE" >"$STAMP.note"
@@ -224,4 +277,7 @@ main() {
     say "ready: $VENV (gpufeed is $VENV/bin/gpufeed)"
 }
 
-main "$@"
+# Sourced (the tests call `progress`), it only defines the functions.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    main "$@"
+fi

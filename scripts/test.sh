@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the test suite on this machine, from nothing: sets up .venv (scripts/setup.sh),
 # makes sure a Redis is there for the tests, runs the static checks (scripts/check.sh:
-# ruff, mypy, import contracts) when no arguments are given, then pytest with any arguments:
+# ruff, mypy, import contracts) and builds the docs with their link check (scripts/docs.sh)
+# when no arguments are given, then pytest with any arguments:
 #   bash scripts/test.sh                      # everything, in several pytest processes (below)
 #   bash scripts/test.sh tests/test_cli.py -x # a selection, in this one process
 # The whole suite runs in GPUFEED_TEST_PROCESSES pytest processes (pytest-xdist; default: the
@@ -100,13 +101,14 @@ test_processes() {
 
 status=0
 args=("$@")
-if [[ $# == 0 ]]; then  # the whole suite: the static checks first (a selection skips them)
+if [[ $# == 0 ]]; then  # the whole suite: the static checks and the docs first (a selection skips them)
     processes="$(test_processes)"
     if ! [[ "$processes" =~ ^[1-9][0-9]*$ ]]; then
         echo "test: GPUFEED_TEST_PROCESSES must be a whole number of processes (1 or more), got '$processes'" >&2
         exit 2
     fi
     bash scripts/check.sh || status=$?
+    bash scripts/docs.sh || status=$?
     if [[ "$processes" -gt 1 ]]; then
         args=(-n "$processes" --dist loadfile)
         echo "test: $processes pytest processes (GPUFEED_TEST_PROCESSES=1: one)"

