@@ -657,3 +657,41 @@ def test_inspect_verify_on_a_lying_manifest_ends_at_once_with_a_message(dataset)
     _write_raw(out, data)
     result = CliRunner().invoke(main, ["inspect", out.root, "--verify"])
     assert result.exit_code != 0 and "out of range" in result.output and "Traceback" not in result.output
+
+
+def test_verify_reads_no_more_of_a_shard_than_the_manifest_says(dataset, monkeypatch):
+    out, manifest = dataset
+    shard = manifest.shards[0]
+    with open(out.local(shard.path), "r+b") as handle:
+        handle.truncate(8 << 30)  # 8 GiB, sparse: a shard that grew, or one whose manifest lies
+    taken = []
+    real_open = Output.open_read
+
+    def counted(self, rel):
+        handle = real_open(self, rel)
+        read = handle.read
+        handle_readinto = handle.readinto
+
+        class Counted:
+            def read(self, size=-1):
+                data = read(size)
+                taken.append(len(data))
+                return data
+
+            def readinto(self, view):
+                got = handle_readinto(view)
+                taken.append(got or 0)
+                return got
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                handle.close()
+
+        return Counted()
+
+    monkeypatch.setattr(Output, "open_read", counted)
+    result = verify_dataset(out, manifest)
+    assert f"{shard.path}: {8 << 30} bytes, manifest says {shard.bytes}" in result.problems
+    assert sum(taken) <= sum(s.bytes for s in manifest.shards) + 3  # one byte past each shard at most
