@@ -695,3 +695,20 @@ def test_verify_reads_no_more_of_a_shard_than_the_manifest_says(dataset, monkeyp
     result = verify_dataset(out, manifest)
     assert f"{shard.path}: {8 << 30} bytes, manifest says {shard.bytes}" in result.problems
     assert sum(taken) <= sum(s.bytes for s in manifest.shards) + 3  # one byte past each shard at most
+
+
+@pytest.mark.parametrize("variant", [["v0"], "1", {"a": 1}, 1.0, True])
+def test_a_variant_of_the_wrong_type_is_a_manifest_error_for_verify_and_the_loader(tmp_path, variant):
+    # Found by tests/test_fuzz.py: verify_dataset met it as a dict key (TypeError: unhashable type: 'list'),
+    # the loader sorted the variant sets with it (TypeError: '<' not supported between 'int' and 'str').
+    from pipeline.loader.dataset import resolve_dataset
+
+    out = Output(str(tmp_path))
+    shards = [_write_shard(out, 0, 3, variant=0), _write_shard(out, 0, 3, variant=1)]
+    data = _manifest(shards, samples=3, variants=2).to_dict()
+    data["shards"][1]["variant"] = variant
+    _write_raw(out, data)
+    with pytest.raises(ManifestError, match="variant must be an integer"):
+        verify_dataset(out)
+    with pytest.raises(ManifestError, match="variant must be an integer"):
+        resolve_dataset(str(tmp_path))

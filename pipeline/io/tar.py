@@ -331,6 +331,7 @@ def group_samples(
     key: str | None = None
     sample: dict[str, bytes] = {}
     held = 0
+    bound = (1 << 62) if max_bytes is None else max_bytes
     for name, data in members:
         this_key, extension = split_key(name)
         if this_key != key:
@@ -341,7 +342,7 @@ def group_samples(
             key = this_key
         sample[extension] = data
         held += len(data)
-        if max_bytes is not None and held > max_bytes:
+        if held > bound:
             raise TarFormatError(url, f"sample {this_key!r} holds over {max_bytes} bytes, the bound on one member")
     if key is not None:
         yield key, sample
@@ -452,9 +453,11 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
             if header[100:156].translate(None, _OCTAL_TEXT) or header[329:345].translate(None, _OCTAL_TEXT):
                 raise ValueError("not octal")
             size = int(header[124:136].partition(b"\0")[0], 8)
-            if int(header[148:156].partition(b"\0")[0], 8) != (adler32(header[:148]) & 0xFFFF) + (
-                adler32(header[156:404]) & 0xFFFF
-            ) + (adler32(header[404:]) & 0xFFFF) + 253:
+            # ASCII only: the byte sum is under 65521, so Adler-32's low half is 1 + the exact sum.
+            field = header[148:156]
+            if not header.isascii() or int(field.partition(b"\0")[0], 8) != (adler32(header) & 0xFFFF) - (
+                adler32(field) & 0xFFFF
+            ) + 256:
                 raise ValueError("checksum")
         except ValueError:  # a closer look: base-256, a signed checksum, an empty field; or the error
             size = _parse_header(header, url)
@@ -525,7 +528,8 @@ def _parse_header(header: bytes, url: str) -> int:
     field) each sum to under 65521, so zlib's Adler-32, whose low half is
     1 + the byte sum mod 65521, gives each part's exact sum in C: the
     checksum is their sum plus the field as 8 spaces (256), -3 for the three
-    ones. `_members` does the same inline for the usual header.
+    ones. `_members` checks the usual header inline: octal text in every
+    number field, ASCII only (so one Adler-32 over the whole header is exact).
     """
     try:
         checksum_ok = _header_checksum_ok(header, _octal(header[148:156]))
