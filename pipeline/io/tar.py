@@ -432,20 +432,18 @@ _DECIMAL = re.compile(r"[0-9]{1,20}")
 
 def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[tuple[str, bytes]]:
     view = memoryview(buffer)
-    start = end = 0  # buffer[start:end] is read and not yet parsed
-    first = True
     long_name: str | None = None  # a GNU long name, for the next member
     pax: dict[str, str] = {}  # the next member's PAX records (x)
     global_pax: dict[str, str] = {}  # every later member's (g), until a g says otherwise
+    start, end = _refill(handle, buffer, 0, 0, TAR_BLOCK)  # buffer[start:end] is read and not yet parsed
+    if end == 0:
+        raise TarFormatError(url, "empty file (not a tar archive)")
     while True:
         if end - start < TAR_BLOCK:
             start, end = _refill(handle, buffer, start, end, TAR_BLOCK)
-        if end - start < TAR_BLOCK:  # what lies beyond `end` in the reused buffer is an earlier read's
-            if first and end == start:
-                raise TarFormatError(url, "empty file (not a tar archive)")
-            cut = "in a header" if end > start else "without the end-of-archive blocks"
-            raise TarFormatError(url, f"truncated tar archive (it ends {cut})")
-        first = False
+            if end - start < TAR_BLOCK:  # what lies beyond `end` in the reused buffer is an earlier read's
+                cut = "in a header" if end > start else "without the end-of-archive blocks"
+                raise TarFormatError(url, f"truncated tar archive (it ends {cut})")
         header = bytes(view[start : start + TAR_BLOCK])
         if header == _ZERO_BLOCK:
             return  # the end of the archive
@@ -462,20 +460,22 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
         except ValueError:  # a closer look: base-256, a signed checksum, an empty field; or the error
             size = _parse_header(header, url)
         kind = header[156:157]
-        keep = True
-        if kind in _KEPT:
+        keep = regular = kind in _KEPT
+        if regular:
             if pax or global_pax or long_name is not None:
                 size = _pax_size(pax, global_pax, url, size)
                 name = _member_path(header, pax, global_pax, long_name)
-            else:
-                name = _header_name(header)
+            else:  # _header_name, inline
+                name = header[:100].partition(b"\0")[0].decode("utf-8", "replace")
+                if header[345] and header[257:262] == b"ustar":
+                    name = _header_name(header)
             if size > limit:
                 raise _over_bound(url, f"tar member {name!r}", size, limit)
         elif kind in _META:
+            keep = True
             if size > MAX_META_BYTES:
                 raise _over_bound(url, "a PAX or long-name header", size, MAX_META_BYTES)
         else:  # read past: a folder, a link, a device
-            keep = False
             size = _pax_size(pax, global_pax, url, size)
             if size > limit:
                 raise _over_bound(url, "a tar member", size, limit)
@@ -497,6 +497,12 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
             if got < size:
                 raise TarFormatError(url, "truncated tar member")
             _skip(handle, buffer, padded - size)  # a cut here shows as a truncated archive at the next header
+        if regular:
+            long_name = None
+            if pax:
+                pax = {}
+            yield name, data
+            continue
         if kind in _META:
             if kind == b"L":
                 long_name = _text(data)
@@ -510,10 +516,7 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
                         global_pax.pop(keyword, None)
             continue
         long_name = None
-        if pax:
-            pax = {}
-        if kind in _KEPT:
-            yield name, data
+        pax = {}
 
 
 def _over_bound(url: str, what: str, size: int, bound: int) -> TarFormatError:
