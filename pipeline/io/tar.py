@@ -474,7 +474,7 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
         elif kind in _META:
             keep = True
             if size > MAX_META_BYTES:
-                raise _over_bound(url, "a PAX or long-name header", size, MAX_META_BYTES)
+                raise _over_bound(url, "a PAX or long-name header", size, MAX_META_BYTES, settable=False)
         else:  # read past: a folder, a link, a device
             size = _pax_size(pax, global_pax, url, size)
             if size > limit:
@@ -519,8 +519,8 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
         pax = {}
 
 
-def _over_bound(url: str, what: str, size: int, bound: int) -> TarFormatError:
-    hint = f" (set {MAX_MEMBER_ENV} to read larger ones)" if bound != MAX_META_BYTES else ""
+def _over_bound(url: str, what: str, size: int, bound: int, *, settable: bool = True) -> TarFormatError:
+    hint = f" (set {MAX_MEMBER_ENV} to read larger ones)" if settable else ""
     return TarFormatError(url, f"{what} holds {size} bytes, over the bound of {bound} bytes on one member{hint}")
 
 
