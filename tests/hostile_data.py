@@ -11,6 +11,9 @@ file was painted), so they can catch the pipeline being wrong.
 Colours are checked on boxes given as fractions of the *upright* picture,
 so a wrong rotation, a wrong alpha background or a clipped 16-bit range all
 show up as a wrong mean colour.
+
+The end of the file builds hostile tars byte by byte (`tar_header`, `base256`,
+`pax_header`): a header with exactly one thing wrong, for the tar reader's tests.
 """
 
 from __future__ import annotations
