@@ -120,28 +120,102 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "manifest") -> Manifest:
+        """The manifest a parsed manifest.json holds, every field checked (type, range, format).
+
+        Raises:
+            ManifestError: not a gpufeed manifest, or a field that is missing,
+                of the wrong type or out of range; counts no shard's bytes could hold.
+        """
         if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ManifestError(f"{where} is not a gpufeed manifest (format {found!r}, expected {MANIFEST_FORMAT!r})")
         try:
-            shards = [
-                ShardInfo(s["path"], int(s["samples"]), int(s["bytes"]), s["sha256"], s.get("variant"))
-                for s in data["shards"]
-            ]
+            variants = _count(data.get("variants", 0), "variants", MAX_VARIANTS)
+            entries = data["shards"]
+            if not isinstance(entries, list) or len(entries) > MAX_MANIFEST_SHARDS:
+                raise ValueError(f"shards must be a list of at most {MAX_MANIFEST_SHARDS} entries")
+            shards = [_shard_info(entry, variants) for entry in entries]
             _check_shard_paths(shards, where)
-            return cls(
-                samples=int(data["samples"]),
-                classes=list(data["classes"]),
+            classes = data["classes"]
+            if not isinstance(classes, list) or not all(isinstance(name, str) for name in classes):
+                raise ValueError("classes must be a list of names (strings)")
+            params = data["params"]
+            if not isinstance(params, dict) or _depth(params) > MAX_PARAMS_DEPTH:
+                raise ValueError(f"params must be an object nested at most {MAX_PARAMS_DEPTH} deep")
+            manifest = cls(
+                samples=_count(data["samples"], "samples", sum(_capacity(shard.bytes) for shard in shards)),
+                classes=list(classes),
                 shards=shards,
-                params=dict(data["params"]),
-                source=str(data["source"]),
-                rejected=int(data["rejected"]),
-                created=str(data.get("created", "")),
-                variants=int(data.get("variants", 0)),
-                decoded_with_warnings=int(data.get("decoded_with_warnings", 0)),
+                params=dict(params),
+                source=_text_field(data["source"], "source"),
+                rejected=_count(data["rejected"], "rejected"),
+                created=_text_field(data.get("created", ""), "created"),
+                variants=variants,
+                decoded_with_warnings=_count(data.get("decoded_with_warnings", 0), "decoded_with_warnings"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where} is malformed: {exc!r}") from exc
+        return manifest
+
+
+MAX_MANIFEST_BYTES = 256 << 20  # of JSON: a million shards take about 200 MB
+MAX_MANIFEST_SHARDS = 1 << 20
+MAX_VARIANTS = 1 << 16
+MAX_PARAMS_DEPTH = 32
+MAX_SHARD_BYTES = 1 << 50  # 1 PiB
+MAX_COUNT = 2**63 - 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _capacity(size: int) -> int:
+    """The most samples `size` bytes of tar can hold: each sample takes at least one 512-byte member header."""
+    return size // 512
+
+
+def _count(value: Any, name: str, high: int = MAX_COUNT) -> int:
+    """A count field: an integer (not a bool, not a string), 0 <= value <= high."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, not {type(value).__name__}")
+    if not 0 <= value <= high:
+        raise ValueError(f"{name} = {value} is out of range (0 to {high})")
+    return value
+
+
+def _text_field(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, not {type(value).__name__}")
+    return value
+
+
+def _shard_info(entry: Any, variants: int) -> ShardInfo:
+    """One `shards` entry, checked: its counts, its sha256, its variant within the manifest's."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"a shard entry must be an object, not {type(entry).__name__}")
+    path = _text_field(entry["path"], "a shard's path")
+    size = _count(entry["bytes"], f"{path}: bytes", MAX_SHARD_BYTES)
+    samples = _count(entry["samples"], f"{path}: samples", _capacity(size))  # no count its bytes could not hold
+    sha256 = entry["sha256"]
+    if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+        raise ValueError(f"{path}: sha256 must be 64 lower-case hex digits")
+    variant = entry.get("variant")
+    if variant is not None or variants:
+        variant = _count(variant, f"{path}: variant", variants - 1)
+    return ShardInfo(path, samples, size, sha256, variant)
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_PARAMS_DEPTH:
+                return deepest
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _check_shard_paths(shards: list[ShardInfo], where: str) -> None:
@@ -177,6 +251,10 @@ def read_manifest(where: DatasetLocation) -> Manifest:
     """
     output = _as_output(where)
     try:
+        if output.is_local:  # over the bound: refused before a byte is read
+            size = output.size(MANIFEST_NAME)
+            if size is not None and size > MAX_MANIFEST_BYTES:
+                raise ManifestError(_too_large(output.url, size))
         text = output.read_if_exists(MANIFEST_NAME)
     except OSError as exc:
         raise ManifestError(f"cannot read {output.url}/{MANIFEST_NAME}: {exc}") from exc
@@ -185,19 +263,28 @@ def read_manifest(where: DatasetLocation) -> Manifest:
     return parse_manifest(text, output.url)
 
 
+def _too_large(url: str, size: int) -> str:
+    return f"{url}/{MANIFEST_NAME} is {size} bytes, over the bound of {MAX_MANIFEST_BYTES} on a manifest: not a gpufeed manifest"
+
+
 def parse_manifest(text: bytes | None, url: str) -> Manifest:
     """The manifest from the bytes of the dataset folder `url`'s manifest.json (None: it has none).
 
     Raises:
-        ManifestError: missing, not JSON, or not a gpufeed manifest.
+        ManifestError: missing, not JSON, over `MAX_MANIFEST_BYTES` or nested
+            too deep, or not a gpufeed manifest (see `Manifest.from_dict`).
     """
     if text is None:
         raise ManifestError(f"no {MANIFEST_NAME} in {url}: not a prepared dataset (or its prepare did not finish)")
     where = f"{url}/{MANIFEST_NAME}"
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise ManifestError(_too_large(url, len(text)))
     try:
         data = json.loads(text)
     except ValueError as exc:
         raise ManifestError(f"cannot read {where}: {exc}") from exc
+    except RecursionError:
+        raise ManifestError(f"cannot read {where}: its JSON nests too deep to be a manifest") from None
     return Manifest.from_dict(data, where)
 
 
@@ -248,7 +335,7 @@ def verify_dataset(
         if not output.exists(shard.path):
             result.problems.append(f"{shard.path}: missing")
             continue
-        digest, size, samples, error = _scan_shard(output, shard.path)
+        digest, size, samples, error = _scan_shard(output, shard.path, shard.bytes)
         result.bytes_checked += size
         result.samples_checked += samples
         if size != shard.bytes:
@@ -271,12 +358,17 @@ def verify_dataset(
     return result
 
 
-def _scan_shard(output: Output, rel: str) -> tuple[str, int, int, str]:
-    """(sha256, bytes, samples, error) of one shard, hashing the bytes as the tar reader streams them."""
+def _scan_shard(output: Output, rel: str, expected: int) -> tuple[str, int, int, str]:
+    """(sha256, bytes, samples, error) of one shard, hashing the bytes as the tar reader streams them.
+
+    It reads at most one byte more than the manifest's `expected` size: a
+    shard larger than that is damaged whatever it holds (its size comes from
+    the file system then), so verify's time is bounded by what the manifest says.
+    """
     error = ""
     samples = 0
     with output.open_read(rel) as raw:
-        reader = DigestReader(raw)
+        reader = DigestReader(_Capped(raw, expected + 1))
         try:
             for _ in iter_tar_samples(reader, rel):
                 samples += 1
@@ -285,4 +377,32 @@ def _scan_shard(output: Output, rel: str) -> tuple[str, int, int, str]:
         except OSError as exc:
             error = str(exc) or type(exc).__name__
         reader.drain()  # hash what lies after the end of the archive
-    return reader.hexdigest(), reader.bytes, samples, error
+    size = reader.bytes
+    if size > expected:  # the size problem says it; what the cut made of the tar does not matter
+        size, error = output.size(rel) or size, ""
+    return reader.hexdigest(), size, samples, error
+
+
+class _Capped:
+    """A binary file that ends after `limit` bytes."""
+
+    def __init__(self, raw: Any, limit: int) -> None:
+        self.raw = raw
+        self.left = limit
+
+    def readinto(self, buffer: memoryview) -> int:
+        view = memoryview(buffer)[: self.left]
+        got = (self.raw.readinto(view) if hasattr(self.raw, "readinto") else _read_into(self.raw, view)) or 0
+        self.left -= got
+        return got
+
+    def read(self, size: int = -1) -> bytes:
+        data: bytes = self.raw.read(self.left if size < 0 else min(size, self.left))
+        self.left -= len(data)
+        return data
+
+
+def _read_into(raw: Any, view: memoryview) -> int:
+    data = raw.read(len(view))
+    view[: len(data)] = data
+    return len(data)

@@ -11,6 +11,9 @@ file was painted), so they can catch the pipeline being wrong.
 Colours are checked on boxes given as fractions of the *upright* picture,
 so a wrong rotation, a wrong alpha background or a clipped 16-bit range all
 show up as a wrong mean colour.
+
+The end of the file builds hostile tars byte by byte (`tar_header`, `base256`,
+`pax_header`): a header with exactly one thing wrong, for the tar reader's tests.
 """
 
 from __future__ import annotations
@@ -473,3 +476,60 @@ def make_hostile_dataset(root: Path, *, filesystem_tricks: bool = True) -> Hosti
         _filesystem_tricks(writer)
     classes = sorted({f.label for f in writer.files})
     return HostileDataset(root, classes, writer.files, writer.ignored, writer.hidden)
+
+
+# ---------------------------------------------------------------------------
+# Hostile tars and manifests: headers, sizes, PAX records and JSON as an attacker writes them
+
+
+def tar_header(
+    name: str = "a.jpg", size: int = 0, *, kind: bytes = b"0", size_field: bytes | None = None, checksum_off: int = 0
+) -> bytes:
+    """One ustar header, its checksum right (or off by `checksum_off`): only what is asked for is wrong.
+
+    `size_field` replaces the 12-byte size field as it is (e.g. GNU base-256 bytes).
+    """
+    header = bytearray(512)
+    encoded = name.encode()
+    header[: len(encoded)] = encoded
+    header[100:108] = b"0000644\0"
+    header[108:116] = b"0000000\0"
+    header[116:124] = b"0000000\0"
+    header[124:136] = size_field if size_field is not None else b"%011o\0" % size
+    header[136:148] = b"%011o\0" % 946684800
+    header[156:157] = kind
+    header[257:265] = b"ustar\x0000"
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % (sum(header) + checksum_off)
+    return bytes(header)
+
+
+def base256(value: int, width: int = 12) -> bytes:
+    """A GNU base-256 number field: 0x80 then the value (0xff then two's complement when negative)."""
+    if value < 0:
+        return b"\xff" + (value + (1 << (8 * (width - 1)))).to_bytes(width - 1, "big")
+    return b"\x80" + value.to_bytes(width - 1, "big")
+
+
+def padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % 512)
+
+
+def tar_file(name: str, data: bytes) -> bytes:
+    """A regular member: header, data, padding."""
+    return tar_header(name, len(data)) + padded(data)
+
+
+def pax_header(records: dict[str, str], kind: bytes = b"x") -> bytes:
+    """A PAX header member (`x`: for the next member, `g`: global) holding `records`."""
+    body = b""
+    for keyword, value in records.items():
+        record = f" {keyword}={value}\n".encode()
+        length = len(record) + 1
+        while len(str(length)) + len(record) != length:
+            length += 1
+        body += str(length).encode() + record
+    return tar_header("././@PaxHeader", len(body), kind=kind) + padded(body)
+
+
+END_OF_ARCHIVE = bytes(1024)

@@ -128,7 +128,8 @@ def test_truncated_shard_every_batch_full_loss_counted_and_replaced(
 
 
 def test_shard_cut_at_a_member_boundary_is_short_by_the_manifest(copy: Path) -> None:
-    # A file cut exactly between members is a valid, shorter tar: only the manifest's count shows the loss.
+    # A file cut exactly between members has no end-of-archive blocks: a truncated tar. The sample before
+    # the cut may be missing members the cut took, so it goes with the rest: 9, 10 and 11, and 8.
     import tarfile
 
     name = "shard-000004.tar"
@@ -138,7 +139,7 @@ def test_shard_cut_at_a_member_boundary_is_short_by_the_manifest(copy: Path) -> 
     loader = loader_for(copy, train=False)
     (batches,) = run_epochs(loader, (0,))
     assert_full(loader, [batches])
-    assert loader.stats.skipped == loader.stats.replaced == 3 and loader.stats.bad_shards == 1
+    assert loader.stats.skipped == loader.stats.replaced == 4 and loader.stats.bad_shards == 1
 
 
 @pytest.mark.parametrize("worker_type", ["thread", "process"])
@@ -287,6 +288,78 @@ def test_no_decodable_sample_anywhere_is_a_clear_error(copy: Path) -> None:
         break_samples(copy, f"shard-{index:06d}.tar", garbage=tuple(range(PER_SHARD)))
     with pytest.raises(SampleError, match="no sample of its batch or of the batches behind it decodes"):
         run_epochs(loader_for(copy), (0,))
+
+
+BAD_LABELS = [b"abc", b"1.5", b"", b"9" * 30, b"-5", str(N).encode(), b"\xd9\xa3", b"0x1f"]  # N: one past the classes
+
+
+def break_labels(root: Path, name: str, labels: dict[int, bytes]) -> list[str]:
+    """Rewrite a shard with the `cls` of sample i replaced by labels[i]; their keys."""
+    keys = [sample["__key__"] for sample in shard_samples(root, name)]
+
+    def damage(index: int, members: dict[str, bytes]) -> dict[str, bytes]:
+        if index in labels:
+            members["cls"] = labels[index]
+        return members
+
+    rewrite_shard(root, name, damage)
+    return [keys[i] for i in labels]
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_a_label_that_is_no_class_index_is_sample_damage_replaced_and_counted(
+    copy: Path, worker_type: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = "shard-000002.tar"
+    lost = [shard_labels(copy, name)[i] for i in range(len(BAD_LABELS))]
+    keys = break_labels(copy, name, dict(enumerate(BAD_LABELS)))
+    loader = loader_for(copy, worker_type=worker_type)
+    with caplog.at_level(logging.WARNING, logger="gpufeed.loader"):
+        epochs = run_epochs(loader)
+    assert_full(loader, epochs)
+    for batches in epochs:
+        labels = labels_of(batches)
+        assert set(labels) == set(range(N)) - set(lost)  # never -1, -5 or a label past the classes
+    assert loader.stats.skipped == loader.stats.replaced == 2 * len(BAD_LABELS) and loader.stats.bad_shards == 0
+    for key, label in zip(keys, BAD_LABELS):
+        warnings = damage_warnings(caplog, key)
+        assert len(warnings) == 1 and "label" in warnings[0], (label, warnings)
+    assert "out of range (the dataset has 96 classes)" in damage_warnings(caplog, keys[5])[0]
+
+
+def test_raise_stops_at_a_bad_label_naming_the_sample(copy: Path) -> None:
+    (key,) = break_labels(copy, "shard-000001.tar", {4: b"9" * 30})
+    with pytest.raises(SampleError) as caught:
+        run_epochs(loader_for(copy, on_error="raise"), (0,))
+    assert caught.value.sample == key and "label" in caught.value.reason and key in str(caught.value)
+
+
+def test_a_shard_pattern_bounds_labels_by_int64(copy: Path) -> None:
+    big = str(2**63 - 1).encode()
+    break_labels(copy, "shard-000003.tar", {0: big, 1: str(2**63).encode(), 2: b"-1"})
+    loader = loader_for(str(copy / "shard-{000000..000007}.tar"), train=False)
+    (batches,) = run_epochs(loader, (0,))
+    assert_full(loader, [batches])
+    labels = labels_of(batches)
+    assert 2**63 - 1 in labels and min(labels) >= 0  # no classes list: any int64 >= 0 is a label
+    assert loader.stats.skipped == loader.stats.replaced == 2
+
+
+def test_re_draws_are_bounded_when_far_more_is_lost_than_read_well(dataset: Path) -> None:
+    # One readable shard of 12 and shards that claim 12 x 70 samples but are not there: the stand-ins
+    # would read the 12 over and over, 70 times; past MAX_REDRAW_PASSES the epoch says so instead.
+    from pipeline.loader.damage import DamageLog
+    from pipeline.loader.dataset import ShardRef
+    from pipeline.loader.epoch import MAX_REDRAW_PASSES, epoch_records
+    from pipeline.specs import LoaderSpec
+
+    good = ShardRef(str(dataset / "shard-000000.tar"), PER_SHARD)
+    missing = [ShardRef(str(dataset / f"gone-{i}.tar"), PER_SHARD * 10) for i in range(7)]
+    spec = LoaderSpec(batch_size=BATCH, train=False)
+    records = epoch_records([good, *missing], spec, 0, 0, 1, DamageLog("skip"))
+    with pytest.raises(SampleError, match=f"over {MAX_REDRAW_PASSES} times the 12 that read well"):
+        for _ in records:
+            pass
 
 
 # ---------------------------------------------------------------------------

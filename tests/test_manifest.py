@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -124,9 +125,9 @@ shard_infos = st.builds(
     .map("/".join)
     .filter(lambda path: "://" not in path),
     samples=st.integers(0, 10**6),
-    bytes=st.integers(0, 2**40),
+    bytes=st.integers(512 * 10**6, 2**40),  # room for its samples' headers
     sha256=st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
-    variant=st.none() | st.integers(0, 1000),
+    variant=st.none(),
 )
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=10),
@@ -147,6 +148,9 @@ json_values = st.recursive(
     variants=st.integers(0, 100),
 )
 def test_dict_round_trip(samples, classes, shards, params, source, rejected, created, variants):
+    if variants:
+        shards = [dataclasses.replace(shard, variant=i % variants) for i, shard in enumerate(shards)]
+    samples = min(samples, sum(shard.bytes // 512 for shard in shards))
     manifest = Manifest(samples, classes, shards, params, source, rejected, created, variants)
     assert Manifest.from_dict(json.loads(json.dumps(manifest.to_dict()))) == manifest
 
@@ -537,3 +541,174 @@ def test_inspect_refuses_a_shard_outside_the_dataset_with_a_message(dataset) -> 
         assert result.returncode != 0
         assert "names a shard outside the dataset: '/etc/passwd' is an absolute path" in result.stderr
         assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------
+# Hostile manifests: bounded, every field checked, counts no shard could hold refused
+
+
+def _write_raw(out: Output, data) -> None:
+    with open(out.local(MANIFEST_NAME), "w", encoding="utf-8") as handle:
+        json.dump(data, handle)
+
+
+def test_a_manifest_nested_deeper_than_json_can_parse_is_a_manifest_error(tmp_path):
+    (tmp_path / MANIFEST_NAME).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ManifestError, match="nests too deep"):
+        read_manifest(Output(str(tmp_path)))
+
+
+def test_params_nested_too_deep_are_refused(dataset):
+    out, manifest = dataset
+    data = manifest.to_dict()
+    deep: list = []
+    data["params"] = {"x": deep}
+    for _ in range(200):
+        deep.append([])
+        deep = deep[0]
+    _write_raw(out, data)
+    with pytest.raises(ManifestError, match="nested at most"):
+        read_manifest(out)
+
+
+def test_a_manifest_over_the_size_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    import pipeline.manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 1000)
+    (tmp_path / MANIFEST_NAME).write_text(" " * 1001)
+    with pytest.raises(ManifestError, match="1001 bytes, over the bound of 1000"):
+        read_manifest(Output(str(tmp_path)))
+    with pytest.raises(ManifestError, match="over the bound"):
+        manifest_module.parse_manifest(b" " * 1001, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        (lambda d: d.update(samples=-1), "samples = -1 is out of range"),
+        (lambda d: d.update(samples=True), "samples must be an integer"),
+        (lambda d: d.update(samples=1.5), "samples must be an integer"),
+        (lambda d: d.update(samples="10"), "samples must be an integer"),
+        (lambda d: d.update(rejected=-3), "rejected = -3"),
+        (lambda d: d.update(variants=-1), "variants = -1"),
+        (lambda d: d.update(decoded_with_warnings=2**70), "decoded_with_warnings"),
+        (lambda d: d.update(classes=[1, 2]), "classes must be a list of names"),
+        (lambda d: d.update(classes="cat,dog"), "classes must be a list of names"),
+        (lambda d: d.update(source=5), "source must be a string"),
+        (lambda d: d["shards"][0].update(samples=-4), "samples = -4"),
+        (lambda d: d["shards"][0].update(bytes=-1), "bytes = -1"),
+        (lambda d: d["shards"][0].update(bytes=2**80), "bytes = 1208925819614629174706176"),
+        (lambda d: d["shards"][0].update(sha256="abc"), "sha256 must be 64 lower-case hex digits"),
+        (lambda d: d["shards"][0].update(sha256="z" * 64), "sha256 must be 64"),
+        (lambda d: d["shards"][0].update(sha256=None), "sha256 must be 64"),
+        (lambda d: d["shards"][0].update(variant=0), "variant = 0 is out of range"),
+        (lambda d: d["shards"][0].update(path=7), "path must be a string"),
+        (lambda d: d.update(shards={"a": 1}), "shards must be a list"),
+    ],
+)
+def test_every_field_is_range_checked(dataset, damage, words):
+    out, manifest = dataset
+    data = manifest.to_dict()
+    damage(data)
+    _write_raw(out, data)
+    with pytest.raises(ManifestError, match="malformed") as caught:
+        read_manifest(out)
+    assert words in str(caught.value)
+
+
+def test_a_variant_beyond_the_variant_sets_is_refused(tmp_path):
+    out = Output(str(tmp_path))
+    shards = [_write_shard(out, 0, 3, variant=0), _write_shard(out, 0, 3, variant=1)]
+    data = _manifest(shards, samples=3, variants=2).to_dict()
+    data["shards"][1]["variant"] = 2
+    _write_raw(out, data)
+    with pytest.raises(ManifestError, match="variant = 2 is out of range"):
+        read_manifest(out)
+    data["shards"][1].pop("variant")
+    _write_raw(out, data)
+    with pytest.raises(ManifestError, match="variant must be an integer"):
+        read_manifest(out)
+
+
+def test_counts_no_shard_could_hold_are_refused_when_the_manifest_is_read(dataset):
+    out, manifest = dataset
+    data = manifest.to_dict()
+    data["shards"][0]["samples"] = 10**12  # an 8-sample shard of a few KB
+    data["samples"] = 10**12 + 6
+    _write_raw(out, data)
+    with pytest.raises(ManifestError, match="samples = 1000000000000 is out of range"):
+        read_manifest(out)
+    data = manifest.to_dict()
+    data["samples"] = 10**12  # the shards' counts right, the total not
+    _write_raw(out, data)
+    with pytest.raises(ManifestError, match="samples = 1000000000000 is out of range"):
+        read_manifest(out)
+
+
+def test_inspect_verify_on_a_lying_manifest_ends_at_once_with_a_message(dataset):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    out, manifest = dataset
+    data = manifest.to_dict()
+    data["shards"] = [dict(data["shards"][0], path=f"{i}/{data['shards'][0]['path']}") for i in range(3)]
+    data["shards"][2]["samples"] = 10**9
+    _write_raw(out, data)
+    result = CliRunner().invoke(main, ["inspect", out.root, "--verify"])
+    assert result.exit_code != 0 and "out of range" in result.output and "Traceback" not in result.output
+
+
+def test_verify_reads_no_more_of_a_shard_than_the_manifest_says(dataset, monkeypatch):
+    out, manifest = dataset
+    shard = manifest.shards[0]
+    with open(out.local(shard.path), "r+b") as handle:
+        handle.truncate(8 << 30)  # 8 GiB, sparse: a shard that grew, or one whose manifest lies
+    taken = []
+    real_open = Output.open_read
+
+    def counted(self, rel):
+        handle = real_open(self, rel)
+        read = handle.read
+        handle_readinto = handle.readinto
+
+        class Counted:
+            def read(self, size=-1):
+                data = read(size)
+                taken.append(len(data))
+                return data
+
+            def readinto(self, view):
+                got = handle_readinto(view)
+                taken.append(got or 0)
+                return got
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                handle.close()
+
+        return Counted()
+
+    monkeypatch.setattr(Output, "open_read", counted)
+    result = verify_dataset(out, manifest)
+    assert f"{shard.path}: {8 << 30} bytes, manifest says {shard.bytes}" in result.problems
+    assert sum(taken) <= sum(s.bytes for s in manifest.shards) + 3  # one byte past each shard at most
+
+
+@pytest.mark.parametrize("variant", [["v0"], "1", {"a": 1}, 1.0, True])
+def test_a_variant_of_the_wrong_type_is_a_manifest_error_for_verify_and_the_loader(tmp_path, variant):
+    # Found by tests/test_fuzz.py: verify_dataset met it as a dict key (TypeError: unhashable type: 'list'),
+    # the loader sorted the variant sets with it (TypeError: '<' not supported between 'int' and 'str').
+    from pipeline.loader.dataset import resolve_dataset
+
+    out = Output(str(tmp_path))
+    shards = [_write_shard(out, 0, 3, variant=0), _write_shard(out, 0, 3, variant=1)]
+    data = _manifest(shards, samples=3, variants=2).to_dict()
+    data["shards"][1]["variant"] = variant
+    _write_raw(out, data)
+    with pytest.raises(ManifestError, match="variant must be an integer"):
+        verify_dataset(out)
+    with pytest.raises(ManifestError, match="variant must be an integer"):
+        resolve_dataset(str(tmp_path))

@@ -14,11 +14,12 @@ import tarfile
 import tempfile
 
 import pytest
+from hostile_data import END_OF_ARCHIVE, base256, padded, pax_header, tar_file, tar_header
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pipeline.io.tar as tar_module
-from pipeline.errors import StorageError
+from pipeline.errors import ConfigError, GpufeedError, StorageError
 from pipeline.io.fs import file_sha256
 from pipeline.io.tar import (
     TAR_MTIME,
@@ -396,7 +397,10 @@ def test_a_file_cut_at_a_header_ends_there_even_in_a_reused_buffer():
     data = _tar_bytes(members, tarfile.USTAR_FORMAT)
     assert list(iter_tar_members(io.BytesIO(data))) == members  # its buffer, given back, holds these bytes
     cut = 3 * (512 + 1024)  # each member: a header and two blocks of data
-    assert list(iter_tar_members(io.BytesIO(data[:cut]))) == members[:3]  # not an earlier read's headers
+    read = []
+    with pytest.raises(TarFormatError, match="truncated tar archive"):  # no end-of-archive blocks: cut short
+        read.extend(iter_tar_members(io.BytesIO(data[:cut])))
+    assert read == members[:3]  # not an earlier read's headers
 
 
 @pytest.mark.parametrize("stop_after", [0, 2, None])
@@ -507,3 +511,175 @@ def test_reader_gives_what_tarfile_gives_for_any_tar(members, fmt):
     except ValueError:  # ustar cannot hold this name (over 100 bytes with no split into 155 + 100)
         assume(False)
     assert list(iter_tar_samples(io.BytesIO(data))) == _tarfile_samples(data)
+
+
+# ---------------------------------------------------------------------------
+# Hostile tars: every malformed input is a TarFormatError, never another exception or a wrong answer
+
+
+def _read(data: bytes, **options) -> list[tuple[str, bytes]]:
+    return list(iter_tar_members(io.BytesIO(data), "x.tar", **options))
+
+
+@pytest.mark.parametrize("size", [-1, -(2**60), 2**80, 2**88 - 1])
+def test_a_base256_size_out_of_range_is_a_tar_format_error(size):
+    data = tar_header("a.jpg", size_field=base256(size)) + bytes(4096) + END_OF_ARCHIVE
+    with pytest.raises(TarFormatError, match="negative size|over the bound") as caught:
+        _read(data)
+    assert caught.value.url == "x.tar"
+
+
+def test_a_base256_size_in_range_is_read():
+    data = tar_header("a.jpg", size_field=base256(5)) + padded(b"hello") + END_OF_ARCHIVE
+    assert _read(data) == [("a.jpg", b"hello")]
+
+
+@pytest.mark.parametrize("off", [65521, -65521, 1, 256])
+def test_a_checksum_off_by_any_amount_is_refused(off):
+    data = tar_header("a.jpg", 5, checksum_off=off) + padded(b"hello") + END_OF_ARCHIVE
+    with pytest.raises(TarFormatError, match="checksum"):
+        _read(data)
+
+
+def test_a_signed_checksum_is_accepted_as_tar_does():
+    header = bytearray(tar_header("é.jpg", 5))  # bytes over 127 in the name: signed and unsigned sums differ
+    header[148:156] = b" " * 8
+    signed = sum(b - 256 if b > 127 else b for b in header)
+    header[148:156] = b"%06o\0 " % signed
+    assert _read(bytes(header) + padded(b"hello") + END_OF_ARCHIVE) == [("é.jpg", b"hello")]
+
+
+@pytest.mark.parametrize("field", [b"+0000000005\0", b"0_000_000_5\0", b"00000000-5\0 ", b"0000000009\0\0", b"00 0005\0    "])
+def test_a_size_field_that_is_not_plain_octal_is_refused(field):
+    data = tar_header("a.jpg", size_field=field) + padded(b"hello") + END_OF_ARCHIVE
+    with pytest.raises(TarFormatError, match="not a number"):
+        _read(data)
+
+
+def test_a_mode_field_that_is_not_a_number_is_refused():
+    header = bytearray(tar_header("a.jpg", 5))
+    header[100:108] = b"rwxr-xr-"
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    with pytest.raises(TarFormatError, match="not a number"):
+        _read(bytes(header) + padded(b"hello") + END_OF_ARCHIVE)
+
+
+def test_a_pax_size_is_honoured():
+    body = os.urandom(3000)
+    data = pax_header({"size": str(len(body))}) + tar_header("a.jpg", 0) + padded(body) + tar_file("b.jpg", b"b")
+    assert _read(data + END_OF_ARCHIVE) == [("a.jpg", body), ("b.jpg", b"b")]
+    tarfile_read = [(m.name, m.size) for m in tarfile.open(fileobj=io.BytesIO(data + END_OF_ARCHIVE))]
+    assert tarfile_read == [("a.jpg", 3000), ("b.jpg", 1)]  # what tarfile reads too
+
+
+def test_a_pax_path_is_honoured_for_the_next_member_only():
+    data = pax_header({"path": "long/" * 40 + "x.jpg"}) + tar_file("short.jpg", b"1") + tar_file("b.jpg", b"2")
+    assert _read(data + END_OF_ARCHIVE) == [("long/" * 40 + "x.jpg", b"1"), ("b.jpg", b"2")]
+
+
+def test_a_global_pax_header_applies_to_every_following_member_until_overridden():
+    data = (
+        tar_file("first.jpg", b"0")
+        + pax_header({"path": "global.jpg"}, kind=b"g")
+        + tar_file("a.jpg", b"1")
+        + tar_file("b.jpg", b"2")
+        + pax_header({"path": "own.jpg"})  # a member's own record wins over the global one, for that member
+        + tar_file("c.jpg", b"3")
+        + tar_file("d.jpg", b"4")
+        + pax_header({"path": ""}, kind=b"g")  # an empty value deletes the global record
+        + tar_file("e.jpg", b"5")
+    )
+    names = [name for name, _ in _read(data + END_OF_ARCHIVE)]
+    assert names == ["first.jpg", "global.jpg", "global.jpg", "own.jpg", "global.jpg", "e.jpg"]
+
+
+def test_a_global_pax_size_applies_to_every_following_member():
+    data = pax_header({"size": "3"}, kind=b"g") + tar_header("a.jpg", 0) + padded(b"abc") + tar_header("b.jpg", 0) + padded(b"def")
+    assert _read(data + END_OF_ARCHIVE) == [("a.jpg", b"abc"), ("b.jpg", b"def")]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"99 path=a.jpg\n", b"x path=a.jpg\n", b"12 patha.jpg\n", b"13 path=a.jpg!", b"-5 path=a\n", b"0 \n", b"garbage"],
+)
+def test_a_malformed_pax_record_is_refused(body):
+    data = tar_header("././@PaxHeader", len(body), kind=b"x") + padded(body) + tar_file("a.jpg", b"1")
+    with pytest.raises(TarFormatError, match="PAX"):
+        _read(data + END_OF_ARCHIVE)
+
+
+@pytest.mark.parametrize("value", ["-3", "abc", "1e9", "٣", "9" * 30])
+def test_a_pax_size_that_is_not_a_small_number_is_refused(value):
+    data = pax_header({"size": value}) + tar_file("a.jpg", b"1")
+    with pytest.raises(TarFormatError, match="PAX|over the bound"):
+        _read(data + END_OF_ARCHIVE)
+
+
+def test_an_empty_file_is_not_an_empty_tar(tmp_path):
+    with pytest.raises(TarFormatError, match="empty file"):
+        _read(b"")
+    (tmp_path / "empty.tar").write_bytes(b"")
+    with pytest.raises(TarFormatError, match="empty.tar: empty file"):
+        list(iter_tar_samples(str(tmp_path / "empty.tar")))
+
+
+@pytest.mark.parametrize("keep", [100, 512 + 512, 2 * (512 + 512) + 300])
+def test_a_truncated_archive_is_reported(keep):
+    data = tar_file("a.jpg", os.urandom(500)) + tar_file("b.jpg", os.urandom(500)) + END_OF_ARCHIVE
+    with pytest.raises(TarFormatError, match="truncated"):
+        _read(data[:keep])
+
+
+def test_one_zero_block_ends_an_archive_as_tar_accepts():
+    assert _read(tar_file("a.jpg", b"1") + bytes(512)) == [("a.jpg", b"1")]
+
+
+def test_a_member_over_the_bound_is_refused_before_it_is_read(monkeypatch):
+    class Unreadable(io.BytesIO):  # nothing past the header may be read for a member over the bound
+        def readinto(self, view):
+            if self.tell() >= 512:
+                raise AssertionError("read past the header of a member over the bound")
+            return super().readinto(memoryview(view)[:512])
+
+    huge = tar_header("big.jpg", size=3 << 29)  # 1.5 GiB
+    with pytest.raises(TarFormatError, match=r"'big.jpg' holds 1610612736 bytes, over the bound of 268435456"):
+        list(iter_tar_members(Unreadable(huge)))
+    data = tar_file("a.jpg", os.urandom(5000)) + END_OF_ARCHIVE
+    with pytest.raises(TarFormatError, match="over the bound of 4096 bytes"):
+        _read(data, max_member=4096)
+    assert _read(data, max_member=5000) == [("a.jpg", data[512:5512])]
+    monkeypatch.setenv(tar_module.MAX_MEMBER_ENV, "4096")
+    with pytest.raises(TarFormatError, match=tar_module.MAX_MEMBER_ENV):
+        _read(data)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "lots", "1.5"])
+def test_a_bad_member_bound_setting_is_a_config_error(monkeypatch, value):
+    monkeypatch.setenv(tar_module.MAX_MEMBER_ENV, value)
+    with pytest.raises(ConfigError, match=tar_module.MAX_MEMBER_ENV):
+        _read(tar_file("a.jpg", b"1") + END_OF_ARCHIVE)
+
+
+def test_a_long_name_or_pax_header_over_its_bound_is_refused():
+    data = tar_header("././@LongLink", tar_module.MAX_META_BYTES + 1, kind=b"L") + bytes(4096)
+    with pytest.raises(TarFormatError, match="long-name header holds"):
+        _read(data)
+
+
+def test_a_sample_of_many_members_is_bounded_like_one_member():
+    data = b"".join(tar_file(f"a.{i}", bytes(1000)) for i in range(10)) + END_OF_ARCHIVE
+    with pytest.raises(TarFormatError, match="sample 'a' holds over 4096 bytes"):
+        list(iter_tar_samples(io.BytesIO(data), max_member=4096))
+    assert len(list(iter_tar_samples(io.BytesIO(data), max_member=10_000))[0][1]) == 10
+
+
+def test_a_folder_with_a_lying_size_is_read_past_without_holding_it():
+    data = tar_header("dir/", 3000, kind=b"5") + padded(bytes(3000)) + tar_file("a.jpg", b"1") + END_OF_ARCHIVE
+    assert _read(data) == [("a.jpg", b"1")]
+    with pytest.raises(TarFormatError, match="over the bound"):
+        _read(data, max_member=1000)
+
+
+def test_a_tar_format_error_is_a_gpufeed_error():
+    assert issubclass(TarFormatError, GpufeedError) and issubclass(TarFormatError, ValueError)

@@ -19,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import threading
-import zlib
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, BinaryIO
+from zlib import adler32
 
-from ..errors import StorageError, write_failure
+from ..errors import ConfigError, GpufeedError, StorageError, write_failure
 from .fs import temp_suffix
 
 TAR_MTIME = 946684800  # 2000-01-01: fixed so equal jobs give equal tars
@@ -222,8 +223,8 @@ class TarShardWriter:
 # Reading
 
 
-class TarFormatError(ValueError):
-    """A tar header is corrupt or a member is cut short: the rest of that shard cannot be trusted.
+class TarFormatError(GpufeedError, ValueError):
+    """A shard is not a well-formed tar (a corrupt header, a member cut short): the rest of it cannot be trusted.
 
     Attributes:
         url: the shard, as the caller named it ("" when not given).
@@ -290,53 +291,110 @@ class DigestReader:
         return self.sha256.hexdigest()
 
 
-def iter_tar_samples(source: Any, url: str = "") -> Generator[tuple[str, dict[str, bytes]], None, None]:
+def iter_tar_samples(
+    source: Any, url: str = "", *, max_member: int | None = None
+) -> Generator[tuple[str, dict[str, bytes]], None, None]:
     """Yield (key, {extension: data}), grouping consecutive members by `split_key`.
 
     Args:
         source: a local path, or a binary file object open at the start of the tar.
         url: the name errors give the shard (default: the path).
+        max_member: the largest member (bytes) read into memory; default
+            `max_member_bytes()`.
 
     Raises:
-        TarFormatError: on a header with a bad checksum or a truncated member.
+        TarFormatError: on anything but a well-formed tar (see `iter_tar_members`).
     """
     if isinstance(source, (str, os.PathLike)):
         with open(source, "rb") as handle:
-            yield from iter_tar_samples(handle, url or os.fspath(source))
+            yield from iter_tar_samples(handle, url or os.fspath(source), max_member=max_member)
         return
-    yield from group_samples(iter_tar_members(source, url))
+    limit = max_member_bytes() if max_member is None else max_member
+    yield from group_samples(iter_tar_members(source, url, max_member=limit), url, limit)
 
 
-def group_samples(members: Iterable[tuple[str, bytes]]) -> Generator[tuple[str, dict[str, bytes]], None, None]:
-    """Yield (key, {extension: data}) from (member name, data) pairs, consecutive names of one key as one sample."""
+def group_samples(
+    members: Iterable[tuple[str, bytes]], url: str = "", max_bytes: int | None = None
+) -> Generator[tuple[str, dict[str, bytes]], None, None]:
+    """Yield (key, {extension: data}) from (member name, data) pairs, consecutive names of one key as one sample.
+
+    Args:
+        members: (member name, data) pairs in archive order.
+        url: the name errors give the shard.
+        max_bytes: the most bytes one sample may hold, all its members
+            together (None: no bound), so a shard of one key's thousand
+            members is not one sample held in memory whole.
+
+    Raises:
+        TarFormatError: a sample over `max_bytes`.
+    """
     key: str | None = None
     sample: dict[str, bytes] = {}
+    held = 0
+    bound = (1 << 62) if max_bytes is None else max_bytes
     for name, data in members:
         this_key, extension = split_key(name)
         if this_key != key:
             if key is not None:
                 yield key, sample
                 sample = {}
+                held = 0
             key = this_key
         sample[extension] = data
+        held += len(data)
+        if held > bound:
+            raise TarFormatError(url, f"sample {this_key!r} holds over {max_bytes} bytes, the bound on one member")
     if key is not None:
         yield key, sample
 
 
-def iter_tar_members(handle: Any, url: str = "") -> Iterator[tuple[str, bytes]]:
+def iter_tar_members(handle: Any, url: str = "", *, max_member: int | None = None) -> Iterator[tuple[str, bytes]]:
     """Yield (member name, data) of regular files, reading sequentially.
 
-    Understands ustar, GNU long names and PAX path records. Reads through
+    Understands ustar, GNU long names and base-256 numbers, and PAX `path`
+    and `size` records, per member (`x`) and global (`g`: for every member
+    after it until another says otherwise, as POSIX has it). Reads through
     `handle.readinto` when it has one (else `read`), ahead of what it yields.
 
+    Args:
+        handle: a binary file object open at the start of the tar.
+        url: the name errors give the shard.
+        max_member: the largest member (bytes) read into memory; default
+            `max_member_bytes()`. A PAX or long-name header holds at most
+            `MAX_META_BYTES`.
+
     Raises:
-        TarFormatError: on a header with a bad checksum or a truncated member.
+        TarFormatError: an empty file, a header that is not a tar header (a
+            number field that is no number, or out of range; a checksum that
+            is not exact), a member over the bound, a malformed PAX record, a
+            member cut short, or an archive that ends without its end blocks.
     """
+    limit = max_member_bytes() if max_member is None else max_member
     buffer = _take_buffer()
     try:
-        yield from _members(handle, url, buffer)
+        yield from _members(handle, url, buffer, limit)
     finally:
         _give_back(buffer)
+
+
+MAX_MEMBER_BYTES = 256 << 20
+"""The default bound on one member read into memory: far above any image a dataset holds."""
+MAX_META_BYTES = 1 << 20  # a PAX header or GNU long name: a path and a few numbers
+MAX_MEMBER_ENV = "GPUFEED_MAX_MEMBER_BYTES"
+
+
+def max_member_bytes() -> int:
+    """The bound on one tar member read into memory: $GPUFEED_MAX_MEMBER_BYTES, else `MAX_MEMBER_BYTES`.
+
+    Raises:
+        ConfigError: the variable is set to something that is not a positive integer.
+    """
+    text = os.environ.get(MAX_MEMBER_ENV)
+    if not text:
+        return MAX_MEMBER_BYTES
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"{MAX_MEMBER_ENV}={text!r}: give the largest tar member to read, in bytes (a positive integer)")
+    return int(text)
 
 
 _CHUNK = 1 << 20  # read shards 1 MB at a time into one reused buffer: no fresh pages per read
@@ -359,55 +417,198 @@ def _give_back(buffer: bytearray) -> None:
             _spare_buffers.append(buffer)
 
 
-def _members(handle: Any, url: str, buffer: bytearray) -> Iterator[tuple[str, bytes]]:
-    long_name: str | None = None
+
+
+_KEPT = (b"0", b"\0", b"7")  # regular files: the members yielded
+_META = (b"x", b"g", b"L", b"K")  # PAX headers and GNU long names: read, applied to what follows
+# mode, uid, gid (8 bytes each), size, mtime (12 each); devmajor, devminor (8 each): octal text
+# ended by NUL or space, or GNU base-256 (first byte 0x80, or 0xff for a negative number).
+_NUMBER8 = rb"(?:[0-7 \0]{8}|[\x80\xff].{7})"
+_NUMBERS = re.compile(rb"%s{3}(?:[0-7 \0]{12}|[\x80\xff].{11}){2}.{181}%s{2}" % (_NUMBER8, _NUMBER8), re.DOTALL)
+_OCTAL_TEXT = b"01234567 \0"
+_HIGH_BYTES = bytes(range(128, 256))
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+
+
+def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[tuple[str, bytes]]:
     view = memoryview(buffer)
-    start = end = 0  # buffer[start:end] is read and not yet parsed
+    long_name: str | None = None  # a GNU long name, for the next member
+    pax: dict[str, str] = {}  # the next member's PAX records (x)
+    global_pax: dict[str, str] = {}  # every later member's (g), until a g says otherwise
+    start, end = _refill(handle, buffer, 0, 0, TAR_BLOCK)  # buffer[start:end] is read and not yet parsed
+    if end == 0:
+        raise TarFormatError(url, "empty file (not a tar archive)")
     while True:
         if end - start < TAR_BLOCK:
             start, end = _refill(handle, buffer, start, end, TAR_BLOCK)
-        if end - start < TAR_BLOCK:  # what lies beyond `end` in the reused buffer is an earlier read's
-            return  # a file cut at a header: what tarfile also accepts
+            if end - start < TAR_BLOCK:  # what lies beyond `end` in the reused buffer is an earlier read's
+                cut = "in a header" if end > start else "without the end-of-archive blocks"
+                raise TarFormatError(url, f"truncated tar archive (it ends {cut})")
         header = bytes(view[start : start + TAR_BLOCK])
         if header == _ZERO_BLOCK:
             return  # the end of the archive
-        try:
-            stored, size = _octal(header[148:156]), _octal(header[124:136])
-        except ValueError:
-            raise TarFormatError(url, "corrupt tar header (a number field is not a number)") from None
-        if not _header_checksum_ok(header, stored):
-            raise TarFormatError(url, "corrupt tar header (checksum mismatch)")
-        if size < 0:
-            raise TarFormatError(url, "corrupt tar header (negative size)")
+        try:  # the usual header, inline: octal text in every number field, the unsigned checksum right
+            if header[100:156].translate(None, _OCTAL_TEXT) or header[329:345].translate(None, _OCTAL_TEXT):
+                raise ValueError("not octal")
+            size = int(header[124:136].partition(b"\0")[0], 8)
+            # ASCII only: the byte sum is under 65521, so Adler-32's low half is 1 + the exact sum.
+            field = header[148:156]
+            if not header.isascii() or int(field.partition(b"\0")[0], 8) != (adler32(header) & 0xFFFF) - (
+                adler32(field) & 0xFFFF
+            ) + 256:
+                raise ValueError("checksum")
+        except ValueError:  # a closer look: base-256, a signed checksum, an empty field; or the error
+            size = _parse_header(header, url)
         kind = header[156:157]
+        keep = regular = kind in _KEPT
+        if regular:
+            if pax or global_pax or long_name is not None:
+                size = _pax_size(pax, global_pax, url, size)
+                name = _member_path(header, pax, global_pax, long_name)
+            else:  # _header_name, inline
+                name = header[:100].partition(b"\0")[0].decode("utf-8", "replace")
+                if header[345] and header[257:262] == b"ustar":
+                    name = _header_name(header)
+            if size > limit:
+                raise _over_bound(url, f"tar member {name!r}", size, limit)
+        elif kind in _META:
+            keep = True
+            if size > MAX_META_BYTES:
+                raise _over_bound(url, "a PAX or long-name header", size, MAX_META_BYTES, settable=False)
+        else:  # read past: a folder, a link, a device
+            size = _pax_size(pax, global_pax, url, size)
+            if size > limit:
+                raise _over_bound(url, "a tar member", size, limit)
         padded = size + (-size % TAR_BLOCK)
-        if end - start < TAR_BLOCK + padded and TAR_BLOCK + padded <= len(buffer):
-            start, end = _refill(handle, buffer, start, end, TAR_BLOCK + padded)
+        whole = TAR_BLOCK + padded
+        if end - start < whole and whole <= len(buffer):
+            start, end = _refill(handle, buffer, start, end, whole)
         if end - start >= TAR_BLOCK + size:
-            data = bytes(view[start + TAR_BLOCK : start + TAR_BLOCK + size])
-            start = min(end, start + TAR_BLOCK + padded)
-        else:  # larger than the buffer: what is here, then the rest straight from the file
-            data = bytes(view[start + TAR_BLOCK : end]) + handle.read(size - (end - start - TAR_BLOCK))
-            handle.read(padded - size)
+            data = bytes(view[start + TAR_BLOCK : start + TAR_BLOCK + size]) if keep else b""
+            start = min(end, start + whole)
+        else:  # larger than the buffer, or cut short: what is here, then the rest straight from the file
+            here = end - start - TAR_BLOCK
+            if keep:
+                data = bytes(view[start + TAR_BLOCK : end]) + _read_exact(handle, size - here)
+                got = len(data)
+            else:
+                data, got = b"", here + _skip(handle, buffer, size - here)
             start = end = 0
-        if len(data) < size:
-            raise TarFormatError(url, "truncated tar member")
-        if kind == b"L":
-            long_name = _text(data)
-            continue
-        if kind in (b"x", b"g"):
-            long_name = _pax_path(data) or long_name
-            continue
-        if kind not in (b"0", b"\0", b"7"):
+            if got < size:
+                raise TarFormatError(url, "truncated tar member")
+            _skip(handle, buffer, padded - size)  # a cut here shows as a truncated archive at the next header
+        if regular:
             long_name = None
+            if pax:
+                pax = {}
+            yield name, data
             continue
-        if long_name is not None:
-            name, long_name = long_name, None
-        else:
-            name = _text(header[:100])
-            if header[345] and header[257:262] == b"ustar":
-                name = _text(header[345:500]) + "/" + name
-        yield name, data
+        if kind in _META:
+            if kind == b"L":
+                long_name = _text(data)
+            elif kind == b"x":
+                pax.update(_pax_records(data, url))
+            elif kind == b"g":
+                for keyword, value in _pax_records(data, url).items():
+                    if value:
+                        global_pax[keyword] = value
+                    else:  # POSIX: an empty value deletes the keyword
+                        global_pax.pop(keyword, None)
+            continue
+        long_name = None
+        pax = {}
+
+
+def _over_bound(url: str, what: str, size: int, bound: int, *, settable: bool = True) -> TarFormatError:
+    hint = f" (set {MAX_MEMBER_ENV} to read larger ones)" if settable else ""
+    return TarFormatError(url, f"{what} holds {size} bytes, over the bound of {bound} bytes on one member{hint}")
+
+
+def _parse_header(header: bytes, url: str) -> int:
+    """The size field of a header whose numbers and checksum are exactly right.
+
+    Three parts of the header (148, 248 and 108 bytes around the checksum
+    field) each sum to under 65521, so zlib's Adler-32, whose low half is
+    1 + the byte sum mod 65521, gives each part's exact sum in C: the
+    checksum is their sum plus the field as 8 spaces (256), -3 for the three
+    ones. `_members` checks the usual header inline: octal text in every
+    number field, ASCII only (so one Adler-32 over the whole header is exact).
+    """
+    try:
+        checksum_ok = _header_checksum_ok(header, _octal(header[148:156]))
+    except ValueError:
+        checksum_ok = False
+    if not checksum_ok:
+        raise TarFormatError(url, "corrupt tar header (checksum mismatch)")
+    try:
+        if _NUMBERS.fullmatch(header, 100, 345) is None:
+            raise ValueError("not a number")
+        size = _number(header[124:136])
+    except ValueError:
+        raise TarFormatError(url, "corrupt tar header (a number field is not a number)") from None
+    if size < 0:
+        raise TarFormatError(url, "corrupt tar header (negative size)")
+    return size
+
+
+def _member_path(header: bytes, pax: dict[str, str], global_pax: dict[str, str], long_name: str | None) -> str:
+    """A member's name: its PAX path, else its GNU long name, else a global PAX path, else the header's."""
+    path = pax.get("path")
+    if path is None:
+        path = long_name if long_name is not None else global_pax.get("path")
+    if path:  # an empty PAX path deletes it: the header's name holds
+        return path.rstrip("/")  # as tarfile reads it
+    return _header_name(header)
+
+
+def _header_name(header: bytes) -> str:
+    """The name a ustar header holds: its prefix field, a slash and its name field (or the name alone)."""
+    name = _text(header[:100])
+    if header[345] and header[257:262] == b"ustar":
+        name = _text(header[345:500]) + "/" + name
+    return name
+
+
+def _pax_size(pax: dict[str, str], global_pax: dict[str, str], url: str, size: int) -> int:
+    """A member's size: its PAX `size` record (or a global one) where there is one, else its header's."""
+    value = pax.get("size", global_pax.get("size"))
+    if not value:
+        return size
+    if not _DECIMAL.fullmatch(value):
+        raise TarFormatError(url, f"corrupt PAX header (size {value[:40]!r} is not a number)")
+    return int(value)
+
+
+def _pax_records(data: bytes, url: str) -> dict[str, str]:
+    """The records of a PAX header: `LENGTH KEYWORD=VALUE\\n`, LENGTH counting the whole record.
+
+    Raises:
+        TarFormatError: a record that is not one (NUL padding after the last is allowed).
+    """
+    records: dict[str, str] = {}
+    position = 0
+    while position < len(data):
+        if data[position] == 0 and not data[position:].strip(b"\0"):
+            break
+        space = data.find(b" ", position, position + 21)
+        digits = data[position:space] if space > position else b""
+        length = int(digits) if digits.isdigit() else 0
+        stop = position + length
+        keyword, equals, value = data[space + 1 : stop - 1].partition(b"=")
+        if not length or stop > len(data) or data[stop - 1] != 0x0A or not equals or not keyword:
+            raise TarFormatError(url, "corrupt PAX header (a record is not LENGTH KEYWORD=VALUE)")
+        records[keyword.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+        position = stop
+    return records
+
+
+def _read_into(handle: Any, view: memoryview) -> int:
+    """Read into `view` through `readinto` where the file has one, else `read`; bytes read (0 at the end)."""
+    if hasattr(handle, "readinto"):
+        return handle.readinto(view) or 0
+    chunk = handle.read(len(view))
+    view[: len(chunk)] = chunk
+    return len(chunk)
 
 
 def _refill(handle: Any, buffer: bytearray, start: int, end: int, need: int) -> tuple[int, int]:
@@ -417,60 +618,81 @@ def _refill(handle: Any, buffer: bytearray, start: int, end: int, need: int) -> 
     if start:
         view[:kept] = view[start:end]
     while kept < need:
-        got = handle.readinto(view[kept:]) if hasattr(handle, "readinto") else None
-        if got is None:  # no readinto: read() into the buffer
-            chunk = handle.read(len(buffer) - kept)
-            got = len(chunk)
-            view[kept : kept + got] = chunk
+        got = _read_into(handle, view[kept:])
         if not got:
             break
         kept += got
     return 0, kept
 
 
-def _octal(field: bytes) -> int:
-    """A numeric header field: octal text, or GNU base-256 for very large sizes.
+def _read_exact(handle: Any, count: int) -> bytes:
+    """`count` bytes from the file, fewer only where it ends."""
+    data: bytes = handle.read(count)
+    if len(data) == count or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < count:
+        more = handle.read(count - got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _skip(handle: Any, buffer: bytearray, count: int) -> int:
+    """Read and drop `count` bytes through `buffer` (memory stays flat); how many there were."""
+    view = memoryview(buffer)
+    left = count
+    while left > 0:
+        got = _read_into(handle, view[: min(left, len(buffer))])
+        if not got:
+            break
+        left -= got
+    return count - left
+
+
+def _number(field: bytes) -> int:
+    """A numeric header field: octal text, or GNU base-256 (0x80: positive, 0xff: negative, two's complement).
 
     Raises:
         ValueError: when the field is neither.
     """
-    if field[0] & 0x80:
-        return int.from_bytes(field[1:], "big")
-    text = field.rstrip(b"\0 ").strip()
-    return int(text, 8) if text else 0
+    if not field[0] & 0x80:
+        return _octal(field)
+    if field[0] not in (0x80, 0xFF):
+        raise ValueError("not base-256")
+    value = int.from_bytes(field[1:], "big")
+    return value - (1 << (8 * (len(field) - 1))) if field[0] == 0xFF else value
+
+
+def _octal(field: bytes) -> int:
+    """Octal text up to the first NUL, spaces around it (as tar writes it); empty is 0.
+
+    Raises:
+        ValueError: anything else (a sign, an underscore, a non-octal digit).
+    """
+    text = field.partition(b"\0")[0]
+    if text.translate(None, _OCTAL_TEXT):  # a sign, an underscore: what int() would take, tar not
+        raise ValueError("not octal")
+    return int(text, 8) if text.strip(b" ") else 0  # int() refuses a space between digits
 
 
 def _header_checksum_ok(header: bytes, stored: int) -> bool:
-    """The tar checksum (byte sum with the checksum field as spaces), compared modulo 65521.
+    """The tar checksum, exactly: the header's byte sum with the checksum field as spaces, unsigned or signed.
 
-    zlib's Adler-32 sums the bytes in C (its low half is 1 + the byte sum mod
-    65521), where a Python sum over the 512 bytes costs microseconds per member.
+    POSIX sums the bytes unsigned; some old tars summed them signed, and tar
+    accepts either (see `_parse_header` for the sum).
     """
-    byte_sum = (zlib.adler32(header) & 0xFFFF) - 1
-    return (byte_sum - sum(header[148:156]) + 256 - stored) % 65521 == 0
+    unsigned = (adler32(header[:148]) & 0xFFFF) + (adler32(header[156:404]) & 0xFFFF) + (adler32(header[404:]) & 0xFFFF) + 253
+    if stored == unsigned:
+        return True
+    field = header[148:156]
+    high = len(header) - len(header.translate(None, _HIGH_BYTES)) - (len(field) - len(field.translate(None, _HIGH_BYTES)))
+    return stored == unsigned - 256 * high
 
 
 def _text(field: bytes) -> str:
     """A NUL-terminated name field, as tarfile reads it (up to the first NUL)."""
     return field.partition(b"\0")[0].decode("utf-8", "replace")
-
-
-def _pax_path(data: bytes) -> str | None:
-    """The `path` of a PAX header: records are `LENGTH KEY=VALUE\\n`, LENGTH counting the whole record."""
-    path = None
-    position = 0
-    while position < len(data):
-        space = data.find(b" ", position)
-        if space < 0:
-            break
-        try:
-            length = int(data[position:space])
-        except ValueError:
-            break
-        if length <= space - position:
-            break
-        key, _, value = data[space + 1 : position + length - 1].partition(b"=")
-        if key == b"path":
-            path = value.decode("utf-8", "replace").rstrip("/")  # as tarfile reads it
-        position += length
-    return path

@@ -3,7 +3,8 @@
 Damage turns up in two places. Reading an epoch's shards (`epoch.py`) meets
 shards that are missing, unreadable, cut short (fewer samples than the
 manifest says) or, with `verify=True`, not matching their sha256, and samples
-without an image; decoding (`workers.py`, `device.py`) meets samples whose
+without an image or whose label is no class index of the manifest (not an
+integer, negative, past the classes; past int64 without a list); decoding (`workers.py`, `device.py`) meets samples whose
 bytes do not decode. With `on_error="raise"` the first of these stops the
 epoch with a `SampleError` naming it. With `on_error="skip"` (the default)
 each becomes a `Damage`: the stats count it, the log names it once, and the
@@ -13,8 +14,10 @@ without talking to another:
 - Samples lost while reading are made up at the end of the epoch by reading
   again the parts of this epoch's shards that this rank read without fault,
   in the epoch's order and from the first, wrapping around as often as
-  needed (train mode mixes them in a shuffle buffer of their own). They come
-  with fresh ordinals, so fresh crops and flips. A rank none of whose shards
+  needed (train mode mixes them in a shuffle buffer of their own), at most
+  64 times over (more lost than that is a SampleError: a dataset to check,
+  not one to re-draw from for ever). They come with fresh ordinals, so fresh
+  crops and flips. A rank none of whose shards
   could be read takes the epoch's other shards the same way; a rank that
   can read nothing at all raises a SampleError.
 - A sample that does not decode is replaced in its batch position by a

@@ -15,12 +15,17 @@ from ..manifest import MANIFEST_NAME, read_manifest, shard_location
 
 @dataclasses.dataclass(frozen=True)
 class ShardRef:
-    """One shard the loader can read: where, how many samples, and (from a manifest) its size and sha256."""
+    """One shard the loader can read: where, how many samples, and (from a manifest) its size, sha256 and classes.
+
+    `classes` bounds its samples' labels (0 to classes-1: the manifest's
+    class names); None where no list says (a brace pattern: any int64 >= 0).
+    """
 
     url: str
     samples: int
     bytes: int | None = None
     sha256: str | None = None
+    classes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +89,7 @@ def resolve_dataset(source: str | os.PathLike[str], *, links_outside: bool = Fal
     sets: dict[int | None, list[ShardRef]] = {}
     for shard in manifest.shards:
         url = shard_location(output, shard.path, links_outside=links_outside)
-        sets.setdefault(shard.variant, []).append(ShardRef(url, shard.samples, shard.bytes, shard.sha256))
+        sets.setdefault(shard.variant, []).append(ShardRef(url, shard.samples, shard.bytes, shard.sha256, len(manifest.classes)))
     ordered = [sets[key] for key in sorted(sets, key=lambda v: -1 if v is None else v)]
     return DatasetInfo(ordered, manifest.classes, manifest.samples, root, _prepared_size(manifest.params))
 

@@ -111,6 +111,33 @@ def pick_image(members: dict[str, bytes]) -> tuple[str, bytes] | None:
     return None
 
 
+MAX_LABEL = 2**63 - 1  # labels are int64
+
+
+def label_bound(shards: list[Any]) -> int:
+    """One past the largest label the shards' samples may have: their manifest's class count, else int64's bound."""
+    counts = [shard.classes for shard in shards if getattr(shard, "classes", None) is not None]
+    return min(counts) if counts else MAX_LABEL + 1
+
+
+def sample_label(members: dict[str, bytes], bound: int) -> tuple[int, str]:
+    """A sample's label and "", or (-1, why it is damaged); -1 and "" for a sample without a `cls` (unlabelled).
+
+    A label is ASCII decimal digits (spaces around them allowed), 0 <= label < `bound`.
+    """
+    text = members.get("cls")
+    if text is None:
+        return -1, ""
+    digits = text.strip()
+    if digits.isdigit() and len(digits) <= 19:  # bytes.isdigit: ASCII 0-9 only; 19 digits fit an int64
+        label = int(digits)
+        if label < bound:
+            return label, ""
+        allowed = "int64" if bound > MAX_LABEL else f"{bound} classes"
+        return -1, f"label {label} is out of range (the dataset has {allowed})"
+    return -1, f"label {text[:24]!r} is not a non-negative integer"
+
+
 @dataclasses.dataclass
 class ReadLog:
     """How reading an epoch's segments went: where to report damage, and which parts read without fault.
@@ -288,13 +315,14 @@ def epoch_records(
     wanted = per_rank // spec.batch_size * spec.batch_size if drop_last else per_rank
     log = ReadLog(report, spec.verify, opener=opener or ShardOpener())
     samples = shuffle_rank(read_segments(shards, segments, epoch_interleave(spec), log), spec, epoch, rank)
-    delivered = yield from _records(samples, 0, wanted, report)
+    bound = label_bound(shards)
+    delivered = yield from _records(samples, 0, wanted, report, bound)
     for _ in samples:  # the rest of the plan: damage in the last shards is seen, verify hashes them whole
         pass
     if delivered < wanted:
         report(Damage("", replaced=wanted - delivered))
-        stand_ins = _stand_ins(shards, segments, log, spec, epoch, rank, wanted - delivered)
-        yield from _records(stand_ins, delivered, wanted, ignore)
+        stand_ins = _stand_ins(shards, segments, log, spec, epoch, rank, wanted - delivered, bound)
+        yield from _records(stand_ins, delivered, wanted, ignore, bound)
 
 
 def epoch_interleave(spec: LoaderSpec) -> int:
@@ -310,18 +338,21 @@ def shuffle_rank(items: Iterator[Any], spec: LoaderSpec, epoch: int, rank: int) 
 
 
 def _records(
-    samples: Iterator[tuple[str, dict[str, bytes]]], ordinal: int, wanted: int, report: Report
+    samples: Iterator[tuple[str, dict[str, bytes]]], ordinal: int, wanted: int, report: Report, bound: int
 ) -> Generator[Record, None, int]:
-    """Records numbered from `ordinal` until `wanted`; returns where the numbering stopped."""
+    """Records numbered from `ordinal` until `wanted`; returns where the numbering stopped.
+
+    A sample without an image or with a label that is no integer in [0, `bound`) is damage, reported.
+    """
     if ordinal >= wanted:
         return ordinal
     for key, members in samples:
         picked = pick_image(members)
-        if picked is None:
-            reason = f"no image member ({', '.join(sorted(members))})"
+        label, reason = sample_label(members, bound)
+        if picked is None or reason:
+            reason = reason or f"no image member ({', '.join(sorted(members))})"
             report(Damage(f"sample {key}: {reason}", lost=1, sample=key, reason=reason))
             continue
-        label = int(members["cls"]) if members.get("cls", b"").strip().lstrip(b"-").isdigit() else -1
         yield Record(key, picked[1], picked[0], label, ordinal)
         ordinal += 1
         if ordinal >= wanted:
@@ -330,7 +361,14 @@ def _records(
 
 
 def _stand_ins(
-    shards: list[ShardRef], segments: list[Segment], log: ReadLog, spec: LoaderSpec, epoch: int, rank: int, count: int
+    shards: list[ShardRef],
+    segments: list[Segment],
+    log: ReadLog,
+    spec: LoaderSpec,
+    epoch: int,
+    rank: int,
+    count: int,
+    bound: int,
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Samples to make up for `count` lost ones: the rank's good parts again, wrapping around (see `damage.py`)."""
     parts = [log.good[number] for number in sorted(log.good)]
@@ -338,22 +376,30 @@ def _stand_ins(
         mine = {segment.shard for segment in segments}
         order = shard_order(len(shards), seed=spec.seed, epoch=epoch, shuffle=spec.train)
         parts = [Segment(index, 0, shards[index].samples) for index in order if index not in mine]
-    stand_ins = _wrapping(shards, parts, count, log)
+    stand_ins = _wrapping(shards, parts, count, log, bound)
     if spec.train:
         rng = np.random.default_rng([spec.seed, epoch, rank, 0x5C])
         stand_ins = shuffle_buffer(stand_ins, min(spec.shuffle_buffer, count), rng)
     return stand_ins
 
 
+MAX_REDRAW_PASSES = 64  # stand-ins read the good parts at most this often: more lost is a dataset to check
+
+
 def _wrapping(
-    shards: list[ShardRef], parts: list[Segment], count: int, log: ReadLog
+    shards: list[ShardRef], parts: list[Segment], count: int, log: ReadLog, bound: int
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """At least `count` samples with an image from `parts`, read again and again in order."""
+    """At least `count` usable samples (an image, a good label) from `parts`, read again and again in order.
+
+    Raises:
+        SampleError: nothing in `parts` is usable, or `count` would take more
+            than MAX_REDRAW_PASSES passes over them (far more was lost than read well).
+    """
     given = 0
-    while given < count:
+    for _ in range(MAX_REDRAW_PASSES):
         before = given
         for key, members in read_segments(shards, parts, 1, ReadLog(ignore, opener=log.opener)):
-            if pick_image(members) is not None:
+            if pick_image(members) is not None and not sample_label(members, bound)[1]:
                 yield key, members
                 given += 1
                 if given >= count:
@@ -363,6 +409,10 @@ def _wrapping(
                 f"{count} samples of this epoch were lost to damage and none of its shards "
                 "can be read to make up for them; check the dataset with `gpufeed inspect --verify`"
             )
+    raise SampleError(
+        f"{count} samples of this epoch were lost to damage, over {MAX_REDRAW_PASSES} times the {given // MAX_REDRAW_PASSES} "
+        "that read well to make up for them; check the dataset with `gpufeed inspect --verify`"
+    )
 
 
 def records_per_rank(shards: list[ShardRef], spec: LoaderSpec, world_size: int) -> int:
