@@ -21,7 +21,7 @@ from ..decode import decode_image, pil_image
 from ..errors import DecodeError, SampleError
 from ..io.tar import TarFormatError, iter_tar_samples
 from .dataset import DatasetInfo, ShardRef
-from .epoch import pick_image
+from .epoch import label_bound, pick_image, sample_label
 from .streaming import ShardOpener
 
 
@@ -89,23 +89,26 @@ class LoaderDataset(DatasetInfo):
             with opener.open(shard) as handle:
                 for number, (key, members) in enumerate(iter_tar_samples(handle, shard.url)):
                     if number == position:
-                        return _sample(shard.url, key, members)
+                        return _sample(shard.url, key, members, label_bound([shard]))
         except (TarFormatError, OSError) as exc:
             raise SampleError(f"cannot read sample {position} of {shard.url}: {exc}", shard=shard.url) from exc
         raise SampleError(f"{shard.url} holds fewer samples than the manifest says ({shard.samples})", shard=shard.url)
 
 
-def _sample(shard: str, key: str, members: dict[str, bytes]) -> DatasetSample:
+def _sample(shard: str, key: str, members: dict[str, bytes], bound: int) -> DatasetSample:
     picked = pick_image(members)
     if picked is None:
         raise SampleError(f"sample {key} of {shard} has no image", shard=shard, sample=key)
     extension, data = picked
+    label, damage = sample_label(members, bound)
+    if damage:
+        raise SampleError(f"sample {key} of {shard}: {damage}", shard=shard, sample=key, reason=damage)
     try:
         image = _image(extension, data)
         info = json.loads(members["json"]) if "json" in members else {}
     except (DecodeError, ValueError) as exc:
         raise SampleError(f"sample {key} of {shard}: {exc}", shard=shard, sample=key) from exc
-    return DatasetSample(image, _label(members.get("cls")), key, shard, info if isinstance(info, dict) else {})
+    return DatasetSample(image, label, key, shard, info if isinstance(info, dict) else {})
 
 
 def _image(extension: str, data: bytes) -> Any:
@@ -116,11 +119,3 @@ def _image(extension: str, data: bytes) -> Any:
         raise DecodeError(f".npy sample must be uint8 HxW or HxWx3, got {array.dtype} {array.shape}")
     return pil_image().fromarray(array).convert("RGB")
 
-
-def _label(text: bytes | None) -> int:
-    if text is None:
-        return -1
-    try:
-        return int(text)
-    except ValueError:
-        raise DecodeError(f"its .cls is not a class index: {text[:40]!r}") from None
