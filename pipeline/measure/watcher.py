@@ -35,7 +35,7 @@ from .watch_hook import ENV_DIR, HOOK_DIR
 
 DATA_BOUND = 0.25  # stall fraction from which the data is the limit
 COMPUTE_BOUND = 0.10  # below it, faster data would change little
-BUSY = 0.7  # a worker that wants a core this much of the time is CPU-bound
+BUSY = 0.7  # a Dataset on a core (or waiting for one) this much of its time is CPU-bound
 DISK_NEAR = 0.7  # reads at this share of the measured ceiling are the limit
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -53,8 +53,8 @@ class LoopFigures:
         step_s: seconds between batches (the loop's own work: forward, backward, step).
         first_s: seconds the first batch of each iteration took (worker start-up included).
         num_workers: the loader's workers (the largest seen).
-        fetch_s, fetch_cpu_s, fetch_batches: Dataset + collate wall and CPU seconds, in the
-            workers (or this process with num_workers=0).
+        fetch_s, fetch_cpu_s, fetch_runq_s, fetch_batches: Dataset + collate seconds: wall, on a
+            core, and waiting for one; in the workers (or this process with num_workers=0).
         cpu_s: CPU seconds of this process (all threads).
         workers_cpu_s: CPU seconds of its child processes (the DataLoader workers).
         workers_runq_s: seconds those children waited for a free core.
@@ -72,6 +72,7 @@ class LoopFigures:
     num_workers: int = 0
     fetch_s: float = 0.0
     fetch_cpu_s: float = 0.0
+    fetch_runq_s: float = 0.0
     fetch_batches: int = 0
     cpu_s: float = 0.0
     workers_cpu_s: float = 0.0
@@ -465,6 +466,7 @@ def _loop_figures(pid: int, record: Mapping[str, Any], records: Mapping[int, Map
         fetch = fetcher.get("fetch", {})
         loop.fetch_s += fetch.get("seconds", 0.0)
         loop.fetch_cpu_s += fetch.get("cpu_s", 0.0)
+        loop.fetch_runq_s += fetch.get("runq_s", 0.0)
         loop.fetch_batches += fetch.get("batches", 0)
     own = tree.procs.get(pid)
     loop.cpu_s = own.cpu_s if own else 0.0
@@ -577,16 +579,19 @@ def _data_cause(
         return _gpufeed_cause(report, fed, seconds, evidence, undetermined)
     fetch_s = sum(loop.fetch_s for loop in torch_loops)
     fetch_cpu = sum(loop.fetch_cpu_s for loop in torch_loops)
+    fetch_runq = sum(loop.fetch_runq_s for loop in torch_loops)
     in_workers = sum(loop.num_workers for loop in torch_loops)
     places = max(in_workers, len(torch_loops))
     dataset_busy = fetch_s / (places * seconds)
     where = f"{in_workers} DataLoader workers" if in_workers else "the training process (num_workers=0)"
+    cpu_share = fetch_cpu / fetch_s if fetch_s > 0 else 0.0
+    runq_share = fetch_runq / fetch_s if fetch_s > 0 else 0.0
     evidence.append(
         f"the Dataset + collate took {fetch_s:.2f} s in {where}: busy {dataset_busy:.0%} of the time, "
-        f"{fetch_cpu / fetch_s if fetch_s > 0 else 0:.0%} of it on a CPU"
+        f"{cpu_share:.0%} of it on a core and {runq_share:.0%} waiting for one"
     )
-    demand = _worker_demand(torch_loops, seconds, evidence) if in_workers else None
-    cpu_share = fetch_cpu / fetch_s if fetch_s > 0 else 0.0
+    if in_workers:
+        _worker_cores(torch_loops, seconds, evidence)
     cores_free = max(0.0, report.cores - _cores_busy(report))
     if dataset_busy < 0.5 and in_workers:
         return "main-process", (
@@ -594,7 +599,7 @@ def _data_cause(
             "batches (receiving them from the workers, pin_memory, collation of large batches) limits; "
             "make_loader hands uint8 batches over without that copy (`gpufeed advise SRC --target DIR`)"
         ), None
-    cpu_bound = (demand if demand is not None else cpu_share) >= BUSY
+    cpu_bound = cpu_share + runq_share >= BUSY
     if cpu_bound:
         evidence.append(f"the machine has {report.cores} cores, about {cores_free:.1f} free on average")
         more = min(math.ceil(max(1, in_workers) * fed), max(1, in_workers) + int(cores_free))
@@ -622,18 +627,15 @@ def _data_cause(
     ), min(fed, more / now)
 
 
-def _worker_demand(loops: Sequence[LoopFigures], seconds: float, evidence: list[str]) -> float | None:
+def _worker_cores(loops: Sequence[LoopFigures], seconds: float, evidence: list[str]) -> None:
     workers = sum(loop.workers for loop in loops)
-    if not workers:
-        return None
-    cpu = sum(loop.workers_cpu_s for loop in loops)
-    runq = sum(loop.workers_runq_s for loop in loops)
-    demand = (cpu + runq) / (workers * seconds)
-    evidence.append(
-        f"workers: {cpu / seconds:.2f} cores busy for {workers} workers, {runq / seconds:.2f} more waited for a core: "
-        f"each wants a core {min(demand, 1.0):.0%} of the time"
-    )
-    return demand
+    if workers:
+        cpu = sum(loop.workers_cpu_s for loop in loops)
+        runq = sum(loop.workers_runq_s for loop in loops)
+        evidence.append(
+            f"the {workers} worker processes kept {cpu / seconds:.2f} cores busy and waited {runq / seconds:.2f} "
+            "core-seconds per second for a free core"
+        )
 
 
 def _cores_busy(report: WatchReport) -> float:

@@ -50,12 +50,13 @@ class _Loop:
 class _Fetch:
     """Dataset + collate time per batch, where it runs (a DataLoader worker, or the main process)."""
 
-    __slots__ = ("batches", "seconds", "cpu_s")
+    __slots__ = ("batches", "seconds", "cpu_s", "runq_s")
 
     def __init__(self) -> None:
         self.batches = 0
         self.seconds = 0.0
         self.cpu_s = 0.0
+        self.runq_s = 0.0  # runnable but waiting for a core: CPU work too, on a crowded machine
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -77,9 +78,24 @@ class Recorder:
         self.next_flush = _perf() + FLUSH_S
         self.file: IO[str] | None = None
         self.dirty = False
+        self.schedstat = -2  # /proc/thread-self/schedstat, opened at the first fetch (-1: not available)
+
+    def runq_ns(self) -> int:
+        """Nanoseconds the calling thread has waited for a core (0 where the kernel does not say)."""
+        if self.schedstat == -2:
+            try:
+                self.schedstat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            except OSError:
+                self.schedstat = -1
+        if self.schedstat < 0:
+            return 0
+        try:
+            return int(os.pread(self.schedstat, 64, 0).split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
 
     def after_fork(self) -> None:
-        """A forked child (a DataLoader worker) starts its own counters and file."""
+        """A forked child (a DataLoader worker) starts its own counters and file (the parent's stay open there)."""
         self._reset()
 
     def flush(self) -> None:
@@ -262,7 +278,7 @@ def _patch_fetch(cls) -> None:
         recorder = _recorder
         if recorder is None:
             return original(self, possibly_batched_index)
-        started, cpu = _perf(), _thread_time()
+        started, cpu, runq = _perf(), _thread_time(), recorder.runq_ns()
         try:
             return original(self, possibly_batched_index)
         finally:
@@ -271,6 +287,7 @@ def _patch_fetch(cls) -> None:
             counts.batches += 1
             counts.seconds += now - started
             counts.cpu_s += _thread_time() - cpu
+            counts.runq_s += (recorder.runq_ns() - runq) / 1e9
             if counts.batches == 1:
                 _first_fetch(recorder)
             recorder.dirty = True
