@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from loader_data import prepare_labelled
-
-REPO = Path(__file__).resolve().parents[1]
 
 # A DataLoader loop: DATASET and STEP are filled in by each test.
 LOOP = """
@@ -225,3 +224,38 @@ def test_library_form_times_this_process() -> None:
     (loop,) = report.loops
     assert loop.pid == os.getpid() and loop.batches == 10 and loop.kind == "torch"
     assert report.verdict.bound == "compute-bound"
+
+
+def test_reads_near_the_disks_measured_ceiling_are_disk_bound(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    env = {**os.environ, "GPUFEED_CACHE": str(cache)}
+    (tmp_path / "data").mkdir()
+    bench = subprocess.run(
+        [sys.executable, "-m", "pipeline", "bench", "disk", str(tmp_path / "data"), "--file-size", "8MiB",
+         "--duration", "0.2", "--tests", "seq_read", "--block-sizes", "1MiB"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    (remembered,) = (cache / "disk").glob("*.json")
+    entry = json.loads(remembered.read_text())
+    assert entry["seq_read_mb_s"] > 0 and entry["st_dev"] == os.stat(tmp_path / "data").st_dev
+    # The same filesystem, as if its disk delivered 1 MB/s: the run's reads are then at its ceiling.
+    entry["seq_read_mb_s"] = 1.0
+    remembered.write_text(json.dumps(entry))
+    blob = tmp_path / "data" / "blob.bin"
+    blob.write_bytes(os.urandom(2**21))
+    os.sync()
+    dataset = (
+        f"fd = os.open({str(blob)!r}, os.O_RDONLY)\n"
+        "        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the page cache\n"
+        "        while os.read(fd, 2**20): pass\n"
+        "        time.sleep(0.01); os.close(fd)"
+    )
+    script = write_loop(tmp_path, items=32, dataset=dataset, workers=2)
+    script.write_text("import os\n" + script.read_text())
+    result, report = watch(tmp_path, sys.executable, str(script), env=env)
+    assert result.returncode == 0, result.stderr
+    if report["read_bytes"] == 0:
+        pytest.skip("this filesystem counts no storage reads (tmpfs or overlay)")
+    assert report["disk_ceiling_mb_s"] == 1.0 and report["disk_measured"] == str(tmp_path / "data")
+    assert report["verdict"]["cause"] == "disk", result.stderr

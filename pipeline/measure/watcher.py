@@ -150,10 +150,15 @@ class Verdict:
 
 @dataclasses.dataclass
 class WatchReport:
-    """Everything `gpufeed watch` measured, and its verdict."""
+    """Everything `gpufeed watch` measured, and its verdict.
+
+    `disk_ceiling_mb_s` is the sequential read rate `gpufeed bench disk` measured (at `disk_measured`) on the
+    filesystem the run had most files open on; None when none was measured there. `read_mb_s` is the process
+    tree's storage reads (page-cache hits excluded) per second of the training loop.
+    """
 
     command: list[str]
-    exit_code: int | None
+    exit_code: int | None  # the command's (128 + N when signal N ended it); None for `watch()` in this process
     seconds: float
     cores: int
     loops: list[LoopFigures]
@@ -162,6 +167,7 @@ class WatchReport:
     read_bytes: int
     read_mb_s: float
     disk_ceiling_mb_s: float | None
+    disk_measured: str
     samples: list[WatchSample]
     verdict: Verdict
 
@@ -236,6 +242,7 @@ class _Tree:
         self.root = root
         self.procs: dict[int, _Proc] = {}
         self.handles: dict[int, psutil.Process] = {}
+        self.devices: dict[int, int] = {}  # st_dev -> files seen open on it (the dataset's filesystem)
 
     def sample(self) -> None:
         try:
@@ -261,6 +268,19 @@ class _Tree:
             if io is not None:
                 proc.read_bytes, proc.read_count = io.read_bytes, io.read_count
             proc.runq_s = max(proc.runq_s, _runq_s(process.pid))
+            self._count_open_files(handle)
+
+    def _count_open_files(self, handle: psutil.Process) -> None:
+        try:
+            files = handle.open_files()
+        except psutil.Error:
+            return
+        for file in files:
+            try:
+                device = os.stat(file.path).st_dev
+            except OSError:
+                continue
+            self.devices[device] = self.devices.get(device, 0) + 1
 
     def children_of(self, pid: int) -> list[_Proc]:
         return [proc for proc in self.procs.values() if proc.ppid == pid]
@@ -357,6 +377,7 @@ class Sampler:
     """Samples a process tree and the recorder's files every interval; `report()` makes the WatchReport."""
 
     def __init__(self, root: int, directory: str, command: Sequence[str], disk_ceiling_mb_s: float | None = None) -> None:
+        """Start sampling the tree under `root`; `disk_ceiling_mb_s` None: a cached `bench disk` of its files' disk."""
         self.tree = _Tree(root)
         self.records = _Records(directory)
         self.gpus = _Gpus()
@@ -425,8 +446,12 @@ class Sampler:
         loops = [_loop_figures(pid, record, records, self.tree) for pid, record in sorted(records.items())]
         loops = [loop for loop in loops if loop.batches > 0]
         _, read_bytes, _ = self.tree.totals()
+        looped = max((loop.loop_s for loop in loops), default=0.0) or seconds  # reads come while the loop runs
         gpus = self.gpus.figures()
         self.gpus.close()
+        ceiling, disk = self.disk_ceiling_mb_s, ""
+        if ceiling is None:
+            ceiling, disk = _remembered_ceiling(self.tree.devices)
         report = WatchReport(
             command=self.command,
             exit_code=exit_code,
@@ -436,13 +461,25 @@ class Sampler:
             gpus=gpus,
             gpu_note=self.gpus.note,
             read_bytes=read_bytes,
-            read_mb_s=read_bytes / max(seconds, 1e-6) / 1e6,
-            disk_ceiling_mb_s=self.disk_ceiling_mb_s,
+            read_mb_s=read_bytes / max(looped, 1e-6) / 1e6,
+            disk_ceiling_mb_s=ceiling,
+            disk_measured=disk,
             samples=self.samples,
             verdict=Verdict("unknown", None, [], "", None, []),
         )
         report.verdict = judge(report)
         return report
+
+
+def _remembered_ceiling(devices: Mapping[int, int]) -> tuple[float | None, str]:
+    from .disk import remembered_results
+
+    results = remembered_results()
+    for device in sorted(devices, key=devices.__getitem__, reverse=True):
+        entry = results.get(device)
+        if entry and entry.get("seq_read_mb_s"):
+            return float(entry["seq_read_mb_s"]), str(entry.get("path", ""))
+    return None, ""
 
 
 def _loop_figures(pid: int, record: Mapping[str, Any], records: Mapping[int, Mapping[str, Any]], tree: _Tree) -> LoopFigures:
@@ -563,7 +600,10 @@ def _data_cause(
     evidence.append(f"if batches came at once, the loop would run {fed:.1f}x faster")
     ceiling = report.disk_ceiling_mb_s
     if ceiling:
-        evidence.append(f"reads {report.read_mb_s:.1f} MB/s against {ceiling:.0f} MB/s measured by `gpufeed bench disk`")
+        where = f" at {report.disk_measured}" if report.disk_measured else ""
+        evidence.append(
+            f"reads {report.read_mb_s:.1f} MB/s against {ceiling:.0f} MB/s measured by `gpufeed bench disk`{where}"
+        )
         if report.read_mb_s >= DISK_NEAR * ceiling:
             speedup = min(fed, 1 / DISK_NEAR)
             return "disk", (
