@@ -352,7 +352,7 @@ def watch_figure(report: Any) -> Any:
         gpu = [s.gpu_util if s.gpu_util is not None else float("nan") for s in report.samples]
         shares.plot(times, gpu, marker="s", color=GOOD, label="GPU busy (%)")
     shares.set_ylim(0, 105)
-    shares.set_ylabel("%")
+    shares.set_ylabel("stall, GPU busy (%)")
     cores.plot(times, [s.loop_cores for s in report.samples], color=ACCENT, label="training processes (cores)")
     cores.plot(times, [s.worker_cores for s in report.samples], color=NEUTRAL, label="their workers (cores)")
     cores.axhline(report.cores, color=NEUTRAL, linestyle="--", label=f"cores available ({report.cores})")
@@ -360,5 +360,6 @@ def watch_figure(report: Any) -> Any:
     cores.set_ylabel("CPU cores busy")
     cores.set_xlabel("seconds since start")
     _legend_below(figure, shares, cores)
-    shares.set_title(f"gpufeed watch: {report.verdict.bound}")
+    cause = f" ({report.verdict.cause})" if report.verdict.cause else ""
+    shares.set_title(f"gpufeed watch: {report.verdict.bound}{cause}")
     return figure

@@ -37,6 +37,7 @@ DATA_BOUND = 0.25  # stall fraction from which the data is the limit
 COMPUTE_BOUND = 0.10  # below it, faster data would change little
 BUSY = 0.7  # a Dataset on a core (or waiting for one) this much of its time is CPU-bound
 DISK_NEAR = 0.7  # reads at this share of the measured ceiling are the limit
+QUIET_READS_MB_S = 1.0  # below it the disk plays no part
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -599,17 +600,21 @@ def _data_cause(
     torch_loops = [loop for loop in loops if "torch" in loop.kind]
     evidence.append(f"if batches came at once, the loop would run {fed:.1f}x faster")
     ceiling = report.disk_ceiling_mb_s
-    if ceiling:
+    if report.read_mb_s < QUIET_READS_MB_S:
+        evidence.append(
+            f"storage reads {report.read_mb_s:.1f} MB/s: the data comes from the page cache or memory, not the disk"
+        )
+    elif ceiling:
         where = f" at {report.disk_measured}" if report.disk_measured else ""
         evidence.append(
             f"reads {report.read_mb_s:.1f} MB/s against {ceiling:.0f} MB/s measured by `gpufeed bench disk`{where}"
         )
         if report.read_mb_s >= DISK_NEAR * ceiling:
-            speedup = min(fed, 1 / DISK_NEAR)
+            undetermined.append("how much faster fewer bytes per sample would be: it depends on the data's sizes")
             return "disk", (
                 "the disk is the limit: read fewer bytes per sample (pre-resized shards) from a faster disk; "
-                "`gpufeed advise SRC --target /fast/disk` measures it and prints the `gpufeed prepare` to run"
-            ), speedup
+                "`gpufeed advise SRC --target /fast/disk` measures that on your images and predicts the speed-up"
+            ), None
     else:
         undetermined.append(
             f"whether the disk is the limit: reads {report.read_mb_s:.1f} MB/s, but no `gpufeed bench disk` result "
