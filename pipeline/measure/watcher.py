@@ -57,6 +57,7 @@ class LoopFigures:
         fetch_s, fetch_cpu_s, fetch_runq_s, fetch_batches: Dataset + collate seconds: wall, on a
             core, and waiting for one; in the workers (or this process with num_workers=0).
         cpu_s: CPU seconds of this process (all threads).
+        runq_s: seconds its main thread waited for a free core.
         workers_cpu_s: CPU seconds of its child processes (the DataLoader workers).
         workers_runq_s: seconds those children waited for a free core.
         workers: child processes seen.
@@ -76,6 +77,7 @@ class LoopFigures:
     fetch_runq_s: float = 0.0
     fetch_batches: int = 0
     cpu_s: float = 0.0
+    runq_s: float = 0.0
     workers_cpu_s: float = 0.0
     workers_runq_s: float = 0.0
     workers: int = 0
@@ -508,6 +510,7 @@ def _loop_figures(pid: int, record: Mapping[str, Any], records: Mapping[int, Map
         loop.fetch_batches += fetch.get("batches", 0)
     own = tree.procs.get(pid)
     loop.cpu_s = own.cpu_s if own else 0.0
+    loop.runq_s = own.runq_s if own else 0.0
     children = tree.children_of(pid)
     loop.workers = len(children)
     loop.workers_cpu_s = sum(child.cpu_s for child in children)
@@ -630,7 +633,9 @@ def _data_cause(
     dataset_busy = fetch_s / (places * seconds)
     where = f"{in_workers} DataLoader workers" if in_workers else "the training process (num_workers=0)"
     cpu_share = fetch_cpu / fetch_s if fetch_s > 0 else 0.0
-    runq_share = fetch_runq / fetch_s if fetch_s > 0 else 0.0
+    if not in_workers:  # read per batch in workers only; here, the main thread's wait, shared out by time
+        fetch_runq = sum(loop.runq_s * loop.fetch_s / max(loop.loop_s, 1e-6) for loop in torch_loops)
+    runq_share = min(1.0 - cpu_share, fetch_runq / fetch_s) if fetch_s > 0 else 0.0
     evidence.append(
         f"the Dataset + collate took {fetch_s:.2f} s in {where}: busy {dataset_busy:.0%} of the time, "
         f"{cpu_share:.0%} of it on a core and {runq_share:.0%} waiting for one"

@@ -78,6 +78,7 @@ class Recorder:
         self.gpufeed = _Loop()
         self.fetch = _Fetch()
         self.worker = False
+        self.checked = False  # whether this process is a DataLoader worker is known (at its first fetch)
         self.next_flush = _perf() + FLUSH_S
         self.file: IO[str] | None = None
         self.dirty = False
@@ -282,7 +283,11 @@ def _patch_fetch(cls) -> None:
         recorder = _recorder
         if recorder is None:
             return original(self, possibly_batched_index)
-        started, cpu, runq = _perf(), _thread_time(), recorder.runq_ns()
+        if not recorder.checked:
+            _first_fetch(recorder)
+        # The wait for a core is read in the workers only: two /proc reads per batch are not for the training loop.
+        worker = recorder.worker
+        started, cpu, runq = _perf(), _thread_time(), recorder.runq_ns() if worker else 0
         try:
             return original(self, possibly_batched_index)
         finally:
@@ -291,9 +296,8 @@ def _patch_fetch(cls) -> None:
             counts.batches += 1
             counts.seconds += now - started
             counts.cpu_s += _thread_time() - cpu
-            counts.runq_s += (recorder.runq_ns() - runq) / 1e9
-            if counts.batches == 1:
-                _first_fetch(recorder)
+            if worker:
+                counts.runq_s += (recorder.runq_ns() - runq) / 1e9
             recorder.dirty = True
             if now >= recorder.next_flush:
                 recorder.flush()
@@ -304,6 +308,7 @@ def _patch_fetch(cls) -> None:
 
 def _first_fetch(recorder: Recorder) -> None:
     """In a DataLoader worker, the last totals are written when the worker ends (multiprocessing skips atexit)."""
+    recorder.checked = True
     worker = sys.modules.get("torch.utils.data._utils.worker")
     recorder.worker = getattr(worker, "_worker_info", None) is not None
     util = sys.modules.get("multiprocessing.util")
