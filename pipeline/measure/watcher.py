@@ -53,6 +53,7 @@ class LoopFigures:
         wait_s: seconds inside `next()` after each iteration's first batch.
         step_s: seconds between batches (the loop's own work: forward, backward, step).
         first_s: seconds the first batch of each iteration took (worker start-up included).
+        iterations: passes over a loader (epochs) begun.
         num_workers: the loader's workers (the largest seen).
         fetch_s, fetch_cpu_s, fetch_runq_s, fetch_batches: Dataset + collate seconds: wall, on a
             core, and waiting for one; in the workers (or this process with num_workers=0).
@@ -71,6 +72,7 @@ class LoopFigures:
     wait_s: float = 0.0
     step_s: float = 0.0
     first_s: float = 0.0
+    iterations: int = 0
     num_workers: int = 0
     fetch_s: float = 0.0
     fetch_cpu_s: float = 0.0
@@ -498,6 +500,7 @@ def _loop_figures(pid: int, record: Mapping[str, Any], records: Mapping[int, Map
         wait_s=wait,
         step_s=step,
         first_s=torch_loop.get("first_s", 0.0) + gpufeed_loop.get("first_s", 0.0),
+        iterations=torch_loop.get("iterations", 0) + gpufeed_loop.get("iterations", 0),
         num_workers=max(torch_loop.get("num_workers", 0), gpufeed_loop.get("num_workers", 0)),
     )
     # The Dataset's time: in this process's workers (their records name this process as parent), or here.
@@ -599,7 +602,7 @@ def _data_cause(
 ) -> tuple[str, str, float | None]:
     """The limiting resource, the next step and its predicted speed-up (`fed`: the speed-up if data came free)."""
     loops = report.loops
-    seconds = max(sum(loop.loop_s for loop in loops) / len(loops), 1e-6)
+    seconds = max(sum(loop.loop_s for loop in loops) / len(loops), 1e-6)  # each training process's loop, on average
     torch_loops = [loop for loop in loops if "torch" in loop.kind]
     evidence.append(f"if batches came at once, the loop would run {fed:.1f}x faster")
     ceiling = report.disk_ceiling_mb_s
@@ -630,14 +633,21 @@ def _data_cause(
     fetch_runq = sum(loop.fetch_runq_s for loop in torch_loops)
     in_workers = sum(loop.num_workers for loop in torch_loops)
     places = max(in_workers, len(torch_loops))
-    dataset_busy = fetch_s / (places * seconds)
+    # The workers' time per batch against the loop's (both after the first batch, whose wait holds the start):
+    # at 1 the Dataset alone explains the pace; well under it the batches are ready and something else waits.
+    fetched = sum(loop.fetch_batches for loop in torch_loops)
+    steady = sum(loop.batches - loop.iterations for loop in torch_loops)
+    loop_per_batch = sum(loop.wait_s + loop.step_s for loop in torch_loops) / max(steady, 1)
+    dataset_per_batch = fetch_s / max(fetched, 1) / places * len(torch_loops)
+    dataset_busy = dataset_per_batch / loop_per_batch if loop_per_batch > 0 else 1.0
     where = f"{in_workers} DataLoader workers" if in_workers else "the training process (num_workers=0)"
     cpu_share = fetch_cpu / fetch_s if fetch_s > 0 else 0.0
     if not in_workers:  # read per batch in workers only; here, the main thread's wait, shared out by time
         fetch_runq = sum(loop.runq_s * loop.fetch_s / max(loop.loop_s, 1e-6) for loop in torch_loops)
     runq_share = min(1.0 - cpu_share, fetch_runq / fetch_s) if fetch_s > 0 else 0.0
     evidence.append(
-        f"the Dataset + collate took {fetch_s:.2f} s in {where}: busy {dataset_busy:.0%} of the time, "
+        f"the Dataset + collate took {fetch_s:.2f} s in {where}, {1e3 * dataset_per_batch:.1f} ms per batch "
+        f"against the loop's {1e3 * loop_per_batch:.1f} ms ({dataset_busy:.0%}); "
         f"{cpu_share:.0%} of it on a core and {runq_share:.0%} waiting for one"
     )
     if in_workers:
@@ -683,7 +693,7 @@ def _worker_cores(loops: Sequence[LoopFigures], seconds: float, evidence: list[s
         cpu = sum(loop.workers_cpu_s for loop in loops)
         runq = sum(loop.workers_runq_s for loop in loops)
         evidence.append(
-            f"the {workers} worker processes kept {cpu / seconds:.2f} cores busy and waited {runq / seconds:.2f} "
+            f"the {workers} child processes (workers) kept {cpu / seconds:.2f} cores busy and waited {runq / seconds:.2f} "
             "core-seconds per second for a free core"
         )
 
