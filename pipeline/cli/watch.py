@@ -6,6 +6,7 @@ Parsing and printing only: the sampling and the verdict live in pipeline.measure
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,7 @@ def _live(s: WatchSample) -> None:
 def _print_report(r: WatchReport) -> None:
     echo = lambda text="": click.echo(text, err=True)  # noqa: E731
     echo()
-    echo(f"gpufeed watch: {' '.join(r.command)} ran {r.seconds:.1f} s, exit code {r.exit_code}")
+    echo(f"gpufeed watch: {shlex.join(r.command)} ran {r.seconds:.1f} s, exit code {r.exit_code}")
     for loop in r.loops:
         rank = f"rank {loop.rank}" if loop.rank is not None else "process"
         echo(

@@ -765,7 +765,7 @@ def run_watched(
             child = subprocess.Popen(list(command), env=hook_environment(directory), **_own_group())
         except OSError as exc:
             raise ConfigError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from exc
-        with _forward_signals(child):
+        with _forward_signals(child), _terminal_to(child):
             sampler = Sampler(child.pid, directory, command, disk_ceiling_mb_s)
             while True:
                 try:
@@ -783,6 +783,36 @@ def _own_group() -> dict[str, Any]:
     if sys.version_info >= (3, 11):
         return {"process_group": 0}
     return {"preexec_fn": os.setpgrp}  # pragma: no cover - Python 3.10
+
+
+@contextlib.contextmanager
+def _terminal_to(child: subprocess.Popen[bytes]) -> Iterator[None]:
+    """On a terminal, the command's group takes the foreground (it reads stdin, a debugger works, Ctrl-C goes to it
+    straight), and it comes back to ours at the end, as a shell does for a job."""
+    try:
+        ours = os.getpgrp()
+        handed = os.isatty(0) and os.tcgetpgrp(0) == ours
+    except OSError:
+        handed = False
+    if handed:
+        with _ttou_ignored(), contextlib.suppress(OSError):
+            os.tcsetpgrp(0, child.pid)
+    try:
+        yield
+    finally:
+        if handed:
+            with _ttou_ignored(), contextlib.suppress(OSError):
+                os.tcsetpgrp(0, ours)
+
+
+@contextlib.contextmanager
+def _ttou_ignored() -> Iterator[None]:
+    # A process not in the foreground group that sets the foreground group gets SIGTTOU, which would stop it.
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTTOU, previous)
 
 
 @contextlib.contextmanager
