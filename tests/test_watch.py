@@ -259,3 +259,24 @@ def test_reads_near_the_disks_measured_ceiling_are_disk_bound(tmp_path: Path) ->
         pytest.skip("this filesystem counts no storage reads (tmpfs or overlay)")
     assert report["disk_ceiling_mb_s"] == 1.0 and report["disk_measured"] == str(tmp_path / "data")
     assert report["verdict"]["cause"] == "disk", result.stderr
+
+
+def _report(**loop: Any) -> Any:
+    from pipeline.measure.watcher import LoopFigures, Verdict, WatchReport, judge
+
+    figures = LoopFigures(pid=1, rank=None, kind="torch", **loop)
+    report = WatchReport(["train.py"], 0, 10.0, 8, [figures], [], "no NVML", 0, 0.0, None, "", [], Verdict("", None, [], "", None, []))
+    return judge(report)
+
+
+def test_ready_batches_the_loop_still_waits_for_are_the_main_process() -> None:
+    # Workers need 2 ms of Dataset time per batch, the loop takes 100 ms per batch and waits for 80 of them.
+    verdict = _report(batches=21, iterations=1, wait_s=1.6, step_s=0.4, num_workers=4, fetch_s=0.168, fetch_cpu_s=0.16, fetch_batches=21)
+    assert (verdict.bound, verdict.cause) == ("data-bound", "main-process")
+
+
+def test_cpu_bound_workers_with_free_cores_are_told_how_many_workers() -> None:
+    # 2 workers, each batch costs them 200 ms of CPU, the loop steps 50 ms and waits 50: twice as fast if fed.
+    verdict = _report(batches=41, iterations=1, wait_s=2.0, step_s=2.0, num_workers=2, fetch_s=8.2, fetch_cpu_s=8.0, fetch_batches=41)
+    assert (verdict.bound, verdict.cause) == ("data-bound", "cpu")
+    assert "num_workers=4" in verdict.next_step and verdict.predicted_speedup == 2.0

@@ -59,7 +59,10 @@ def _print_report(r: WatchReport) -> None:
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--interval", type=Duration(), default="5s", show_default=True, help="Seconds between live lines.")
-@click.option("--json", "json_file", default=None, metavar="FILE", help="Write the report as JSON to FILE.")
+@click.option(
+    "--json", "json_file", type=click.Path(dir_okay=False, writable=True), default=None, metavar="FILE",
+    help="Write the report as JSON to FILE.",
+)  # fmt: skip
 @plot_option("Draw stall, GPU and CPU over time into FILE.png.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @exit_on_user_errors("interrupted")
