@@ -6,6 +6,7 @@ Parsing and printing only: the sampling and the verdict live in pipeline.measure
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from typing import TYPE_CHECKING
@@ -79,6 +80,10 @@ def watch(interval: float, json_file: str | None, plot: str | None, command: tup
 
     if not command:
         fail("give the command to watch after --, e.g. gpufeed watch -- python train.py")
+    for option, path in (("--json", json_file), ("--plot", plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if folder and not os.path.isdir(folder):
+            fail(f"{option} {path}: the folder {folder} does not exist (checked before the run, not after it)")
     report = run_watched(list(command), interval_s=interval, on_sample=_live)
     _print_report(report)
     if json_file:

@@ -540,7 +540,8 @@ def judge(report: WatchReport) -> Verdict:
             "unknown", None,
             [f"CPU {report.cores} cores, reads {report.read_mb_s:.1f} MB/s"],
             "watch saw no torch DataLoader or gpufeed Loader being iterated; it times those two "
-            "(a loop over another iterable is not seen)",
+            "(a loop over another iterable is not seen), in Python processes that read PYTHONPATH "
+            "(not under python -I, -E or -S)",
             None,
             ["whether the run waits for data: no loader iteration was seen"],
         )
