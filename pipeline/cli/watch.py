@@ -30,7 +30,8 @@ def _live(s: WatchSample) -> None:
         f"gpufeed watch: {s.elapsed_s:6.0f} s  {stall}  {s.batches_per_s:6.1f} batches/s  "
         f"{s.images_per_s:7.0f} images/s{gpu}  CPU {s.cores_busy:.1f} cores "
         f"(training {s.loop_cores:.1f}, workers {s.worker_cores:.1f})  "
-        f"disk {s.read_mb_s:.1f} MB/s {s.reads_per_s:.0f} read calls/s",
+        f"disk {s.read_mb_s:.1f} MB/s {s.reads_per_s:.0f} read calls/s"
+        + (f" ({s.device}: {s.device_iops:.0f} IOPS)" if s.device and s.device_iops is not None else ""),
         err=True,
     )
 
@@ -46,6 +47,8 @@ def _print_report(r: WatchReport) -> None:
             f"stall {loop.stall_fraction:.1%}, waited {loop.wait_s:.2f} s, steps {loop.step_s:.2f} s, "
             f"first batch {loop.first_s:.2f} s"
         )
+    if r.per_core_busy:
+        echo("  machine cores busy: " + " ".join(f"{busy:.0f} %" for busy in r.per_core_busy))
     verdict = r.verdict
     cause = f" ({verdict.cause})" if verdict.cause else ""
     echo(f"verdict: {verdict.bound}{cause}")

@@ -114,7 +114,11 @@ class GpuFigures:
 
 @dataclasses.dataclass
 class WatchSample:
-    """One interval: what the live line shows."""
+    """One interval: what the live line shows.
+
+    `read_mb_s` and `reads_per_s` are the process tree's storage reads and read calls (/proc/PID/io);
+    `device_iops` is what the device under its files completed meanwhile, whoever asked.
+    """
 
     elapsed_s: float
     stall_fraction: float | None
@@ -127,6 +131,9 @@ class WatchSample:
     worker_cores: float
     read_mb_s: float
     reads_per_s: float
+    per_core_busy: list[float] = dataclasses.field(default_factory=list)  # % of each of the machine's cores
+    device: str = ""  # the block device of the files the run has open most
+    device_iops: float | None = None  # reads completed per second by that device (all processes)
 
 
 @dataclasses.dataclass
@@ -158,7 +165,9 @@ class WatchReport:
     """Everything `gpufeed watch` measured, and its verdict.
 
     `disk_ceiling_mb_s` is the sequential read rate `gpufeed bench disk` measured (at `disk_measured`) on the
-    filesystem the run had most files open on; None when none was measured there. `read_mb_s` is the process
+    filesystem the run had most files open on; None when none was measured there. `disk_device` is that
+    filesystem's block device and `disk_iops` the reads per second it completed (mean of the intervals);
+    `per_core_busy` the machine's cores, % busy on average. `read_mb_s` is the process
     tree's storage reads (page-cache hits excluded) per second of the training loop.
     """
 
@@ -175,6 +184,9 @@ class WatchReport:
     disk_measured: str
     samples: list[WatchSample]
     verdict: Verdict
+    disk_device: str = ""
+    disk_iops: float | None = None
+    per_core_busy: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def stall_fraction(self) -> float:
@@ -392,6 +404,7 @@ class Sampler:
         self.samples: list[WatchSample] = []
         self.cores = _cores()
         self._last: tuple[float, int, float, float, dict[int, float], int, int] | None = None
+        self._device_reads: tuple[str, int | None] = ("", None)
         psutil.cpu_percent(percpu=True)
         self.tree.sample()
         self._last = self._point()
@@ -427,6 +440,9 @@ class Sampler:
         loop_time = (wait - wait0) + (step - step0)
         gpu_util, gpu_memory = self.gpus.sample()
         busy = psutil.cpu_percent(percpu=True)
+        device, completed = _device_reads(self.tree.devices)
+        before = self._device_reads if self._device_reads[0] == device else (device, None)
+        self._device_reads = (device, completed)
         sample = WatchSample(
             elapsed_s=now - self.started,
             stall_fraction=(wait - wait0) / loop_time if loop_time > 0 else None,
@@ -439,6 +455,9 @@ class Sampler:
             worker_cores=(sum(used.values()) - loop_cpu) / span,
             read_mb_s=(read_bytes - bytes0) / span / 1e6,
             reads_per_s=(reads - reads0) / span,
+            per_core_busy=list(busy),
+            device=device,
+            device_iops=(completed - before[1]) / span if completed is not None and before[1] is not None else None,
         )
         self.samples.append(sample)
         return sample
@@ -472,8 +491,28 @@ class Sampler:
             samples=self.samples,
             verdict=Verdict("unknown", None, [], "", None, []),
         )
+        iops = [sample.device_iops for sample in self.samples if sample.device_iops is not None]
+        report.disk_device = next((sample.device for sample in reversed(self.samples) if sample.device), "")
+        report.disk_iops = sum(iops) / len(iops) if iops else None
+        if self.samples:
+            cores = [sample.per_core_busy for sample in self.samples if sample.per_core_busy]
+            report.per_core_busy = [sum(column) / len(column) for column in zip(*cores)] if cores else []
         report.verdict = judge(report)
         return report
+
+
+def _device_reads(devices: Mapping[int, int]) -> tuple[str, int | None]:
+    """The block device the run has most files open on, and the reads it has completed (/proc/diskstats)."""
+    if not devices:
+        return "", None
+    device = max(devices, key=devices.__getitem__)
+    try:
+        name = os.path.basename(os.path.realpath(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}"))
+        counters = psutil.disk_io_counters(perdisk=True) or {}
+    except (OSError, RuntimeError):
+        return "", None
+    found = counters.get(name)
+    return (name, int(found.read_count)) if found is not None else ("", None)
 
 
 def _remembered_ceiling(devices: Mapping[int, int]) -> tuple[float | None, str]:
@@ -613,8 +652,9 @@ def _data_cause(
         )
     elif ceiling:
         where = f" at {report.disk_measured}" if report.disk_measured else ""
+        iops = f"; {report.disk_device} completed {report.disk_iops:.0f} reads/s" if report.disk_iops is not None else ""
         evidence.append(
-            f"reads {report.read_mb_s:.1f} MB/s against {ceiling:.0f} MB/s measured by `gpufeed bench disk`{where}"
+            f"reads {report.read_mb_s:.1f} MB/s against {ceiling:.0f} MB/s measured by `gpufeed bench disk`{where}{iops}"
         )
         if report.read_mb_s >= DISK_NEAR * ceiling:
             undetermined.append("how much faster fewer bytes per sample would be: it depends on the data's sizes")
