@@ -52,7 +52,7 @@ def watch(tmp_path: Path, *command: str, env: dict[str, str] | None = None, time
 
 
 def test_slow_dataset_is_data_bound_on_the_dataset(tmp_path: Path) -> None:
-    script = write_loop(tmp_path, dataset="time.sleep(0.01)", workers=2)
+    script = write_loop(tmp_path, dataset="time.sleep(0.025)", workers=2)
     result, report = watch(tmp_path, sys.executable, str(script))
     assert result.returncode == 0, result.stderr
     verdict = report["verdict"]
