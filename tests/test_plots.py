@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -244,6 +245,7 @@ def test_cli_plot_option_writes_a_png(tmp_path: Path) -> None:
         [sys.executable, "-m", "pipeline", "bench", "disk", str(tmp_path / "d"), "--file-size", "8MiB", "--block-sizes",
          "1MiB,2MiB", "--duration", "0.05", "--threads", "4", "--small-files", "4", "--plot", str(path)],
         capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "GPUFEED_CACHE": str(tmp_path / "cache")},  # its remembered ceiling stays here
     )
     assert result.returncode == 0, result.stderr
     assert f"plot: {path}" in result.stderr
