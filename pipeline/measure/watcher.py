@@ -722,7 +722,7 @@ def _data_cause(
         "what the Dataset waits on (sleep, network, locks or reads): it is not CPU, and watch does not look inside"
     )
     return "dataset", (
-        f"the Dataset's __getitem__ dominates while its workers are mostly off the CPU (it waits on I/O, the network, "
+        f"the Dataset's __getitem__ dominates while it is mostly off the CPU (it waits on I/O, the network, "
         f"locks or sleeps): more workers overlap those waits: DataLoader(num_workers={more}); for images on disk, "
         "`gpufeed advise SRC --target DIR` measures the prepared alternative"
     ), min(fed, more / now)
