@@ -11,7 +11,10 @@
    against `torch.cuda.max_memory_allocated()` / `max_memory_reserved()` of
    the same step (Adam, foreach) for the test suite's conv net, MLP and
    transformer and a ResNet-50-sized conv net, float32 and bf16 autocast:
-   allocated within 10 %; the CUDA context as measured is printed.
+   allocated within 10 %; the CUDA context as measured is printed;
+5. watch: `gpufeed watch` over a DataLoader loop with CUDA matmul steps must
+   read the GPU through NVML (nvidia-ml-py, the [gpu] extra): a busy GPU, its
+   memory in use, and the loop timed (skipped, and said, without nvidia-ml-py).
 
 Prints one line per check and exits non-zero when a check fails. Needs a few
 minutes including data generation; everything lives under --data.
@@ -166,9 +169,53 @@ def main() -> int:
         print(f"nvjpeg: skipped ({exc})")
     memory = check_memory()
     report["memory"] = memory
+    watched = check_watch(args.data)
+    report["watch"] = watched
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    return 0 if equality["ok"] and stall_ok and memory["ok"] else 1
+    return 0 if equality["ok"] and stall_ok and memory["ok"] and watched["ok"] else 1
+
+
+WATCHED_STEP = """
+import time, torch
+from torch.utils.data import DataLoader, TensorDataset
+weights = torch.randn(4096, 4096, device="cuda")
+for (batch,) in DataLoader(TensorDataset(torch.randn(512, 4096)), batch_size=8):
+    deadline = time.perf_counter() + 0.02
+    while time.perf_counter() < deadline:  # a step that keeps the GPU busy for 20 ms, no queue left behind
+        weights = (weights @ weights).clamp_(-1, 1)
+        torch.cuda.synchronize()
+"""
+
+
+def check_watch(data: Path) -> dict[str, object]:
+    """`gpufeed watch` reads the GPU through NVML while a CUDA loop runs."""
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        print("watch NVML: skipped (pip install nvidia-ml-py, the [gpu] extra)")
+        return {"ok": True, "skipped": "nvidia-ml-py is not installed"}
+    import subprocess
+
+    data.mkdir(parents=True, exist_ok=True)
+    script, out = data / "watched_step.py", data / "watch.json"
+    script.write_text(WATCHED_STEP)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "watch", "--interval", "0.5", "--json", str(out), "--", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    watched = json.loads(out.read_text()) if out.exists() else {}
+    gpus = watched.get("gpus", [])
+    ok = (
+        result.returncode == 0 and bool(gpus) and gpus[0]["util_max"] > 0 and gpus[0]["memory_used_max"] > 0
+        and bool(watched.get("loops")) and watched["verdict"]["bound"] == "compute-bound"
+    )  # fmt: skip
+    verdict = watched.get("verdict", {})
+    shown = ", ".join(f"GPU {g['index']} {g['util_mean']:.0f} % (peak {g['util_max']:.0f} %) {g['memory_used_max'] / 2**30:.1f} GiB" for g in gpus)
+    print(f"watch NVML: {shown or 'no GPU read'}; verdict {verdict.get('bound')}, stall {watched.get('stall_fraction', 0):.1%} -> {'ok' if ok else 'FAIL'}")
+    if not ok:
+        print(result.stderr[-2000:])
+    return {"ok": ok, "gpus": gpus, "verdict": verdict, "stall_fraction": watched.get("stall_fraction")}
 
 
 if __name__ == "__main__":

@@ -32,6 +32,12 @@ REQUIRED_KEYS = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench disk` keeps its result for `gpufeed watch` in the user cache: these small runs keep theirs here."""
+    monkeypatch.setenv("GPUFEED_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
 def _leftovers(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir()]
 

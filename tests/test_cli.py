@@ -668,6 +668,8 @@ def test_the_readme_and_the_demo_use_no_old_spelling() -> None:
                 path = f"{path} {rest.pop(0)}"
             if path == "gpufeed schedule add" and "reshard" in rest:
                 path, rest = "gpufeed reshard", rest[rest.index("reshard") + 1 :]
+            if "--" in rest:  # `gpufeed watch … -- COMMAND`: the rest is the watched command's
+                rest = rest[: rest.index("--")]
             old = {name for p in commands[path].params if isinstance(p, RenamedOption) for name in p.old_names}
             valid = {name for p in commands[path].params if isinstance(p, click.Option) for name in p.opts}
             used = {word.split("=")[0] for word in rest if word.startswith("-")}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from pipeline.measure.decode import DecodeBenchResult, DecoderRow
 from pipeline.measure.disk import DiskBenchResult, RandomReadPoint
 from pipeline.measure.loader import LoaderBenchResult, LoaderPoint
 from pipeline.measure.memory import estimate_memory
+from pipeline.measure.watcher import Verdict, WatchReport, WatchSample
 
 MiB = 1 << 20
 
@@ -58,6 +60,16 @@ def advise_result() -> tuple[AdviseResult, ApplyResult]:
     return result, applied
 
 
+def watch_report(gpu: bool = True) -> WatchReport:
+    samples = [
+        WatchSample(5.0 * i, None if i == 1 else 0.6, 3.0, 96.0, 30.0 if gpu else None, 3 << 30 if gpu else None,
+                    2.0, 0.2, 1.7, 40.0, 300.0)
+        for i in range(1, 9)
+    ]  # fmt: skip
+    verdict = Verdict("data-bound", "cpu", ["stall 60 %"], "more workers", 1.5, [])
+    return WatchReport(["python", "train.py"], 0, 40.0, 2, [], [], "", 0, 40.0, None, "", samples, verdict)
+
+
 def _labels(figure: object) -> str:
     parts = []
     for axis in figure.axes:  # type: ignore[attr-defined]
@@ -82,6 +94,7 @@ def _check_png(path: Path) -> None:
         ("decode", decode_result, ("images/s per core", "224 px")),
         ("loader", loader_result, ("images/s", "num_workers", "stall fraction (%")),
         ("memory", None, ("batch size", "GiB", "images/s")),
+        ("watch", watch_report, ("stall, GPU busy (%)", "CPU cores busy", "seconds", "data-bound (cpu)")),
     ],
 )
 def test_figures_have_labelled_axes_with_units_and_save_as_png(
@@ -180,6 +193,8 @@ def _charts() -> dict[str, tuple[str, tuple[Any, ...]]]:
         "memory-thousands-of-batches": ("memory", (_memory("3GiB", 1e11, 5000.0),)),
         "memory-batch-3000": ("memory", (_memory("230MiB", 1e11, 60000.0),)),
         "memory-batch-just-above-1024": ("memory", (_memory("83MiB", 1e11, 60000.0),)),
+        "watch": ("watch", (watch_report(),)),
+        "watch-no-gpu": ("watch", (watch_report(gpu=False),)),
     }
 
 
@@ -230,6 +245,7 @@ def test_cli_plot_option_writes_a_png(tmp_path: Path) -> None:
         [sys.executable, "-m", "pipeline", "bench", "disk", str(tmp_path / "d"), "--file-size", "8MiB", "--block-sizes",
          "1MiB,2MiB", "--duration", "0.05", "--threads", "4", "--small-files", "4", "--plot", str(path)],
         capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "GPUFEED_CACHE": str(tmp_path / "cache")},  # its remembered ceiling stays here
     )
     assert result.returncode == 0, result.stderr
     assert f"plot: {path}" in result.stderr

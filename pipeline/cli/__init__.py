@@ -6,6 +6,7 @@ The group is assembled here from its modules, none of which imports this one:
 - `data`: prepare, inspect, reshard, demo-data, doctor;
 - `bench`: bench disk|decode|loader, advise, estimate-memory;
 - `stage`: stage (copy a dataset to local disk);
+- `watch`: watch (is a training command waiting for data, and on what);
 - `progress`: the progress bar and the summaries;
 - `plugins`: commands of other packages (the `gpufeed.commands` entry points),
   among them the service's `worker`, `beat`, `submit`, `status`, `jobs`,
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import click
 
-from . import bench, data, stage
+from . import bench, data, stage, watch
 from .common import GpufeedGroup
 
 __all__ = ["main"]
@@ -28,7 +29,7 @@ def main() -> None:
     """gpufeed keeps GPUs fed: prepare image datasets into fast shards, measure, advise."""
 
 
-for _command in (*data.COMMANDS, *bench.COMMANDS):
+for _command in (*data.COMMANDS, *bench.COMMANDS, *watch.COMMANDS):
     main.add_command(_command)
 main.add_command(stage.stage)
 

@@ -151,7 +151,7 @@ def bench_disk(
     plot: str | None,
 ) -> None:
     """Sequential and random read speed, latency and small-file reads of the storage under PATH."""
-    from ..measure.disk import benchmark_disk, mean_file_bytes
+    from ..measure.disk import benchmark_disk, mean_file_bytes, remember_result
 
     small = parse_bytes(small_file_size) if small_file_size else (mean_file_bytes(dataset) if dataset else None)
     _say(f"measuring {path}")
@@ -166,6 +166,7 @@ def bench_disk(
         tests=[name.strip() for name in tests.split(",") if name.strip()],
         direct=False if no_direct else None,
     )
+    remember_result(result)  # the ceiling `gpufeed watch` compares a run's reads with
     _plot("disk", plot, result)
     if as_json:
         _emit_json(result.to_dict())

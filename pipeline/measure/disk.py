@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import errno
 import itertools
+import json
 import mmap
 import os
 import random
@@ -42,10 +43,12 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, StorageError
 from ..io.devices import MEMORY_FS, device_info, free_bytes
+from ..native.build import cache_root
 
 PAGE = 4096
 RANDOM_BLOCK = 4096
@@ -625,3 +628,46 @@ def _storage_error(path: str, exc: OSError) -> StorageError:
     from ..errors import write_failure
 
     return write_failure(path, exc)
+
+
+def remember_result(result: DiskBenchResult) -> Path | None:
+    """Keep `result`'s read ceilings in the user cache for its filesystem, for `gpufeed watch` to compare against.
+
+    Returns:
+        the file written, or None where the cache cannot be written (nothing else depends on it).
+    """
+    try:
+        device = os.stat(result.path).st_dev
+        folder = cache_root() / "disk"
+        folder.mkdir(parents=True, exist_ok=True)
+        entry = {
+            "path": os.path.abspath(result.path), "device": result.device, "device_kind": result.device_kind,
+            "st_dev": device, "seq_read_mb_s": result.seq_read_mb_s,
+            "randread_4k_iops_qdn": result.randread_4k_iops_qdn, "created": time.time(),
+        }  # fmt: skip
+        target = folder / f"{device}.json"
+        temporary = target.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(entry))
+        os.replace(temporary, target)
+        return target
+    except OSError:
+        return None
+
+
+def remembered_results() -> dict[int, dict[str, Any]]:
+    """The read ceilings `remember_result` kept, by filesystem (st_dev)."""
+    folder = cache_root() / "disk"
+    found: dict[int, dict[str, Any]] = {}
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return found
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            entry = json.loads((folder / name).read_text())
+            found[int(entry["st_dev"])] = entry
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found

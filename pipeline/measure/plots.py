@@ -335,3 +335,31 @@ def memory_figure(estimate: Any) -> Any:
         _batch_ticks(speed, batches)
     axes[-1].set_xlabel("batch size")
     return figure
+
+
+def plot_watch(report: Any, path: str | os.PathLike[str]) -> str:
+    """Write `watch_figure` as a PNG; returns the path."""
+    return _save(watch_figure(report), path)
+
+
+def watch_figure(report: Any) -> Any:
+    """A watched run over time (a WatchReport): stall and GPU busy share, and the CPU cores busy."""
+    figure, (shares, cores) = _figure(rows=2, sharex=True)
+    times = [s.elapsed_s for s in report.samples]
+    stalls = [100 * s.stall_fraction if s.stall_fraction is not None else float("nan") for s in report.samples]
+    shares.plot(times, stalls, marker="o", color=BAD, label="stall (% of the loop waiting for data)")
+    if any(s.gpu_util is not None for s in report.samples):
+        gpu = [s.gpu_util if s.gpu_util is not None else float("nan") for s in report.samples]
+        shares.plot(times, gpu, marker="s", color=GOOD, label="GPU busy (%)")
+    shares.set_ylim(0, 105)
+    shares.set_ylabel("stall, GPU busy (%)")
+    cores.plot(times, [s.loop_cores for s in report.samples], color=ACCENT, label="training processes (cores)")
+    cores.plot(times, [s.worker_cores for s in report.samples], color=NEUTRAL, label="their workers (cores)")
+    cores.axhline(report.cores, color=NEUTRAL, linestyle="--", label=f"cores available ({report.cores})")
+    cores.set_ylim(0, 1.15 * report.cores)
+    cores.set_ylabel("CPU cores busy")
+    cores.set_xlabel("seconds since start")
+    _legend_below(figure, shares, cores)
+    cause = f" ({report.verdict.cause})" if report.verdict.cause else ""
+    shares.set_title(f"gpufeed watch: {report.verdict.bound}{cause}")
+    return figure

@@ -115,12 +115,17 @@ def _last_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[-1] if lines else f"exit status {result.returncode}"
 
 
-def cache_dir() -> Path:
-    """Where first-use builds go: $GPUFEED_CACHE, else $XDG_CACHE_HOME/gpufeed, else ~/.cache/gpufeed; then native/."""
+def cache_root() -> Path:
+    """gpufeed's user cache: $GPUFEED_CACHE, else $XDG_CACHE_HOME/gpufeed, else ~/.cache/gpufeed."""
     root = os.environ.get("GPUFEED_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "gpufeed"
     )
-    return Path(root) / "native"
+    return Path(root)
+
+
+def cache_dir() -> Path:
+    """Where first-use builds go: native/ in `cache_root()`."""
+    return cache_root() / "native"
 
 
 def build_cached() -> Path:
