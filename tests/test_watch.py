@@ -125,6 +125,17 @@ def test_every_torchrun_rank_is_reported(tmp_path: Path) -> None:
     assert "rank 0" in result.stderr and "rank 1" in result.stderr
 
 
+def test_accelerate_launch_is_followed(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate", reason="the test extra brings accelerate")
+    script = write_loop(tmp_path, items=32, step="time.sleep(0.01)")
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = [str(accelerate), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1"]
+    command += ["--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    result, report = watch(tmp_path, *command)
+    assert result.returncode == 0, result.stderr
+    assert [loop["batches"] for loop in report["loops"]] == [8]
+
+
 def test_exit_code_passes_through_and_site_customisation_still_runs(tmp_path: Path) -> None:
     site = tmp_path / "site"
     site.mkdir()
