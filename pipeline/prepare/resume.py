@@ -173,18 +173,75 @@ def remove_temp_files(output: Output) -> None:
 
 
 def remove_stale_temp_objects(output: Output, manifest: Manifest) -> list[str]:
-    """Remove the temp objects crashed writers left next to a finished dataset's files on a remote OUT.
+    """Remove the temp objects crashed writers left next to a finished dataset's files.
 
     Called once every shard is published (so no writer of this job still needs
     a temp object of its own): the temp names of the manifest's shard files, of
     rejected.jsonl and of the manifest go when older than STALE_TEMP_OBJECT_S;
-    the work folder goes whole with `remove_work`. A no-op for a local OUT.
+    the work folder goes whole with `remove_work`.
+
+    On a local OUT, the temp files of writers that are gone go instead (see
+    `remove_dead_temp_files`): a worker killed in the middle of a shard leaves
+    one, and the shard is written again by another.
 
     Returns:
         The members removed, relative to OUT.
     """
+    if output.is_local:
+        return remove_dead_temp_files(output)
     finals = [info.path for info in manifest.shards] + [REJECTED_NAME, MANIFEST_NAME]
     return remove_temp_objects(output, finals, older_than_s=STALE_TEMP_OBJECT_S)
+
+
+def remove_dead_temp_files(output: Output) -> list[str]:
+    """Remove the temp files in a local OUT (at its top and in its variant folders) whose writer is gone.
+
+    A temp name ends in ``.tmp-HOST-PID`` (`temp_suffix`): one of this host
+    goes when no process PID runs here; one of another host (OUT on a shared
+    file system) when it was last written more than STALE_TEMP_OBJECT_S ago.
+    Only temp names of what a prepare writes (shards, manifest.json,
+    rejected.jsonl) are looked at. Returns the members removed, relative to OUT.
+    """
+    removed = []
+    for prefix in [""] + [f"{name}/" for name in output.listdir() if _VARIANT_DIR.fullmatch(name)]:
+        for name in output.listdir(prefix.rstrip("/")):
+            path = output.local(prefix + name)
+            if _is_temp_of_output(name) and _writer_gone(name, path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                removed.append(prefix + name)
+    return removed
+
+
+def _is_temp_of_output(name: str) -> bool:
+    final = name.partition(".tmp-")[0]
+    return _is_temp_shard(name) or final in (MANIFEST_NAME, REJECTED_NAME)
+
+
+def _writer_gone(name: str, path: str) -> bool:
+    import socket
+    import time
+
+    host, _, pid = name.partition(".tmp-")[2].rpartition("-")
+    if host == socket.gethostname() and pid.isdigit():
+        return not process_alive(int(pid))
+    try:
+        return os.path.getmtime(path) < time.time() - STALE_TEMP_OBJECT_S
+    except OSError:
+        return False
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (one of another user's counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _is_temp_shard(name: str) -> bool:
