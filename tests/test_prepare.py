@@ -779,3 +779,37 @@ def test_listing_through_fsspec_rejects_images_beside_class_folders_too(raw: Pat
         ]
     finally:
         memory.rm(base, recursive=True)
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {p.relative_to(root).as_posix(): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_that_is_no_dataset_is_refused_and_left_as_it_was(raw: Path, tmp_path: Path, overwrite: bool) -> None:
+    out = tmp_path / "mine"
+    (out / "notes").mkdir(parents=True)
+    (out / "shard-000000.tar").write_bytes(b"my own archive, not a gpufeed shard")
+    (out / "notes" / "todo.txt").write_text("keep me")
+    (out / "README").write_text("my folder")
+    before = _tree(out)
+    with pytest.raises(JobConflictError, match="not a gpufeed dataset") as refused:
+        prepare_dataset(spec_for(raw, out), workers=0, overwrite=overwrite)
+    assert "shard-000000.tar" in str(refused.value) and "README" in str(refused.value)
+    assert _tree(out) == before
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "pipeline", "prepare", str(raw), str(out), "--size", "64", "--overwrite"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert cli.returncode != 0 and "not a gpufeed dataset" in cli.stderr and "Traceback" not in cli.stderr
+    assert _tree(out) == before
+
+
+def test_an_out_with_only_hidden_files_or_the_rejects_of_a_failed_run_is_used(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".keep").write_text("")
+    (out / "rejected.jsonl").write_text("")
+    result = prepare_dataset(spec_for(raw, out), workers=0)
+    assert result.samples == 60 and (out / ".keep").exists()

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import JobConflictError, ManifestError, StorageError
-from ..io.fs import at_once, file_sha256
+from ..io.fs import at_once, file_sha256, store_errors, store_failure
 from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, parse_manifest
@@ -411,7 +411,8 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: 
 
     Raises:
         JobConflictError: OUT holds another job's dataset or unfinished work and
-            `overwrite` is False; the message names each setting that differs.
+            `overwrite` is False (the message names each setting that differs), or
+            OUT holds files but is no gpufeed dataset (whatever `overwrite` says).
     """
     identity = spec.output_identity()
     records = records or OutRecords(output)
@@ -431,6 +432,8 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: 
             "choose another OUT or pass --overwrite to replace it"
         )
     plan = records.plan
+    if plan is None:
+        refuse_foreign_output(output, spec.out)
     if plan is not None and plan.get("identity") != identity:
         if not overwrite:
             differences = setting_differences(identity, plan.get("identity") or {}, "the unfinished prepare")
@@ -440,6 +443,41 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: 
             )
         clear_output(output)
     return None
+
+
+# What a prepare leaves in an OUT that holds no dataset: the reasons of a job whose every file was
+# rejected, its work folder, a lock. Hidden names and a file system's lost+found are never written.
+_OWN_WITHOUT_DATASET = frozenset({REJECTED_NAME, WORK_DIR, "lost+found"})
+
+
+def foreign_entries(output: Output) -> list[str]:
+    """What OUT holds that no prepare wrote, when OUT holds no manifest (sorted names at its top; [] when none)."""
+    if output.is_local:
+        names = output.listdir()
+    else:  # one listing: `listdir` would ask whether OUT is a folder first
+        try:
+            names = [str(path).rstrip("/").rsplit("/", 1)[-1] for path in output.fs.ls(output._fresh(""), detail=False)]
+        except FileNotFoundError:
+            return []
+        except store_errors() as exc:
+            raise store_failure("list", output.url, exc) from exc
+    return sorted(name for name in names if name not in _OWN_WITHOUT_DATASET and not name.startswith("."))
+
+
+def refuse_foreign_output(output: Output, out: str) -> None:
+    """Refuse an OUT that holds files but no gpufeed dataset (no manifest, no unfinished prepare): never written over.
+
+    Raises:
+        JobConflictError: naming what OUT holds; `--overwrite` does not apply (it replaces gpufeed datasets only).
+    """
+    foreign = foreign_entries(output)
+    if not foreign:
+        return
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    raise JobConflictError(
+        f"{out} is not a gpufeed dataset (no {MANIFEST_NAME}, no unfinished prepare) but holds {shown}; "
+        "nothing was written: prepare into an empty or new folder (--overwrite replaces only a gpufeed dataset)"
+    )
 
 
 def planned_conflict(spec: PrepareSpec, planned: dict[str, Any]) -> JobConflictError:
