@@ -813,3 +813,66 @@ def test_an_out_with_only_hidden_files_or_the_rejects_of_a_failed_run_is_used(ra
     (out / "rejected.jsonl").write_text("")
     result = prepare_dataset(spec_for(raw, out), workers=0)
     assert result.samples == 60 and (out / ".keep").exists()
+
+
+def test_a_second_prepare_into_the_same_out_is_refused_naming_the_first(raw: Path, tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    out = tmp_path / "out"
+    first_waits, second_done = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def progress(state: object) -> None:  # the first run stops after its first chunk until the second was refused
+        first_waits.set()
+        assert second_done.wait(120)
+
+    def first() -> None:
+        try:
+            outcome["result"] = prepare_dataset(spec_for(raw, out), workers=0, progress=progress)
+        except BaseException as exc:  # noqa: BLE001 - shown by the assertion below
+            outcome["error"] = exc
+            first_waits.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert first_waits.wait(120)
+        second = subprocess.run(
+            [sys.executable, "-m", "pipeline", "prepare", str(raw), str(out), "--size", "64", "--shard-samples", "16"],
+            capture_output=True, text=True, check=False, timeout=120,
+        )  # fmt: skip
+    finally:
+        second_done.set()
+        thread.join(120)
+    assert "error" not in outcome, outcome
+    assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr
+    assert f"process {os.getpid()} on {socket.gethostname()}" in second.stderr and "one prepare at a time" in second.stderr
+    assert outcome["result"].samples == 60  # type: ignore[attr-defined]
+    assert verify_dataset(Output(str(out)), read_manifest(Output(str(out)))).ok
+    assert not (out / ".gpufeed.lock").exists()
+
+
+@pytest.mark.parametrize("job", [None, "0123abcd"])
+def test_the_lock_of_a_prepare_that_died_is_taken_over(raw: Path, tmp_path: Path, job: str | None) -> None:
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    record = {"pid": int(dead.stdout), "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00", "job": job}
+    (out / ".gpufeed.lock").write_text(json.dumps(record))
+    assert prepare_dataset(spec_for(raw, out), workers=0).samples == 60
+    assert not (out / ".gpufeed.lock").exists()
+
+
+def test_the_lock_of_a_live_service_job_is_respected(raw: Path, tmp_path: Path) -> None:
+    import socket
+
+    out = tmp_path / "out"
+    out.mkdir()
+    record = {"pid": os.getppid(), "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00", "job": "0123abcd"}
+    (out / ".gpufeed.lock").write_text(json.dumps(record))
+    with pytest.raises(JobConflictError, match=f"process {os.getppid()} on .* for service job 0123abcd"):
+        prepare_dataset(spec_for(raw, out), workers=0)
+    assert json.loads((out / ".gpufeed.lock").read_text()) == record
