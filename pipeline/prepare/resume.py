@@ -452,7 +452,11 @@ _OWN_WITHOUT_DATASET = frozenset({REJECTED_NAME, WORK_DIR, "lost+found"})
 
 
 def foreign_entries(output: Output) -> list[str]:
-    """What OUT holds that no prepare wrote, when OUT holds no manifest (sorted names at its top; [] when none)."""
+    """What OUT holds that no prepare wrote, when OUT holds no manifest (sorted names at its top).
+
+    [] when there is none, or when OUT shows that a prepare was writing it: its work
+    folder, or temp files of its shards or manifest (a run that died before its plan).
+    """
     if output.is_local:
         names = output.listdir()
     else:  # one listing: `listdir` would ask whether OUT is a folder first
@@ -462,7 +466,16 @@ def foreign_entries(output: Output) -> list[str]:
             return []
         except store_errors() as exc:
             raise store_failure("list", output.url, exc) from exc
+    if any(name == WORK_DIR or _is_own_temp(name) for name in names):
+        return []  # a prepare was here (its work folder, or what its writers left when they died): its OUT
     return sorted(name for name in names if name not in _OWN_WITHOUT_DATASET and not name.startswith("."))
+
+
+def _is_own_temp(name: str) -> bool:
+    """A temp name of a file a prepare writes (``.shard-000000.tar.tmp-HOST-PID``, ``manifest.json.tmp-…``)."""
+    final, marker, _ = name.partition(".tmp-")
+    final = final[1:] if final.startswith(".") else final
+    return bool(marker) and (bool(_OUTPUT_NAME.fullmatch(final)) or final in (MANIFEST_NAME, REJECTED_NAME))
 
 
 def refuse_foreign_output(output: Output, out: str) -> None:
