@@ -69,11 +69,14 @@ def test_a_worker_killed_mid_shard_leaves_no_temp_file_once_the_job_succeeds(
     os.killpg(w1.pid, signal.SIGKILL)  # the worker and its pool child, in the middle of the shard
     w1.process.wait(timeout=10)
     assert _temp_files(out)
+    local = service.cli("prepare", str(slow_raw), str(out), *SLOWER_FLAGS)  # the job holds OUT, its planner dead or not
+    assert local.returncode != 0 and f"service job {job}" in local.stderr, local.stderr
 
     service.start_worker("w2")
     record = service.wait_finished(job, timeout=150)
     assert record.state == "succeeded", record.error
     assert _temp_files(out) == []
+    assert not (out / ".gpufeed.lock").exists()
     assert_verified(out)
 
 

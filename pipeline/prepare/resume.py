@@ -577,7 +577,8 @@ class OutLock:
     Locally the file is `flock`ed while held, so a process that dies lets go
     of it at once, and its record (pid, host, since) names the holder to the
     next run; on a store the record alone is a best-effort marker. A record left
-    by a process that is gone from this host is taken over.
+    by a process that is gone from this host is taken over (not one of a service
+    job: that holds OUT as long as any of its workers may write).
 
     A service job holds the lock from its plan to its finish, across processes:
     its plan takes it for the job (`job`), leaves the record when the plan ends
@@ -647,8 +648,10 @@ class OutLock:
 
     def _refuse_held(self, holder: LockHolder | None) -> None:
         """Refuse a lock record that names a live holder (locally: the flock is ours, so only a service job's)."""
-        if holder is None or holder.gone() or (holder.pid, holder.host) == (self.holder.pid, self.holder.host):
+        if holder is None or (holder.pid, holder.host) == (self.holder.pid, self.holder.host):
             return
+        if holder.job is None and holder.gone():
+            return  # a service job holds OUT while any of its workers runs, not only the one that planned it
         if self.holder.job is not None and holder.job is not None:
             return  # an earlier service job's: the service runs one job at a time on an OUT
         if self.output.is_local and holder.job is None:
@@ -658,8 +661,9 @@ class OutLock:
     def _busy(self, holder: LockHolder | None) -> JobConflictError:
         who = holder.describe() if holder is not None else "another process"
         where = f"{self.output.url.rstrip('/')}/{LOCK_NAME}"
+        wait = f"gpufeed status {holder.job}" if holder is not None and holder.job else "wait for it to finish"
         return JobConflictError(
-            f"{self.output.url} is being prepared by {who}: one prepare at a time per OUT; wait for it to finish "
+            f"{self.output.url} is being prepared by {who}: one prepare at a time per OUT; {wait} "
             f"(if it is gone for good, remove {where})"
         )
 
