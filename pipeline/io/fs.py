@@ -95,6 +95,14 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts) if (at or parts.query) else url
 
 
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>),;:.]")
+
+
+def redact_urls(text: str) -> str:
+    """`text` (an error message, a log line) with every URL in it passed through `redact_url`."""
+    return _URL_IN_TEXT.sub(lambda found: redact_url(found.group(0)), text)
+
+
 def url_secrets(url: str) -> list[str]:
     """What in a URL may be a credential: ``user information`` (``KEY:SECRET@``) and ``a query string``
     (a presigned URL's signature), as a message names them; [] for a local path or a plain URL."""
@@ -125,7 +133,7 @@ def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple
     try:
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except (ImportError, TypeError, ValueError) as exc:
-        raise SourceError(f"cannot open {url}: {exc}") from exc
+        raise SourceError(redact_urls(f"cannot open {url}: {exc}")) from exc
     return fs, path
 
 
