@@ -25,7 +25,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import JobConflictError, ManifestError, StorageError, write_failure
+from ..errors import JobConflictError, ManifestError, StorageError
 from ..io.fs import at_once, file_sha256, store_errors, store_failure
 from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
@@ -602,7 +602,8 @@ class OutLock:
 
         Raises:
             JobConflictError: another prepare holds it (the message names it).
-            StorageError: OUT cannot be made or written.
+            OSError: a local OUT cannot be made or written (read-only, no permission).
+            StorageError: a remote OUT cannot be written.
         """
         if self.output.is_local:
             self._acquire_local()
@@ -619,9 +620,10 @@ class OutLock:
         for _ in range(10):
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
+            except OSError as exc:  # a read-only or full OUT, said as the file system says it (`describe_os_error`)
                 self._unmake_out()
-                raise write_failure(path, exc) from exc
+                exc.filename = self.output.root
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -686,10 +688,7 @@ class OutLock:
         while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
             missing.append(folder)
             folder = os.path.dirname(folder)
-        try:
-            os.makedirs(self.output.root, exist_ok=True)
-        except OSError as exc:
-            raise write_failure(self.output.root, exc) from exc
+        os.makedirs(self.output.root, exist_ok=True)
         self._made = missing
 
     def _unmake_out(self) -> None:
