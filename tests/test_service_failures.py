@@ -321,3 +321,17 @@ def test_a_storage_error_that_persists_fails_the_job_after_the_allowed_runs(
     assert "no space left on the device" in record.error and "(tried 3 times)" in record.error, record.error
     assert marker.read_text() == "xxx"
     assert not (out / "manifest.json").exists()
+
+
+def test_a_failed_job_lets_go_of_its_out_s_lock(service: Service, tmp_path: Path) -> None:
+    raw = tmp_path / "broken" / "cat"
+    raw.mkdir(parents=True)
+    for number in range(3):
+        (raw / f"{number}.jpg").write_bytes(b"not a JPEG at all")
+    out = tmp_path / "out"
+    service.start_worker("w1")
+    job = service.submit("prepare", str(raw.parent), str(out), "--shard-samples", "2")
+    record = service.wait_finished(job)
+    assert record.state == "failed" and "no usable images" in record.error, record.error
+    assert not (out / ".gpufeed.lock").exists()
+    assert (out / "rejected.jsonl").exists()

@@ -55,9 +55,10 @@ def job_errors(job_id: str, what: str) -> Iterator[None]:
         logger.info("job %s: %s stopped (job %s)", job_id, what, exc)
     except SoftTimeLimitExceeded:
         limit = get_settings().shard_time_limit_s
-        store().fail(
+        if store().fail(
             job_id, f"{what} ran past the time limit ({limit:.0f} s): use smaller shards (--shard-samples) or raise GPUFEED_SHARD_TIME_LIMIT"
-        )
+        ):
+            _free_out_lock(job_id)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         logger.warning("job %s: %s lost Redis (%s); requeueing", job_id, what, exc)
         raise Reject(str(exc), requeue=True) from exc
