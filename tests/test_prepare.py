@@ -876,3 +876,24 @@ def test_the_lock_of_a_service_job_is_respected_whichever_of_its_workers_lives(r
     with pytest.raises(JobConflictError, match=f"process {record['pid']} on .* for service job 0123abcd.*gpufeed status 0123abcd"):
         prepare_dataset(spec_for(raw, out), workers=0)
     assert json.loads((out / ".gpufeed.lock").read_text()) == record
+
+
+def test_on_a_store_the_lock_is_a_marker_that_names_its_holder(raw: Path, tmp_path: Path) -> None:
+    import socket
+
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    out = "memory://gpufeed-test-locked"
+    live = {"pid": os.getppid(), "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00", "job": None}
+    memory.pipe("/gpufeed-test-locked/.gpufeed.lock", json.dumps(live).encode())
+    try:
+        with pytest.raises(JobConflictError, match=f"being prepared by process {os.getppid()} on "):
+            prepare_dataset(spec_for(raw, out), workers=0)
+        assert json.loads(memory.cat("/gpufeed-test-locked/.gpufeed.lock")) == live
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+        memory.pipe("/gpufeed-test-locked/.gpufeed.lock", json.dumps({**live, "pid": int(dead.stdout)}).encode())
+        assert prepare_dataset(spec_for(raw, out), workers=0).samples == 60  # a dead process's marker is taken over
+        assert not memory.exists("/gpufeed-test-locked/.gpufeed.lock")
+    finally:
+        memory.rm("/gpufeed-test-locked", recursive=True)
