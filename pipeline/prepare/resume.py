@@ -455,7 +455,9 @@ def foreign_entries(output: Output) -> list[str]:
     """What OUT holds that no prepare wrote, when OUT holds no manifest (sorted names at its top).
 
     [] when there is none, or when OUT shows that a prepare was writing it: its work
-    folder, or temp files of its shards or manifest (a run that died before its plan).
+    folder, temp files of its shards or manifest (a run that died before its plan), or
+    nothing but names a prepare writes (``shard-000000.tar``, ``v0/``). Else every name
+    (the shard-like ones too: they would be written over).
     """
     if output.is_local:
         names = output.listdir()
@@ -468,7 +470,10 @@ def foreign_entries(output: Output) -> list[str]:
             raise store_failure("list", output.url, exc) from exc
     if any(name == WORK_DIR or _is_own_temp(name) for name in names):
         return []  # a prepare was here (its work folder, or what its writers left when they died): its OUT
-    return sorted(name for name in names if name not in _OWN_WITHOUT_DATASET and not name.startswith("."))
+    shown = sorted(name for name in names if name not in _OWN_WITHOUT_DATASET and not name.startswith("."))
+    if all(_OUTPUT_NAME.fullmatch(name) for name in shown):
+        return []  # only what a prepare writes: the shards of one whose work folder was lost (a store emptied mid-job)
+    return shown
 
 
 def _is_own_temp(name: str) -> bool:
