@@ -235,6 +235,9 @@ def test_a_list_file_or_a_url_source_is_checked_file_by_file_as_the_plan_lists_i
     for escape in ("s3://other/raw/a.jpg", "s3://bench/raw/../secret/a.jpg"):
         with pytest.raises(ConfigError, match="outside GPUFEED_ALLOWED_ROOTS"):
             bucket(escape)
+    with pytest.raises(ConfigError, match="lists a file the service may not read.*query string") as signed:
+        bucket("s3://bench/raw/cats/a.jpg?X-Amz-Signature=SIGNED")
+    assert "SIGNED" not in str(signed.value) and "X-Amz-Signature=***" in str(signed.value)
 
 
 def test_status_shows_the_samples_decoded_with_warnings_only_when_there_are_some(capsys: pytest.CaptureFixture[str]) -> None:

@@ -243,6 +243,8 @@ def listed_source_check(source: str, roots: Iterable[str]) -> Callable[[str], No
         try:
             check_path(url, roots, "a listed source file")
         except ConfigError as exc:
+            if url_secrets(url):
+                raise ConfigError(f"SRC {redact_url(source)} lists a file the service may not read: {exc}") from exc
             raise ConfigError(f"SRC {redact_url(source)} lists {redact_url(url)!r}, which is outside GPUFEED_ALLOWED_ROOTS") from exc
 
     return check
