@@ -779,3 +779,121 @@ def test_listing_through_fsspec_rejects_images_beside_class_folders_too(raw: Pat
         ]
     finally:
         memory.rm(base, recursive=True)
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {p.relative_to(root).as_posix(): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_that_is_no_dataset_is_refused_and_left_as_it_was(raw: Path, tmp_path: Path, overwrite: bool) -> None:
+    out = tmp_path / "mine"
+    (out / "notes").mkdir(parents=True)
+    (out / "shard-000000.tar").write_bytes(b"my own archive, not a gpufeed shard")
+    (out / "notes" / "todo.txt").write_text("keep me")
+    (out / "README").write_text("my folder")
+    before = _tree(out)
+    with pytest.raises(JobConflictError, match="not a gpufeed dataset") as refused:
+        prepare_dataset(spec_for(raw, out), workers=0, overwrite=overwrite)
+    assert "shard-000000.tar" in str(refused.value) and "README" in str(refused.value)
+    assert _tree(out) == before
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "pipeline", "prepare", str(raw), str(out), "--size", "64", "--overwrite"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert cli.returncode != 0 and "not a gpufeed dataset" in cli.stderr and "Traceback" not in cli.stderr
+    assert _tree(out) == before
+
+
+def test_an_out_with_only_hidden_files_or_the_rejects_of_a_failed_run_is_used(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".keep").write_text("")
+    (out / "rejected.jsonl").write_text("")
+    result = prepare_dataset(spec_for(raw, out), workers=0)
+    assert result.samples == 60 and (out / ".keep").exists()
+
+
+def test_a_second_prepare_into_the_same_out_is_refused_naming_the_first(raw: Path, tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    out = tmp_path / "out"
+    first_waits, second_done = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def progress(state: object) -> None:  # the first run stops after its first chunk until the second was refused
+        first_waits.set()
+        assert second_done.wait(120)
+
+    def first() -> None:
+        try:
+            outcome["result"] = prepare_dataset(spec_for(raw, out), workers=0, progress=progress)
+        except BaseException as exc:  # noqa: BLE001 - shown by the assertion below
+            outcome["error"] = exc
+            first_waits.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert first_waits.wait(120)
+        second = subprocess.run(
+            [sys.executable, "-m", "pipeline", "prepare", str(raw), str(out), "--size", "64", "--shard-samples", "16"],
+            capture_output=True, text=True, check=False, timeout=120,
+        )  # fmt: skip
+    finally:
+        second_done.set()
+        thread.join(120)
+    assert "error" not in outcome, outcome
+    assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr
+    assert f"process {os.getpid()} on {socket.gethostname()}" in second.stderr and "one prepare at a time" in second.stderr
+    assert outcome["result"].samples == 60  # type: ignore[attr-defined]
+    assert verify_dataset(Output(str(out)), read_manifest(Output(str(out)))).ok
+    assert not (out / ".gpufeed.lock").exists()
+
+
+def test_the_lock_of_a_prepare_that_died_is_taken_over(raw: Path, tmp_path: Path) -> None:
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    record = {"pid": int(dead.stdout), "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00", "job": None}
+    (out / ".gpufeed.lock").write_text(json.dumps(record))
+    assert prepare_dataset(spec_for(raw, out), workers=0).samples == 60
+    assert not (out / ".gpufeed.lock").exists()
+
+
+def test_the_lock_of_a_service_job_is_respected_whichever_of_its_workers_lives(raw: Path, tmp_path: Path) -> None:
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    record = {"pid": int(dead.stdout), "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00", "job": "0123abcd"}
+    (out / ".gpufeed.lock").write_text(json.dumps(record))
+    with pytest.raises(JobConflictError, match=f"process {record['pid']} on .* for service job 0123abcd.*gpufeed status 0123abcd"):
+        prepare_dataset(spec_for(raw, out), workers=0)
+    assert json.loads((out / ".gpufeed.lock").read_text()) == record
+
+
+def test_on_a_store_the_lock_is_a_marker_that_names_its_holder(raw: Path, tmp_path: Path) -> None:
+    import socket
+
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    out = "memory://gpufeed-test-locked"
+    live = {"pid": os.getppid(), "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00", "job": None}
+    memory.pipe("/gpufeed-test-locked/.gpufeed.lock", json.dumps(live).encode())
+    try:
+        with pytest.raises(JobConflictError, match=f"being prepared by process {os.getppid()} on "):
+            prepare_dataset(spec_for(raw, out), workers=0)
+        assert json.loads(memory.cat("/gpufeed-test-locked/.gpufeed.lock")) == live
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+        memory.pipe("/gpufeed-test-locked/.gpufeed.lock", json.dumps({**live, "pid": int(dead.stdout)}).encode())
+        assert prepare_dataset(spec_for(raw, out), workers=0).samples == 60  # a dead process's marker is taken over
+        assert not memory.exists("/gpufeed-test-locked/.gpufeed.lock")
+    finally:
+        memory.rm("/gpufeed-test-locked", recursive=True)

@@ -65,7 +65,11 @@ def test_durations_and_passwords() -> None:
     with pytest.raises(ConfigError):
         parse_duration("0s")
     assert redact_url("redis://:secret@host:6379/0") == "redis://:***@host:6379/0"
-    assert redact_url("redis://user:secret@host/0") == "redis://user:***@host/0"
+    assert redact_url("redis://user:secret@host/0") == "redis://***:***@host/0"  # an access key id is a secret too
+    assert redact_url("https://TOKEN@host/x") == "https://***@host/x"
+    signed = redact_url("https://h/b/k.jpg?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=abc&X-Amz-Security-Token=t&versionId=3")
+    assert signed == "https://h/b/k.jpg?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***&versionId=3"
+    assert redact_url("https://h/c?sig=abc&sp=r") == "https://h/c?sig=***&sp=r"
     assert redact_url("redis://:p@ss@Redis-1:6379/0?ssl=1") == "redis://:***@Redis-1:6379/0?ssl=1"  # '@' in a password
     assert redact_url("redis://localhost:6379/0") == "redis://localhost:6379/0"
     assert redact_url("redis://[::1") == "<unparseable URL>"
@@ -77,7 +81,7 @@ def test_one_default_broker_and_one_way_to_hide_its_password() -> None:
     assert ServiceSettings().broker_url == settings_from_env({}).broker_url == doctor.DEFAULT_BROKER_URL
     with pytest.raises(ConfigError) as refused:
         settings_from_env({doctor.BROKER_URL_ENV: "amqp://guest:hunter2@rabbit//"})
-    assert "hunter2" not in str(refused.value) and "guest:***@rabbit" in str(refused.value)
+    assert "hunter2" not in str(refused.value) and "***:***@rabbit" in str(refused.value)
 
 
 def test_storage_errors_are_retryable_and_others_are_not() -> None:
@@ -231,6 +235,9 @@ def test_a_list_file_or_a_url_source_is_checked_file_by_file_as_the_plan_lists_i
     for escape in ("s3://other/raw/a.jpg", "s3://bench/raw/../secret/a.jpg"):
         with pytest.raises(ConfigError, match="outside GPUFEED_ALLOWED_ROOTS"):
             bucket(escape)
+    with pytest.raises(ConfigError, match="lists a file the service may not read.*query string") as signed:
+        bucket("s3://bench/raw/cats/a.jpg?X-Amz-Signature=SIGNED")
+    assert "SIGNED" not in str(signed.value) and "X-Amz-Signature=***" in str(signed.value)
 
 
 def test_status_shows_the_samples_decoded_with_warnings_only_when_there_are_some(capsys: pytest.CaptureFixture[str]) -> None:

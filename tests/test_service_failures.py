@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,34 @@ def test_a_sigkilled_worker_s_job_completes_on_another_worker(service: Service, 
     prepare_dataset(PrepareSpec.from_dict(spec), workers=0)
     assert shard_bytes(out) == shard_bytes(tmp_path / "local")
     assert dataset_samples(out) == dataset_samples(tmp_path / "local")  # exactly the right samples, no duplicate keys
+
+
+def test_a_worker_killed_mid_shard_leaves_no_temp_file_once_the_job_succeeds(
+    service: Service, slow_raw: Path, tmp_path: Path
+) -> None:
+    w1 = service.start_worker("w1")
+    out = tmp_path / "out"
+    job = service.submit("prepare", str(slow_raw), str(out), *SLOWER_FLAGS)
+    deadline = time.monotonic() + 120
+    while not _temp_files(out):  # a shard being written: its temp files are there
+        assert time.monotonic() < deadline, service.record(job).to_status()
+        time.sleep(0.02)
+    os.killpg(w1.pid, signal.SIGKILL)  # the worker and its pool child, in the middle of the shard
+    w1.process.wait(timeout=10)
+    assert _temp_files(out)
+    local = service.cli("prepare", str(slow_raw), str(out), *SLOWER_FLAGS)  # the job holds OUT, its planner dead or not
+    assert local.returncode != 0 and f"service job {job}" in local.stderr, local.stderr
+
+    service.start_worker("w2")
+    record = service.wait_finished(job, timeout=150)
+    assert record.state == "succeeded", record.error
+    assert _temp_files(out) == []
+    assert not (out / ".gpufeed.lock").exists()
+    assert_verified(out)
+
+
+def _temp_files(out: Path) -> list[str]:
+    return sorted(str(path.relative_to(out)) for path in out.rglob(".shard-*.tmp-*"))
 
 
 def test_redis_restarted_mid_job_never_publishes_a_bad_manifest(
@@ -292,3 +321,17 @@ def test_a_storage_error_that_persists_fails_the_job_after_the_allowed_runs(
     assert "no space left on the device" in record.error and "(tried 3 times)" in record.error, record.error
     assert marker.read_text() == "xxx"
     assert not (out / "manifest.json").exists()
+
+
+def test_a_failed_job_lets_go_of_its_out_s_lock(service: Service, tmp_path: Path) -> None:
+    raw = tmp_path / "broken" / "cat"
+    raw.mkdir(parents=True)
+    for number in range(3):
+        (raw / f"{number}.jpg").write_bytes(b"not a JPEG at all")
+    out = tmp_path / "out"
+    service.start_worker("w1")
+    job = service.submit("prepare", str(raw.parent), str(out), "--shard-samples", "2")
+    record = service.wait_finished(job)
+    assert record.state == "failed" and "no usable images" in record.error, record.error
+    assert not (out / ".gpufeed.lock").exists()
+    assert (out / "rejected.jsonl").exists()

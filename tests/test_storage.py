@@ -251,3 +251,24 @@ def test_free_bytes(tmp_path):
     assert free_bytes(str(tmp_path / "not" / "yet")) == pytest.approx(free, rel=0.05)
     assert free_bytes(f"file://{tmp_path}") == pytest.approx(free, rel=0.05)
     assert free_bytes("s3://bucket/data") is None
+
+
+def test_urls_in_messages_lose_their_user_information_and_signatures():
+    from pipeline.io.fs import redact_urls
+
+    text = "cannot open https://KEY:SECRET@h/l.csv?X-Amz-Signature=SIG&v=2: 403 (see 's3://b/k?token=TOK')."
+    assert redact_urls(text) == "cannot open https://***:***@h/l.csv?X-Amz-Signature=***&v=2: 403 (see 's3://b/k?token=***')."
+    assert redact_urls("/data/raw?x=1 and no URL") == "/data/raw?x=1 and no URL"
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_prepare_of_a_url_with_credentials_never_prints_them(tmp_path, get_free_port, as_json):
+    import subprocess
+    import sys
+
+    src = f"https://KEYID:PASSWORD@127.0.0.1:{get_free_port()}/list.csv?X-Amz-Credential=CRED&X-Amz-Signature=SIG"
+    args = [sys.executable, "-m", "pipeline", "prepare", src, str(tmp_path / "out")] + (["--json"] if as_json else [])
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    shown = result.stdout + result.stderr
+    assert result.returncode != 0 and "127.0.0.1" in shown and "Traceback" not in shown, shown
+    assert not [secret for secret in ("KEYID", "PASSWORD", "CRED", "SIG") if secret in shown], shown

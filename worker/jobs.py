@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pipeline.errors import GpufeedError, JobConflictError
-from pipeline.io.fs import redact_url
+from pipeline.io.fs import redact_url, redact_urls
 
 from .settings import ServiceSettings
 
@@ -498,7 +498,7 @@ class JobStore:
         return int(self.client.hincrby(self.job_key(job_id), f"attempts:{unit}", 1))
 
     def fail(self, job_id: str, error: str) -> bool:
-        return self.transition(job_id, "failed", ACTIVE, error=error[:4000])
+        return self.transition(job_id, "failed", ACTIVE, error=redact_urls(error)[:4000])
 
     # -- running tasks
     def begin_unit(self, job_id: str, unit: str, entry: dict[str, Any], token: str) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pipeline.errors import ConfigError
-from pipeline.io.fs import local_path
+from pipeline.io.fs import local_path, redact_url, url_secrets
 
 from .settings import ServiceSettings
 
@@ -38,9 +38,16 @@ def _check_text(path: Any, what: str) -> str:
         raise ConfigError(f"{what} must be a non-empty path")
     if len(path) > MAX_PATH_CHARS or any(ord(c) < 32 for c in path):
         raise ConfigError(f"{what} is not a usable path (too long or has control characters)")
+    secrets = url_secrets(path)
+    if secrets:  # a job record, its logs and `gpufeed status` would hold them
+        raise ConfigError(
+            f"{what} {redact_url(path)!r} holds {' and '.join(secrets)}, which may be a credential and a job never "
+            "records: give the URL without it; credentials come from each worker's environment (AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws)"
+        )
     parts = path.split("://", 1)[-1].replace("\\", "/").split("/")
     if ".." in parts:
-        raise ConfigError(f"{what} {path!r} contains '..'; give the path without it")
+        raise ConfigError(f"{what} {redact_url(path)!r} contains '..'; give the path without it")
     return path
 
 
@@ -64,11 +71,11 @@ def check_path(path: Any, roots: Iterable[str], what: str) -> str:
         allowed = any("://" in root and _inside(path, root) for root in roots)
     else:
         if not os.path.isabs(local):
-            raise ConfigError(f"{what} {path!r} is relative; jobs need absolute paths")
+            raise ConfigError(f"{what} {redact_url(path)!r} is relative; jobs need absolute paths")
         real = os.path.realpath(local)
         allowed = any("://" not in root and _inside(real, os.path.realpath(root)) for root in roots)
     if not allowed:
-        raise ConfigError(f"{what} {path!r} is outside GPUFEED_ALLOWED_ROOTS ({', '.join(roots)}); the service may not touch it")
+        raise ConfigError(f"{what} {redact_url(path)!r} is outside GPUFEED_ALLOWED_ROOTS ({', '.join(roots)}); the service may not touch it")
     return path
 
 
@@ -113,8 +120,10 @@ def check_storage_options(options: Any) -> dict[str, Any]:
     secret = sorted(key for key, value in options.items() if is_secret_option(key, value))
     if secret:
         raise ConfigError(
-            f"storage option(s) {', '.join(secret)} hold credentials, which a job never records: give them to the "
-            "workers through their environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws)"
+            f"storage option(s) {', '.join(secret)} hold credentials (a key, secret, token or password, or a URL with "
+            "NAME:PASSWORD@ or a query string), which a job never records: give the endpoint without them and the "
+            "credentials to the workers through their environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE or ~/.aws)"
         )
     return dict(options)
 
@@ -234,7 +243,9 @@ def listed_source_check(source: str, roots: Iterable[str]) -> Callable[[str], No
         try:
             check_path(url, roots, "a listed source file")
         except ConfigError as exc:
-            raise ConfigError(f"SRC {source} lists {url!r}, which is outside GPUFEED_ALLOWED_ROOTS") from exc
+            if url_secrets(url):
+                raise ConfigError(f"SRC {redact_url(source)} lists a file the service may not read: {exc}") from exc
+            raise ConfigError(f"SRC {redact_url(source)} lists {redact_url(url)!r}, which is outside GPUFEED_ALLOWED_ROOTS") from exc
 
     return check
 

@@ -56,18 +56,37 @@ def job_errors(job_id: str, what: str) -> Iterator[None]:
         logger.info("job %s: %s stopped (job %s)", job_id, what, exc)
     except SoftTimeLimitExceeded:
         limit = get_settings().shard_time_limit_s
-        store().fail(
+        if store().fail(
             job_id, f"{what} ran past the time limit ({limit:.0f} s): use smaller shards (--shard-samples) or raise GPUFEED_SHARD_TIME_LIMIT"
-        )
+        ):
+            _free_out_lock(job_id)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         logger.warning("job %s: %s lost Redis (%s); requeueing", job_id, what, exc)
         raise Reject(str(exc), requeue=True) from exc
     except GpufeedError as exc:
         tries = _retry_if_retryable(job_id, what, exc)
-        store().fail(job_id, f"{what}: {exc}" + (f" (tried {tries} times)" if tries > 1 else ""))
+        if store().fail(job_id, f"{what}: {exc}" + (f" (tried {tries} times)" if tries > 1 else "")):
+            _free_out_lock(job_id)
     except Exception as exc:
         logger.exception("job %s: %s failed", job_id, what)
-        store().fail(job_id, f"{what}: internal error {type(exc).__name__}: {exc}")
+        if store().fail(job_id, f"{what}: internal error {type(exc).__name__}: {exc}"):
+            _free_out_lock(job_id)
+
+
+def _free_out_lock(job_id: str) -> None:
+    """A failed prepare job lets go of its OUT's lock (`gpufeed prepare` may resume what it left)."""
+    from pipeline.io.output import Output
+    from pipeline.prepare.resume import remove_lock
+
+    record = store().get(job_id)
+    if record is None or record.kind != "prepare":
+        return
+    try:
+        spec = PrepareSpec.from_dict(record.payload["spec"])
+        with _job_storage(record, spec):
+            remove_lock(Output(spec.out), job=job_id)
+    except Exception as exc:  # noqa: BLE001 - the lock names the job, and the next plan takes it over
+        logger.warning("job %s: could not remove the lock of its OUT: %s", job_id, exc)
 
 
 def _retry_if_retryable(job_id: str, what: str, exc: GpufeedError) -> int:
@@ -143,7 +162,8 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
             check_source = security.listed_source_check(spec.source, settings.allowed_roots)
             run.check()
             mark_copies(spec, job_id)
-            info = plan_prepare(spec, force=force, overwrite=overwrite, check_source=check_source)
+            lock_for = job_id if record.kind == "prepare" else None  # held until finish_prepare; a re-augment's only while it plans
+            info = plan_prepare(spec, force=force, overwrite=overwrite, check_source=check_source, job=lock_for)
             run.check()
             if info.already_complete:
                 store().update(job_id, shards_total=info.shards, shards_done=info.shards, listed=info.listed)
@@ -248,7 +268,7 @@ def _succeed(record: JobRecord, spec: PrepareSpec) -> tuple[int, int]:
     else:
         from pipeline.prepare.job import finish_prepare
 
-        result = finish_prepare(spec)
+        result = finish_prepare(spec, job=record.id)
         samples, rejected, files = result.samples, result.rejected, result.shards
         summary = {
             "manifest": result.manifest,
@@ -360,7 +380,7 @@ def _discard_output(record: JobRecord) -> None:
     if record.kind == "prepare":  # finished shards stay: the same job submitted again resumes
         spec = _worker_checked_spec(record.payload["spec"])
         with _job_storage(record, spec):
-            discard_partial_shards(spec)
+            discard_partial_shards(spec, job=record.id)
     elif record.kind == "reshard" and record.prepare_spec is not None:
         from pipeline.prepare.reshard import ReshardSpec, discard_reaugment
 

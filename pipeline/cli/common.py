@@ -43,6 +43,9 @@ def fail(message: str, code: int = FAILURE, *, as_json: bool | None = None) -> N
         code: the exit status.
         as_json: print the JSON object (None: when the running command was given `--json`).
     """
+    from ..io.fs import redact_urls
+
+    message = redact_urls(message)  # a URL's password or signature is never printed
     if as_json is None:
         ctx = click.get_current_context(silent=True)
         as_json = bool(ctx is not None and ctx.params.get("as_json"))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..errors import SourceError, StorageError
 from .s3get import getter_for
@@ -56,27 +57,67 @@ def same_location(first: str, second: str) -> bool:
     return os.path.realpath(local_first) == os.path.realpath(local_second)
 
 
+# Query parameters of signed URLs (S3 and GCS presigned URLs, Azure SAS, CloudFront …) whose value is a secret.
+_SECRET_QUERY = re.compile(r"secret|token|passw|credential|signature|^sig$|^sas|key|auth|policy|session|^x-amz-|^x-goog-", re.I)
+
+
 def redact_url(url: str) -> str:
-    """`url` with its password, if any, replaced by ``***``: fit for messages, logs and reports.
+    """`url` with its user information and the values of signed-query parameters replaced by ``***``.
+
+    Fit for messages, logs, job records and reports.
 
     Args:
-        url: any URL, e.g. ``redis://:secret@host:6379/0``.
+        url: any URL, e.g. ``redis://:secret@host:6379/0`` or
+            ``https://host/key?X-Amz-Credential=…&X-Amz-Signature=…``.
 
     Returns:
-        The same URL with ``***`` for the password (``redis://:***@host:6379/0``);
-        the user name, the host as written, port, path and query are kept. A URL
-        without a password comes back unchanged, one that cannot be parsed as
-        ``<unparseable URL>``.
+        The same URL with ``***`` for the user name and the password
+        (``redis://:***@host:6379/0``, ``http://***:***@host/``) and for the value
+        of each query parameter whose name marks a credential or a signature
+        (``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``, ``sig``,
+        ``token`` …); the host as written, port, path and other parameters
+        (``?ssl=1``) are kept. A URL without either comes back unchanged, one
+        that cannot be parsed as ``<unparseable URL>``.
     """
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable URL>"
     userinfo, at, host = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        parts = parts._replace(netloc=f"{'***' if user else ''}{colon}{'***' if colon else ''}@{host}")
+    if parts.query:
+        pairs = [pair.partition("=") for pair in parts.query.split("&")]
+        parts = parts._replace(
+            query="&".join(name + equals + ("***" if value and _SECRET_QUERY.search(unquote(name)) else value) for name, equals, value in pairs)
+        )
+    return urlunsplit(parts) if (at or parts.query) else url
+
+
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>),;:.]")
+
+
+def redact_urls(text: str) -> str:
+    """`text` (an error message, a log line) with every URL in it passed through `redact_url`."""
+    return _URL_IN_TEXT.sub(lambda found: redact_url(found.group(0)), text)
+
+
+def url_secrets(url: str) -> list[str]:
+    """What in a URL may be a credential: ``user information`` (``KEY:SECRET@``) and ``a query string``
+    (a presigned URL's signature), as a message names them; [] for a local path or a plain URL."""
+    if not is_url(url):
+        return []
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return ["an unparseable address"]
+    found = []
+    if "@" in parts.netloc:
+        found.append("user information (NAME:PASSWORD@)")
+    if parts.query:
+        found.append("a query string (?...)")
+    return found
 
 
 def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -92,7 +133,7 @@ def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple
     try:
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except (ImportError, TypeError, ValueError) as exc:
-        raise SourceError(f"cannot open {url}: {exc}") from exc
+        raise SourceError(redact_urls(f"cannot open {url}: {exc}")) from exc
     return fs, path
 
 
@@ -163,13 +204,16 @@ def is_secret_option(name: str, value: Any = None) -> bool:
 
     Args:
         name: the option's name, e.g. ``endpoint_url`` (not secret) or ``secret`` (secret).
-        value: its value; a dict (``client_kwargs``) is secret when any of its keys is.
+        value: its value; a dict (``client_kwargs``) is secret when any of its keys is, a URL
+            (``endpoint_url``) when it holds user information or a query string.
 
     Returns:
         True for ``key``, ``secret``, ``token``, ``*_key``, ``password`` and the like.
     """
     lowered = name.lower()
     if lowered == "key" or lowered.endswith("_key") or any(word in lowered for word in _SECRET_WORDS):
+        return True
+    if isinstance(value, str) and url_secrets(value):  # endpoint_url=http://KEY:SECRET@host/
         return True
     if isinstance(value, Mapping):
         return any(is_secret_option(str(inner), item) for inner, item in value.items())

@@ -60,6 +60,7 @@ from .plan import ShardPlan, plan_shards, planned_shard_of, shard_name
 from .pool import IO_THREADS, Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes
 from .resume import (
     WORK_DIR,
+    OutLock,
     OutRecords,
     check_existing,
     clear_output,
@@ -73,6 +74,7 @@ from .resume import (
     read_shard_record,
     recorded_files_intact,
     recorded_source,
+    remove_lock,
     remove_shards,
     remove_stale_temp_files,
     remove_stale_temp_objects,
@@ -281,13 +283,14 @@ def prepare_dataset(
         NoImagesError: SRC gave no usable image (none listed, or every one rejected); no manifest is written.
         SourceError: SRC cannot be listed or has changed since an interrupted run (or, for a
             repair, since the dataset was prepared).
-        JobConflictError: OUT holds a different job (the message names the settings that differ).
+        JobConflictError: OUT holds a different job (the message names the settings that differ), holds
+            files but no gpufeed dataset, or another prepare is writing it (the message names its process).
         ManifestError: a damaged shard lies where prepare does not write (the dataset was re-packed).
         StorageError: OUT cannot be written (e.g. full disk); complete shards are kept.
         SampleError: with `strict`, a file was rejected (the message names it
             and the reason), or OUT already holds this dataset with rejects.
     """
-    with storage_options_for((spec.source, spec.out), storage_options):
+    with storage_options_for((spec.source, spec.out), storage_options), OutLock(Output(spec.out)):
         return _prepare_here(spec, workers, force, overwrite, strict, verify, progress, io_threads)
 
 
@@ -957,6 +960,7 @@ def plan_prepare(
     overwrite: bool = False,
     verify: bool = False,
     check_source: SourceCheck | None = None,
+    job: str | None = None,
 ) -> PreparePlanInfo:
     """List SRC and plan the shards (kept in OUT/.gpufeed); resumable like `prepare_dataset`.
 
@@ -972,6 +976,9 @@ def plan_prepare(
         check_source: called with the URL of each file SRC lists, as it is listed (the service
             refuses files outside its allowed roots this way); what it raises stops the plan
             before anything is planned, and a work folder this call made goes.
+        job: the service job this plan is for: OUT's lock (`OutLock`) is taken for it and kept once
+            the plan is made, until `finish_prepare` or `discard_prepare` of the same job removes it;
+            without, the lock is held while this call runs.
 
     Returns:
         The plan: shards per variant set, and which of them still need writing.
@@ -979,6 +986,19 @@ def plan_prepare(
     Raises:
         The same errors as `prepare_dataset`.
     """
+    lock = OutLock(Output(spec.out), job).acquire()
+    try:
+        info = _plan_locked(spec, force, overwrite, verify, check_source)
+    except BaseException:
+        lock.release()
+        raise
+    lock.release(keep=job is not None and not info.already_complete)
+    return info
+
+
+def _plan_locked(
+    spec: PrepareSpec, force: bool, overwrite: bool, verify: bool, check_source: SourceCheck | None
+) -> PreparePlanInfo:
     job_or_done = _open_or_plan(spec, force=force, overwrite=overwrite, verify=verify, check_source=check_source)
     if isinstance(job_or_done, Manifest):
         done = job_or_done
@@ -1044,7 +1064,7 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
     return ShardRecord(shard, samples, len(record["rejected"]), skipped)
 
 
-def finish_prepare(spec: PrepareSpec) -> PrepareResult:
+def finish_prepare(spec: PrepareSpec, *, job: str | None = None) -> PrepareResult:
     """Write rejected.jsonl and the manifest once every planned shard is complete and valid.
 
     Idempotent: when OUT already holds the finished dataset of these settings
@@ -1055,6 +1075,7 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
 
     Args:
         spec: the planned job.
+        job: the service job whose plan took OUT's lock: its lock goes once the dataset is finished.
 
     Returns:
         The dataset's counts, from its manifest. A finish does no image work:
@@ -1068,7 +1089,7 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
         StorageError: a shard is missing or does not match its record (nothing is published),
             or a finished dataset's shard file is still missing or damaged.
     """
-    output = Output(spec.out)
+    job_id, output = job, Output(spec.out)
     records = OutRecords(output).read_both()
     spec = _as_recorded(spec, records)
     manifest = finished_manifest(output, spec, records)
@@ -1078,32 +1099,41 @@ def finish_prepare(spec: PrepareSpec) -> PrepareResult:
             listed = ", ".join(f"{path} {problem}" for path, problem in list(damaged.items())[:10])
             raise StorageError(f"cannot finish {spec.out}: {listed}; write those shards first (plan_prepare plans them)")
         _clean_up(output, manifest)  # the leftovers of a finish that stopped right after its manifest (or of a repair)
+        _release_job_lock(output, job_id)
         return _result(spec.out, manifest)
-    job = _load_planned_job(spec, records, with_listing=False)
+    planned = _load_planned_job(spec, records, with_listing=False)
     try:
-        if job.output.is_local:  # sizes and sha256, file by file
+        if planned.output.is_local:  # sizes and sha256, file by file
             written, present = None, None
-            missing = pending_shards(job.output, job.plan.shards)
+            missing = pending_shards(planned.output, planned.plan.shards)
         else:  # the records and one listing of OUT, at once: the sizes they record are checked against it
-            written, present = _written_and_present(job)
+            written, present = _written_and_present(planned)
             missing = [shard for shard, record in enumerate(written) if _lost(record, present)]
         if missing:
             listed = ", ".join(str(shard) for shard in missing[:10]) + (" ..." if len(missing) > 10 else "")
             missing_shards = f"shard {listed} is" if len(missing) == 1 else f"shards {listed} are"
             raise StorageError(f"cannot finish {spec.out}: {missing_shards} missing or invalid")
-        return _result(spec.out, _finish(job, written, present))
+        result = _result(spec.out, _finish(planned, written, present))
     finally:
-        job.listing.close()
+        planned.listing.close()
+    _release_job_lock(output, job_id)
+    return result
 
 
-def discard_prepare(spec: PrepareSpec) -> None:
-    """Remove what an unfinished prepare wrote to OUT: shards, rejects, the work folder, temp files.
+def _release_job_lock(output: Output, job: str | None) -> None:
+    if job is not None:
+        remove_lock(output, job=job)
+
+
+def discard_prepare(spec: PrepareSpec, *, job: str | None = None) -> None:
+    """Remove what an unfinished prepare wrote to OUT: shards, rejects, the work folder, temp files, its lock.
 
     A finished dataset (OUT/manifest.json present) keeps its shards; only
     leftover temp files and work files go.
 
     Args:
         spec: the job whose output goes.
+        job: the service job whose plan took OUT's lock (else a lock no live process holds goes).
     """
     output = Output(spec.out)
     if not output.exists(MANIFEST_NAME):
@@ -1111,10 +1141,11 @@ def discard_prepare(spec: PrepareSpec) -> None:
     else:
         output.remove(WORK_DIR)
     remove_temp_files(output)
+    remove_lock(output, job=job)
 
 
-def discard_partial_shards(spec: PrepareSpec) -> None:
-    """Remove the partial shards a stopped prepare left in OUT, and nothing it finished.
+def discard_partial_shards(spec: PrepareSpec, *, job: str | None = None) -> None:
+    """Remove the partial shards a stopped prepare left in OUT, and its lock, and nothing it finished.
 
     Shard temp files go (and, on a store, the multipart uploads left in
     progress); finished shards, the plan and the listing stay, so the same job
@@ -1123,12 +1154,14 @@ def discard_partial_shards(spec: PrepareSpec) -> None:
 
     Args:
         spec: the stopped job.
+        job: the service job whose plan took OUT's lock (else a lock no live process holds goes).
     """
     output = Output(spec.out)
     remove_temp_files(output)
     if not output.is_local:
         with contextlib.suppress(StorageError):  # invisible leftovers: a failure here must not fail the cancel
             output.abort_uploads()
+    remove_lock(output, job=job)
 
 
 def local_copies_folder(spec: PrepareSpec) -> str | None:

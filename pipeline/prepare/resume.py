@@ -15,6 +15,7 @@ damaged, and a re-run writes it again (see `job.py`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import JobConflictError, ManifestError, StorageError
-from ..io.fs import at_once, file_sha256
+from ..io.fs import at_once, file_sha256, store_errors, store_failure
 from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, parse_manifest
@@ -173,18 +174,75 @@ def remove_temp_files(output: Output) -> None:
 
 
 def remove_stale_temp_objects(output: Output, manifest: Manifest) -> list[str]:
-    """Remove the temp objects crashed writers left next to a finished dataset's files on a remote OUT.
+    """Remove the temp objects crashed writers left next to a finished dataset's files.
 
     Called once every shard is published (so no writer of this job still needs
     a temp object of its own): the temp names of the manifest's shard files, of
     rejected.jsonl and of the manifest go when older than STALE_TEMP_OBJECT_S;
-    the work folder goes whole with `remove_work`. A no-op for a local OUT.
+    the work folder goes whole with `remove_work`.
+
+    On a local OUT, the temp files of writers that are gone go instead (see
+    `remove_dead_temp_files`): a worker killed in the middle of a shard leaves
+    one, and the shard is written again by another.
 
     Returns:
         The members removed, relative to OUT.
     """
+    if output.is_local:
+        return remove_dead_temp_files(output)
     finals = [info.path for info in manifest.shards] + [REJECTED_NAME, MANIFEST_NAME]
     return remove_temp_objects(output, finals, older_than_s=STALE_TEMP_OBJECT_S)
+
+
+def remove_dead_temp_files(output: Output) -> list[str]:
+    """Remove the temp files in a local OUT (at its top and in its variant folders) whose writer is gone.
+
+    A temp name ends in ``.tmp-HOST-PID`` (`temp_suffix`): one of this host
+    goes when no process PID runs here; one of another host (OUT on a shared
+    file system) when it was last written more than STALE_TEMP_OBJECT_S ago.
+    Only temp names of what a prepare writes (shards, manifest.json,
+    rejected.jsonl) are looked at. Returns the members removed, relative to OUT.
+    """
+    removed = []
+    for prefix in [""] + [f"{name}/" for name in output.listdir() if _VARIANT_DIR.fullmatch(name)]:
+        for name in output.listdir(prefix.rstrip("/")):
+            path = output.local(prefix + name)
+            if _is_temp_of_output(name) and _writer_gone(name, path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                removed.append(prefix + name)
+    return removed
+
+
+def _is_temp_of_output(name: str) -> bool:
+    final = name.partition(".tmp-")[0]
+    return _is_temp_shard(name) or final in (MANIFEST_NAME, REJECTED_NAME)
+
+
+def _writer_gone(name: str, path: str) -> bool:
+    import socket
+    import time
+
+    host, _, pid = name.partition(".tmp-")[2].rpartition("-")
+    if host == socket.gethostname() and pid.isdigit():
+        return not process_alive(int(pid))
+    try:
+        return os.path.getmtime(path) < time.time() - STALE_TEMP_OBJECT_S
+    except OSError:
+        return False
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (one of another user's counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _is_temp_shard(name: str) -> bool:
@@ -354,7 +412,8 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: 
 
     Raises:
         JobConflictError: OUT holds another job's dataset or unfinished work and
-            `overwrite` is False; the message names each setting that differs.
+            `overwrite` is False (the message names each setting that differs), or
+            OUT holds files but is no gpufeed dataset (whatever `overwrite` says).
     """
     identity = spec.output_identity()
     records = records or OutRecords(output)
@@ -374,6 +433,8 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: 
             "choose another OUT or pass --overwrite to replace it"
         )
     plan = records.plan
+    if plan is None:
+        refuse_foreign_output(output, spec.out)
     if plan is not None and plan.get("identity") != identity:
         if not overwrite:
             differences = setting_differences(identity, plan.get("identity") or {}, "the unfinished prepare")
@@ -383,6 +444,59 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: 
             )
         clear_output(output)
     return None
+
+
+# What a prepare leaves in an OUT that holds no dataset: the reasons of a job whose every file was
+# rejected, its work folder, a lock. Hidden names and a file system's lost+found are never written.
+_OWN_WITHOUT_DATASET = frozenset({REJECTED_NAME, WORK_DIR, "lost+found"})
+
+
+def foreign_entries(output: Output) -> list[str]:
+    """What OUT holds that no prepare wrote, when OUT holds no manifest (sorted names at its top).
+
+    [] when there is none, or when OUT shows that a prepare was writing it: its work
+    folder, temp files of its shards or manifest (a run that died before its plan), or
+    nothing but names a prepare writes (``shard-000000.tar``, ``v0/``). Else every name
+    (the shard-like ones too: they would be written over).
+    """
+    if output.is_local:
+        names = output.listdir()
+    else:  # one listing: `listdir` would ask whether OUT is a folder first
+        try:
+            names = [str(path).rstrip("/").rsplit("/", 1)[-1] for path in output.fs.ls(output._fresh(""), detail=False)]
+        except FileNotFoundError:
+            return []
+        except store_errors() as exc:
+            raise store_failure("list", output.url, exc) from exc
+    if any(name == WORK_DIR or _is_own_temp(name) for name in names):
+        return []  # a prepare was here (its work folder, or what its writers left when they died): its OUT
+    shown = sorted(name for name in names if name not in _OWN_WITHOUT_DATASET and not name.startswith("."))
+    if all(_OUTPUT_NAME.fullmatch(name) for name in shown):
+        return []  # only what a prepare writes: the shards of one whose work folder was lost (a store emptied mid-job)
+    return shown
+
+
+def _is_own_temp(name: str) -> bool:
+    """A temp name of a file a prepare writes (``.shard-000000.tar.tmp-HOST-PID``, ``manifest.json.tmp-…``)."""
+    final, marker, _ = name.partition(".tmp-")
+    final = final[1:] if final.startswith(".") else final
+    return bool(marker) and (bool(_OUTPUT_NAME.fullmatch(final)) or final in (MANIFEST_NAME, REJECTED_NAME))
+
+
+def refuse_foreign_output(output: Output, out: str) -> None:
+    """Refuse an OUT that holds files but no gpufeed dataset (no manifest, no unfinished prepare): never written over.
+
+    Raises:
+        JobConflictError: naming what OUT holds; `--overwrite` does not apply (it replaces gpufeed datasets only).
+    """
+    foreign = foreign_entries(output)
+    if not foreign:
+        return
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    raise JobConflictError(
+        f"{out} is not a gpufeed dataset (no {MANIFEST_NAME}, no unfinished prepare) but holds {shown}; "
+        "nothing was written: prepare into an empty or new folder (--overwrite replaces only a gpufeed dataset)"
+    )
 
 
 def planned_conflict(spec: PrepareSpec, planned: dict[str, Any]) -> JobConflictError:
@@ -414,3 +528,221 @@ def remove_work(output: Output) -> None:
 
     at_once(functools.partial(output.remove, WORK_DIR), abort_uploads)  # independent round trips: side by side
     shutil.rmtree(output.staging, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------
+# One prepare at a time per OUT
+
+# Beside the work folder, not in it: a run removes and makes that folder again (--overwrite, a repair, its finish).
+LOCK_NAME = ".gpufeed.lock"
+
+
+@dataclasses.dataclass(frozen=True)
+class LockHolder:
+    """Who holds OUT's lock: a process (its pid and host, since when), for a service job its id."""
+
+    pid: int
+    host: str
+    since: str
+    job: str | None = None
+
+    @classmethod
+    def parse(cls, data: bytes | None) -> LockHolder | None:
+        try:
+            record = json.loads(data or b"")
+            return cls(int(record["pid"]), str(record["host"]), str(record.get("since", "?")), record.get("job") or None)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None  # empty (a lock file being written) or not ours: no one known
+
+    @classmethod
+    def here(cls, job: str | None = None) -> LockHolder:
+        import datetime
+        import socket
+
+        since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return cls(os.getpid(), socket.gethostname(), since, job)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode("utf-8")
+
+    def gone(self) -> bool:
+        """Whether the process is known to be gone: it ran on this host and runs no more."""
+        import socket
+
+        return self.host == socket.gethostname() and not process_alive(self.pid)
+
+    def describe(self) -> str:
+        job = f" for service job {self.job}" if self.job else ""
+        return f"process {self.pid} on {self.host}{job} (since {self.since})"
+
+
+class OutLock:
+    """OUT's lock (``OUT/.gpufeed.lock``), held by one prepare at a time.
+
+    Locally the file is `flock`ed while held, so a process that dies lets go
+    of it at once, and its record (pid, host, since) names the holder to the
+    next run; on a store the record alone is a best-effort marker. A record left
+    by a process that is gone from this host is taken over (not one of a service
+    job: that holds OUT as long as any of its workers may write).
+
+    A service job holds the lock from its plan to its finish, across processes:
+    its plan takes it for the job (`job`), leaves the record when the plan ends
+    (`keep`), and its finish (or its failure, or its discard) removes it; the
+    shard steps do not touch it, so they run on many workers at once.
+
+    Args:
+        output: OUT.
+        job: the service job this lock is taken for; a record of another job is
+            taken over (the service lets one job at a time write an OUT).
+    """
+
+    def __init__(self, output: Output, job: str | None = None) -> None:
+        self.output = output
+        self.holder = LockHolder.here(job)
+        self._fd: int | None = None
+        self._made: list[str] = []
+
+    def acquire(self) -> OutLock:
+        """Take the lock.
+
+        Raises:
+            JobConflictError: another prepare holds it (the message names it).
+            OSError: a local OUT cannot be made or written (read-only, no permission).
+            StorageError: a remote OUT cannot be written.
+        """
+        if self.output.is_local:
+            self._acquire_local()
+        else:
+            self._refuse_held(LockHolder.parse(self.output.read_if_exists(LOCK_NAME)))
+            self.output.write_bytes_atomic(LOCK_NAME, self.holder.to_bytes())
+        return self
+
+    def _acquire_local(self) -> None:
+        import fcntl
+
+        self._make_out()
+        path = self.output.local(LOCK_NAME)
+        for _ in range(10):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:  # a read-only or full OUT, said as the file system says it (`describe_os_error`)
+                self._unmake_out()
+                exc.filename = self.output.root
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = LockHolder.parse(_read_fd(fd))
+                os.close(fd)
+                raise self._busy(holder) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:  # its holder removed it as it let go: take the new one
+                same = False
+            if same:
+                break
+            os.close(fd)
+        else:  # pragma: no cover - the file replaced ten times over
+            raise JobConflictError(f"{self.output.url}: another prepare keeps taking {LOCK_NAME}; try again")
+        try:
+            self._refuse_held(LockHolder.parse(_read_fd(fd)))
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, self.holder.to_bytes(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def _refuse_held(self, holder: LockHolder | None) -> None:
+        """Refuse a lock record that names a live holder (locally: the flock is ours, so only a service job's)."""
+        if holder is None or (holder.pid, holder.host) == (self.holder.pid, self.holder.host):
+            return
+        if holder.job is None and holder.gone():
+            return  # a service job holds OUT while any of its workers runs, not only the one that planned it
+        if self.holder.job is not None and holder.job is not None:
+            return  # an earlier service job's: the service runs one job at a time on an OUT
+        if self.output.is_local and holder.job is None:
+            return  # a process that held the flock would hold it still
+        raise self._busy(holder)
+
+    def _busy(self, holder: LockHolder | None) -> JobConflictError:
+        who = holder.describe() if holder is not None else "another process"
+        where = f"{self.output.url.rstrip('/')}/{LOCK_NAME}"
+        wait = f"gpufeed status {holder.job}" if holder is not None and holder.job else "wait for it to finish"
+        return JobConflictError(
+            f"{self.output.url} is being prepared by {who}: one prepare at a time per OUT; {wait} "
+            f"(if it is gone for good, remove {where})"
+        )
+
+    def release(self, *, keep: bool = False) -> None:
+        """Let go of the lock; with `keep` the record stays (a service job's plan: the job holds OUT on)."""
+        if self.output.is_local:
+            if self._fd is None:
+                return
+            with contextlib.suppress(OSError):
+                if not keep and os.fstat(self._fd).st_ino == os.stat(self.output.local(LOCK_NAME)).st_ino:
+                    os.unlink(self.output.local(LOCK_NAME))
+            os.close(self._fd)
+            self._fd = None
+            self._unmake_out()
+        elif not keep:
+            remove_lock(self.output, self.holder)
+
+    def _make_out(self) -> None:
+        missing, folder = [], self.output.root
+        while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+        os.makedirs(self.output.root, exist_ok=True)
+        self._made = missing
+
+    def _unmake_out(self) -> None:
+        """Remove the folders this lock made, when nothing else was put in them."""
+        for folder in self._made:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        self._made = []
+
+    def __enter__(self) -> OutLock:
+        return self.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _read_fd(fd: int) -> bytes:
+    return os.pread(fd, 4096, 0)
+
+
+def remove_lock(output: Output, holder: LockHolder | None = None, *, job: str | None = None) -> None:
+    """Remove OUT's lock record: the one `holder` wrote, or with `job` the one that service job left (any with neither).
+
+    A local lock that a live process holds (flocked) is never removed.
+    """
+    if output.is_local:
+        import fcntl
+
+        path = output.local(LOCK_NAME)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _is_removable(LockHolder.parse(_read_fd(fd)), holder, job):
+                os.unlink(path)
+        except OSError:
+            return  # held by a live process: its own
+        finally:
+            os.close(fd)
+        return
+    if _is_removable(LockHolder.parse(output.read_if_exists(LOCK_NAME)), holder, job):
+        output.remove(LOCK_NAME)
+
+
+def _is_removable(found: LockHolder | None, holder: LockHolder | None, job: str | None) -> bool:
+    if job is not None:
+        return found is not None and found.job == job
+    if holder is not None:
+        return found is None or (found.pid, found.host, found.since) == (holder.pid, holder.host, holder.since)
+    return True
