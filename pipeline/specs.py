@@ -236,9 +236,18 @@ class PrepareSpec(Spec):
         return super().from_dict.__func__(cls, values)  # type: ignore[attr-defined]
 
     def output_identity(self) -> dict[str, Any]:
-        """The settings that decide the bytes of the output (source and OUT excluded)."""
+        """The settings that decide the bytes of the output (OUT excluded; a source URL's secrets redacted).
+
+        It is what the plan and the manifest record and what a re-run is
+        compared with, so a URL's credentials (user information, a presigned
+        query's signature) are never stored, and a fresh signature of the same
+        URL is the same job.
+        """
+        from .io.fs import redact_location
+
         data = self.to_dict()
         data.pop("out")
+        data["source"] = redact_location(data["source"])
         return data
 
 

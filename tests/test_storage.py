@@ -272,3 +272,46 @@ def test_prepare_of_a_url_with_credentials_never_prints_them(tmp_path, get_free_
     shown = result.stdout + result.stderr
     assert result.returncode != 0 and "127.0.0.1" in shown and "Traceback" not in shown, shown
     assert not [secret for secret in ("KEYID", "PASSWORD", "CRED", "SIG") if secret in shown], shown
+
+
+def test_a_prepare_from_presigned_urls_stores_none_of_their_signatures(tmp_path, get_free_port):
+    # A list file at a presigned URL naming presigned image URLs (an HTTP server on loopback
+    # ignores the query): the job runs, and neither the manifest, rejected.jsonl, the samples'
+    # records in the shards nor the output holds a signature; a fresh signature is the same job.
+    import functools
+    import http.server
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    from pipeline.demo import make_demo_dataset
+
+    make_demo_dataset(tmp_path / "raw", 6, classes=2, workers=1)
+    port = get_free_port()
+    signed = "X-Amz-Credential=AKIA%2F20261202%2Fus-east-1%2Fs3%2Faws4_request&X-Amz-Signature=SIGIMAGE"
+    base = f"http://127.0.0.1:{port}"
+    rows = [{"path": f"{base}/{p.relative_to(tmp_path)}?{signed}", "label": 0} for p in sorted((tmp_path / "raw").rglob("*.jpg"))]
+    rows.append({"path": f"{base}/list.jsonl?X-Amz-Signature=SIGBAD", "label": 0})  # not an image: rejected
+    (tmp_path / "list.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = tmp_path / "out"
+        for signature in ("SIGLIST", "SIGFRESH"):
+            src = f"{base}/list.jsonl?X-Amz-Signature={signature}"
+            args = [sys.executable, "-m", "pipeline", "prepare", src, str(out), "--size", "32", "--json", "--workers", "0"]
+            result = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
+            assert result.returncode == 0, result.stderr
+            assert json.loads(result.stdout)["samples"] == 6
+            stored = b"".join(path.read_bytes() for path in out.rglob("*") if path.is_file())
+            shown = (result.stdout + result.stderr).encode()
+            for secret in (b"SIGLIST", b"SIGFRESH", b"SIGIMAGE", b"SIGBAD", b"AKIA"):
+                assert secret not in stored and secret not in shown, secret
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["source"] == f"{base}/list.jsonl?X-Amz-Signature=***"
+        assert json.loads((out / "rejected.jsonl").read_text())["source"].endswith("X-Amz-Signature=***")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -95,6 +95,11 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts) if (at or parts.query) else url
 
 
+def redact_location(path: str) -> str:
+    """What a record keeps of a source or a file: a URL through `redact_url`, a local path as it is."""
+    return redact_url(path) if is_url(path) else path
+
+
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>),;:.]")
 
 

@@ -49,7 +49,7 @@ from typing import Any
 
 from ..errors import ConfigError, ManifestError, NoImagesError, SampleError, SourceError, StorageError
 from ..io.devices import device_info, faster_local_disk, free_bytes
-from ..io.fs import at_once, resolve_location, same_location, storage_options_for
+from ..io.fs import at_once, redact_location, redact_urls, resolve_location, same_location, storage_options_for
 from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, write_manifest
@@ -754,7 +754,7 @@ def _drain(
         if outcome.tars is None:
             if strict:
                 raise _StrictStop(outcome.source, outcome.reason)
-            rejected.append({"source": outcome.source, "reason": outcome.reason})
+            rejected.append({"source": redact_location(outcome.source), "reason": redact_urls(outcome.reason)})
             state.rejected += 1
             continue
         state.warned += bool(outcome.warnings)
@@ -877,7 +877,7 @@ def _finish(
         classes=job.classes,
         shards=shards,
         params=job.spec.output_identity(),
-        source=job.spec.source,
+        source=redact_location(job.spec.source),
         rejected=rejected,
         variants=job.spec.augment.variants,
         decoded_with_warnings=warned,

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..decode import DecodedImage, decode_image, pil_image
 from ..errors import DecodeError
-from ..io.fs import read_source_bytes
+from ..io.fs import read_source_bytes, redact_location
 from ..io.tar import sample_tar_bytes
 from ..specs import PrepareSpec
 from .encode import encode_image
@@ -166,7 +166,7 @@ def _meta(
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "key": key,
-        "source": item.url,
+        "source": redact_location(item.url),
         "label": item.label,
         "original_size": list(original_size),
         "size": list(size),

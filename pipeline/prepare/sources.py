@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..errors import ConfigError, SourceError
-from ..io.fs import forget_listings, local_path, open_fs, store_errors
+from ..io.fs import forget_listings, is_url, local_path, open_fs, store_errors
 from ..io.s3get import S3Getter, getter_for
 
 IMAGE_EXTENSIONS = frozenset(
@@ -110,7 +110,7 @@ def list_images(source: str, info: ListingInfo | None = None, *, threads: int = 
         raise SourceError(f"source not found: {source}")
     fs, root = open_fs(source)
     forget_listings(fs, root)  # what the store holds now, not what this process listed before
-    top = None if root.lower().endswith(LIST_EXTENSIONS) else _listed_top(fs, root)  # a list file: s3fs looks
+    top = None if _without_query(root).lower().endswith(LIST_EXTENSIONS) else _listed_top(fs, root)  # a list file: s3fs looks
     if top is not None and (top.dirs or top.files):
         yield from _list_fs_dir(fs, root, info, threads, top)
         return
@@ -402,14 +402,19 @@ def _basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
+def _without_query(source: str) -> str:
+    """A URL without its query string (a presigned URL's signature may hold `/`), a path as it is."""
+    return source.split("?", 1)[0] if is_url(source) else source
+
+
 def _list_file(source: str, info: ListingInfo) -> Iterator[SourceItem]:
-    lower = source.lower()
+    lower = _without_query(source).lower()
     if not lower.endswith(LIST_EXTENSIONS):
         raise SourceError(
             f"{source} is a file but not a CSV or JSONL list; give a folder of images or a list with a 'path' column"
         )
     info.kind = "list"
-    base = source.rsplit("/", 1)[0] if "/" in source else "."
+    base = _without_query(source).rsplit("/", 1)[0] if "/" in source else "."
     rows = _read_csv_rows(source) if lower.endswith(".csv") else _read_jsonl_rows(source)
     for line_no, row in rows:
         path = row.get("path")
