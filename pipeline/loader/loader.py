@@ -814,7 +814,7 @@ def shard_opener(dataset: DatasetInfo, spec: LoaderSpec, storage_options: Mappin
     size = spec.cache_size
     if size is None:
         size = sum(shard.bytes or 0 for shards in dataset.sets for shard in shards)
-    cache = ShardCache(spec.cache_dir, size, storage_options=storage_options)
+    cache = ShardCache(spec.cache_dir, size, storage_options=storage_options, verify=spec.verify)
     return ShardOpener(storage_options, cache)
 
 
