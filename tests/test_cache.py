@@ -224,6 +224,28 @@ def test_a_cached_shard_changed_on_disk_is_never_served_and_is_fetched_again_onc
     assert len(cache_warnings(caplog, "no longer matches its manifest entry")) == 1
 
 
+def test_a_changed_cached_shard_whose_store_copy_is_damaged_too_is_an_error_and_not_cached(
+    s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    shards = addresses(s3_bucket)
+    (url, sha256, size, rel), other = victim_and_other(shards)
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options) as cache:
+        read_shard(cache, url, sha256, size)
+    damage_cached_shard(Path(cache.path_for(sha256)), "flipped", b"")
+    damaged = bytearray((s3_bucket.local / rel).read_bytes())
+    damaged[size // 2] ^= 0xFF
+    s3_bucket.put(rel, bytes(damaged))
+    s3_server.reset_reads()
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options) as cache:
+        with pytest.raises(ManifestError, match="does not match its manifest entry"):
+            read_shard(cache, url, sha256, size)
+        cache.wait()
+        stats = cache.stats()
+    assert (stats.dropped, stats.rejected, stats.hits) == (1, 1, 0)
+    assert not cache.contains(sha256, size)
+    assert gets(s3_server, s3_bucket, rel) == 1
+
+
 def test_a_cached_shard_that_is_still_right_is_not_fetched_again(s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path) -> None:
     shards = addresses(s3_bucket)
     with ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options) as cache:

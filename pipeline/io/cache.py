@@ -50,8 +50,8 @@ What it guarantees:
   of the end, the tar's end padding) raises `ManifestError` there when the bytes do not
   match the manifest, and nothing is cached.
 - *Cached shards checked before they are served*: a fill that publishes a shard writes
-  ``DIR/shards/<sha256>.check`` beside it (atomically, before its lock is let go): the
-  file's size, inode, mtime and ctime and a hash of a few sampled blocks. Every open
+  ``DIR/checks/<sha256>.json`` (atomically, before its lock is let go): the file's size,
+  inode, mtime and ctime and a hash of a few sampled blocks. Every open
   compares the cached file with it before handing out a byte (with ``verify=True`` it
   hashes the whole file with sha256 as well). A file that differs from its record (another
   file put in its place, bytes written into it, no record: a cache from an older version)
