@@ -25,7 +25,9 @@ plain ratios.
 
 Usage:
     python benchmarks/remote.py [--n 1200] [--loader-n 12000] [--rounds 2] [--latency-ms 20]
-                                [--server auto|rclone|moto] [--json FILE]
+                                [--server auto|rclone|moto] [--loader-only] [--json FILE]
+
+`--loader-only` times the three loader rows only (no demo images, no prepare rows).
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--latency-ms", type=int, default=20)
     parser.add_argument("--server", choices=("auto", "rclone", "moto"), default="auto")
+    parser.add_argument("--loader-only", action="store_true", help="time the loader rows only")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     os.environ.setdefault("NO_PROXY", "127.0.0.1")
@@ -143,18 +146,22 @@ def main() -> None:
     try:
         raw, loader_raw, shards = (os.path.join(work, name) for name in ("raw", "loader-raw", "shards"))
         workers = common.available_processes()
-        make_demo_dataset(raw, args.n, min_side=DEMO_SIDES[0], max_side=DEMO_SIDES[1], workers=workers)
+        if not args.loader_only:
+            make_demo_dataset(raw, args.n, min_side=DEMO_SIDES[0], max_side=DEMO_SIDES[1], workers=workers)
         make_demo_dataset(loader_raw, args.loader_n, min_side=LOADER_SIDES[0], max_side=LOADER_SIDES[1], workers=workers)
-        rows = {name: Row(name) for name in ROW_NAMES}
+        names = [name for name in ROW_NAMES if not (args.loader_only and name.startswith("prepare"))]
+        rows = {name: Row(name) for name in names}
         # the dataset the loader rows read (and a warm page cache), in shards of LOADER_SHARD_SAMPLES
         time_prepare(loader_raw, shards, store, 0, LOADER_SHARD_SAMPLES)
-        upload(store, raw, "s3://bench/raw")
+        if not args.loader_only:
+            upload(store, raw, "s3://bench/raw")
         upload(store, shards, "s3://bench/shards")
         out = os.path.join(work, "out")
         for round_ in range(max(2, args.rounds)):
-            rows["prepare_local"].runs.append(time_prepare(raw, out, store, 32))
-            rows["prepare_s3"].runs.append(time_prepare("s3://bench/raw", out, store, 32))
-            rows["prepare_s3_serial"].runs.append(time_prepare("s3://bench/raw", out, store, 0))
+            if not args.loader_only:
+                rows["prepare_local"].runs.append(time_prepare(raw, out, store, 32))
+                rows["prepare_s3"].runs.append(time_prepare("s3://bench/raw", out, store, 32))
+                rows["prepare_s3_serial"].runs.append(time_prepare("s3://bench/raw", out, store, 0))
             rows["loader_local"].runs.extend(time_epochs(shards, store, None, 1))
             cache = os.path.join(work, f"cache-{round_}")
             first, second = time_epochs("s3://bench/shards", store, cache, 2)
@@ -192,8 +199,9 @@ def fresh_write_cost(work: str, size: int, times: int = 3) -> list[float]:
 
 
 def report(rows: dict[str, Row], args: argparse.Namespace, server: str, fresh_write: list[float]) -> None:
-    ratios = {name: ratio(rows[name], rows[base]) for name, base in BASELINES.items()}
-    handed_back = {name: ratio(rows[name], rows[base], handed_back=True) for name, base in BASELINES.items()}
+    baselines = {name: base for name, base in BASELINES.items() if name in rows}
+    ratios = {name: ratio(rows[name], rows[base]) for name, base in baselines.items()}
+    handed_back = {name: ratio(rows[name], rows[base], handed_back=True) for name, base in baselines.items()}
     print(
         f"prepare rows: {args.n} images (~1 MP); loader rows: {args.loader_n} images of 256 px; "
         f"{args.latency_ms} ms per request; S3 server: {server}; {common.available_processes()} processes"

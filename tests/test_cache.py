@@ -10,9 +10,11 @@ import hashlib
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import threading
 import time
@@ -154,6 +156,147 @@ def child_env(server: S3Server) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "TEST_STORAGE_OPTIONS": json.dumps(server.storage_options),
     }
+
+
+def damage_cached_shard(cached: Path, how: str, other: bytes) -> None:
+    """Change a cached shard on disk, its size kept, as a careless tool or a failing disk would.
+
+    "swapped": another file put in its place, `other` (a valid tar of other samples) padded
+    with zeros to the shard's size; "flipped": 64 bytes inverted in place, at a random
+    offset inside one of its images.
+    """
+    size = cached.stat().st_size
+    if how == "swapped":
+        assert len(other) <= size
+        replacement = cached.parent / f"{cached.name}.other"
+        replacement.write_bytes(other + bytes(size - len(other)))
+        os.replace(replacement, cached)
+    else:
+        with tarfile.open(cached) as tar:
+            images = [m for m in tar.getmembers() if m.size >= 64 and not m.name.endswith((".cls", ".json"))]
+        rng = random.Random(size)
+        member = rng.choice(images)
+        offset = member.offset_data + rng.randrange(member.size - 64 + 1)
+        with open(cached, "r+b") as handle:
+            handle.seek(offset)
+            flipped = bytes(b ^ 0xFF for b in handle.read(64))
+            handle.seek(offset)
+            handle.write(flipped)
+    assert cached.stat().st_size == size
+
+
+def victim_and_other(shards: list[tuple[str, str, int, str]]) -> tuple[tuple[str, str, int, str], tuple[str, str, int, str]]:
+    """The largest shard and the smallest other one: the other's bytes fit in the largest's size."""
+    victim = max(shards, key=lambda s: s[2])
+    return victim, min((s for s in shards if s is not victim), key=lambda s: s[2])
+
+
+def gets(server: S3Server, bucket: Bucket, rel: str) -> int:
+    """The GET requests the server answered for one shard."""
+    return server.reads().get(f"{bucket.name}/{bucket.key(rel)}", {}).get("gets", 0)
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["checked", "verify"])
+@pytest.mark.parametrize("how", ["swapped", "flipped"])
+def test_a_cached_shard_changed_on_disk_is_never_served_and_is_fetched_again_once(
+    s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str, verify: bool
+) -> None:
+    shards = addresses(s3_bucket)
+    (url, sha256, size, rel), other = victim_and_other(shards)
+    options = s3_server.storage_options
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=options, verify=verify) as cache:
+        for address in shards:
+            read_shard(cache, *address[:3])
+    damage_cached_shard(Path(cache.path_for(sha256)), how, (s3_bucket.local / other[3]).read_bytes())
+    s3_server.reset_reads()
+    caplog.set_level(logging.WARNING, logger="gpufeed.cache")
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=options, verify=verify) as cache:
+        for address in shards:  # the first bytes of the changed one already come from the store
+            with cache.open(*address[:3]) as handle:
+                assert handle.read(512) == (s3_bucket.local / address[3]).read_bytes()[:512]
+        cache.wait()
+        assert read_shard(cache, url, sha256, size) == (s3_bucket.local / rel).read_bytes()  # cached again
+        stats = cache.stats()
+    assert (stats.dropped, stats.fills, stats.hits) == (1, 1, len(shards))
+    assert (gets(s3_server, s3_bucket, rel), downloads(s3_server, s3_bucket, rel, size)) == (1, 1)  # fetched once more
+    assert sum(count["gets"] for count in s3_server.reads().values()) == 1  # and nothing else
+    assert hashlib.sha256(Path(cache.path_for(sha256)).read_bytes()).hexdigest() == sha256
+    assert len(cache_warnings(caplog, "no longer matches its manifest entry")) == 1
+
+
+def test_a_changed_cached_shard_whose_store_copy_is_damaged_too_is_an_error_and_not_cached(
+    s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    shards = addresses(s3_bucket)
+    (url, sha256, size, rel), other = victim_and_other(shards)
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options) as cache:
+        read_shard(cache, url, sha256, size)
+    damage_cached_shard(Path(cache.path_for(sha256)), "flipped", b"")
+    damaged = bytearray((s3_bucket.local / rel).read_bytes())
+    damaged[size // 2] ^= 0xFF
+    s3_bucket.put(rel, bytes(damaged))
+    s3_server.reset_reads()
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options) as cache:
+        with pytest.raises(ManifestError, match="does not match its manifest entry"):
+            read_shard(cache, url, sha256, size)
+        cache.wait()
+        stats = cache.stats()
+    assert (stats.dropped, stats.rejected, stats.hits) == (1, 1, 0)
+    assert not cache.contains(sha256, size)
+    assert gets(s3_server, s3_bucket, rel) == 1
+
+
+def test_a_cached_shard_that_is_still_right_is_not_fetched_again(s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path) -> None:
+    shards = addresses(s3_bucket)
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options) as cache:
+        for address in shards:
+            read_shard(cache, *address[:3])
+    copied = Path(cache.path_for(shards[0][1]))  # copied into place again (a new file, the same bytes)
+    (copied.parent / "copy").write_bytes(copied.read_bytes())
+    os.replace(copied.parent / "copy", copied)
+    for record in (tmp_path / "cache" / "checks").iterdir():  # as a cache an older version filled has none
+        if record.name != f"{shards[0][1]}.json":
+            record.unlink()
+    s3_server.reset_reads()
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options) as cache:
+        for _ in range(2):
+            for _, sha256, size, rel in shards:
+                assert read_shard(cache, s3_bucket.url, sha256, size) == (s3_bucket.local / rel).read_bytes()
+        assert (cache.stats().hits, cache.stats().dropped) == (2 * len(shards), 0)
+    assert s3_server.reads() == {}
+    assert files_under(tmp_path / "cache" / "checks") == sorted(f"{s[1]}.json" for s in shards)
+
+
+def test_two_processes_sharing_a_cache_with_a_changed_shard_both_read_good_bytes_fetched_once(
+    s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    shards = addresses(s3_bucket)
+    victim, other = victim_and_other(shards)
+    with ShardCache(tmp_path / "cache", "1GiB", storage_options=s3_server.storage_options) as cache:
+        for address in shards:
+            read_shard(cache, *address[:3])
+    damage_cached_shard(Path(cache.path_for(victim[1])), "swapped", (s3_bucket.local / other[3]).read_bytes())
+    first = [victim] + [s for s in shards if s is not victim]  # both open the changed one at once
+    (tmp_path / "shards.json").write_text(json.dumps([s[:3] for s in first]))
+    s3_server.reset_reads()
+    s3_server.throttle(victim[2] * 5)  # its fetch takes 0.2 s: the other process finds it under way
+    go = tmp_path / "go"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", FILL_ALL, str(tmp_path / "cache"), str(tmp_path / "shards.json"), str(go), str(tmp_path / f"out{i}.json")],
+            env=child_env(s3_server),
+        )
+        for i in range(2)
+    ]
+    time.sleep(1.0)  # both are waiting for the start
+    go.touch()
+    for process in processes:
+        assert process.wait(timeout=120) == 0
+    results = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+    assert results[0]["digests"] == results[1]["digests"] == [s[1] for s in first]
+    assert results[0]["fills"] + results[1]["fills"] == 1
+    assert (gets(s3_server, s3_bucket, victim[3]), downloads(s3_server, s3_bucket, victim[3], victim[2])) == (1, 1)
+    assert sum(count["gets"] for count in s3_server.reads().values()) == 1
 
 
 def test_two_processes_filling_one_cache_download_each_shard_once(

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 from loader_data import prepare_labelled
+from test_cache import damage_cached_shard
 
 from pipeline.errors import ConfigError, ManifestError
+from pipeline.io.tar import ShardInfo
 from pipeline.loader import make_loader
 from pipeline.loader.dataset import resolve_dataset
 from pipeline.loader.epoch import plan_epoch
@@ -177,7 +179,7 @@ TWO_LOADERS = textwrap.dedent(
     while not os.path.exists(go_file):
         time.sleep(0.001)
     epochs = []
-    for epoch in (0, 1):
+    for epoch in json.loads(os.environ.get("TEST_EPOCHS", "[0, 1]")):
         loader.set_epoch(epoch)
         epochs.append([[labels.tolist(), hashlib.sha256(images.numpy().tobytes()).hexdigest()] for images, labels in loader])
     loader.close()
@@ -186,36 +188,28 @@ TWO_LOADERS = textwrap.dedent(
 )
 
 
-def delivered(loader) -> list[list[object]]:
+def delivered(loader, epochs_read: tuple[int, ...] = (0, 1)) -> list[list[object]]:
     """Each epoch's batches as the child processes write them: labels and the images' sha256."""
     epochs = []
-    for epoch in (0, 1):
+    for epoch in epochs_read:
         loader.set_epoch(epoch)
         epochs.append([[labels.tolist(), hashlib.sha256(images.numpy().tobytes()).hexdigest()] for images, labels in loader])
     return epochs
 
 
-@pytest.mark.parametrize("world", [2, 1], ids=["two-ranks", "two-full-passes"])
-def test_two_processes_filling_one_cache_through_make_loader_download_each_shard_once(
-    s3_server: S3Server, bucket: Bucket, labelled: Path, tmp_path: Path, world: int
-) -> None:
-    ranks = list(range(world)) if world == 2 else [0, 0]  # two ranks of one job, or two jobs reading it all at once
-    expected = []
-    for rank in ranks:
-        local = loader_for(labelled, rank=rank, world_size=world)
-        expected.append(delivered(local))
-        local.close()
+def run_loaders(
+    server: S3Server, bucket: Bucket, cache: Path, ranks: list[int], world: int, tmp_path: Path, epochs: tuple[int, ...] = (0, 1)
+) -> list[list[list[object]]]:
+    """What loaders of `ranks`, one process each, all started at once over one cache, delivered in `epochs`."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "TEST_STORAGE_OPTIONS": json.dumps(s3_server.storage_options),
+        "TEST_STORAGE_OPTIONS": json.dumps(server.storage_options),
         "TEST_BATCH": str(BATCH),
         "TEST_CROP": str(CROP),
+        "TEST_EPOCHS": json.dumps(list(epochs)),
     }
-    shards = read_manifest(labelled).shards
-    s3_server.throttle(sum(s.bytes for s in shards) // 2)  # about 0.2 s a shard: the two fills overlap
     go = tmp_path / "go"
-    cache = tmp_path / "cache"
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", TWO_LOADERS, bucket.url, str(cache), str(rank), str(world), str(go), str(tmp_path / f"out{i}.json")],
@@ -233,7 +227,23 @@ def test_two_processes_filling_one_cache_through_make_loader_download_each_shard
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    got = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(len(ranks))]
+    return [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(len(ranks))]
+
+
+@pytest.mark.parametrize("world", [2, 1], ids=["two-ranks", "two-full-passes"])
+def test_two_processes_filling_one_cache_through_make_loader_download_each_shard_once(
+    s3_server: S3Server, bucket: Bucket, labelled: Path, tmp_path: Path, world: int
+) -> None:
+    ranks = list(range(world)) if world == 2 else [0, 0]  # two ranks of one job, or two jobs reading it all at once
+    expected = []
+    for rank in ranks:
+        local = loader_for(labelled, rank=rank, world_size=world)
+        expected.append(delivered(local))
+        local.close()
+    shards = read_manifest(labelled).shards
+    s3_server.throttle(sum(s.bytes for s in shards) // 2)  # about 0.2 s a shard: the two fills overlap
+    cache = tmp_path / "cache"
+    got = run_loaders(s3_server, bucket, cache, ranks, world, tmp_path)
     assert got == expected  # each process delivered what a loader on local disk delivers
     for shard in shards:
         assert s3_server.bytes_read(bucket.name, bucket.key(shard.path)) == shard.bytes  # sent once, to one of them
@@ -268,3 +278,60 @@ def test_a_remote_dataset_is_indexable_through_the_loaders_store_options(
         assert here.image.tobytes() == there.image.tobytes()
     local.close()
     remote.close()
+
+
+def changed_in_the_cache(labelled: Path, cache: Path, how: str) -> ShardInfo:
+    """Change the largest shard's cached copy on disk (see test_cache.damage_cached_shard); returns its entry."""
+    shards = read_manifest(labelled).shards
+    victim = max(shards, key=lambda s: s.bytes)
+    other = min((s for s in shards if s is not victim), key=lambda s: s.bytes)
+    damage_cached_shard(cache / "shards" / f"{victim.sha256}.tar", how, (labelled / other.path).read_bytes())
+    return victim
+
+
+def gets(server: S3Server) -> dict[str, int]:
+    """The GET requests the server answered for shards, by shard, for the shards it answered any."""
+    return {key: count["gets"] for key, count in server.reads().items() if count["gets"] and key.endswith(".tar")}
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["checked", "verify"])
+@pytest.mark.parametrize("how", ["swapped", "flipped"])
+def test_a_shard_changed_in_the_cache_between_epochs_is_fetched_again_before_its_samples_are_delivered(
+    s3_server: S3Server, bucket: Bucket, labelled: Path, tmp_path: Path, how: str, verify: bool
+) -> None:
+    local = loader_for(labelled)
+    expected = [run_epoch(local, epoch) for epoch in (0, 1, 2)]
+    local.close()
+    loader = loader_for(bucket.url, s3_server, num_workers=0, cache_dir=tmp_path / "cache", verify=verify)
+    assert_same(run_epoch(loader, 0), expected[0])
+    loader.close()  # waits for the fills in flight
+    victim = changed_in_the_cache(labelled, tmp_path / "cache", how)
+    s3_server.reset_reads()
+    assert_same(run_epoch(loader, 1), expected[1])  # not one sample of the changed copy
+    loader.close()
+    assert loader.stats.bad_shards == 0
+    assert gets(s3_server) == {f"{bucket.name}/{bucket.key(victim.path)}": 1}  # that shard once more, nothing else
+    assert shard_bytes_sent(s3_server, bucket) == victim.bytes
+    s3_server.reset_reads()
+    assert_same(run_epoch(loader, 2), expected[2])
+    assert s3_server.reads() == {}  # cached good again
+    loader.close()
+
+
+def test_two_loaders_sharing_a_cache_with_a_changed_shard_both_deliver_good_samples_fetching_it_once(
+    s3_server: S3Server, bucket: Bucket, labelled: Path, tmp_path: Path
+) -> None:
+    local = loader_for(labelled)
+    expected = delivered(local, (1,))
+    local.close()
+    cache = tmp_path / "cache"
+    loader = loader_for(bucket.url, s3_server, num_workers=0, cache_dir=cache)
+    run_epoch(loader, 0)
+    loader.close()
+    victim = changed_in_the_cache(labelled, cache, "swapped")
+    s3_server.reset_reads()
+    s3_server.throttle(victim.bytes * 5)  # its fetch takes 0.2 s: the other process finds it under way or done
+    got = run_loaders(s3_server, bucket, cache, [0, 0], 1, tmp_path, epochs=(1,))
+    assert got == [expected, expected]
+    assert gets(s3_server) == {f"{bucket.name}/{bucket.key(victim.path)}": 1}
+    assert hashlib.sha256((cache / "shards" / f"{victim.sha256}.tar").read_bytes()).hexdigest() == victim.sha256

@@ -48,8 +48,18 @@ What it guarantees:
   from the store until it is made again.
 - *Checked bytes*: a handle that reads a shard to its end (or is closed within 4 MiB
   of the end, the tar's end padding) raises `ManifestError` there when the bytes do not
-  match the manifest, and nothing is cached. Cached shards are trusted: their size is
-  checked when they are opened, their sha256 was checked when they were filled.
+  match the manifest, and nothing is cached.
+- *Cached shards checked before they are served*: a fill that publishes a shard writes
+  ``DIR/checks/<sha256>.json`` (atomically, before its lock is let go): the file's size,
+  inode, mtime and ctime and a hash of a few sampled blocks. Every open
+  compares the cached file with it before handing out a byte (with ``verify=True`` it
+  hashes the whole file with sha256 as well). A file that differs from its record (another
+  file put in its place, bytes written into it, no record: a cache from an older version)
+  is hashed whole under the shard's lock: when it still matches the manifest its record is
+  written again, else it is removed with a warning and fetched again from the store, once,
+  by whoever holds the lock, the other openers following that fill. So no opener, in any
+  process, is served a cached byte that does not match the manifest; a re-fetch that does
+  not match either is the store's damage (`ManifestError` at its end, as for any fill).
 - *Processes*: a `ShardCache` may be made before the loader's worker processes fork;
   each process starts its own threads and store connections on first use, and a forked
   child lets go of its copies of the parent's locks at once.
@@ -65,6 +75,7 @@ import errno
 import fcntl
 import hashlib
 import io
+import json
 import logging
 import os
 import re
@@ -85,6 +96,7 @@ FIRST_PIECE = 1 << 20  # a fill's first request: its readers start after one MiB
 STORE_BLOCK = 8 << 20  # the store file's own read-ahead block
 VERIFY_TAIL = 4 << 20  # close() reads at most this much more to check a shard (a tar's end padding is 10 KiB)
 PREFETCH_THREADS = 6  # downloads in flight: sized for the store's latency, not for the cores
+CHECK_BLOCKS, CHECK_BLOCK = 8, 16 << 10  # the blocks of a cached shard hashed at every open (first, last, evenly between)
 # How often a reader that caught up with a fill looks again (a fill of this process wakes it at once).
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01
 
@@ -126,6 +138,7 @@ class CacheStats:
         bypassed: opens read straight from the store (cache or disk full).
         rejected: downloads whose bytes did not match the manifest (not cached).
         prefetched: fills started by `prefetch` (counted in `fills` as well once published).
+        dropped: cached shards that no longer matched the manifest when opened (removed and fetched again).
     """
 
     hits: int = 0
@@ -134,6 +147,7 @@ class CacheStats:
     bypassed: int = 0
     rejected: int = 0
     prefetched: int = 0
+    dropped: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +166,8 @@ class ShardCache:
         storage_options: fsspec options for the store (endpoint, profile, anonymous
             access); credentials otherwise come from the usual places.
         prefetch_threads: downloads `prefetch` runs at once.
+        verify: hash every cached shard whole with sha256 against the manifest before serving
+            it (without it, its size, file identity and sampled blocks are checked).
 
     Raises:
         ConfigError: `directory` is a URL, or `max_bytes` is not a size.
@@ -177,6 +193,7 @@ class ShardCache:
         *,
         storage_options: Mapping[str, Any] | None = None,
         prefetch_threads: int = PREFETCH_THREADS,
+        verify: bool = False,
     ) -> None:
         local = local_path(os.fspath(directory))
         if local is None:
@@ -187,11 +204,13 @@ class ShardCache:
         self.max_bytes = parse_bytes(max_bytes)
         self.storage_options = dict(storage_options or {})
         self.prefetch_threads = prefetch_threads
+        self.verify = verify
         self._shards = os.path.join(self.directory, "shards")
         self._partial = os.path.join(self.directory, "partial")
         self._locks = os.path.join(self.directory, "locks")
+        self._checks = os.path.join(self.directory, "checks")  # <sha256>.json: what a cached shard was when filled
         try:
-            for folder in (self._shards, self._partial, self._locks):
+            for folder in (self._shards, self._partial, self._locks, self._checks):
                 os.makedirs(folder, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot use {self.directory} as a shard cache: {exc.strerror or exc}") from exc
@@ -353,6 +372,7 @@ class ShardCache:
                 except FileNotFoundError:
                     pass
                 finally:
+                    _remove(self._check_path(digest))
                     _unlock(lock)
         return freed
 
@@ -418,6 +438,7 @@ class ShardCache:
                 os.replace(done, self.path_for(shard.digest))
                 published = True
                 self._count("fills")
+                self._record(shard)
             else:
                 self._count("rejected")
                 log.warning(
@@ -465,15 +486,90 @@ class ShardCache:
     # -- reading
 
     def _open_complete(self, shard: _Shard) -> BinaryIO | None:
+        """The cached shard once it is checked (see the module), a fill replacing it if it is bad, or None."""
         try:
             handle = open(self.path_for(shard.digest), "rb", buffering=1 << 20)  # noqa: SIM115 - the caller owns it
         except FileNotFoundError:
             return None
-        if os.fstat(handle.fileno()).st_size != shard.size:  # not ours: a fill replaces it
+        try:
+            st = os.fstat(handle.fileno())
+            if st.st_size != shard.size:  # not ours: a fill replaces it
+                handle.close()
+                return None
+            if self._as_recorded(shard, handle.fileno(), st) and (
+                not self.verify or _sha256_of(handle.fileno(), shard.size) == shard.digest
+            ):
+                self._count("hits")
+                return handle
+        except BaseException:
             handle.close()
-            return None
-        self._count("hits")
-        return handle
+            raise
+        handle.close()
+        return self._check_whole(shard)
+
+    def _check_whole(self, shard: _Shard) -> BinaryIO | None:
+        """Under the shard's lock: the cached shard if its sha256 matches (recorded again), else a fill of it; None to look again."""
+        lock = _try_lock(self._lock_path(shard))
+        if lock is None:
+            return None  # being filled or checked by another opener: its outcome is there shortly
+        handle: BinaryIO | None = None
+        try:
+            try:
+                handle = open(self.path_for(shard.digest), "rb", buffering=1 << 20)  # noqa: SIM115 - the caller owns it
+            except FileNotFoundError:
+                return None
+            st = os.fstat(handle.fileno())
+            if st.st_size != shard.size:
+                return None
+            if _sha256_of(handle.fileno(), shard.size) == shard.digest:
+                self._record(shard)
+                self._count("hits")
+                served, handle = handle, None
+                return served
+            self._count("dropped")
+            log.warning(
+                "cached shard %s (%s) no longer matches its manifest entry (changed on disk since it was cached): "
+                "removed, fetched again from the store",
+                redact_url(shard.url), self.path_for(shard.digest),
+            )
+            _remove(self.path_for(shard.digest))
+            _remove(self._check_path(shard.digest))
+            held, lock = lock, None
+            return self._start_fill(shard, held)  # owns the lock from here
+        finally:
+            if handle is not None:
+                handle.close()
+            if lock is not None:
+                _unlock(lock)
+
+    def _record(self, shard: _Shard) -> None:
+        """With the shard's lock held: write what its cached file is now (atomically), for later opens to compare with."""
+        path = self._check_path(shard.digest)
+        try:
+            with open(self.path_for(shard.digest), "rb", buffering=0) as handle:
+                st = os.fstat(handle.fileno())
+                record = {
+                    "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+                    "sample": _sample_digest(handle.fileno(), st.st_size),
+                }  # fmt: skip
+            with open(f"{path}.tmp", "w") as out:
+                json.dump(record, out)
+            os.replace(f"{path}.tmp", path)
+        except OSError as exc:  # the shard itself is good: its next open hashes it whole again
+            _remove(path)
+            log.debug("cannot record the check of %s: %s", self.path_for(shard.digest), exc)
+
+    def _as_recorded(self, shard: _Shard, fd: int, st: os.stat_result) -> bool:
+        """Whether an open cached file is the one its fill recorded: size, inode, mtime, ctime and sampled blocks."""
+        try:
+            with open(self._check_path(shard.digest), "rb") as handle:
+                record = json.loads(handle.read(4096))
+        except (OSError, ValueError):
+            return False
+        expected = {"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+        if not isinstance(record, dict) or any(record.get(key) != value for key, value in expected.items()):
+            return False
+        return bool(record.get("sample") == _sample_digest(fd, st.st_size))
 
     def _follow(self, shard: _Shard) -> BinaryIO | None:
         """A reader of the fill in progress, if there is one."""
@@ -592,6 +688,9 @@ class ShardCache:
 
     def _lock_path_of(self, digest: str) -> str:
         return os.path.join(self._locks, f"{digest}.lock")
+
+    def _check_path(self, digest: str) -> str:
+        return os.path.join(self._checks, f"{digest}.json")
 
     def _partial_path(self, shard: _Shard, kind: str) -> str:
         return os.path.join(self._partial, f"{shard.digest}-{shard.size}.{kind}")
@@ -915,6 +1014,23 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def _sha256_of(fd: int, size: int) -> str:
+    hasher = hashlib.sha256()
+    _hash_prefix(fd, size, hasher)
+    return hasher.hexdigest()
+
+
+def _sample_digest(fd: int, size: int) -> str:
+    """A hash of CHECK_BLOCKS blocks of an open file of `size` bytes (all of it when it is small), and of the size."""
+    hasher = hashlib.blake2b(size.to_bytes(8, "little"), digest_size=16)
+    if size <= CHECK_BLOCKS * CHECK_BLOCK:
+        _hash_prefix(fd, size, hasher)
+        return hasher.hexdigest()
+    for number in range(CHECK_BLOCKS):
+        hasher.update(os.pread(fd, CHECK_BLOCK, number * (size - CHECK_BLOCK) // (CHECK_BLOCKS - 1)))
+    return hasher.hexdigest()
 
 
 def _hash_prefix(fd: int, size: int, hasher: Any) -> None:

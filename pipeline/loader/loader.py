@@ -782,7 +782,10 @@ def make_loader(
             each shard into it as it reads it (its sha256 checked against the
             manifest), the next few shards of this rank's order are fetched
             into it while the current ones decode, and later epochs read it
-            instead of the store. The ranks and processes of a machine may
+            instead of the store, each cached shard checked before any of
+            its samples is read (against what its fill recorded; with
+            verify=True, its whole sha256): one that changed on disk is
+            fetched again. The ranks and processes of a machine may
             share one folder (one download per shard). A cache that is full
             keeps what it holds and the rest is read from the store (logged
             once). Without a cache, a remote shard is still read ahead (the
@@ -876,7 +879,7 @@ def shard_opener(dataset: DatasetInfo, spec: LoaderSpec, storage_options: Mappin
     size = spec.cache_size
     if size is None:
         size = sum(shard.bytes or 0 for shards in dataset.sets for shard in shards)
-    cache = ShardCache(spec.cache_dir, size, storage_options=storage_options)
+    cache = ShardCache(spec.cache_dir, size, storage_options=storage_options, verify=spec.verify)
     return ShardOpener(storage_options, cache)
 
 
