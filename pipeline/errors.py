@@ -7,6 +7,8 @@ are converted at the boundary with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from .redact import redact_urls
+
 
 class GpufeedError(Exception):
     """Base class of every error gpufeed raises on purpose.
@@ -19,6 +21,10 @@ class GpufeedError(Exception):
     """
 
     retryable: bool = False
+
+    def __str__(self) -> str:
+        # Messages name sources, outputs and stores: never with a URL's credentials or signature.
+        return redact_urls(super().__str__())
 
 
 class ConfigError(GpufeedError, ValueError):

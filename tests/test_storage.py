@@ -315,3 +315,17 @@ def test_a_prepare_from_presigned_urls_stores_none_of_their_signatures(tmp_path,
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_library_errors_show_no_url_secret_to_python_callers(tmp_path, get_free_port):
+    from pipeline import PrepareSpec, prepare_dataset
+    from pipeline.errors import GpufeedError, SourceError
+
+    assert str(SourceError("cannot read https://K:S@h/x?X-Amz-Signature=SIG&v=1")) == (
+        "cannot read https://***:***@h/x?X-Amz-Signature=***&v=1"
+    )
+    src = f"http://KEYID:PASSWORD@127.0.0.1:{get_free_port()}/list.jsonl?X-Amz-Signature=SIGNATURE"
+    with pytest.raises(GpufeedError) as caught:
+        prepare_dataset(PrepareSpec(source=src, out=str(tmp_path / "out")), workers=0)
+    shown = str(caught.value)
+    assert "127.0.0.1" in shown and not [s for s in ("KEYID", "PASSWORD", "SIGNATURE") if s in shown], shown
