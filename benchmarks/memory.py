@@ -1,7 +1,7 @@
 """How close is `gpufeed estimate-memory` to the memory a training step really holds?
 
 For every model, optimizer, precision and batch of the test matrix
-(tests/test_memory.py: a small ResNet with BatchNorm and in-place ReLU, an
+(tests/measure/test_memory.py: a small ResNet with BatchNorm and in-place ReLU, an
 MLP, a small ViT; SGD, momentum, Adam; float32 and bf16 autocast; batches 4
 and 16), plus a ResNet-50-sized conv net (bottleneck blocks 3-4-6-3, 25.6 M
 parameters, 3x224x224 input, float32, batches 8 and 16; built in

@@ -4,7 +4,7 @@
 # ruff, mypy, import contracts) and builds the docs with their link check (scripts/docs.sh)
 # when no arguments are given, then pytest with any arguments:
 #   bash scripts/test.sh                      # everything, in several pytest processes (below)
-#   bash scripts/test.sh tests/test_cli.py -x # a selection, in this one process
+#   bash scripts/test.sh tests/cli/test_cli.py -x # a selection, in this one process
 # The whole suite runs in GPUFEED_TEST_PROCESSES pytest processes (pytest-xdist; default: the
 # cores, at most 4; 1: this process only), each test file in one of them, since most of the
 # time is spent waiting on Redis, the S3 server, workers and subprocesses.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -94,3 +95,30 @@ def flip_bytes(shard: Path, member_suffix: str = ".json", which: int = -1) -> No
         handle.write(bytes(data))
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def damage_cached_shard(cached: Path, how: str, other: bytes) -> None:
+    """Change a cached shard on disk, its size kept, as a careless tool or a failing disk would.
+
+    "swapped": another file put in its place, `other` (a valid tar of other samples) padded
+    with zeros to the shard's size; "flipped": 64 bytes inverted in place, at a random
+    offset inside one of its images.
+    """
+    size = cached.stat().st_size
+    if how == "swapped":
+        assert len(other) <= size
+        replacement = cached.parent / f"{cached.name}.other"
+        replacement.write_bytes(other + bytes(size - len(other)))
+        os.replace(replacement, cached)
+    else:
+        with tarfile.open(cached) as tar:
+            images = [m for m in tar.getmembers() if m.size >= 64 and not m.name.endswith((".cls", ".json"))]
+        rng = random.Random(size)
+        member = rng.choice(images)
+        offset = member.offset_data + rng.randrange(member.size - 64 + 1)
+        with open(cached, "r+b") as handle:
+            handle.seek(offset)
+            flipped = bytes(b ^ 0xFF for b in handle.read(64))
+            handle.seek(offset)
+            handle.write(flipped)
+    assert cached.stat().st_size == size

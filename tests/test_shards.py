@@ -1,4 +1,4 @@
-"""Shard planning (seeded permutation, shard names) and sample keys; the tar format is tests/test_tar.py."""
+"""Shard planning (seeded permutation, shard names) and sample keys; the tar format is tests/io/test_tar.py."""
 
 from __future__ import annotations
 

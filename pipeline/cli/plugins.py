@@ -28,7 +28,7 @@ ENTRY_POINT_GROUP = "gpufeed.commands"
 DISTRIBUTION = "gpufeed"
 
 # The table [project.entry-points."gpufeed.commands"] of pyproject.toml, for the fallback
-# (tests/test_cli.py checks that both say the same).
+# (tests/cli/test_cli.py checks that both say the same).
 OWN_COMMANDS = {
     "beat": "worker.cli:beat",
     "cancel": "worker.cli:cancel",

@@ -7,7 +7,7 @@ never loads it and plots work on headless machines.
 Every chart is drawn at its default size so that no two labels overlap:
 legends sit outside the data (below the plot), twin axes are used only
 where one panel must compare two units, and axis ticks are thinned to what
-fits. tests/test_plots.py checks the text boxes of every chart.
+fits. tests/measure/test_plots.py checks the text boxes of every chart.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["s3_fixtures", "service_fixtures"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 PART = 5 * MiB  # the smallest part S3 (and moto) takes
 IMAGES = 24

@@ -21,7 +21,7 @@ from pipeline.measure import doctor
 if TYPE_CHECKING:
     from conftest import RedisServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _installed(name: str) -> str | None:

@@ -10,11 +10,9 @@ import hashlib
 import json
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
-import tarfile
 import textwrap
 import threading
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from loader_data import damage_cached_shard
 
 from pipeline.errors import ConfigError, ManifestError, SourceError
 from pipeline.io.cache import ShardCache
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["s3_fixtures"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def addresses(bucket: Bucket) -> list[tuple[str, str, int, str]]:
@@ -156,33 +155,6 @@ def child_env(server: S3Server) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "TEST_STORAGE_OPTIONS": json.dumps(server.storage_options),
     }
-
-
-def damage_cached_shard(cached: Path, how: str, other: bytes) -> None:
-    """Change a cached shard on disk, its size kept, as a careless tool or a failing disk would.
-
-    "swapped": another file put in its place, `other` (a valid tar of other samples) padded
-    with zeros to the shard's size; "flipped": 64 bytes inverted in place, at a random
-    offset inside one of its images.
-    """
-    size = cached.stat().st_size
-    if how == "swapped":
-        assert len(other) <= size
-        replacement = cached.parent / f"{cached.name}.other"
-        replacement.write_bytes(other + bytes(size - len(other)))
-        os.replace(replacement, cached)
-    else:
-        with tarfile.open(cached) as tar:
-            images = [m for m in tar.getmembers() if m.size >= 64 and not m.name.endswith((".cls", ".json"))]
-        rng = random.Random(size)
-        member = rng.choice(images)
-        offset = member.offset_data + rng.randrange(member.size - 64 + 1)
-        with open(cached, "r+b") as handle:
-            handle.seek(offset)
-            flipped = bytes(b ^ 0xFF for b in handle.read(64))
-            handle.seek(offset)
-            handle.write(flipped)
-    assert cached.stat().st_size == size
 
 
 def victim_and_other(shards: list[tuple[str, str, int, str]]) -> tuple[tuple[str, str, int, str], tuple[str, str, int, str]]:

@@ -131,7 +131,7 @@ def test_prepare_errors_name_the_option_the_library_names_the_setting(
 # ---------------------------------------------------------------------------
 # The service's commands come through entry points; the library never imports the service
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVICE_COMMANDS = ("beat", "cancel", "flower", "jobs", "schedule", "status", "submit", "worker")
 
 

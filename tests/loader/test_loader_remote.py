@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from loader_data import prepare_labelled
-from test_cache import damage_cached_shard
+from loader_data import damage_cached_shard, prepare_labelled
 
 from pipeline.errors import ConfigError, ManifestError
 from pipeline.io.tar import ShardInfo
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["s3_fixtures"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 N = 48
 PER_SHARD = 8  # 6 shards

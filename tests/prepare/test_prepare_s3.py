@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["s3_fixtures"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IMAGES = 12
 
 

@@ -394,7 +394,7 @@ def test_program_exits_cleanly_with_a_prestarted_epoch_running(dataset: Path) ->
     # returns must not abort on the way out with those threads still busy.
     script = f"""
 import sys
-sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
 import pipeline.loader.loader as loader_module
 from pipeline.loader import make_loader
 loader = make_loader({str(dataset)!r}, 8, device="cpu", crop={CROP}, num_workers=2, dtype="float32")

@@ -18,7 +18,7 @@ from pipeline.errors import DecodeError
 from pipeline.loader.cpu_decode import decode_into, decode_many, default_decoder
 from pipeline.loader.crops import Affine, CropSpec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 needs_region = pytest.mark.skipif(native.library() is None, reason=f"region decoder unavailable: {native.problem()}")
 
 
