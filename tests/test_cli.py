@@ -490,7 +490,20 @@ def test_reshard_shards_sets_the_number_of_shards(small_source: Path, tmp_path: 
     assert sorted(shard["samples"] for shard in manifest["shards"]) == [1, 1, 2]
     for extra in (["--multiple-of", "2"], ["--shard-samples", "2"]):
         refused = run("reshard", str(dataset), "--shards", "2", *extra)
-        assert refused.returncode == 2 and f"--shards sets the layout on its own; leave out {extra[0]}" in refused.stderr
+        assert refused.returncode == 2 and f"--shards sets the layout on its own; give it without {extra[0]}" in refused.stderr
+
+
+def test_reshard_errors_name_the_options_the_library_names_the_settings(tmp_path: Path) -> None:
+    dataset = str(tmp_path / "ds")
+    for flags, expected in (
+        ([], "give --shard-samples, --shards, --shard-size or --multiple-of (or --reaugment with --seed S)"),
+        (["--multiple-of", "2", "--seed", "3"], "--seed only applies with --reaugment (re-packing"),
+        (["--reaugment"], "--reaugment needs --seed S"),
+        (["--shard-samples", "0"], "--shard-samples must be at least 1"),
+        (["--multiple-of", "2", "--out", dataset], "--out must differ from DATASET"),
+    ):
+        refused = run("reshard", dataset, *flags)
+        assert refused.returncode == 1 and f"gpufeed: error: {expected}" in refused.stderr, (flags, refused.stderr)
 
 
 # ---------------------------------------------------------------------------

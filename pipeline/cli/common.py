@@ -456,22 +456,43 @@ def reshard_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+RESHARD_OPTION_NAMES = {
+    "dataset": "DATASET",
+    "out": "--out",
+    "shards": "--shards",
+    "max_samples": "--shard-samples",
+    "max_bytes": "--shard-size",
+    "multiple_of": "--multiple-of",
+    "reaugment": "--reaugment",
+    "seed": "--seed",
+    "keep": "--keep",
+}
+"""How `reshard_options` spell each ReshardSpec setting (as `with_option_names` takes them)."""
+
+
 def reshard_spec(dataset: str, options: dict[str, Any], absolute: Callable[[str], str] = str) -> ReshardSpec:
-    """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service."""
+    """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service.
+
+    Raises:
+        ConfigError: a setting is refused (the message names the options); click.UsageError for `--shards`.
+    """
     from ..prepare.reshard import ReshardSpec
 
+    where, out = absolute(dataset), absolute(options["out"]) if options["out"] else None
+    max_bytes = parse_bytes(options["shard_size"]) if options["shard_size"] else None
     try:
-        return ReshardSpec(
-            dataset=absolute(dataset),
-            out=absolute(options["out"]) if options["out"] else None,
-            shards=options["shards"],
-            max_samples=options["shard_samples"],
-            max_bytes=parse_bytes(options["shard_size"]) if options["shard_size"] else None,
-            multiple_of=options["multiple_of"],
-            reaugment=options["reaugment"],
-            seed=options["seed"],
-            keep=options["keep"],
-        )
+        with option_errors(RESHARD_OPTION_NAMES):
+            return ReshardSpec(
+                dataset=where,
+                out=out,
+                shards=options["shards"],
+                max_samples=options["shard_samples"],
+                max_bytes=max_bytes,
+                multiple_of=options["multiple_of"],
+                reaugment=options["reaugment"],
+                seed=options["seed"],
+                keep=options["keep"],
+            )
     except ConfigError as exc:
         if options["shards"] is not None and "--shards" in str(exc):  # a usage error, as click reports one
             raise click.UsageError(str(exc)) from exc
