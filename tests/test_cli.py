@@ -347,6 +347,11 @@ def test_prepare_rerun_from_anywhere_resumes_names_differences_and_repairs(small
     assert refused.returncode == 1
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--size: 32 here, 64 in shards/manifest.json" in lines[0], refused.stderr
+    other = run("prepare", "raw", "shards", "--upscale", "--no-flip", "--shard-samples", "2", *flags[:2], *flags[4:], "--json", cwd=work)
+    error = json.loads(other.stdout)["error"]  # the library names the spec's fields; the command, its options
+    assert other.returncode == 1 and "--upscale: given here, not given in shards/manifest.json" in error, error
+    assert "--no-flip: given here, not given in" in error and "--shard-samples: 2 here, 1 in" in error, error
+    assert "resize." not in error and "shards.max_samples" not in error and "True" not in error, error
     (work / "shards" / "shard-000002.tar").unlink()
     repaired = run("prepare", "raw", "shards", *flags, cwd=work)
     assert repaired.returncode == 0, repaired.stderr

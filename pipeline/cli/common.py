@@ -20,7 +20,16 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from ..errors import ConfigError, GpufeedError
-from ..specs import MAX_SHARDS, PREPARE_OPTION_NAMES, AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
+from ..specs import (
+    MAX_SHARDS,
+    PREPARE_FLAG_VALUES,
+    PREPARE_OPTION_NAMES,
+    AugmentSpec,
+    EncodeSpec,
+    PrepareSpec,
+    ResizeSpec,
+    ShardSpec,
+)
 from ..units import parse_bytes, parse_duration
 from .plugins import command_entry_points
 
@@ -395,6 +404,33 @@ class option_errors(contextlib.ContextDecorator):  # noqa: N801 - used like cont
     def __exit__(self, kind: object, exc: BaseException | None, trace: object) -> None:
         if isinstance(exc, ConfigError):
             raise ConfigError(with_option_names(str(exc), self.names)) from exc
+
+
+# One setting in which two prepares differ, as `setting_differences` writes it: `resize.size: 32 here, 64 in …`.
+_SETTING_DIFFERENCE = re.compile(r"(?:(?<=\()|(?<=; ))(?P<key>[a-z_]+(?:\.[a-z_]+)?): (?P<here>.*?) here, (?P<there>.*?) in ")
+
+
+def with_prepare_option_names(message: str) -> str:
+    """A library message about a prepare's settings (a JobConflictError's) with each setting spelt as `gpufeed prepare`'s option.
+
+    `resize.size: 32 here, 64 in …` becomes `--size: 32 here, 64 in …`, and a flag's
+    values read as the option: `resize.upscale: True here, False in …` becomes
+    `--upscale: given here, not given in …`.
+    """
+
+    def spelt(match: re.Match[str]) -> str:
+        key = match.group("key")
+        if key not in PREPARE_OPTION_NAMES:
+            return match.group(0)
+
+        def shown(value: str) -> str:
+            if key in PREPARE_FLAG_VALUES and value in ("True", "False"):
+                return "given" if value == str(PREPARE_FLAG_VALUES[key]) else "not given"
+            return "not given" if value == "None" else value
+
+        return f"{PREPARE_OPTION_NAMES[key]}: {shown(match.group('here'))} here, {shown(match.group('there'))} in "
+
+    return _SETTING_DIFFERENCE.sub(spelt, message)
 
 
 def _spec_names(prefix: str) -> dict[str, str]:
