@@ -272,7 +272,7 @@ PREPARE_OPTION_NAMES = {
     "seed": "--seed",
     "max_pixels": "--max-pixels",
 }
-"""How `gpufeed prepare` spells each PrepareSpec setting (dotted path -> SRC or option), for messages.
+"""How `gpufeed prepare` spells each PrepareSpec setting (dotted path -> SRC or option), for the CLI's messages.
 
 Settings without an option (`max_file_bytes`, `background`) keep their dotted path.
 """

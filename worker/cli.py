@@ -29,6 +29,7 @@ from pipeline.cli.common import (
     reshard_spec,
     spec_from_options,
     top_command_name,
+    with_prepare_option_names,
 )
 from pipeline.units import format_count, format_duration, format_rate, parse_bytes
 
@@ -288,6 +289,8 @@ def _wait_for(store: Any, job_id: str, show_bar: bool) -> Any:
 
 
 def _print_status(doc: dict[str, Any], as_json: bool) -> None:
+    if doc["kind"] == "prepare" and doc.get("error"):  # a refused re-run names the settings that differ: as options
+        doc = {**doc, "error": with_prepare_option_names(doc["error"])}
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return

@@ -20,7 +20,16 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from ..errors import ConfigError, GpufeedError
-from ..specs import MAX_SHARDS, PREPARE_OPTION_NAMES, AugmentSpec, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec
+from ..specs import (
+    MAX_SHARDS,
+    PREPARE_FLAG_VALUES,
+    PREPARE_OPTION_NAMES,
+    AugmentSpec,
+    EncodeSpec,
+    PrepareSpec,
+    ResizeSpec,
+    ShardSpec,
+)
 from ..units import parse_bytes, parse_duration
 from .plugins import command_entry_points
 
@@ -397,6 +406,33 @@ class option_errors(contextlib.ContextDecorator):  # noqa: N801 - used like cont
             raise ConfigError(with_option_names(str(exc), self.names)) from exc
 
 
+# One setting in which two prepares differ, as `setting_differences` writes it: `resize.size: 32 here, 64 in …`.
+_SETTING_DIFFERENCE = re.compile(r"(?:(?<=\()|(?<=; ))(?P<key>[a-z_]+(?:\.[a-z_]+)?): (?P<here>.*?) here, (?P<there>.*?) in ")
+
+
+def with_prepare_option_names(message: str) -> str:
+    """A library message about a prepare's settings (a JobConflictError's) with each setting spelt as `gpufeed prepare`'s option.
+
+    `resize.size: 32 here, 64 in …` becomes `--size: 32 here, 64 in …`, and a flag's
+    values read as the option: `resize.upscale: True here, False in …` becomes
+    `--upscale: given here, not given in …`.
+    """
+
+    def spelt(match: re.Match[str]) -> str:
+        key = match.group("key")
+        if key not in PREPARE_OPTION_NAMES:
+            return match.group(0)
+
+        def shown(value: str) -> str:
+            if key in PREPARE_FLAG_VALUES and value in ("True", "False"):
+                return "given" if value == str(PREPARE_FLAG_VALUES[key]) else "not given"
+            return "not given" if value == "None" else value
+
+        return f"{PREPARE_OPTION_NAMES[key]}: {shown(match.group('here'))} here, {shown(match.group('there'))} in "
+
+    return _SETTING_DIFFERENCE.sub(spelt, message)
+
+
 def _spec_names(prefix: str) -> dict[str, str]:
     """`PREPARE_OPTION_NAMES` for the settings of one part of a PrepareSpec (`resize`; "" for its own)."""
     if not prefix:
@@ -456,22 +492,43 @@ def reshard_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+RESHARD_OPTION_NAMES = {
+    "dataset": "DATASET",
+    "out": "--out",
+    "shards": "--shards",
+    "max_samples": "--shard-samples",
+    "max_bytes": "--shard-size",
+    "multiple_of": "--multiple-of",
+    "reaugment": "--reaugment",
+    "seed": "--seed",
+    "keep": "--keep",
+}
+"""How `reshard_options` spell each ReshardSpec setting (as `with_option_names` takes them)."""
+
+
 def reshard_spec(dataset: str, options: dict[str, Any], absolute: Callable[[str], str] = str) -> ReshardSpec:
-    """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service."""
+    """A ReshardSpec from `reshard_options` values; `absolute` fixes paths for the service.
+
+    Raises:
+        ConfigError: a setting is refused (the message names the options); click.UsageError for `--shards`.
+    """
     from ..prepare.reshard import ReshardSpec
 
+    where, out = absolute(dataset), absolute(options["out"]) if options["out"] else None
+    max_bytes = parse_bytes(options["shard_size"]) if options["shard_size"] else None
     try:
-        return ReshardSpec(
-            dataset=absolute(dataset),
-            out=absolute(options["out"]) if options["out"] else None,
-            shards=options["shards"],
-            max_samples=options["shard_samples"],
-            max_bytes=parse_bytes(options["shard_size"]) if options["shard_size"] else None,
-            multiple_of=options["multiple_of"],
-            reaugment=options["reaugment"],
-            seed=options["seed"],
-            keep=options["keep"],
-        )
+        with option_errors(RESHARD_OPTION_NAMES):
+            return ReshardSpec(
+                dataset=where,
+                out=out,
+                shards=options["shards"],
+                max_samples=options["shard_samples"],
+                max_bytes=max_bytes,
+                multiple_of=options["multiple_of"],
+                reaugment=options["reaugment"],
+                seed=options["seed"],
+                keep=options["keep"],
+            )
     except ConfigError as exc:
         if options["shards"] is not None and "--shards" in str(exc):  # a usage error, as click reports one
             raise click.UsageError(str(exc)) from exc

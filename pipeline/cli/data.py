@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from ..errors import JobConflictError
 from .common import (
     MISMATCH,
     parse_storage_options,
@@ -21,6 +22,7 @@ from .common import (
     reshard_spec,
     spec_from_options,
     user_errors,
+    with_prepare_option_names,
 )
 
 
@@ -59,17 +61,20 @@ def prepare(
     store = parse_storage_options(options["storage_option"])
     from .progress import prepare_progress
 
-    with prepare_progress(enabled=not quiet) as callback:
-        result = prepare_dataset(
-            spec,
-            workers=workers,
-            force=force,
-            overwrite=overwrite,
-            strict=strict,
-            verify=verify,
-            progress=callback,
-            storage_options=store,
-        )
+    try:
+        with prepare_progress(enabled=not quiet) as callback:
+            result = prepare_dataset(
+                spec,
+                workers=workers,
+                force=force,
+                overwrite=overwrite,
+                strict=strict,
+                verify=verify,
+                progress=callback,
+                storage_options=store,
+            )
+    except JobConflictError as exc:  # it names the settings that differ: here, as their options
+        raise JobConflictError(with_prepare_option_names(str(exc))) from exc
     for warning in result.warnings:
         click.echo(f"gpufeed: warning: {warning}", err=True)
     if as_json:

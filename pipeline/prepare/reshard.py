@@ -87,41 +87,41 @@ class ReshardSpec(Spec):
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset.strip():
-            raise ConfigError("DATASET must be a non-empty path or URL")
+            raise ConfigError("dataset must be a non-empty path or URL")
         if self.out is not None and (not isinstance(self.out, str) or not self.out.strip()):
-            raise ConfigError("--out must be a non-empty path or URL")
+            raise ConfigError("out must be a non-empty path or URL")
         if self.out is not None and self.out.rstrip("/") == self.dataset.rstrip("/"):
-            raise ConfigError("--out must differ from DATASET (leave it out to reshard in place)")
+            raise ConfigError("out must differ from dataset (without it, a reshard writes a new version in place)")
         if self.max_samples is not None:
-            check_int("--shard-samples", self.max_samples, 1)
+            check_int("max_samples", self.max_samples, 1)
         if self.max_bytes is not None:
-            check_int("--shard-size", self.max_bytes, 64 * 1024)
+            check_int("max_bytes", self.max_bytes, 64 * 1024)
         if self.multiple_of is not None:
-            check_int("--multiple-of", self.multiple_of, 1, MAX_SHARDS)
+            check_int("multiple_of", self.multiple_of, 1, MAX_SHARDS)
         if self.shards is not None:
             self._check_shards()
         if not isinstance(self.reaugment, bool):
             raise ConfigError("reaugment must be true or false")
-        check_int("--keep", self.keep, 0, 100)
+        check_int("keep", self.keep, 0, 100)
         if self.reaugment:
             if self.seed is None:
-                raise ConfigError("--reaugment needs --seed S: the seed of the new augmentations")
-            check_int("--seed", self.seed, 0, 2**63 - 1)
+                raise ConfigError("reaugment needs seed=S: what the new augmentations are drawn with")
+            check_int("seed", self.seed, 0, 2**63 - 1)
             if self.multiple_of is not None:
-                raise ConfigError("--multiple-of cannot be combined with --reaugment; re-pack after re-augmenting")
+                raise ConfigError("multiple_of cannot be combined with reaugment; re-pack after re-augmenting")
         elif self.seed is not None:
-            raise ConfigError("--seed only applies with --reaugment (re-packing keeps every sample's bytes)")
+            raise ConfigError("seed only applies with reaugment (re-packing keeps every sample's bytes)")
         elif self.max_samples is None and self.max_bytes is None and self.multiple_of is None and self.shards is None:
-            raise ConfigError("give --shard-samples, --shards, --shard-size or --multiple-of (or --reaugment --seed S)")
+            raise ConfigError("give max_samples, shards, max_bytes or multiple_of (or reaugment with seed=S)")
 
     def _check_shards(self) -> None:
-        check_int("--shards", self.shards, 1, MAX_SHARDS)
-        layout = (("--shard-samples", self.max_samples), ("--shard-size", self.max_bytes), ("--multiple-of", self.multiple_of))
+        check_int("shards", self.shards, 1, MAX_SHARDS)
+        layout = (("max_samples", self.max_samples), ("max_bytes", self.max_bytes), ("multiple_of", self.multiple_of))
         others = [name for name, value in layout if value is not None]
         if others:
-            raise ConfigError(f"--shards sets the layout on its own; leave out {', '.join(others)}")
+            raise ConfigError(f"shards sets the layout on its own; give it without {', '.join(others)}")
         if self.reaugment:
-            raise ConfigError("--shards re-packs; re-augment first, then reshard --shards N")
+            raise ConfigError("shards re-packs; re-augment first, then reshard with shards=N")
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ from ..io.fs import at_once, file_sha256, store_errors, store_failure
 from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, parse_manifest
-from ..specs import PREPARE_FLAG_VALUES, PREPARE_OPTION_NAMES, PrepareSpec
+from ..specs import PrepareSpec
 from ..units import format_bytes
 
 T = TypeVar("T")
@@ -344,7 +344,7 @@ def recorded_source(records: OutRecords) -> str | None:
 
 
 def setting_differences(here: dict[str, Any], recorded: dict[str, Any], where: str) -> list[str]:
-    """Every setting in which two jobs' identities differ, in `gpufeed prepare`'s spelling.
+    """Every setting in which two jobs' identities differ, named as a PrepareSpec's fields.
 
     Args:
         here: this job's `PrepareSpec.output_identity()`.
@@ -352,12 +352,15 @@ def setting_differences(here: dict[str, Any], recorded: dict[str, Any], where: s
         where: what holds `recorded`, as the message names it (`shards/manifest.json`).
 
     Returns:
-        One line per setting, e.g. `--size: 256 here, 224 in shards/manifest.json`.
+        One line per setting, its dotted path and its two values, e.g.
+        `resize.size: 256 here, 224 in shards/manifest.json` (`nothing recorded`: a
+        setting one of them lacks). The CLI spells them as its options
+        (`pipeline.cli.common.with_prepare_option_names`).
     """
     mine, theirs = _flatten(here), _flatten(recorded)
     keys = list(mine) + [key for key in theirs if key not in mine]
     return [
-        f"{PREPARE_OPTION_NAMES.get(key, key)}: {_shown(key, mine, key in mine)} here, "
+        f"{key}: {_shown(key, mine, key in mine)} here, "
         f"{_shown(key, theirs, key in theirs)} in {where}"
         for key in keys
         if (key in mine, mine.get(key)) != (key in theirs, theirs.get(key))
@@ -378,10 +381,6 @@ def _shown(key: str, values: dict[str, Any], present: bool) -> str:
     if not present:
         return "nothing recorded"
     value = values[key]
-    if key in PREPARE_FLAG_VALUES:
-        return "given" if value == PREPARE_FLAG_VALUES[key] else "not given"
-    if value is None:
-        return "not given"
     if key == "shards.max_bytes" and isinstance(value, int):
         return format_bytes(value, exact=True)
     if isinstance(value, list):

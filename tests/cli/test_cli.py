@@ -347,6 +347,11 @@ def test_prepare_rerun_from_anywhere_resumes_names_differences_and_repairs(small
     assert refused.returncode == 1
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--size: 32 here, 64 in shards/manifest.json" in lines[0], refused.stderr
+    other = run("prepare", "raw", "shards", "--upscale", "--no-flip", "--shard-samples", "2", *flags[:2], *flags[4:], "--json", cwd=work)
+    error = json.loads(other.stdout)["error"]  # the library names the spec's fields; the command, its options
+    assert other.returncode == 1 and "--upscale: given here, not given in shards/manifest.json" in error, error
+    assert "--no-flip: given here, not given in" in error and "--shard-samples: 2 here, 1 in" in error, error
+    assert "resize." not in error and "shards.max_samples" not in error and "True" not in error, error
     (work / "shards" / "shard-000002.tar").unlink()
     repaired = run("prepare", "raw", "shards", *flags, cwd=work)
     assert repaired.returncode == 0, repaired.stderr
@@ -490,7 +495,20 @@ def test_reshard_shards_sets_the_number_of_shards(small_source: Path, tmp_path: 
     assert sorted(shard["samples"] for shard in manifest["shards"]) == [1, 1, 2]
     for extra in (["--multiple-of", "2"], ["--shard-samples", "2"]):
         refused = run("reshard", str(dataset), "--shards", "2", *extra)
-        assert refused.returncode == 2 and f"--shards sets the layout on its own; leave out {extra[0]}" in refused.stderr
+        assert refused.returncode == 2 and f"--shards sets the layout on its own; give it without {extra[0]}" in refused.stderr
+
+
+def test_reshard_errors_name_the_options_the_library_names_the_settings(tmp_path: Path) -> None:
+    dataset = str(tmp_path / "ds")
+    for flags, expected in (
+        ([], "give --shard-samples, --shards, --shard-size or --multiple-of (or --reaugment with --seed S)"),
+        (["--multiple-of", "2", "--seed", "3"], "--seed only applies with --reaugment (re-packing"),
+        (["--reaugment"], "--reaugment needs --seed S"),
+        (["--shard-samples", "0"], "--shard-samples must be at least 1"),
+        (["--multiple-of", "2", "--out", dataset], "--out must differ from DATASET"),
+    ):
+        refused = run("reshard", dataset, *flags)
+        assert refused.returncode == 1 and f"gpufeed: error: {expected}" in refused.stderr, (flags, refused.stderr)
 
 
 # ---------------------------------------------------------------------------

@@ -614,18 +614,21 @@ def test_other_settings_are_refused_naming_each_difference(raw: Path, tmp_path: 
         prepare_dataset(other, workers=0)
     message = str(refused.value)
     where = f"{out}/manifest.json"
-    assert f"--size: 32 here, 64 in {where}" in message
-    assert f"--upscale: given here, not given in {where}" in message
-    assert f"--seed: 3 here, 0 in {where}" in message
-    assert "--mode" not in message and "--overwrite" in message
+    # Named as the spec's fields, with their values (the CLI spells them as its options: see test_cli).
+    assert f"resize.size: 32 here, 64 in {where}" in message
+    assert f"resize.upscale: True here, False in {where}" in message
+    assert f"seed: 3 here, 0 in {where}" in message
+    assert "resize.mode" not in message and "--size" not in message and "--overwrite" in message
     (tmp_path / "other").mkdir()
-    with pytest.raises(JobConflictError, match=f"SRC: {tmp_path / 'other'} here, {raw} in {where}"):
+    with pytest.raises(JobConflictError, match=f"source: {tmp_path / 'other'} here, {raw} in {where}"):
         prepare_dataset(spec_for(tmp_path / "other", out), workers=0)
     from pipeline.prepare.job import plan_prepare
 
     plan_prepare(spec_for(raw, tmp_path / "unfinished"))
-    with pytest.raises(JobConflictError, match="unfinished prepare with different settings.*--shard-samples: 8 here, 16 in"):
-        prepare_dataset(spec_for(raw, tmp_path / "unfinished", shards=ShardSpec(max_bytes=None, max_samples=8)), workers=0)
+    unfinished = spec_for(raw, tmp_path / "unfinished", shards=ShardSpec(max_bytes=None, max_samples=8))
+    with pytest.raises(JobConflictError, match="unfinished prepare with different settings.*shards.max_samples: 8 here, 16 in") as refused:
+        prepare_dataset(unfinished, workers=0)
+    assert "shards.max_bytes" not in str(refused.value) and "--shard" not in str(refused.value)
 
 
 def test_rerun_rewrites_a_missing_or_truncated_shard(raw: Path, tmp_path: Path) -> None:

@@ -125,6 +125,20 @@ def test_with_a_worker_listening_nobody_is_told_otherwise(service: Service, smal
     assert on_nobody == []
 
 
+def test_a_refused_rerun_names_the_options_that_differ(service: Service, small_raw: Path, tmp_path: Path) -> None:
+    service.start_worker("w1")
+    out = tmp_path / "out"
+    assert service.cli("submit", "prepare", str(small_raw), str(out), "--size", "64", "--wait", timeout=120).returncode == 0
+    refused = service.cli("submit", "prepare", str(small_raw), str(out), "--size", "32", "--upscale", "--wait", timeout=120)
+    assert refused.returncode == 1 and "failed" in refused.stdout, refused.stdout + refused.stderr
+    assert f"--size: 32 here, 64 in {out}/manifest.json" in refused.stdout, refused.stdout
+    assert "--upscale: given here, not given in" in refused.stdout, refused.stdout
+    record = next(record for record in service.store.list_jobs() if record.state == "failed")
+    assert "resize.size: 32 here, 64 in" in record.error  # what a Python caller of the service reads
+    as_json = json.loads(service.cli("status", str(record.id), "--json").stdout)
+    assert "--size: 32 here, 64 in" in as_json["error"]
+
+
 def test_status_and_cancel_take_an_unambiguous_start_of_the_id(service: Service, small_raw: Path, tmp_path: Path) -> None:
     store = service.store
     jobs: dict[str, str] = {}  # the first character of an id -> the first job whose id starts with it
