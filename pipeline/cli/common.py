@@ -54,7 +54,7 @@ def fail(message: str, code: int = FAILURE, *, as_json: bool | None = None) -> N
     """
     from ..io.fs import redact_urls
 
-    message = redact_urls(message)  # a URL's password or signature is never printed
+    message = with_flag_options(redact_urls(message))  # a URL's password or signature is never printed
     if as_json is None:
         ctx = click.get_current_context(silent=True)
         as_json = bool(ctx is not None and ctx.params.get("as_json"))
@@ -410,6 +410,15 @@ class option_errors(contextlib.ContextDecorator):  # noqa: N801 - used like cont
 _SETTING_DIFFERENCE = re.compile(r"(?:(?<=\()|(?<=; ))(?P<key>[a-z_]+(?:\.[a-z_]+)?): (?P<here>.*?) here, (?P<there>.*?) in ")
 
 
+# The library's switches that every command which has them spells as a flag of the same name.
+_FLAG_SETTINGS = re.compile(r"(?<![\w.-])(overwrite|force|strict)=True\b")
+
+
+def with_flag_options(message: str) -> str:
+    """A library message's `overwrite=True`, `force=True`, `strict=True` spelt as the flags (`--overwrite` …)."""
+    return _FLAG_SETTINGS.sub(lambda match: f"--{match.group(1)}", message)
+
+
 def with_prepare_option_names(message: str) -> str:
     """A library message about a prepare's settings (a JobConflictError's) with each setting spelt as `gpufeed prepare`'s option.
 
@@ -430,7 +439,7 @@ def with_prepare_option_names(message: str) -> str:
 
         return f"{PREPARE_OPTION_NAMES[key]}: {shown(match.group('here'))} here, {shown(match.group('there'))} in "
 
-    return _SETTING_DIFFERENCE.sub(spelt, message)
+    return with_flag_options(_SETTING_DIFFERENCE.sub(spelt, message))
 
 
 def _spec_names(prefix: str) -> dict[str, str]:

@@ -22,6 +22,7 @@ from .common import (
     reshard_spec,
     spec_from_options,
     user_errors,
+    with_flag_options,
     with_prepare_option_names,
 )
 
@@ -76,7 +77,7 @@ def prepare(
     except JobConflictError as exc:  # it names the settings that differ: here, as their options
         raise JobConflictError(with_prepare_option_names(str(exc))) from exc
     for warning in result.warnings:
-        click.echo(f"gpufeed: warning: {warning}", err=True)
+        click.echo(f"gpufeed: warning: {with_flag_options(warning)}", err=True)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return

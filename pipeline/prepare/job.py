@@ -504,7 +504,7 @@ def _start_repair(
     if foreign:
         raise ManifestError(
             f"cannot repair {spec.out}: {foreign[0]} {repair.damaged[foreign[0]]}, and it is not where prepare writes "
-            "its shards (the dataset was re-packed since); prepare it again with --overwrite"
+            "its shards (the dataset was re-packed since); prepare it again with overwrite=True"
         )
     output.remove(WORK_DIR)  # what an earlier repair or finish left: the plan is made again from the listing
     try:
@@ -521,7 +521,7 @@ def _check_repairable(spec: PrepareSpec, repair: _Repair, listed: int, classes: 
         counts = f"lists {format_count(listed, 'file')}, {then} when it was prepared" if listed != then else "has other classes"
         raise SourceError(
             f"cannot repair {spec.out}: {spec.source} {counts}, so its shards cannot be made again; "
-            "prepare it again with --overwrite"
+            "prepare it again with overwrite=True"
         )
 
 
@@ -535,7 +535,7 @@ def _check_planned(spec: PrepareSpec, repair: _Repair, plan: ShardPlan) -> None:
 def _not_the_recorded_file(spec: PrepareSpec, rel: str) -> SourceError:
     return SourceError(
         f"cannot repair {spec.out}: {rel} made again from {spec.source} is not the file the manifest records, "
-        "so the source changed since the dataset was prepared; prepare it again with --overwrite"
+        "so the source changed since the dataset was prepared; prepare it again with overwrite=True"
     )
 
 
@@ -548,7 +548,7 @@ def _saved_plan_of(
     if not overwrite:
         raise SourceError(
             f"{spec.source} changed since the interrupted prepare into {spec.out} "
-            f"({saved.get('listed')} files then, {listed} now); pass --overwrite to start over"
+            f"({saved.get('listed')} files then, {listed} now); pass overwrite=True to start over"
         )
     # Start over: the shards written from the old listing hold other samples.
     output.remove(f"{WORK_DIR}/shards")
@@ -601,8 +601,8 @@ def _check_placement(spec: PrepareSpec, estimated_bytes: int, force: bool) -> li
             f"{format_bytes(estimated_bytes)} (+10 % margin)"
         )
         if not force:
-            raise StorageError(message + "; free some space, pick another OUT, or pass --force")
-        warnings.append(message + "; writing anyway (--force)")
+            raise StorageError(message + "; free some space, pick another OUT, or pass force=True")
+        warnings.append(message + "; writing anyway (force=True)")
     device = device_info(spec.out)
     if device.kind in ("rotational", "network"):
         nvme = faster_local_disk()
@@ -779,7 +779,7 @@ class _StrictStop(Exception):
         by = " (rejected by an earlier run of this job)" if earlier else ""
         self.message = (
             f"strict prepare stopped at a rejected file: {source}: {reason}{by}; nothing was published "
-            "(fix or remove that file, or prepare without --strict to leave it out)"
+            "(fix or remove that file, or prepare without strict=True to leave it out)"
         )
         super().__init__(self.message)
 
@@ -819,8 +819,8 @@ def _abandon(job: _Job) -> None:
 def _refuse_finished_with_rejects(spec: PrepareSpec, output: Output, manifest: Manifest) -> None:
     first = next(iter(read_rejects(output)), {"source": "?", "reason": "see rejected.jsonl"})
     raise SampleError(
-        f"{spec.out} already holds this dataset, prepared without --strict: it left out {format_count(manifest.rejected, 'rejected file')}, "
-        f"the first {first['source']}: {first['reason']}; pass --overwrite to prepare it again"
+        f"{spec.out} already holds this dataset, prepared without strict=True: it left out {format_count(manifest.rejected, 'rejected file')}, "
+        f"the first {first['source']}: {first['reason']}; pass overwrite=True to prepare it again"
     )
 
 

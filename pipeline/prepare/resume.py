@@ -423,13 +423,13 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: 
         try:
             manifest = records.manifest()
         except ManifestError as exc:
-            raise JobConflictError(f"{exc}; choose another OUT or pass --overwrite to replace it") from exc
+            raise JobConflictError(f"{exc}; choose another OUT or pass overwrite=True to replace it") from exc
         if manifest.params == identity:
             return manifest
         differences = setting_differences(identity, manifest.params, f"{spec.out.rstrip('/')}/{MANIFEST_NAME}")
         raise JobConflictError(
             f"{spec.out} already holds a dataset prepared with different settings{_conflict(differences)}; "
-            "choose another OUT or pass --overwrite to replace it"
+            "choose another OUT or pass overwrite=True to replace it"
         )
     plan = records.plan
     if plan is None:
@@ -439,7 +439,7 @@ def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: 
             differences = setting_differences(identity, plan.get("identity") or {}, "the unfinished prepare")
             raise JobConflictError(
                 f"{spec.out} holds an unfinished prepare with different settings{_conflict(differences)}; "
-                "re-run that command to finish it, choose another OUT, or pass --overwrite"
+                "re-run that command to finish it, choose another OUT, or pass overwrite=True"
             )
         clear_output(output)
     return None
@@ -494,7 +494,7 @@ def refuse_foreign_output(output: Output, out: str) -> None:
     shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
     raise JobConflictError(
         f"{out} is not a gpufeed dataset (no {MANIFEST_NAME}, no unfinished prepare) but holds {shown}; "
-        "nothing was written: prepare into an empty or new folder (--overwrite replaces only a gpufeed dataset)"
+        "nothing was written: prepare into an empty or new folder (overwrite=True replaces only a gpufeed dataset)"
     )
 
 

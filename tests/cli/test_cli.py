@@ -347,6 +347,7 @@ def test_prepare_rerun_from_anywhere_resumes_names_differences_and_repairs(small
     assert refused.returncode == 1
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--size: 32 here, 64 in shards/manifest.json" in lines[0], refused.stderr
+    assert "pass --overwrite" in lines[0] and "overwrite=True" not in lines[0], lines[0]
     other = run("prepare", "raw", "shards", "--upscale", "--no-flip", "--shard-samples", "2", *flags[:2], *flags[4:], "--json", cwd=work)
     error = json.loads(other.stdout)["error"]  # the library names the spec's fields; the command, its options
     assert other.returncode == 1 and "--upscale: given here, not given in shards/manifest.json" in error, error

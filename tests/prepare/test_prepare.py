@@ -238,7 +238,7 @@ def test_free_space_check_refuses_unless_forced(raw: Path, tmp_path: Path, monke
         prepare_dataset(spec_for(raw, tmp_path / "out"), workers=0)
     assert not (tmp_path / "out" / "manifest.json").exists()
     result = prepare_dataset(spec_for(raw, tmp_path / "out2"), workers=0, force=True)
-    assert result.samples == 60 and any("--force" in w for w in result.warnings)
+    assert result.samples == 60 and any("writing anyway (force=True)" in w for w in result.warnings)
 
 
 class _FullDisk:
@@ -289,6 +289,7 @@ def test_full_tmpfs_gives_clear_error(raw: Path, tmp_path: Path) -> None:
         cmd = [sys.executable, "-m", "pipeline", "prepare", str(raw), str(mount / "out"), "--size", "128", "--shard-samples", "8"]
         refused = subprocess.run(cmd + ["--quiet"], capture_output=True, text=True)
         assert refused.returncode == 1 and "free" in refused.stderr and "Traceback" not in refused.stderr
+        assert "pass --force" in refused.stderr and "force=True" not in refused.stderr
         forced = subprocess.run(cmd + ["--quiet", "--force"], capture_output=True, text=True)
         assert forced.returncode == 1, forced.stderr
         assert "no space left" in forced.stderr and "Traceback" not in forced.stderr
@@ -618,7 +619,8 @@ def test_other_settings_are_refused_naming_each_difference(raw: Path, tmp_path: 
     assert f"resize.size: 32 here, 64 in {where}" in message
     assert f"resize.upscale: True here, False in {where}" in message
     assert f"seed: 3 here, 0 in {where}" in message
-    assert "resize.mode" not in message and "--size" not in message and "--overwrite" in message
+    assert "resize.mode" not in message and "--size" not in message
+    assert "pass overwrite=True" in message and "--" not in message  # no flag to a Python caller
     (tmp_path / "other").mkdir()
     with pytest.raises(JobConflictError, match=f"source: {tmp_path / 'other'} here, {raw} in {where}"):
         prepare_dataset(spec_for(tmp_path / "other", out), workers=0)
