@@ -164,8 +164,9 @@ def test_job_specs_are_validated(tmp_path: Path) -> None:
         ("prepare", {"spec": spec, "force": "yes"}, "true or false"),
         ("prepare", "not a dict", "JSON object"),
         ("prepare", {"spec": {**spec, "out": "x" * 70000}}, "the job spec is"),
-        ("reshard", {"spec": {"dataset": str(tmp_path / "ds")}}, "--shard-samples"),
-        ("reshard", {"spec": {"dataset": str(tmp_path / "ds"), "multiple_of": 0}}, "--multiple-of"),
+        # A job spec is JSON: its errors name the spec's own fields.
+        ("reshard", {"spec": {"dataset": str(tmp_path / "ds")}}, "give max_samples, shards, max_bytes or multiple_of"),
+        ("reshard", {"spec": {"dataset": str(tmp_path / "ds"), "multiple_of": 0}}, "multiple_of must be"),
         ("bench-disk", {"path": str(tmp_path), "options": {"file_bytes": 1 << 50}}, "file_bytes"),
         ("bench-disk", {"path": str(tmp_path), "options": {"shell": "rm -rf /"}}, "unknown option"),
         ("mine-bitcoin", {}, "unknown job kind"),
