@@ -26,7 +26,7 @@ from typing import Any
 from .errors import ConfigError, GpufeedError, ManifestError, SourceError, StorageError, write_failure
 from .io.cache import copy_from_store
 from .io.devices import free_bytes
-from .io.fs import file_sha256, forget_listings, local_path, open_fs, redact_url, temp_suffix
+from .io.fs import file_sha256, forget_listings, local_path, open_fs, process_alive, redact_url, temp_suffix
 from .io.output import Output
 from .manifest import MANIFEST_NAME, REJECTED_NAME, Manifest
 from .units import format_bytes
@@ -342,16 +342,6 @@ def _remove_dead_temps(target: str, files: list[_File]) -> None:
             continue
         for name in names:
             _, tag, pid = name.rpartition(prefix)
-            if tag and pid.isdigit() and not _alive(int(pid)):
+            if tag and pid.isdigit() and not process_alive(int(pid)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(folder, name))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -343,3 +343,16 @@ def file_sha256(path: str, chunk: int = 4 * 1024 * 1024) -> tuple[str, int]:
             digest.update(block)
             size += len(block)
     return digest.hexdigest(), size
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (one of another user's counts): who left a temp file or a lock."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

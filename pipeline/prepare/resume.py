@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import JobConflictError, ManifestError, StorageError
-from ..io.fs import at_once, file_sha256, store_errors, store_failure
+from ..io.fs import at_once, file_sha256, process_alive, store_errors, store_failure
 from ..io.output import Output, remove_temp_objects
 from ..io.tar import ShardInfo
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, parse_manifest
@@ -230,19 +230,6 @@ def _writer_gone(name: str, path: str) -> bool:
         return os.path.getmtime(path) < time.time() - STALE_TEMP_OBJECT_S
     except OSError:
         return False
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process `pid` runs on this machine (one of another user's counts)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _is_temp_shard(name: str) -> bool:

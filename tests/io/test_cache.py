@@ -239,6 +239,23 @@ def test_a_cached_shard_that_is_still_right_is_not_fetched_again(s3_server: S3Se
     assert files_under(tmp_path / "cache" / "checks") == sorted(f"{s[1]}.json" for s in shards)
 
 
+def fill_in_two_processes(s3_server: S3Server, tmp_path: Path) -> list[dict]:
+    """Two processes fill one cache (tmp_path/cache) with the shards of tmp_path/shards.json, started together."""
+    go = tmp_path / "go"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", FILL_ALL, str(tmp_path / "cache"), str(tmp_path / "shards.json"), str(go), str(tmp_path / f"out{i}.json")],
+            env=child_env(s3_server),
+        )
+        for i in range(2)
+    ]
+    time.sleep(1.0)  # both are waiting for the start
+    go.touch()
+    for process in processes:
+        assert process.wait(timeout=120) == 0
+    return [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+
+
 def test_two_processes_sharing_a_cache_with_a_changed_shard_both_read_good_bytes_fetched_once(
     s3_server: S3Server, s3_bucket: Bucket, tmp_path: Path
 ) -> None:
@@ -252,19 +269,7 @@ def test_two_processes_sharing_a_cache_with_a_changed_shard_both_read_good_bytes
     (tmp_path / "shards.json").write_text(json.dumps([s[:3] for s in first]))
     s3_server.reset_reads()
     s3_server.throttle(victim[2] * 5)  # its fetch takes 0.2 s: the other process finds it under way
-    go = tmp_path / "go"
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", FILL_ALL, str(tmp_path / "cache"), str(tmp_path / "shards.json"), str(go), str(tmp_path / f"out{i}.json")],
-            env=child_env(s3_server),
-        )
-        for i in range(2)
-    ]
-    time.sleep(1.0)  # both are waiting for the start
-    go.touch()
-    for process in processes:
-        assert process.wait(timeout=120) == 0
-    results = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+    results = fill_in_two_processes(s3_server, tmp_path)
     assert results[0]["digests"] == results[1]["digests"] == [s[1] for s in first]
     assert results[0]["fills"] + results[1]["fills"] == 1
     assert (gets(s3_server, s3_bucket, victim[3]), downloads(s3_server, s3_bucket, victim[3], victim[2])) == (1, 1)
@@ -277,19 +282,7 @@ def test_two_processes_filling_one_cache_download_each_shard_once(
     shards = addresses(s3_bucket)
     (tmp_path / "shards.json").write_text(json.dumps([s[:3] for s in shards]))
     s3_server.throttle(200_000)  # ~0.1 s a shard: the two readers overlap on every shard
-    go = tmp_path / "go"
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", FILL_ALL, str(tmp_path / "cache"), str(tmp_path / "shards.json"), str(go), str(tmp_path / f"out{i}.json")],
-            env=child_env(s3_server),
-        )
-        for i in range(2)
-    ]
-    time.sleep(1.0)  # both are waiting for the start
-    go.touch()
-    for process in processes:
-        assert process.wait(timeout=120) == 0
-    results = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+    results = fill_in_two_processes(s3_server, tmp_path)
     assert results[0]["digests"] == results[1]["digests"] == [s[1] for s in shards]
     assert results[0]["fills"] + results[1]["fills"] == len(shards)
     assert results[0]["followed"] + results[1]["followed"] >= len(shards) + 1  # at least one read another's fill
