@@ -125,3 +125,9 @@ def format_count(count: int, noun: str, plural: str | None = None) -> str:
         plural: the plural when it is not the singular plus `s` (`"worker processes"`).
     """
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def wait_share(wait_s: float, step_s: float) -> float:
+    """The stall fraction: the share of a loop's time spent waiting for data (0 when no time passed)."""
+    total = wait_s + step_s
+    return wait_s / total if total > 0 else 0.0

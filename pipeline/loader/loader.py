@@ -37,7 +37,8 @@ import torch
 from ..errors import ConfigError
 from ..io.cache import ShardCache
 from ..io.fs import is_url, storage_options_for
-from ..specs import DTYPES, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
+from ..specs import DTYPES, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, check_bool
+from ..units import wait_share
 from .cpu_decode import default_decoder
 from .crops import CropSpec
 from .damage import Damage, DamageLog
@@ -104,8 +105,7 @@ class LoaderStats:
     @property
     def stall_fraction(self) -> float:
         """Share of the loop's time spent waiting for data (0 = never stalled)."""
-        total = self.wait_s + self.step_s
-        return self.wait_s / total if total > 0 else 0.0
+        return wait_share(self.wait_s, self.step_s)
 
     @property
     def images_per_s(self) -> float:
@@ -853,8 +853,9 @@ def make_loader(
 
         check_gpu_decode(resolved)
     placement = given_placement(rank, world_size)
+    check_bool("links_outside", links_outside)
     with storage_options_for([os.fspath(source)], storage_options):
-        dataset = resolve_dataset(source, links_outside=_flag("links_outside", links_outside))
+        dataset = resolve_dataset(source, links_outside=links_outside)
     if dataset.samples == 0:
         raise ConfigError(f"{os.fspath(source)} holds no samples")
     if spec.verify and not dataset.hashed:
@@ -881,12 +882,6 @@ def shard_opener(dataset: DatasetInfo, spec: LoaderSpec, storage_options: Mappin
         size = sum(shard.bytes or 0 for shards in dataset.sets for shard in shards)
     cache = ShardCache(spec.cache_dir, size, storage_options=storage_options, verify=spec.verify)
     return ShardOpener(storage_options, cache)
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def _values(values: Sequence[float]) -> Any:

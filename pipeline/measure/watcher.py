@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from ..errors import ConfigError
+from ..units import wait_share
 from .watch_hook import ENV_DIR, HOOK_DIR
 
 DATA_BOUND = 0.25  # stall fraction from which the data is the limit
@@ -87,8 +88,7 @@ class LoopFigures:
     @property
     def stall_fraction(self) -> float:
         """Share of the loop's time (after the first batch) spent waiting for data."""
-        total = self.wait_s + self.step_s
-        return self.wait_s / total if total > 0 else 0.0
+        return wait_share(self.wait_s, self.step_s)
 
     @property
     def loop_s(self) -> float:
