@@ -17,6 +17,7 @@ from typing import Any
 from .errors import ManifestError
 from .io.output import Output
 from .io.tar import DigestReader, ShardInfo, TarFormatError, iter_tar_samples
+from .targets import TASKS
 
 MANIFEST_FORMAT = "gpufeed-manifest/1"
 MANIFEST_NAME = "manifest.json"
@@ -91,6 +92,12 @@ class Manifest:
     `decoded_with_warnings` counts the samples whose decoders warned about
     damage they read past (each one's json lists the messages); 0 in
     manifests written before it was counted.
+
+    `task` is what the samples hold (`pipeline.targets.TASKS`), `fields`
+    the members they may hold besides their image and json (`cls`,
+    `boxes.npy`, `mask.png`, `txt`, ...), `ignore_index` a segmentation
+    mask's value of no class. Manifests written before tasks were recorded
+    are classification.
     """
 
     samples: int
@@ -103,6 +110,9 @@ class Manifest:
     variants: int = 0
     format: str = MANIFEST_FORMAT
     decoded_with_warnings: int = 0
+    task: str = "classification"
+    fields: list[str] = dataclasses.field(default_factory=list)
+    ignore_index: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -116,6 +126,9 @@ class Manifest:
             "rejected": self.rejected,
             "decoded_with_warnings": self.decoded_with_warnings,
             "created": self.created,
+            "task": self.task,
+            "fields": self.fields,
+            **({"ignore_index": self.ignore_index} if self.ignore_index is not None else {}),
         }
 
     @classmethod
@@ -152,6 +165,9 @@ class Manifest:
                 created=_text_field(data.get("created", ""), "created"),
                 variants=variants,
                 decoded_with_warnings=_count(data.get("decoded_with_warnings", 0), "decoded_with_warnings"),
+                task=_task(data.get("task", "classification")),
+                fields=_fields(data.get("fields", [])),
+                ignore_index=None if data.get("ignore_index") is None else _count(data["ignore_index"], "ignore_index", 65535),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where} is malformed: {exc!r}") from exc
@@ -185,6 +201,25 @@ def _text_field(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a string, not {type(value).__name__}")
     return value
+
+
+def _task(value: Any) -> str:
+    if value not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, not {value!r}")
+    return str(value)
+
+
+MAX_FIELDS = 256
+_FIELD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+def _fields(value: Any) -> list[str]:
+    """The `fields` entry: the member names a sample may hold besides its image and json."""
+    if not isinstance(value, list) or len(value) > MAX_FIELDS or not all(
+        isinstance(name, str) and _FIELD_NAME.fullmatch(name) for name in value
+    ):
+        raise ValueError(f"fields must be a list of at most {MAX_FIELDS} member names")
+    return list(value)
 
 
 def _shard_info(entry: Any, variants: int) -> ShardInfo:

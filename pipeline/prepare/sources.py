@@ -47,16 +47,31 @@ class SourceItem:
 
     `rejected`, when set, is why the listing already rejects it (the file is
     not read): the reason rejected.jsonl records.
+
+    `targets`, for a source with more than a class per image, is what the
+    listing found of the sample besides its image, JSON-able and in the
+    pixels of the file as stored (before EXIF transposition), any of:
+    "labels" (a multi-label sample's class names), "boxes" (XYXY pixel
+    boxes; fractions of the width and height with "normalized": true),
+    "box_labels" (a class index per box), "iscrowd" (a flag per box),
+    "mask" (the URL or path of its mask image), "caption", "columns" (the
+    source's other columns), "tar" (where the image's bytes sit in a
+    WebDataset shard: {"offset": o, "size": n}).
     """
 
     url: str
     rel: str
     label: str | None
     rejected: str = ""
+    targets: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         # ASCII escapes keep names that are not valid UTF-8 (surrogate-escaped) intact.
-        fields = [self.url, self.rel, self.label] + ([self.rejected] if self.rejected else [])
+        fields: list[Any] = [self.url, self.rel, self.label]
+        if self.rejected or self.targets is not None:
+            fields.append(self.rejected)
+        if self.targets is not None:
+            fields.append(self.targets)
         return json.dumps(fields)
 
     @classmethod
@@ -77,6 +92,8 @@ class ListingInfo:
     kind: str = ""
     classes: list[str] = dataclasses.field(default_factory=list)
     ignored: int = 0
+    task: str = "classification"
+    ignore_index: int | None = None
 
 
 def list_images(source: str, info: ListingInfo | None = None, *, threads: int = LIST_THREADS) -> Iterator[SourceItem]:

@@ -1,0 +1,341 @@
+"""What a sample holds besides its image, and the geometry that keeps it in step with the pixels.
+
+A sample is an image plus the fields its source has. How they sit in a
+shard (every member readable by plain `webdataset`: it decodes `.npy`,
+`.json`, `.txt`, `.png` and `.cls` by their extension):
+
+    <key>.jpg              the image (or .png, .webp, .npy, ...), as before
+    <key>.cls              one class index (classification), ASCII decimal
+    <key>.labels.json      several class indices (multi-label), a JSON list: [3, 17]
+    <key>.boxes.npy        boxes, float32 (N, 4): x0, y0, x1, y1 in pixels of the stored image
+    <key>.box_labels.npy   their class indices, int64 (N,)
+    <key>.iscrowd.npy      COCO's crowd flags, uint8 (N,), when the source has them
+    <key>.mask.png         class index per pixel (segmentation): 8-bit grey PNG, 16-bit past 255 classes
+    <key>.txt              a caption or text, UTF-8 (img2dataset's convention)
+    <key>.json             what prepare recorded (source, sizes, ops) and the source's other
+                           columns, under "columns"
+
+The manifest records the task (`TASKS`), the class names and the fields present.
+Everything read here comes from shards a user may not have made: each
+member is checked (shape, dtype, range, size) and a bad one is a
+`TargetError` with the reason, which the loader treats as a damaged sample.
+
+Geometry is written once, for prepare (resize, EXIF, variants) and the
+loader (crops, flips, letterbox) alike, with torchvision.transforms.v2's
+conventions: boxes are XYXY in pixels, a crop moves and scales them and
+then they are clipped to the output, a box whose visible area falls under
+`min_visible` of what it had is dropped (and counted); masks are sampled
+nearest-neighbour only, as `torch.nn.functional.interpolate(mode="nearest")`
+samples (the source pixel of output pixel u is floor(u * in / out)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from typing import Any
+
+import numpy as np
+
+from .errors import GpufeedError
+
+TASKS = ("classification", "multilabel", "detection", "segmentation", "captions")
+
+LABELS_MEMBER = "labels.json"
+BOXES_MEMBER = "boxes.npy"
+BOX_LABELS_MEMBER = "box_labels.npy"
+ISCROWD_MEMBER = "iscrowd.npy"
+MASK_MEMBER = "mask.png"
+TEXT_MEMBER = "txt"
+TARGET_MEMBERS = (LABELS_MEMBER, BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER, TEXT_MEMBER)
+
+DEFAULT_IGNORE_INDEX = 255  # a mask pixel of no class (VOC's border), left out of the loss
+DEFAULT_MIN_VISIBLE = 0.25  # a box keeps at least this fraction of its area after a crop, or is dropped
+MAX_BOXES = 1 << 16  # per sample: a hostile .npy cannot ask for gigabytes
+MAX_CAPTION_BYTES = 1 << 20
+
+
+class TargetError(GpufeedError):
+    """A sample's target member is not what the format says (shape, dtype, range): sample damage."""
+
+
+@dataclasses.dataclass
+class SampleTargets:
+    """A sample's fields besides its image, in pixels of the image they belong to.
+
+    Attributes:
+        labels: class indices of a multi-label sample.
+        boxes: float32 (N, 4) XYXY pixel boxes.
+        box_labels: int64 (N,) class index of each box.
+        iscrowd: uint8 (N,) COCO crowd flags, when the source has them.
+        mask: (H, W) uint8 or uint16 class index per pixel, the image's size.
+        caption: a caption or text.
+        columns: the source's other columns (kept in the sample's json).
+    """
+
+    labels: list[int] | None = None
+    boxes: np.ndarray | None = None
+    box_labels: np.ndarray | None = None
+    iscrowd: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    caption: str | None = None
+    columns: dict[str, Any] | None = None
+
+
+# -- members: write and read ---------------------------------------------------
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def mask_png(mask: np.ndarray) -> bytes:
+    """A class-index mask as a grey PNG: 8-bit while every index fits, else 16-bit."""
+    from PIL import Image
+
+    if mask.ndim != 2:
+        raise ValueError(f"a mask is (H, W), not {mask.shape}")
+    if int(mask.max(initial=0)) <= 255:
+        image = Image.fromarray(np.ascontiguousarray(mask, dtype=np.uint8), mode="L")
+    else:
+        image = Image.fromarray(np.ascontiguousarray(mask, dtype=np.uint16))  # mode I;16
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG", compress_level=1)
+    return buffer.getvalue()
+
+
+def target_members(targets: SampleTargets) -> dict[str, bytes]:
+    """The shard members of a sample's targets (not `columns`: they go in its json)."""
+    members: dict[str, bytes] = {}
+    if targets.labels is not None:
+        members[LABELS_MEMBER] = json.dumps(sorted(set(int(v) for v in targets.labels))).encode("ascii")
+    if targets.boxes is not None:
+        boxes = np.asarray(targets.boxes, np.float32).reshape(-1, 4)
+        labels = np.asarray(targets.box_labels if targets.box_labels is not None else [], np.int64).reshape(-1)
+        if len(labels) != len(boxes):
+            raise ValueError(f"{len(boxes)} boxes but {len(labels)} box labels")
+        members[BOXES_MEMBER] = npy_bytes(boxes)
+        members[BOX_LABELS_MEMBER] = npy_bytes(labels)
+        if targets.iscrowd is not None:
+            members[ISCROWD_MEMBER] = npy_bytes(np.asarray(targets.iscrowd, np.uint8).reshape(-1))
+    if targets.mask is not None:
+        members[MASK_MEMBER] = mask_png(targets.mask)
+    if targets.caption is not None:
+        members[TEXT_MEMBER] = targets.caption.encode("utf-8")
+    return members
+
+
+def load_npy(data: bytes, name: str, dtypes: tuple[str, ...], ndim: int) -> np.ndarray:
+    """A checked `.npy` member: no pickles, one of `dtypes`, `ndim` dimensions, at most MAX_BOXES rows."""
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise TargetError(f"{name} is not a .npy array ({exc})") from exc
+    if not isinstance(array, np.ndarray) or array.dtype.name not in dtypes or array.ndim != ndim:
+        shape = getattr(array, "shape", None)
+        raise TargetError(f"{name} must be {'/'.join(dtypes)} with {ndim} dimensions, not {getattr(array, 'dtype', '?')} {shape}")
+    if len(array) > MAX_BOXES:
+        raise TargetError(f"{name} has {len(array)} rows, over the {MAX_BOXES} a sample may have")
+    return array
+
+
+def read_boxes(members: dict[str, bytes], classes: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A sample's boxes (float32 (N, 4)), box labels (int64 (N,)) and crowd flags, checked.
+
+    A sample without `boxes.npy` has no boxes (N = 0).
+
+    Raises:
+        TargetError: a member that is not what the format says, labels out of
+            range, boxes that are not finite or have x1 < x0 or y1 < y0.
+    """
+    if BOXES_MEMBER not in members:
+        return np.zeros((0, 4), np.float32), np.zeros((0,), np.int64), None
+    boxes = load_npy(members[BOXES_MEMBER], BOXES_MEMBER, ("float32", "float64", "float16"), 2).astype(np.float32)
+    if boxes.shape[1:] != (4,):
+        raise TargetError(f"{BOXES_MEMBER} must be (N, 4), not {boxes.shape}")
+    if not np.isfinite(boxes).all() or (boxes[:, 2:] < boxes[:, :2]).any():
+        raise TargetError(f"{BOXES_MEMBER} holds a box that is not finite or has x1 < x0 or y1 < y0")
+    data = members.get(BOX_LABELS_MEMBER)
+    if data is None:
+        raise TargetError(f"{BOXES_MEMBER} without {BOX_LABELS_MEMBER}")
+    labels = load_npy(data, BOX_LABELS_MEMBER, ("int64", "int32", "int16", "uint8", "uint16", "uint32"), 1).astype(np.int64)
+    if len(labels) != len(boxes):
+        raise TargetError(f"{len(boxes)} boxes but {len(labels)} box labels")
+    _check_indices(labels, classes, BOX_LABELS_MEMBER)
+    crowd = None
+    if ISCROWD_MEMBER in members:
+        crowd = load_npy(members[ISCROWD_MEMBER], ISCROWD_MEMBER, ("uint8", "bool", "int64", "int32"), 1).astype(np.uint8)
+        if len(crowd) != len(boxes):
+            raise TargetError(f"{len(boxes)} boxes but {len(crowd)} crowd flags")
+    return boxes, labels, crowd
+
+
+def read_labels(members: dict[str, bytes], classes: int | None) -> list[int]:
+    """A multi-label sample's class indices (empty without `labels.json`), checked."""
+    data = members.get(LABELS_MEMBER)
+    if data is None:
+        return []
+    try:
+        values = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise TargetError(f"{LABELS_MEMBER} is not JSON ({exc})") from exc
+    if not isinstance(values, list) or len(values) > MAX_BOXES or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    ):
+        raise TargetError(f"{LABELS_MEMBER} must be a list of class indices")
+    _check_indices(np.asarray(values, np.int64) if values else np.zeros(0, np.int64), classes, LABELS_MEMBER)
+    return values
+
+
+def read_caption(members: dict[str, bytes], name: str = TEXT_MEMBER) -> str:
+    """A sample's text member as a str ("" when it has none); bytes that are not UTF-8 become U+FFFD."""
+    data = members.get(name)
+    if data is None:
+        return ""
+    if len(data) > MAX_CAPTION_BYTES:
+        raise TargetError(f"{name} is {len(data)} bytes, over the {MAX_CAPTION_BYTES} a text may have")
+    return data.decode("utf-8", "replace")
+
+
+def _check_indices(values: np.ndarray, classes: int | None, name: str) -> None:
+    if len(values) and (int(values.min()) < 0 or (classes is not None and int(values.max()) >= classes)):
+        bound = f"0 to {classes - 1}" if classes is not None else "non-negative"
+        raise TargetError(f"{name} holds a class index outside {bound}")
+
+
+# -- geometry: boxes -----------------------------------------------------------
+
+
+def crop_boxes(
+    boxes: np.ndarray, box: tuple[float, float, float, float], out_size: tuple[int, int]
+) -> np.ndarray:
+    """Boxes of an image after cropping `box` = (left, top, width, height) and resizing it to `out_size`.
+
+    Not clipped: `clip_boxes` does that (and says which boxes to keep).
+    """
+    left, top, width, height = box
+    sx, sy = out_size[0] / width, out_size[1] / height
+    moved = boxes.astype(np.float32, copy=True)
+    moved[:, 0::2] = (moved[:, 0::2] - left) * sx
+    moved[:, 1::2] = (moved[:, 1::2] - top) * sy
+    return moved
+
+
+def scale_boxes(boxes: np.ndarray, sx: float, sy: float, dx: float = 0.0, dy: float = 0.0) -> np.ndarray:
+    """Boxes after x -> x * sx + dx, y -> y * sy + dy (a resize, then a shift such as letterbox padding)."""
+    moved = boxes.astype(np.float32, copy=True)
+    moved[:, 0::2] = moved[:, 0::2] * sx + dx
+    moved[:, 1::2] = moved[:, 1::2] * sy + dy
+    return moved
+
+
+def flip_boxes(boxes: np.ndarray, width: int) -> np.ndarray:
+    """Boxes of a horizontally flipped image `width` pixels wide: x -> width - x."""
+    flipped = boxes.astype(np.float32, copy=True)
+    flipped[:, 0] = width - boxes[:, 2]
+    flipped[:, 2] = width - boxes[:, 0]
+    return flipped
+
+
+def box_areas(boxes: np.ndarray) -> np.ndarray:
+    return np.clip(boxes[:, 2] - boxes[:, 0], 0, None) * np.clip(boxes[:, 3] - boxes[:, 1], 0, None)
+
+
+def clip_boxes(
+    moved: np.ndarray, out_size: tuple[int, int], before: np.ndarray, min_visible: float = DEFAULT_MIN_VISIBLE
+) -> tuple[np.ndarray, np.ndarray]:
+    """Boxes clipped to the output, and which to keep: those with at least `min_visible` of their area left.
+
+    Args:
+        moved: boxes in output pixels, not yet clipped (`crop_boxes`, `scale_boxes`).
+        out_size: (width, height) of the output.
+        before: the area each box had, in the same (output) pixel units, before clipping.
+        min_visible: the fraction of its area a box must keep; a box with no
+            area left is always dropped.
+
+    Returns:
+        (clipped boxes, keep mask).
+    """
+    clipped = moved.copy()
+    clipped[:, 0::2] = np.clip(clipped[:, 0::2], 0, out_size[0])
+    clipped[:, 1::2] = np.clip(clipped[:, 1::2], 0, out_size[1])
+    area = box_areas(clipped)
+    keep = (area > 0) & (area >= min_visible * before - 1e-6)
+    return clipped, keep
+
+
+def orient_boxes(boxes: np.ndarray, orientation: int, width: int, height: int) -> np.ndarray:
+    """Boxes of a stored (width x height) image after its EXIF `orientation` (1..8) is made upright.
+
+    The eight orientations are the flips and quarter turns of the TIFF/EXIF
+    tag, as PIL's `ImageOps.exif_transpose` applies them.
+    """
+    if orientation in (0, 1):
+        return boxes.astype(np.float32, copy=True)
+    x0, y0, x1, y1 = (boxes[:, i].astype(np.float32) for i in range(4))
+    w, h = float(width), float(height)
+    corners = {
+        2: (w - x1, y0, w - x0, y1),  # mirror
+        3: (w - x1, h - y1, w - x0, h - y0),  # rotate 180
+        4: (x0, h - y1, x1, h - y0),  # flip top-bottom
+        5: (y0, x0, y1, x1),  # transpose
+        6: (h - y1, x0, h - y0, x1),  # rotate 270 (clockwise 90)
+        7: (h - y1, w - x1, h - y0, w - x0),  # transverse
+        8: (y0, w - x1, y1, w - x0),  # rotate 90
+    }[orientation]
+    return np.stack(corners, axis=1).astype(np.float32)
+
+
+# -- geometry: masks -----------------------------------------------------------
+
+
+def crop_mask(
+    mask: np.ndarray, box: tuple[float, float, float, float], out_size: tuple[int, int], fill: int = DEFAULT_IGNORE_INDEX
+) -> np.ndarray:
+    """The mask after cropping `box` = (left, top, width, height) and resizing to `out_size`, nearest-neighbour.
+
+    Output pixels whose source falls outside the mask (a crop past its edge)
+    get `fill`.
+    """
+    left, top, width, height = box
+    out_w, out_h = out_size
+    rows = np.floor(top + np.arange(out_h) * (height / out_h) + 1e-9).astype(np.int64)
+    cols = np.floor(left + np.arange(out_w) * (width / out_w) + 1e-9).astype(np.int64)
+    inside_r = (rows >= 0) & (rows < mask.shape[0])
+    inside_c = (cols >= 0) & (cols < mask.shape[1])
+    out = mask[np.clip(rows, 0, mask.shape[0] - 1)][:, np.clip(cols, 0, mask.shape[1] - 1)]
+    if not (inside_r.all() and inside_c.all()):
+        out = out.copy()
+        out[~inside_r, :] = fill
+        out[:, ~inside_c] = fill
+    return out
+
+
+def orient_mask(mask: np.ndarray, orientation: int) -> np.ndarray:
+    """A stored mask made upright like its image (EXIF `orientation` 1..8)."""
+    ops = {
+        2: lambda m: m[:, ::-1],
+        3: lambda m: m[::-1, ::-1],
+        4: lambda m: m[::-1, :],
+        5: lambda m: m.T,
+        6: lambda m: np.rot90(m, -1),
+        7: lambda m: m[::-1, ::-1].T,
+        8: lambda m: np.rot90(m, 1),
+    }
+    op = ops.get(orientation)
+    return mask if op is None else np.ascontiguousarray(op(mask))
+
+
+def letterbox_geometry(width: int, height: int, size: int) -> tuple[float, tuple[int, int], tuple[int, int]]:
+    """Resize keeping the ratio so the longer side is `size`, centred on a size x size canvas.
+
+    Returns:
+        (scale, (resized width, resized height), (left pad, top pad)).
+    """
+    scale = size / max(width, height)
+    new_w, new_h = max(1, round(width * scale)), max(1, round(height * scale))
+    return scale, (new_w, new_h), ((size - new_w) // 2, (size - new_h) // 2)
+
