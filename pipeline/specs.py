@@ -12,6 +12,7 @@ import math
 from typing import Any, TypeVar
 
 from .errors import ConfigError
+from .targets import TASKS
 from .units import parse_bytes
 
 RESIZE_MODES = ("shorter", "longer", "center-crop", "pad", "none")
@@ -324,6 +325,12 @@ class LoaderSpec(Spec):
             are read as they are.
         cache_size: the most the cache holds (`"500GiB"` or bytes); None: the
             dataset's size. Needs `cache_dir`.
+        task: what the samples hold (`pipeline.targets.TASKS`); None: what the
+            dataset's manifest says (classification for a brace pattern).
+        fields: members to deliver besides the task's targets ("txt" or
+            "caption", "json", "key", any member a sample holds).
+        min_visible: a box keeps at least this fraction of its area after the
+            crop, or it is dropped (detection).
     """
 
     batch_size: int
@@ -349,6 +356,9 @@ class LoaderSpec(Spec):
     verify: bool = False
     cache_dir: str | None = None
     cache_size: int | str | None = None
+    task: str | None = None
+    fields: tuple[str, ...] = ()
+    min_visible: float = 0.25
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, 1 << 16)
@@ -391,6 +401,18 @@ class LoaderSpec(Spec):
                 f"got {self.on_error!r}"
             )
         self._check_cache()
+        self._check_task()
+
+    def _check_task(self) -> None:
+        if self.task is not None and self.task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)} (or None: the manifest's), got {self.task!r}")
+        if not isinstance(self.fields, tuple) or not all(
+            isinstance(name, str) and name and "/" not in name and not name.startswith(".") for name in self.fields
+        ):
+            raise ConfigError(
+                f"fields must be member names such as ('txt', 'json', 'key', 'boxes.npy'), got {self.fields!r}"
+            )
+        check_number("min_visible", self.min_visible, 0.0, 1.0)
 
     def _check_cache(self) -> None:
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):

@@ -50,6 +50,25 @@ MASK_MEMBER = "mask.png"
 TEXT_MEMBER = "txt"
 TARGET_MEMBERS = (LABELS_MEMBER, BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER, TEXT_MEMBER)
 
+TASK_MEMBERS = {
+    "classification": (),
+    "multilabel": (LABELS_MEMBER,),
+    "detection": (BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER),
+    "segmentation": (MASK_MEMBER,),
+    "captions": (TEXT_MEMBER,),
+}
+FIELD_ALIASES = {"caption": TEXT_MEMBER, "text": TEXT_MEMBER, "keys": "key"}  # fields= names -> member names
+
+
+def task_members(task: str, fields: tuple[str, ...] | list[str] = ()) -> frozenset[str]:
+    """The members a loader keeps of each sample besides its image and `cls`: its task's targets and the fields asked for.
+
+    "key" (the sample's key, always known) is not a member.
+    """
+    named = {FIELD_ALIASES.get(name, name) for name in fields} - {"key"}
+    return frozenset(TASK_MEMBERS.get(task, ())) | named
+
+
 DEFAULT_IGNORE_INDEX = 255  # a mask pixel of no class (VOC's border), left out of the loss
 DEFAULT_MIN_VISIBLE = 0.25  # a box keeps at least this fraction of its area after a crop, or is dropped
 MAX_BOXES = 1 << 16  # per sample: a hostile .npy cannot ask for gigabytes

@@ -136,6 +136,12 @@ def centre_crop_box(width: int, height: int, spec: CropSpec) -> tuple[float, flo
     return (width - side) / 2, (height - side) / 2, side, side
 
 
+def flip_mask(seed: int, epoch: int, rank: int, index: int, count: int) -> np.ndarray:
+    """Which samples of batch `index` of an epoch are mirrored (train mode with flips): one draw per position."""
+    rng = np.random.default_rng([seed, epoch, rank, index, 0xF1])
+    return rng.random(count) < 0.5
+
+
 def crop_box(rng: CropRandom | None, width: int, height: int, spec: CropSpec) -> tuple[float, float, float, float]:
     """(left, top, width, height) of the crop: random-resized in train mode (`rng` needed), else centred."""
     if spec.train:

@@ -41,7 +41,8 @@ import numpy as np
 from ..errors import SampleError
 
 Item = tuple[str, bytes, int]  # what a decoder gets per sample: (extension, bytes, crop seed)
-Donor = tuple[Item, int, str]  # a sample that can stand in for another: its item, label and key
+Extras = dict[str, bytes] | None  # the members a sample brings besides its image (its targets), None: none kept
+Donor = tuple[Item, int, str, Extras]  # a sample that can stand in for another: its item, label, key and extras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +103,10 @@ def replace_failures(
     items: list[Item],
     labels: np.ndarray,
     keys: list[str],
-    decode_at: Callable[[int, Item], bool],
+    decode_at: Callable[[int, Item, Extras], bool],
     rng: np.random.Generator,
     later: Iterable[Donor],
+    extras: list[Extras] | None = None,
 ) -> list[Damage]:
     """Fill the batch positions whose sample did not decode, in place; what was done, one Damage a position.
 
@@ -113,9 +115,12 @@ def replace_failures(
         items: the batch's (extension, bytes, seed) per position; replaced ones are updated.
         labels: the batch's labels; a replaced position gets its donor's.
         keys: the batch's sample keys; a replaced position gets its donor's.
-        decode_at: decodes an item into a position; False when it does not decode.
+        decode_at: decodes an item (with its extras: its targets) into a
+            position; False when it does not decode.
         rng: draws the order in which the batch's good samples stand in.
         later: samples of the batches behind this one, for a batch with no good sample.
+        extras: the batch's kept members per position (a task's targets), None:
+            none; a replaced position gets its donor's.
 
     Returns:
         One Damage per failed position (lost 1, replaced 1).
@@ -125,16 +130,21 @@ def replace_failures(
     """
     bad = {position for position, _ in failures}
     good = [position for position in range(len(items)) if position not in bad]
-    own: list[Donor] = [(items[good[k]], int(labels[good[k]]), keys[good[k]]) for k in rng.permutation(len(good))]
+    kept = extras if extras is not None else [None] * len(items)
+    own: list[Donor] = [
+        (items[good[k]], int(labels[good[k]]), keys[good[k]], kept[good[k]]) for k in rng.permutation(len(good))
+    ]
     borrowed = _Borrowed(iter(later))
     done = []
     for turn, (position, reason) in enumerate(failures):
         key, seed = keys[position], items[position][2]
-        for item, label, donor_key in _candidates(own, borrowed, turn):
+        for item, label, donor_key, members in _candidates(own, borrowed, turn):
             fresh = (item[0], item[1], seed)
-            chosen = fresh if decode_at(position, fresh) else item if decode_at(position, item) else None
+            chosen = fresh if decode_at(position, fresh, members) else item if decode_at(position, item, members) else None
             if chosen is not None:
                 items[position], labels[position], keys[position] = chosen, label, donor_key
+                if extras is not None:
+                    extras[position] = members
                 break
         else:
             raise SampleError(

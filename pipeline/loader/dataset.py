@@ -43,6 +43,10 @@ class DatasetInfo:
         prepared_size: the side `gpufeed prepare` resized to (`--size`, from
             the manifest's params); None when not known (a brace pattern) or
             not resized (`--mode none`).
+        task: what the samples hold (`pipeline.targets.TASKS`), from the
+            manifest; classification for a brace pattern.
+        fields: the members the manifest says its samples may hold besides image and json.
+        ignore_index: a segmentation mask's value of no class, from the manifest.
     """
 
     sets: list[list[ShardRef]]
@@ -50,6 +54,9 @@ class DatasetInfo:
     samples: int
     root: str
     prepared_size: int | None = None
+    task: str = "classification"
+    fields: list[str] = dataclasses.field(default_factory=list)
+    ignore_index: int | None = None
 
     def __len__(self) -> int:
         return self.samples
@@ -91,7 +98,10 @@ def resolve_dataset(source: str | os.PathLike[str], *, links_outside: bool = Fal
         url = shard_location(output, shard.path, links_outside=links_outside)
         sets.setdefault(shard.variant, []).append(ShardRef(url, shard.samples, shard.bytes, shard.sha256, len(manifest.classes)))
     ordered = [sets[key] for key in sorted(sets, key=lambda v: -1 if v is None else v)]
-    return DatasetInfo(ordered, manifest.classes, manifest.samples, root, _prepared_size(manifest.params))
+    return DatasetInfo(
+        ordered, manifest.classes, manifest.samples, root, _prepared_size(manifest.params), manifest.task,
+        list(manifest.fields), manifest.ignore_index,
+    )  # fmt: skip
 
 
 def _prepared_size(params: dict[str, Any]) -> int | None:

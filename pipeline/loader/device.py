@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from ..specs import LoaderSpec
-from .crops import Affine, CropSpec
-from .damage import Item, Report
-from .workers import CpuFinish, DecodePool, HostBatch, Run, RunSlots, Upcoming
+from .crops import Affine, CropSpec, flip_mask
+from .damage import Extras, Item, Report
+from .tasks import TaskPlan, make_batch
+from .workers import CpuFinish, DecodePool, HostBatch, Run, RunSlots, Upcoming, failed_samples
 
 Ready = tuple[torch.Tensor, torch.Tensor, Any]  # images, labels, and the side stream's event (None off CUDA)
 
@@ -89,10 +90,16 @@ class DeviceFinish:
         rank: this process's rank (it seeds the flips).
         crop: what each sample becomes (the GPU decoder crops with it).
         buffers: CPU output buffers kept for reuse at most.
+        plan: a task's targets (`tasks.py`): batches are `Batch`es; None: (images, labels).
     """
 
-    def __init__(self, spec: LoaderSpec, device: torch.device, rank: int, crop: CropSpec, buffers: int) -> None:
+    def __init__(
+        self, spec: LoaderSpec, device: torch.device, rank: int, crop: CropSpec, buffers: int, plan: TaskPlan | None = None
+    ) -> None:
         self.spec = spec
+        self.plan = plan
+        # The user's sample_transform sees each sample as the batch gets it: the workers flip it first.
+        self.flips_in_workers = plan is not None and plan.sample_transform is not None
         self.device = device
         self.rank = rank
         self.outputs = OutputBuffers(buffers)
@@ -110,6 +117,8 @@ class DeviceFinish:
         """On a CPU device with thread workers: the batch's output tensor and the per-image finisher."""
         if not (self.device.type == "cpu" and self.spec.worker_type == "thread" and not self._gpu_decode):
             return None, None
+        if self.flips_in_workers:  # the sample_transform edits uint8 pixels in the ring
+            return None, None
         out = self._output_buffer(count)
         flips = self._flip_mask(epoch, index, count)
         view = out.numpy() if not self.spec.channels_last else out.permute(0, 2, 3, 1).numpy().transpose(0, 3, 1, 2)
@@ -125,7 +134,7 @@ class DeviceFinish:
 
     def deliver(
         self, epoch: int, run: Run, pool: DecodePool, report: Report
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Iterator[Any]:
         """The run's batches on the device, in order: `prefetch` of them in flight on CUDA.
 
         Args:
@@ -135,13 +144,14 @@ class DeviceFinish:
             report: receives the damage met (shards, samples) and what replaced it.
 
         Yields:
-            (images, labels) on the device, ready for the training stream, every batch full.
+            (images, labels) on the device, ready for the training stream, every batch full;
+            a `Batch` for a task (`tasks.py`).
         """
         free = run.free
         upcoming = Upcoming(run.out, report, depth=pool.ring.shape[0] - 1)
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
-        ready: deque[Ready] = deque()
+        ready: deque[tuple[Ready, HostBatch]] = deque()
         depth = self.spec.prefetch if cuda and not pool.inline else 1  # num_workers=0: decoded when asked for
         exhausted = False
         try:
@@ -151,10 +161,10 @@ class DeviceFinish:
                     if batch is None:
                         exhausted = True
                         break
-                    ready.append(self._to_device(epoch, batch, free, side, pool, report, upcoming))
+                    ready.append((self._to_device(epoch, batch, free, side, pool, report, upcoming), batch))
                 if not ready or run.stop.is_set():  # the end, or the loader was closed: nothing more
                     return
-                images, labels, done = ready.popleft()
+                (images, labels, done), host = ready.popleft()
                 if done is not None:
                     # The training stream waits for this batch only, not for later ones
                     # already queued on the side stream; the caching allocator must know
@@ -163,7 +173,11 @@ class DeviceFinish:
                     current.wait_event(done)
                     images.record_stream(current)
                     labels.record_stream(current)
-                yield images, labels
+                if self.plan is None:
+                    yield images, labels
+                else:
+                    targets = [host.targets[position] for position in range(host.count)]
+                    yield make_batch(self.plan, images, labels, host.keys, targets)
         finally:
             upcoming.close(self.outputs.release)
 
@@ -228,6 +242,9 @@ class DeviceFinish:
 
         with torch.cuda.stream(side):
             pixels, failures = decode_batch_on_gpu(batch.items, self._crop, self.device)
+            if self.plan is not None:  # the targets, worked out by the decode workers meanwhile
+                known = {position for position, _ in failures}
+                failures = sorted(failures + [f for f in failed_samples(batch) if f[0] not in known])
             if failures:
                 pool.replace(batch, failures, report, upcoming.later(), self._gpu_redecode(pixels))
             images = self._finish_on_device(pixels, self._flips(epoch, batch))
@@ -280,20 +297,19 @@ class DeviceFinish:
         return self._affine_cache
 
     def _flip_mask(self, epoch: int, index: int, count: int) -> np.ndarray | None:
-        if not (self.spec.train and self.spec.flip):
+        if not (self.spec.train and self.spec.flip) or self.flips_in_workers:
             return None
-        rng = np.random.default_rng([self.spec.seed, epoch, self.rank, index, 0xF1])
-        return rng.random(count) < 0.5
+        return flip_mask(self.spec.seed, epoch, self.rank, index, count)
 
     def _flips(self, epoch: int, batch: HostBatch) -> torch.Tensor | None:
         mask = self._flip_mask(epoch, batch.index, batch.count)
         return None if mask is None else torch.from_numpy(mask)
 
-    def _gpu_redecode(self, pixels: torch.Tensor) -> Callable[[int, Item], bool]:
+    def _gpu_redecode(self, pixels: torch.Tensor) -> Callable[[int, Item, Extras], bool]:
         """Decode one item on the GPU into a position of a batch's pixels: True when it decoded."""
         from .gpu_decode import decode_batch_on_gpu
 
-        def decode_at(position: int, item: Item) -> bool:
+        def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
             decoded, failures = decode_batch_on_gpu([item], self._crop, self.device)
             if failures:
                 return False

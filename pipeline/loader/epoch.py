@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import ManifestError, SampleError, SourceError
 from ..io.tar import DigestReader, TarFormatError, iter_tar_samples
 from ..specs import LoaderSpec
+from ..targets import task_members
 from .damage import Damage, Report, ignore
 from .dataset import ShardRef
 from .streaming import ShardOpener
@@ -102,6 +103,7 @@ class Record:
     extension: str
     label: int
     ordinal: int
+    extras: dict[str, bytes] | None = None  # the members a task or fields= keeps (`tasks.TaskPlan.keep`)
 
 
 def pick_image(members: dict[str, bytes]) -> tuple[str, bytes] | None:
@@ -316,13 +318,14 @@ def epoch_records(
     log = ReadLog(report, spec.verify, opener=opener or ShardOpener())
     samples = shuffle_rank(read_segments(shards, segments, epoch_interleave(spec), log), spec, epoch, rank)
     bound = label_bound(shards)
-    delivered = yield from _records(samples, 0, wanted, report, bound)
+    keep = kept_members(spec)
+    delivered = yield from _records(samples, 0, wanted, report, bound, keep)
     for _ in samples:  # the rest of the plan: damage in the last shards is seen, verify hashes them whole
         pass
     if delivered < wanted:
         report(Damage("", replaced=wanted - delivered))
         stand_ins = _stand_ins(shards, segments, log, spec, epoch, rank, wanted - delivered, bound)
-        yield from _records(stand_ins, delivered, wanted, ignore, bound)
+        yield from _records(stand_ins, delivered, wanted, ignore, bound, keep)
 
 
 def epoch_interleave(spec: LoaderSpec) -> int:
@@ -337,12 +340,25 @@ def shuffle_rank(items: Iterator[Any], spec: LoaderSpec, epoch: int, rank: int) 
     return shuffle_buffer(items, spec.shuffle_buffer, np.random.default_rng([spec.seed, epoch, rank, 0x5B]))
 
 
+def kept_members(spec: LoaderSpec) -> frozenset[str] | None:
+    """The members a record keeps besides its image and class: those of the spec's task and fields; None: none."""
+    if spec.task in (None, "classification") and not spec.fields:
+        return None
+    return task_members(spec.task or "classification", spec.fields)
+
+
 def _records(
-    samples: Iterator[tuple[str, dict[str, bytes]]], ordinal: int, wanted: int, report: Report, bound: int
+    samples: Iterator[tuple[str, dict[str, bytes]]],
+    ordinal: int,
+    wanted: int,
+    report: Report,
+    bound: int,
+    keep: frozenset[str] | None = None,
 ) -> Generator[Record, None, int]:
     """Records numbered from `ordinal` until `wanted`; returns where the numbering stopped.
 
     A sample without an image or with a label that is no integer in [0, `bound`) is damage, reported.
+    With `keep`, each record keeps those of its members (the task's targets, the fields asked for).
     """
     if ordinal >= wanted:
         return ordinal
@@ -353,7 +369,8 @@ def _records(
             reason = reason or f"no image member ({', '.join(sorted(members))})"
             report(Damage(f"sample {key}: {reason}", lost=1, sample=key, reason=reason))
             continue
-        yield Record(key, picked[1], picked[0], label, ordinal)
+        extras = None if keep is None else {name: members[name] for name in keep if name in members}
+        yield Record(key, picked[1], picked[0], label, ordinal, extras)
         ordinal += 1
         if ordinal >= wanted:
             break

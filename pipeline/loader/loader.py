@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -48,6 +48,7 @@ from .elastic import Progress, check_progress, elastic_records, progress_from_st
 from .epoch import epoch_records
 from .samples import LoaderDataset
 from .streaming import ShardOpener
+from .tasks import TaskPlan, task_plan
 from .workers import DecodePool, Run, new_run, stop_run
 
 log = logging.getLogger("gpufeed.loader")
@@ -162,8 +163,12 @@ class Loader:
         device: torch.device,
         placement: tuple[int, int] | None = None,
         opener: ShardOpener | None = None,
+        plan: TaskPlan | None = None,
+        batch_transform: Callable[[Any], Any] | None = None,
     ) -> None:
         self.spec = spec
+        self.plan = plan
+        self._batch_transform = batch_transform
         self.device = device
         self._opener = opener or ShardOpener()
         self.dataset = LoaderDataset.of(dataset, self._opener)
@@ -332,14 +337,15 @@ class Loader:
 
     def _new_finish(self) -> DeviceFinish:
         buffers = self._ring_slots + self.spec.prefetch + 2
-        return DeviceFinish(self.spec, self.device, self._placed[0], self._crop, buffers=buffers)
+        return DeviceFinish(self.spec, self.device, self._placed[0], self._crop, buffers=buffers, plan=self.plan)
 
     def _ensure_workers(self) -> None:
         if self._pool is not None:
             return
         pin = self.device.type == "cuda" and self.spec.worker_type == "thread"
         self._pool = DecodePool(
-            self.spec, self._workers, self._ring_slots, self._crop, self._placed[0], pin, self._finish.cpu_finish
+            self.spec, self._workers, self._ring_slots, self._crop, self._placed[0], pin, self._finish.cpu_finish,
+            self.plan,
         )
         self._closed = False
 
@@ -429,9 +435,11 @@ class Loader:
             batch = next(batches, None)
             if batch is None:
                 return
+            if self._batch_transform is not None:
+                batch = self._batch_transform(batch)
             self.stats.wait_s += time.perf_counter() - waited_from
             self.stats.batches += 1
-            self.stats.samples += int(batch[1].shape[0])
+            self.stats.samples += len(batch[0])
             self._delivered += 1
             step_started = time.perf_counter()
             yield batch
@@ -722,14 +730,19 @@ def make_loader(
     world_size: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     links_outside: bool = False,
+    task: str | None = None,
+    fields: Sequence[str] = (),
+    min_visible: float = 0.25,
+    sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    batch_transform: Callable[[Any], Any] | None = None,
     **unknown: NoReturn,
 ) -> Loader:
     """Build a loader over a prepared dataset.
 
     Every setting but `source`, `device`, `rank`, `world_size`,
-    `storage_options` and `links_outside` is a
-    `LoaderSpec` field of the same name and default; they are validated
-    there before anything is built.
+    `storage_options`, `links_outside`, `sample_transform` and
+    `batch_transform` is a `LoaderSpec` field of the same name and default;
+    they are validated there before anything is built.
 
     Args:
         source: a manifest path/URL, a dataset directory, or a shard brace
@@ -804,6 +817,31 @@ def make_loader(
         links_outside: read a local dataset's shards that are links to files
             outside its folder; by default a manifest whose shards resolve
             outside the dataset (links included) is refused.
+        task: what the samples hold: "classification", "multilabel",
+            "detection", "segmentation" or "captions"; None: what the
+            manifest says (classification for a brace pattern). Any task
+            but classification, or any `fields`, makes the loader yield a
+            `Batch` (`pipeline.loader.tasks`), which unpacks as
+            `images, targets`; classification without fields yields
+            `(images, labels)` tuples as always.
+        fields: members to deliver besides the task's targets, a list per
+            batch in `batch.fields[name]`: "txt" (or "caption": also
+            `batch.captions`), "json" (parsed), "key" (`batch.keys`), or
+            any member the samples hold ("boxes.npy", "meta.cls", ...).
+        min_visible: detection: a box keeps at least this fraction of its
+            area after the crop, or it is dropped (`batch.boxes_dropped`).
+        sample_transform: a callable on each decoded sample, in the decode
+            workers: it gets {"image": uint8 (H, W, 3) array, "key", and the
+            sample's targets: "boxes", "box_labels", "mask", "labels",
+            "caption"} after the crop and flip, and returns the dict with
+            "image" (same shape, uint8) and the targets it changed. It costs
+            its own time per sample on every decode worker, and turns off the
+            CPU device's fused normalisation. With worker_type="process" it
+            must pickle (a function at the top level of a module).
+        batch_transform: a callable on each batch on the device (MixUp,
+            CutMix, kornia or transforms.v2 on the GPU), returning the batch
+            to deliver; it runs before the batch is handed out, its time
+            counted as waiting for data in `stats`.
         **unknown: refused: a misspelt setting is an error, never ignored.
 
     Returns:
@@ -846,6 +884,9 @@ def make_loader(
         verify=verify,
         cache_dir=None if cache_dir is None else os.fspath(cache_dir),
         cache_size=cache_size,
+        task=task,
+        fields=_field_names(fields),
+        min_visible=min_visible,
     )
     resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":
@@ -865,7 +906,39 @@ def make_loader(
         )
     check_epoch_size(dataset, spec, (placement or distributed_placement())[1])
     warn_if_upsampling(dataset, spec)
-    return Loader(dataset, spec, resolved, placement, shard_opener(dataset, spec, storage_options))
+    plan = _task_plan(spec, dataset, sample_transform, batch_transform)
+    if plan is not None and spec.task is None:  # the records keep what the manifest's task needs
+        spec = dataclasses.replace(spec, task=plan.task)
+    opener = shard_opener(dataset, spec, storage_options)
+    return Loader(dataset, spec, resolved, placement, opener, plan, batch_transform)
+
+
+def _task_plan(
+    spec: LoaderSpec, dataset: DatasetInfo, sample_transform: Any, batch_transform: Any
+) -> TaskPlan | None:
+    """The loader's task plan (None: the classification tuple path), its transforms checked."""
+    if batch_transform is not None and not callable(batch_transform):
+        raise ConfigError("batch_transform must be a callable taking a batch and returning the batch to deliver")
+    if sample_transform is not None and spec.decoder == "nvjpeg":
+        raise ConfigError(
+            "sample_transform runs on each decoded sample in the decode workers, and decoder='nvjpeg' decodes "
+            "on the GPU: use batch_transform there, or a CPU decoder"
+        )
+    classes = len(dataset.classes) or None
+    return task_plan(
+        spec.task, spec.fields, dataset.task, classes, dataset.ignore_index, spec.min_visible, sample_transform,
+        spec.worker_type,
+    )  # fmt: skip
+
+
+def _field_names(fields: Sequence[str]) -> tuple[str, ...]:
+    """fields= as the spec holds it: a tuple of names (a lone string is one name, not its letters)."""
+    if isinstance(fields, str):
+        return (fields,)
+    try:
+        return tuple(fields)
+    except TypeError:
+        raise ConfigError(f"fields must be a sequence of member names, got {fields!r}") from None
 
 
 def shard_opener(dataset: DatasetInfo, spec: LoaderSpec, storage_options: Mapping[str, Any] | None) -> ShardOpener:

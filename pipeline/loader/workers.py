@@ -34,11 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import DecodeError
 from ..specs import LoaderSpec
+from ..targets import TargetError
 from .cpu_decode import decode_many
-from .crops import Affine, CropSpec
-from .damage import Damage, DamageLog, Donor, Item, Report, replace_failures
+from .crops import Affine, CropSpec, flip_mask
+from .damage import Damage, DamageLog, Donor, Extras, Item, Report, replace_failures
 from .epoch import Record
+from .tasks import TaskPlan, run_sample_transform, sample_targets
 
 END = object()  # the last item of a run's queue
 _SHARED_RING: np.ndarray | None = None  # set before forking process workers
@@ -83,6 +86,70 @@ def decode_chunk(
         slots = [finish.out[p] for p in positions]
         failures = decode_many(slots, items, crop, flips=[finish.flip(p) for p in positions], affine=finish.affine)
     return [(start + index, reason) for index, reason in failures]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskWork:
+    """What a decode piece of a task's batch needs besides its pixels: each sample's kept members, key and flip.
+
+    `pixels` False: the pixels are decoded elsewhere (on the GPU), the piece works out the targets only.
+    """
+
+    plan: TaskPlan
+    extras: list[Extras]
+    keys: list[str]
+    flips: list[bool]
+    pixels: bool = True
+
+
+@dataclasses.dataclass
+class PieceResult:
+    """A task's decode piece: (position, reason) of the samples that failed, the targets of the others by position."""
+
+    failures: list[tuple[int, str]]
+    targets: dict[int, dict[str, Any]]
+
+
+def sample_task(
+    plan: TaskPlan, pixels: np.ndarray | None, item: Item, extras: Extras, key: str, flip: bool, crop: CropSpec
+) -> dict[str, Any]:
+    """One decoded sample's targets; with a sample_transform, the sample (flipped here) through it, in place.
+
+    Raises:
+        TargetError, DecodeError: its targets are damaged (sample damage).
+    """
+    targets = sample_targets(plan, item[0], item[1], item[2], extras or {}, crop, flip)
+    if plan.sample_transform is not None and pixels is not None:
+        if flip:  # the device does not flip a batch whose samples went through the user's transform
+            pixels[...] = pixels[:, :, ::-1].copy()
+        run_sample_transform(plan, pixels, key, targets)
+    return targets
+
+
+def decode_task_chunk(
+    work: TaskWork,
+    ring: np.ndarray | None,
+    slot: int,
+    start: int,
+    items: list[tuple[str, bytes, int]],
+    crop: CropSpec,
+    finish: CpuFinish | None = None,
+) -> PieceResult:
+    """`decode_chunk`, then each decoded sample's targets (`sample_task`): a sample whose targets are damaged fails."""
+    failures = decode_chunk(ring, slot, start, items, crop, finish) if work.pixels else []
+    bad = {position for position, _ in failures}
+    target = ring if ring is not None else _SHARED_RING
+    done: dict[int, dict[str, Any]] = {}
+    for offset, item in enumerate(items):
+        position = start + offset
+        if position in bad:
+            continue
+        pixels = target[slot, position] if work.pixels and finish is None and target is not None else None
+        try:
+            done[position] = sample_task(work.plan, pixels, item, work.extras[offset], work.keys[offset], work.flips[offset], crop)
+        except (TargetError, DecodeError) as exc:
+            failures.append((position, str(exc)))
+    return PieceResult(sorted(failures), done)
 
 
 class InlineExecutor:
@@ -140,8 +207,19 @@ def piece_result(pending: Any) -> Any:
 
 
 def failed_samples(batch: Any) -> list[tuple[int, str]]:
-    """Wait for the batch's pieces: (position, reason) of each sample that did not decode."""
-    return [failure for pending in batch.pending for failure in piece_result(pending)]
+    """Wait for the batch's pieces: (position, reason) of each sample that did not decode.
+
+    A task's pieces also bring each decoded sample's targets: they go into `batch.targets`.
+    """
+    failures: list[tuple[int, str]] = []
+    for pending in batch.pending:
+        result = piece_result(pending)
+        if isinstance(result, PieceResult):
+            batch.targets.update(result.targets)
+            failures.extend(result.failures)
+        else:
+            failures.extend(result)
+    return sorted(failures)
 
 
 class RunSlots:
@@ -202,9 +280,9 @@ class Backlog:
                 self._cond.wait(0.1)
 
 
-def _run_piece(backlog: Backlog, *args: Any) -> list[tuple[int, str]]:
+def _run_piece(backlog: Backlog, decode: Callable[..., Any], *args: Any) -> Any:
     backlog.started()
-    return decode_chunk(*args)
+    return decode(*args)
 
 
 @dataclasses.dataclass
@@ -221,13 +299,17 @@ class HostBatch:
     items: list[Item]
     finished: torch.Tensor | None = None  # the CPU device's output, written by the decode threads
     finish: CpuFinish | None = None  # how the decode threads write into `finished`
+    extras: list[Extras] | None = None  # a task's kept members per position (its targets' bytes)
+    targets: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # a task's targets by position
+    flips: list[bool] | None = None  # a task's flip per position (what its targets follow)
 
     def donors(self, failures: list[tuple[int, str]]) -> Iterator[Donor]:
         """The batch's samples that decoded, as stand-ins for a batch behind it with none of its own."""
         bad = {position for position, _ in failures}
         for position in range(self.count):
             if position not in bad:
-                yield self.items[position], int(self.labels[position]), self.keys[position]
+                extras = self.extras[position] if self.extras is not None else None
+                yield self.items[position], int(self.labels[position]), self.keys[position], extras
 
 
 class DecodePool:
@@ -243,6 +325,8 @@ class DecodePool:
         cpu_finish: (epoch, batch index, count) -> the batch's output tensor
             and what the decode threads write into it, or (None, None) when
             the device finishes the batch.
+        plan: a task's targets (`tasks.py`): each piece works them out
+            beside the pixels; None for plain classification.
     """
 
     def __init__(
@@ -254,8 +338,11 @@ class DecodePool:
         rank: int,
         pin: bool,
         cpu_finish: Callable[[int, int, int], tuple[torch.Tensor | None, CpuFinish | None]],
+        plan: TaskPlan | None = None,
     ) -> None:
         self.workers = workers
+        self.plan = plan
+        self._flips_on = spec.train and spec.flip
         self.inline = workers == 0  # decode in the thread that asks for the batch
         self.strict = spec.on_error == "raise"
         self._seed, self._rank = spec.seed, rank
@@ -293,16 +380,32 @@ class DecodePool:
         items = [(r.extension, r.data, self._sample_seed(epoch, r.ordinal)) for r in chunk]
         per_worker = max(1, math.ceil(len(items) / max(1, self.workers)))
         finished, finish = self._cpu_finish(epoch, index, len(items))
+        keys = [r.key for r in chunk]
+        extras = [r.extras for r in chunk] if self.plan is not None else None
+        flips = self._task_flips(epoch, index, len(items)) if self.plan is not None else None
         pending = []
-        decode = decode_chunk if backlog is None else functools.partial(_run_piece, backlog)
-        for start in range(0, 0 if self._gpu_decode else len(items), per_worker):
+        pixels = not self._gpu_decode
+        for start in range(0, len(items) if pixels or self.plan is not None else 0, per_worker):
+            stop = start + per_worker
+            decode: Callable[..., Any] = decode_chunk
+            if self.plan is not None:
+                assert extras is not None and flips is not None
+                work = TaskWork(self.plan, extras[start:stop], keys[start:stop], flips[start:stop], pixels)
+                decode = functools.partial(decode_task_chunk, work)
             if backlog is not None:
                 backlog.add(1)
-            piece = items[start : start + per_worker]
-            pending.append(self._executor.submit(decode, ring, slot, start, piece, self._crop, finish))
+                decode = functools.partial(_run_piece, backlog, decode)
+            pending.append(self._executor.submit(decode, ring, slot, start, items[start:stop], self._crop, finish))
         labels = np.array([r.label for r in chunk], dtype=np.int64)
-        keys = [r.key for r in chunk]
-        return HostBatch(epoch, index, slot, len(chunk), labels, pending, keys, items, finished, finish)
+        batch = HostBatch(epoch, index, slot, len(chunk), labels, pending, keys, items, finished, finish)
+        batch.extras, batch.flips = extras, flips
+        return batch
+
+    def _task_flips(self, epoch: int, index: int, count: int) -> list[bool]:
+        """Each position's flip, as the device (or the CPU finish) mirrors its pixels: what its targets follow."""
+        if not self._flips_on:
+            return [False] * count
+        return [bool(flip) for flip in flip_mask(self._seed, epoch, self._rank, index, count)]
 
     def collect(self, batch: HostBatch, report: Report, later: Iterable[Donor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the batch's pieces: its pixels in the ring (or its finished output) and its labels.
@@ -330,7 +433,7 @@ class DecodePool:
         failures: list[tuple[int, str]],
         report: Report,
         later: Iterable[Donor],
-        decode_at: Callable[[int, Item], bool],
+        decode_at: Callable[[int, Item, Extras], bool],
     ) -> None:
         """The error policy for samples of `batch` that did not decode: raise, or fill their positions."""
         if self.strict:
@@ -338,15 +441,39 @@ class DecodePool:
             key = batch.keys[position]
             raise Damage(f"sample {key}: {reason}", lost=1, sample=key, reason=reason).error()
         rng = np.random.default_rng([self._seed, batch.epoch, self._rank, batch.index, 0xD0])
-        for damage in replace_failures(failures, batch.items, batch.labels, batch.keys, decode_at, rng, later):
+        decode_at = self._with_targets(batch, decode_at)
+        replaced = replace_failures(failures, batch.items, batch.labels, batch.keys, decode_at, rng, later, batch.extras)
+        for damage in replaced:
             report(damage)
 
-    def _redecode(self, batch: HostBatch) -> Callable[[int, Item], bool]:
+    def _with_targets(
+        self, batch: HostBatch, decode_at: Callable[[int, Item, Extras], bool]
+    ) -> Callable[[int, Item, Extras], bool]:
+        """For a task: a stand-in decodes only when its targets do too, and they take the position's."""
+        plan = self.plan
+        if plan is None:
+            return decode_at
+        ring = self.ring.numpy()
+
+        def with_targets(position: int, item: Item, extras: Extras) -> bool:
+            if not decode_at(position, item, extras):
+                return False
+            flip = batch.flips[position] if batch.flips is not None else False
+            pixels = ring[batch.slot, position] if batch.finish is None and not self._gpu_decode else None
+            try:
+                batch.targets[position] = sample_task(plan, pixels, item, extras, batch.keys[position], flip, self._crop)
+            except (TargetError, DecodeError):
+                return False
+            return True
+
+        return with_targets
+
+    def _redecode(self, batch: HostBatch) -> Callable[[int, Item, Extras], bool]:
         """Decode one item into a position of the batch, where the workers would have: True when it decoded."""
         finish = batch.finish
         ring = self.ring.numpy()
 
-        def decode_at(position: int, item: Item) -> bool:
+        def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
             if finish is None:
                 return not decode_many([ring[batch.slot, position]], [item], self._crop)
             slot, flip = finish.out[position], finish.flip(position)

@@ -183,7 +183,9 @@ def test_make_loader_lists_every_loader_spec_setting_with_its_default() -> None:
 
     parameters = inspect.signature(make_loader).parameters
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    own = {"source", "device", "rank", "world_size", "storage_options", "links_outside"}  # besides its settings
+    own = {  # besides its settings
+        "source", "device", "rank", "world_size", "storage_options", "links_outside", "sample_transform", "batch_transform",
+    }  # fmt: skip
     settings = {name: p for name, p in parameters.items() if p.kind in named and name not in own}
     fields = dataclasses.fields(LoaderSpec)
     assert list(settings) == [field.name for field in fields]

@@ -1,0 +1,356 @@
+"""Targets on their way to a batch: what a task keeps of each sample, its geometry, the `Batch` it makes.
+
+A loader over classification shards without `fields` never comes here: its
+records carry the image and the class, and its batches are `(images,
+labels)` tuples as always. Any other task (multi-label, detection,
+segmentation, captions) or any `fields=` makes each record keep the members
+it needs (`TaskPlan.keep`), and each decode piece of a batch, once its
+pixels are in their slots, works out the targets of the same samples
+(`task_piece`): a sample's crop box is a pure function of its seed and its
+image's header size (`crops.py`), and its flip of the batch position
+(`crops.flip_mask`), so the boxes and masks follow exactly the crop and flip
+its pixels got, whichever decoder read them. Boxes are moved, scaled,
+clipped and dropped under `min_visible` of their area; masks are sampled
+nearest-neighbour (`pipeline.targets`). A sample whose targets are damaged
+fails like one whose pixels do not decode, and is replaced (bringing its
+own targets).
+
+`Batch` is what such a loader yields: tensors where shapes agree (images,
+masks `[B, H, W]`, multi-hot labels `[B, C]`), lists where they do not
+(boxes per image, captions). It unpacks as `images, targets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..decode import open_image
+from ..errors import ConfigError, DecodeError
+from ..targets import (
+    DEFAULT_IGNORE_INDEX,
+    FIELD_ALIASES,
+    MASK_MEMBER,
+    TASKS,
+    TEXT_MEMBER,
+    TargetError,
+    box_areas,
+    clip_boxes,
+    crop_boxes,
+    crop_mask,
+    flip_boxes,
+    read_boxes,
+    read_caption,
+    read_labels,
+    task_members,
+)
+from .crops import CropRandom, CropSpec, crop_box
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskPlan:
+    """What a loader keeps of each sample besides its image and class, and what it makes of it.
+
+    Attributes:
+        task: one of `pipeline.targets.TASKS`.
+        fields: the extra members asked for (`fields=`), by member name; "key" for the keys.
+        classes: the dataset's class count (bounds box and multi-label indices), None without names.
+        ignore_index: a mask's value of no class; also what a crop past a mask's edge gets.
+        min_visible: a box keeps at least this fraction of its area after the crop, or is dropped.
+        sample_transform: the user's callable on each decoded sample, in the decode workers.
+    """
+
+    task: str
+    fields: tuple[str, ...] = ()
+    classes: int | None = None
+    ignore_index: int = DEFAULT_IGNORE_INDEX
+    min_visible: float = 0.25
+    sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+    @property
+    def keep(self) -> frozenset[str]:
+        """The members each record keeps besides its image (and `cls`, which every record reads)."""
+        return task_members(self.task, self.fields)
+
+
+def task_plan(
+    task: str | None,
+    fields: Sequence[str],
+    manifest_task: str,
+    classes: int | None,
+    ignore_index: int | None,
+    min_visible: float,
+    sample_transform: Callable[..., Any] | None,
+    worker_type: str,
+) -> TaskPlan | None:
+    """The plan of a loader's targets; None for plain classification (the tuple path, unchanged).
+
+    Raises:
+        ConfigError: an unknown task or field, or a sample_transform that
+            process workers cannot be handed (it does not pickle).
+    """
+    chosen = task or manifest_task
+    if chosen not in TASKS:
+        raise ConfigError(f"task must be one of {', '.join(TASKS)}, not {chosen!r}")
+    names = tuple(dict.fromkeys(FIELD_ALIASES.get(name, name) for name in fields))
+    for name in names:
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise ConfigError(f"fields: {name!r} is not a member name (such as 'txt', 'json', 'key', 'boxes.npy')")
+    if sample_transform is not None and not callable(sample_transform):
+        raise ConfigError("sample_transform must be a callable taking and returning a sample dict")
+    if sample_transform is not None and worker_type == "process":
+        try:
+            pickle.dumps(sample_transform)
+        except Exception as exc:  # what pickling a closure or lambda raises varies
+            raise ConfigError(
+                f"sample_transform cannot be sent to process workers: it does not pickle ({exc}); define it at "
+                "the top level of a module, or use worker_type='thread'"
+            ) from exc
+    if chosen == "classification" and not names and sample_transform is None:
+        return None
+    return TaskPlan(
+        chosen, names, classes, DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, min_visible,
+        sample_transform,
+    )  # fmt: skip
+
+
+# -- one sample ----------------------------------------------------------------
+
+
+def header_size(extension: str, data: bytes) -> tuple[int, int]:
+    """(width, height) of an image from its header, as the decoders read it for the crop plan."""
+    if extension == "npy":
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+        return (array.shape[1], array.shape[0]) if array.ndim >= 2 else (0, 0)
+    return open_image(data).size
+
+
+def decode_mask(data: bytes, size: tuple[int, int]) -> np.ndarray:
+    """A stored class-index mask (8- or 16-bit grey PNG, or a palette PNG's indices), the image's size.
+
+    Raises:
+        TargetError: it does not decode, or its size is not the image's.
+    """
+    try:
+        image = open_image(data)
+        image.load()
+    except (DecodeError, OSError, ValueError) as exc:
+        raise TargetError(f"{MASK_MEMBER} does not decode ({exc})") from exc
+    if image.size != size:
+        raise TargetError(f"{MASK_MEMBER} is {image.size[0]}x{image.size[1]}, its image {size[0]}x{size[1]}")
+    if image.mode not in ("L", "P", "I;16", "I", "1"):
+        raise TargetError(f"{MASK_MEMBER} must be a grey or palette PNG of class indices, not mode {image.mode}")
+    return np.asarray(image)
+
+
+def sample_targets(
+    plan: TaskPlan, extension: str, data: bytes, seed: int, members: dict[str, bytes], crop: CropSpec, flip: bool
+) -> dict[str, Any]:
+    """One sample's targets after its crop (the one its pixels got) and flip, as the batch takes them.
+
+    Raises:
+        TargetError: a target member is damaged (sample damage).
+        DecodeError: the image's header does not read (its pixels would not decode either).
+    """
+    out: dict[str, Any] = {}
+    task = plan.task
+    geometry = task in ("detection", "segmentation")
+    if geometry:
+        width, height = header_size(extension, data)
+        rng = CropRandom(seed) if crop.train else None
+        box = crop_box(rng, width, height, crop)
+        size = (crop.size, crop.size)
+    if task == "detection":
+        boxes, labels, crowd = read_boxes(members, plan.classes)
+        moved = crop_boxes(boxes, box, size)
+        before = box_areas(moved)
+        clipped, keep = clip_boxes(moved, size, before, plan.min_visible)
+        if flip:
+            clipped = flip_boxes(clipped, crop.size)
+        out["boxes"], out["box_labels"] = clipped[keep], labels[keep]
+        if crowd is not None:
+            out["iscrowd"] = crowd[keep]
+        out["boxes_dropped"] = int(len(keep) - keep.sum())
+    elif task == "segmentation":
+        mask = decode_mask(members[MASK_MEMBER], (width, height)) if MASK_MEMBER in members else None
+        if mask is None:
+            raise TargetError(f"no {MASK_MEMBER}")
+        cropped = crop_mask(mask, box, size, plan.ignore_index)
+        out["mask"] = np.ascontiguousarray(cropped[:, ::-1] if flip else cropped)
+    elif task == "multilabel":
+        out["labels"] = read_labels(members, plan.classes)
+    elif task == "captions":
+        out["caption"] = read_caption(members)
+    for name in plan.fields:
+        if name != "key":
+            out.setdefault("fields", {})[name] = field_value(name, members.get(name))
+    return out
+
+
+def field_value(name: str, data: bytes | None) -> Any:
+    """An asked-for member as a batch gives it: text as str, json parsed, .npy an array, .cls an int, else bytes."""
+    if data is None:
+        return None
+    if name == TEXT_MEMBER or name.endswith(".txt"):
+        return read_caption({name: data}, name)
+    if name == "json" or name.endswith(".json"):
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise TargetError(f"{name} is not JSON ({exc})") from exc
+    if name.endswith("npy"):
+        try:
+            array = np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise TargetError(f"{name} is not a .npy array ({exc})") from exc
+        if not isinstance(array, np.ndarray) or array.dtype.name not in _NPY_DTYPES:
+            raise TargetError(f"{name} holds {getattr(array, 'dtype', type(array).__name__)}, not a plain numeric array")
+        return array
+    if name == "cls" or name.endswith(".cls"):
+        text = data.strip()
+        return int(text) if text.isdigit() else text.decode("utf-8", "replace")
+    return data
+
+
+_NPY_DTYPES = (
+    "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "float32", "float64", "bool",
+)  # fmt: skip
+
+
+def run_sample_transform(
+    plan: TaskPlan, pixels: np.ndarray, key: str, targets: dict[str, Any]
+) -> None:
+    """The user's sample_transform on one decoded sample, written back in place (pixels) and into `targets`.
+
+    The callable gets {"image": uint8 (H, W, 3) array, "key": str, and the
+    sample's targets ("boxes", "box_labels", "mask", "labels", "caption")} and
+    returns a dict: its "image" (same shape, uint8) replaces the pixels, its
+    other entries the targets.
+
+    Raises:
+        TargetError: it returned something else (the message says what).
+    """
+    assert plan.sample_transform is not None
+    image = np.ascontiguousarray(pixels.transpose(1, 2, 0))
+    sample = {"image": image, "key": key, **{k: v for k, v in targets.items() if k not in ("fields", "boxes_dropped")}}
+    result = plan.sample_transform(sample)
+    if not isinstance(result, dict) or "image" not in result:
+        raise TargetError(f"sample_transform must return a dict with 'image', not {type(result).__name__}")
+    new = np.asarray(result["image"])
+    if new.shape != image.shape or new.dtype != np.uint8:
+        raise TargetError(
+            f"sample_transform must return an image of the same shape and dtype ({image.shape} uint8), "
+            f"not {new.shape} {new.dtype}"
+        )
+    pixels[...] = new.transpose(2, 0, 1)
+    for name in ("boxes", "box_labels", "iscrowd", "mask", "labels", "caption"):
+        if name in result and name in targets:
+            targets[name] = result[name]
+
+
+# -- a batch -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Batch:
+    """A batch of any task: `images, targets = batch`, or its fields by name.
+
+    Attributes:
+        images: [B, 3, H, W] on the loader's device, as a classification batch's.
+        labels: [B] int64 class indices (-1 without a class); multi-label:
+            [B, C] float32 multi-hot (C = the dataset's classes).
+        keys: each sample's key in the shards (trace a batch back to its files).
+        boxes: detection: per image, float32 [N_i, 4] XYXY pixel boxes in the crop.
+        box_labels: detection: per image, int64 [N_i] class indices.
+        iscrowd: detection, when the dataset has crowd flags: per image, uint8 [N_i].
+        masks: segmentation: [B, H, W] int64 class indices (the ignore index where no class).
+        captions: captions: per image, its text.
+        fields: the members asked for with `fields=`, by name: a list with
+            one value per sample (str, parsed json, an array, or bytes; None
+            where a sample has none).
+        task: which of `pipeline.targets.TASKS` this is.
+        boxes_dropped: boxes of this batch dropped by the crop (under `min_visible` of their area left).
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    keys: list[str]
+    task: str = "classification"
+    boxes: list[torch.Tensor] | None = None
+    box_labels: list[torch.Tensor] | None = None
+    iscrowd: list[torch.Tensor] | None = None
+    masks: torch.Tensor | None = None
+    captions: list[str] | None = None
+    fields: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    boxes_dropped: int = 0
+
+    @property
+    def targets(self) -> Any:
+        """What the task trains on: labels (classification, multi-label); a dict per image with
+        "boxes" and "labels" (detection, as torchvision's detection models take them); masks
+        (segmentation); captions."""
+        if self.task == "detection":
+            assert self.boxes is not None and self.box_labels is not None
+            dicts = [{"boxes": b, "labels": lab} for b, lab in zip(self.boxes, self.box_labels)]
+            if self.iscrowd is not None:
+                for entry, crowd in zip(dicts, self.iscrowd):
+                    entry["iscrowd"] = crowd
+            return dicts
+        if self.task == "segmentation":
+            return self.masks
+        if self.task == "captions":
+            return self.captions
+        return self.labels
+
+    def __iter__(self) -> Any:
+        return iter((self.images, self.targets))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int | str) -> Any:
+        if isinstance(index, str):
+            if index in self.fields:
+                return self.fields[index]
+            name = {"txt": "captions", "caption": "captions", "key": "keys"}.get(index, index)
+            if name in {f.name for f in dataclasses.fields(self)}:
+                return getattr(self, name)
+            raise KeyError(index)
+        return (self.images, self.targets)[index]
+
+
+def make_batch(
+    plan: TaskPlan, images: torch.Tensor, labels: torch.Tensor, keys: list[str], targets: list[dict[str, Any]]
+) -> Batch:
+    """The batch the training loop gets, its targets on the images' device."""
+    device = images.device
+    batch = Batch(images, labels, list(keys), plan.task)
+    if plan.task == "multilabel":
+        count = plan.classes or 1 + max((max(t["labels"], default=-1) for t in targets), default=0)
+        hot = torch.zeros((len(targets), count), dtype=torch.float32)
+        for row, entry in enumerate(targets):
+            if entry["labels"]:
+                hot[row, torch.as_tensor(entry["labels"], dtype=torch.int64)] = 1.0
+        batch.labels = hot.to(device)
+    elif plan.task == "detection":
+        batch.boxes = [torch.as_tensor(t["boxes"], dtype=torch.float32).to(device) for t in targets]
+        batch.box_labels = [torch.as_tensor(t["box_labels"], dtype=torch.int64).to(device) for t in targets]
+        if any("iscrowd" in t for t in targets):
+            batch.iscrowd = [torch.as_tensor(t.get("iscrowd", np.zeros(len(t["boxes"]), np.uint8))).to(device) for t in targets]
+        batch.boxes_dropped = sum(int(t.get("boxes_dropped", 0)) for t in targets)
+    elif plan.task == "segmentation":
+        batch.masks = torch.from_numpy(np.stack([np.asarray(t["mask"], dtype=np.int64) for t in targets])).to(device)
+    elif plan.task == "captions":
+        batch.captions = [str(t["caption"]) for t in targets]
+    for name in plan.fields:
+        if name == "key":
+            continue
+        batch.fields[name] = [t.get("fields", {}).get(name) for t in targets]
+    return batch

@@ -1,0 +1,313 @@
+"""The loader for every task: targets follow their pixels through crops and flips, fields, transforms, damage, resume."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+
+from pipeline import make_loader
+from pipeline.errors import ConfigError
+from pipeline.io.tar import TarShardWriter
+from pipeline.loader.crops import CropRandom, CropSpec, random_resized_crop_box
+from pipeline.loader.tasks import TaskPlan, sample_targets
+from pipeline.targets import SampleTargets, target_members
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from task_data import PALETTE, box_picture, encoded, write_task_dataset  # noqa: E402
+
+CROP = 48
+
+
+def loader(root: Path, **settings: object):
+    options = {"device": "cpu", "crop": CROP, "num_workers": 2, "dtype": "uint8", "seed": 3}
+    options.update(settings)
+    return make_loader(root, 4, **options)
+
+
+def colour_of(region: torch.Tensor) -> np.ndarray:
+    return region.float().mean(dim=(1, 2)).numpy()
+
+
+def assert_boxes_on_their_colours(batch) -> int:
+    """Every delivered box covers pixels of its class's colour; returns how many boxes were checked."""
+    checked = 0
+    for image, boxes, labels in zip(batch.images, batch.boxes, batch.box_labels):
+        assert ((boxes >= 0) & (boxes <= CROP)).all()
+        for box, label in zip(boxes.tolist(), labels.tolist()):
+            x0, y0, x1, y1 = box
+            inner = (int(np.ceil(x0 + 1.5)), int(np.ceil(y0 + 1.5)), int(np.floor(x1 - 1.5)), int(np.floor(y1 - 1.5)))
+            if inner[2] - inner[0] < 2 or inner[3] - inner[1] < 2:
+                continue
+            mean = colour_of(image[:, inner[1] : inner[3], inner[0] : inner[2]])
+            assert np.abs(mean - PALETTE[label]).max() < 40, (box, label, mean)
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+@pytest.mark.parametrize("train", [True, False])
+def test_detection_boxes_sit_on_their_colour_after_the_crop_and_flip(tmp_path: Path, fmt: str, train: bool) -> None:
+    root = write_task_dataset(tmp_path / "det", "detection", 32, fmt=fmt)
+    checked = 0
+    flipped_any = False
+    for batch in loader(root, train=train):
+        images, targets = batch
+        assert images.shape == (4, 3, CROP, CROP)
+        assert [set(t) for t in targets] == [{"boxes", "labels", "iscrowd"}] * 4
+        checked += assert_boxes_on_their_colours(batch)
+        flipped_any |= train
+    assert checked >= 20
+
+
+def test_segmentation_masks_agree_with_their_pixels(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "seg", "segmentation", 24)
+    seen = 0
+    for train in (True, False):
+        for batch in loader(root, train=train):
+            images, masks = batch
+            assert masks.shape == (4, CROP, CROP) and masks.dtype == torch.int64
+            for image, mask in zip(images, masks):
+                m = mask.numpy()
+                # pixels whose 5x5 neighbourhood has one class (nearest-neighbour masks sit half a
+                # pixel from bilinear pixels, as transforms.v2's do): the picture there has its colour
+                centre = m[2:-2, 2:-2]
+                same = np.ones_like(centre, bool)
+                for dy in range(5):
+                    for dx in range(5):
+                        same &= m[dy : m.shape[0] - 4 + dy, dx : m.shape[1] - 4 + dx] == centre
+                ys, xs = np.nonzero(same)
+                pixels = image.numpy().transpose(1, 2, 0)[2:-2, 2:-2][ys, xs].astype(int)
+                classes = centre[ys, xs]
+                expected = np.where(classes[:, None] == 255, 0, PALETTE[np.minimum(classes, 4)].astype(int))
+                assert np.abs(pixels - expected).max() < 40
+                seen += len(ys)
+    assert seen > 30_000
+
+
+def v2_reference(boxes: np.ndarray, mask: np.ndarray, box: tuple[float, float, float, float], flip: bool):
+    """What torchvision.transforms.v2's resized_crop then horizontal_flip give for the same crop (its formulas, in torch)."""
+    left, top, width, height = (int(v) for v in box)
+    scale = torch.tensor([CROP / width, CROP / height] * 2)
+    moved = (torch.from_numpy(boxes) - torch.tensor([left, top, left, top], dtype=torch.float32)) * scale
+    moved = moved.clamp(min=0).minimum(torch.tensor([CROP] * 4, dtype=torch.float32))
+    cropped = torch.from_numpy(mask.astype(np.int64))[top : top + height, left : left + width][None, None].float()
+    resized = torch.nn.functional.interpolate(cropped, size=(CROP, CROP), mode="nearest")[0, 0].long()
+    if flip:
+        moved = torch.stack([CROP - moved[:, 2], moved[:, 1], CROP - moved[:, 0], moved[:, 3]], dim=1)
+        resized = resized.flip(1)
+    return moved.numpy(), resized.numpy()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_crops_and_flips_give_what_transforms_v2_gives(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    width, height = int(rng.integers(60, 200)), int(rng.integers(60, 200))
+    pixels, boxes, labels, mask = box_picture(rng, width, height, 3)
+    members = target_members(SampleTargets(boxes=boxes, box_labels=labels, mask=mask))
+    data = encoded(pixels, "PNG")
+    crop = CropSpec(CROP, True)
+    flip = bool(seed % 2)
+    box = random_resized_crop_box(CropRandom(seed), width, height, crop)
+    want_boxes, want_mask = v2_reference(boxes, mask, box, flip)
+    detection = sample_targets(TaskPlan("detection", min_visible=0.0), "png", data, seed, members, crop, flip)
+    area = (want_boxes[:, 2] - want_boxes[:, 0]) * (want_boxes[:, 3] - want_boxes[:, 1])
+    np.testing.assert_allclose(detection["boxes"], want_boxes[area > 0], atol=1e-4)
+    segmentation = sample_targets(TaskPlan("segmentation"), "png", data, seed, members, crop, flip)
+    np.testing.assert_array_equal(segmentation["mask"], want_mask)
+
+
+def test_boxes_under_min_visible_are_dropped_and_counted() -> None:
+    crop = CropSpec(CROP, False, eval_fraction=1.0)  # the centre square of a 100x50 picture: x 25..75
+    boxes = np.array([[0, 10, 30, 40], [20, 10, 60, 40], [80, 0, 100, 50]], np.float32)  # 1/6 visible, 7/8, none
+    members = target_members(SampleTargets(boxes=boxes, box_labels=np.array([0, 1, 2])))
+    data = encoded(np.zeros((50, 100, 3), np.uint8), "PNG")
+    kept = sample_targets(TaskPlan("detection", min_visible=0.25), "png", data, 0, members, crop, False)
+    assert kept["box_labels"].tolist() == [1] and kept["boxes_dropped"] == 2
+    np.testing.assert_allclose(kept["boxes"], [[0, 10 * CROP / 50, 35 * CROP / 50, 40 * CROP / 50]], atol=1e-4)
+    loose = sample_targets(TaskPlan("detection", min_visible=0.1), "png", data, 0, members, crop, False)
+    assert loose["box_labels"].tolist() == [0, 1] and loose["boxes_dropped"] == 1
+
+
+def test_multilabel_batches_are_multi_hot(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "ml", "multilabel", 16)
+    stored = {s["__key__"]: s["labels.json"] for s in wds.WebDataset(sorted(map(str, root.glob("*.tar"))), shardshuffle=False)}
+    for batch in loader(root):
+        images, labels = batch
+        assert labels.shape == (4, 5) and labels.dtype == torch.float32
+        for key, row in zip(batch.keys, labels):
+            assert torch.nonzero(row).flatten().tolist() == sorted(set(json.loads(stored[key])))
+
+
+def img2dataset_shards(root: Path, count: int = 12) -> str:
+    """Shards as img2dataset writes them: jpg + txt + json, no cls, no manifest; their brace pattern."""
+    rng = np.random.default_rng(5)
+    for shard in range(2):
+        with TarShardWriter(str(root / f"{shard:05d}.tar")) as writer:
+            for i in range(count // 2):
+                index = shard * (count // 2) + i
+                pixels, *_ = box_picture(rng, 80, 64, 1)
+                members = {
+                    "jpg": encoded(pixels, "JPEG"),
+                    "txt": f"caption number {index} é".encode(),
+                    "json": f'{{"url": "http://example.com/{index}.jpg", "key": "{index:09d}"}}'.encode(),
+                }
+                writer.write_sample(f"{index:09d}", members)
+            writer.commit(f"{shard:05d}.tar")
+    return str(root / "{00000..00001}.tar")
+
+
+def test_img2dataset_shards_give_their_captions_through_fields(tmp_path: Path) -> None:
+    pattern = img2dataset_shards(tmp_path)
+    captions: dict[str, str] = {}
+    for batch in make_loader(pattern, 3, device="cpu", crop=32, num_workers=1, train=False, fields=("txt", "json")):
+        images, labels = batch
+        assert labels.tolist() == [-1, -1, -1]
+        for key, text, meta in zip(batch.keys, batch["txt"], batch.fields["json"]):
+            assert meta["key"] == key
+            captions[key] = text
+    assert captions == {f"{i:09d}": f"caption number {i} é" for i in range(12)}
+    as_task = make_loader(pattern, 3, device="cpu", crop=32, num_workers=1, train=False, task="captions")
+    first = next(iter(as_task))
+    assert first.captions == ["caption number 0 é", "caption number 1 é", "caption number 2 é"]
+    assert first.targets == first.captions
+
+
+def test_classification_without_fields_still_yields_tuples(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "det", "detection", 8)
+    batch = next(iter(loader(root, task="classification")))
+    assert type(batch) is tuple and len(batch) == 2
+    keyed = next(iter(loader(root, task="classification", fields=["key"])))
+    images, labels = keyed
+    assert labels.dtype == torch.int64 and len(keyed.keys) == 4
+
+
+def damage_boxes(root: Path, key: str) -> None:
+    """Rewrite the shard holding `key` with its boxes.npy cut short (a valid tar, a damaged sample)."""
+    from pipeline.io.output import Output
+    from pipeline.manifest import read_manifest, write_manifest
+
+    manifest = read_manifest(root)
+    for info in manifest.shards:
+        samples = list(wds.WebDataset(str(root / info.path), shardshuffle=False))
+        if not any(s["__key__"] == key for s in samples):
+            continue
+        with TarShardWriter(str(root / info.path)) as writer:
+            for sample in samples:
+                members = {k: v for k, v in sample.items() if not k.startswith("__")}
+                if sample["__key__"] == key:
+                    members["boxes.npy"] = members["boxes.npy"][:20]
+                writer.write_sample(sample["__key__"], members)
+            new = writer.commit(info.path)
+        manifest.shards = [new if s.path == info.path else s for s in manifest.shards]
+    write_manifest(Output(str(root)), manifest)
+
+
+def test_a_sample_with_damaged_boxes_is_replaced_by_one_that_brings_its_own(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "det", "detection", 16, fmt="JPEG")
+    damage_boxes(root, "sample00005")
+    data = loader(root)
+    keys = []
+    for batch in data:
+        assert len(batch.keys) == 4 and len(batch.boxes) == 4
+        assert_boxes_on_their_colours(batch)
+        keys += batch.keys
+    assert "sample00005" not in keys and len(keys) == 16
+    assert data.stats.replaced == 1 and data.stats.skipped == 1
+    with pytest.raises(Exception, match="boxes.npy"):
+        list(loader(root, on_error="raise"))
+
+
+def batches_of(data) -> list[tuple[list[str], list[list[float]]]]:
+    return [(batch.keys, [b.tolist() for b in batch.boxes]) for batch in data]
+
+
+def test_resume_mid_epoch_delivers_the_same_targets(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "det", "detection", 32)
+    whole = batches_of(loader(root))
+    first = loader(root)
+    seen = []
+    for number, batch in enumerate(first):
+        seen.append((batch.keys, [b.tolist() for b in batch.boxes]))
+        if number == 2:
+            state = first.state_dict()
+            break
+    resumed = loader(root)
+    resumed.load_state_dict(state)
+    assert seen + batches_of(resumed) == whole
+
+
+def test_process_workers_give_what_threads_give(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "seg", "segmentation", 16)
+    threads = [(b.keys, b.masks.clone(), b.images.clone()) for b in loader(root)]
+    processes = [(b.keys, b.masks, b.images) for b in loader(root, worker_type="process")]
+    inline = [(b.keys, b.masks, b.images) for b in loader(root, num_workers=0)]
+    for other in (processes, inline):
+        for (keys, masks, images), (k2, m2, i2) in zip(threads, other):
+            assert keys == k2 and torch.equal(masks, m2) and torch.equal(images, i2)
+
+
+def blank_and_keep_left(sample: dict) -> dict:
+    """A sample_transform: black pixels, only the boxes on the left half."""
+    sample["image"] = np.zeros_like(sample["image"])
+    left = sample["boxes"][:, 0] < CROP / 2
+    sample["boxes"], sample["box_labels"] = sample["boxes"][left], sample["box_labels"][left]
+    return sample
+
+
+def test_sample_transform_edits_pixels_and_targets_in_the_workers(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "det", "detection", 16)
+    for worker_type in ("thread", "process"):
+        for batch in loader(root, sample_transform=blank_and_keep_left, worker_type=worker_type, dtype="float32"):
+            assert torch.allclose(batch.images, batch.images[0, :, :1, :1].expand_as(batch.images[0]))
+            assert all((boxes[:, 0] < CROP / 2).all() for boxes in batch.boxes)
+    with pytest.raises(ConfigError, match="pickle"):
+        loader(root, sample_transform=lambda s: s, worker_type="process")
+    with pytest.raises(ConfigError, match="sample_transform"):
+        loader(root, sample_transform="not callable")
+
+
+def test_sample_transform_sees_the_flipped_sample_its_targets_follow(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "det", "detection", 16)
+    for batch in loader(root, sample_transform=lambda s: s):
+        assert_boxes_on_their_colours(batch)
+
+
+def test_batch_transform_runs_on_each_batch(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "det", "detection", 8)
+
+    def mixup(batch):
+        images, labels = batch
+        return images.flip(0), torch.nn.functional.one_hot(labels.clamp(min=0), 5).float()
+
+    plain = [b for b in loader(root, task="classification")]
+    mixed = [b for b in loader(root, task="classification", batch_transform=mixup)]
+    assert torch.equal(mixed[0][0], plain[0][0].flip(0)) and mixed[0][1].shape == (4, 5)
+    with pytest.raises(ConfigError, match="batch_transform"):
+        loader(root, batch_transform=3)
+
+
+def test_bad_task_and_field_names_are_refused(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "det", "detection", 8)
+    with pytest.raises(ConfigError, match="task must be one of"):
+        loader(root, task="keypoints")
+    with pytest.raises(ConfigError, match="fields"):
+        loader(root, fields=("../x",))
+    with pytest.raises(ConfigError, match="min_visible"):
+        loader(root, min_visible=2)
+
+
+def test_a_batch_pickles_and_names_its_fields(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "cap", "captions", 8)
+    batch = next(iter(loader(root, fields=("json",))))
+    again = pickle.loads(pickle.dumps(batch))
+    assert again.captions == batch.captions == batch["caption"] and again["json"] == batch.fields["json"]
+    assert batch[0] is batch.images and batch["keys"] == batch.keys
+    with pytest.raises(KeyError):
+        batch["nothing"]
