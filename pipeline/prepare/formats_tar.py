@@ -136,12 +136,19 @@ def _list_shard(shard: str, info: ListingInfo, seen: dict[str, bool]) -> Iterato
                     key, sample = this_key, {}
                 sample[extension] = (offset, size, data)
         except TarFormatError as exc:
-            yield SourceItem(shard, tar_name, None, f"damaged shard: {exc.reason}")
-            return
+            damage: str | None = f"damaged shard: {exc.reason}"
         except OSError as exc:
             raise SourceError(f"cannot read {shard}: {exc.strerror or exc}") from exc
+        else:
+            damage = None
+        if damage is not None:  # the last sample stands where its members lie whole inside the shard
+            end = handle.seek(0, os.SEEK_END)
+            if any(offset + size > end for offset, size, _ in sample.values()):
+                key = None
         if key is not None:
             yield from _sample_item(shard, tar_name, key, sample, keys, info, seen)
+        if damage is not None:
+            yield SourceItem(shard, tar_name, None, damage)
 
 
 def _sample_item(
