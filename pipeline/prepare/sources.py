@@ -2,7 +2,12 @@
 
 A source is a directory (ImageFolder layout: one sub-folder per class; or a
 flat folder without labels), a CSV/JSONL list with `path` and optional
-`label`, or any fsspec URL to either. Listing yields one `SourceItem` at a
+`label`, or any fsspec URL to either. Sources with more than a class per
+image are told apart by their path and layout (formats.py): a list's
+`labels` (several class names: a JSON list or `a;b`), `caption`/`text` and
+other columns; a COCO JSON; YOLO, Pascal VOC and segmentation folders;
+WebDataset shards (a .tar, a brace pattern, a folder of them). Their
+items carry `SourceItem.targets`. Listing yields one `SourceItem` at a
 time in a deterministic order so millions of files never sit in memory at once.
 
 No image file is passed over in silence: an image at the top of a folder
@@ -46,8 +51,9 @@ def list_images(source: str, info: ListingInfo | None = None, *, threads: int = 
     """Yield every image of `source` in a stable order.
 
     Args:
-        source: directory, CSV/JSONL list, or fsspec URL of either.
-        info: filled in while listing (kind, class names, files ignored).
+        source: directory, CSV/JSONL list, COCO JSON, WebDataset .tar or
+            brace pattern of them, or fsspec URL of one.
+        info: filled in while listing (kind, task, class names, files ignored).
         threads: class folders of a remote folder listed at once (the top level is
             listed first, then each class folder on a thread); 1 lists them one after
             another. The listing is the same either way; a local folder is always
@@ -59,7 +65,8 @@ def list_images(source: str, info: ListingInfo | None = None, *, threads: int = 
 
     Raises:
         SourceError: when the source does not exist or cannot be read.
-        ConfigError: when a list file lacks a `path` column.
+        ConfigError: when a list file lacks a `path` column, a JSON file is
+            not COCO, or a layout is almost one the formats know.
     """
     info = info if info is not None else ListingInfo()
     local = local_path(source)
