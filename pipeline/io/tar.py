@@ -21,7 +21,7 @@ import hashlib
 import os
 import re
 import threading
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, BinaryIO
 from zlib import adler32
 
@@ -375,6 +375,79 @@ def iter_tar_members(handle: Any, url: str = "", *, max_member: int | None = Non
         yield from _members(handle, url, buffer, limit)
     finally:
         _give_back(buffer)
+
+
+def iter_tar_index(
+    handle: Any, url: str = "", *, read: Callable[[str, int], bool] | None = None
+) -> Iterator[tuple[str, int, int, bytes | None]]:
+    """Yield (member name, data offset, size, data or None) of regular files, seeking past the data.
+
+    For listing a shard without reading it: only headers are read (and the
+    members `read` asks for), so a shard of large images costs a few
+    kilobytes of reads. Every header is checked as `iter_tar_members`
+    checks it; PAX and GNU long-name headers are applied the same way.
+
+    Args:
+        handle: a seekable binary file object open at the start of the tar.
+        url: the name errors give the shard.
+        read: called with (member name, size); where it returns True the
+            member's data is read and yielded (keep it to small members),
+            else the data is None.
+
+    Raises:
+        TarFormatError: an empty file, a corrupt header, a malformed PAX
+            record, a member or archive cut short, or a PAX/long-name header
+            over `MAX_META_BYTES`.
+    """
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    global_pax: dict[str, str] = {}
+    position = 0
+    first = True
+    while True:
+        handle.seek(position)
+        header = _read_exact(handle, TAR_BLOCK)
+        if len(header) < TAR_BLOCK:
+            if first and not header:
+                raise TarFormatError(url, "empty file (not a tar archive)")
+            cut = "in a header" if header else "without the end-of-archive blocks"
+            raise TarFormatError(url, f"truncated tar archive (it ends {cut})")
+        first = False
+        if header == _ZERO_BLOCK:
+            return
+        size = _parse_header(header, url)
+        kind = header[156:157]
+        start = position + TAR_BLOCK
+        data: bytes | None = None
+        if kind in _META:
+            if size > MAX_META_BYTES:
+                raise _over_bound(url, "a PAX or long-name header", size, MAX_META_BYTES, settable=False)
+            data = _read_exact(handle, size)
+            if len(data) < size:
+                raise TarFormatError(url, "truncated tar member")
+            if kind == b"L":
+                long_name = _text(data)
+            elif kind == b"x":
+                pax.update(_pax_records(data, url))
+            elif kind == b"g":
+                for keyword, value in _pax_records(data, url).items():
+                    if value:
+                        global_pax[keyword] = value
+                    else:
+                        global_pax.pop(keyword, None)
+        elif kind in _KEPT:
+            size = _pax_size(pax, global_pax, url, size)
+            name = _member_path(header, pax, global_pax, long_name)
+            long_name, pax = None, {}
+            if read is not None and read(name, size):
+                data = _read_exact(handle, size)
+                if len(data) < size:
+                    raise TarFormatError(url, "truncated tar member")
+            yield name, start, size, data
+        else:
+            size = _pax_size(pax, global_pax, url, size)
+            long_name, pax = None, {}
+        position = start + size + (-size % TAR_BLOCK)
 
 
 MAX_MEMBER_BYTES = 256 << 20

@@ -19,7 +19,7 @@ import functools
 import hashlib
 import os
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
@@ -54,7 +54,8 @@ class Listing:
             items: the sources, in listing order.
 
         Returns:
-            (count, sha256 of the listing lines, label names seen).
+            (count, sha256 of the listing lines, label names seen: items' labels
+            and the names in their targets' "labels" and "box_labels").
 
         Raises:
             StorageError: the work folder cannot be written (e.g. a full disk).
@@ -158,6 +159,8 @@ def _spill(items: Iterator[SourceItem], lines: IO[bytes], index: IO[bytes]) -> t
         count += 1
         if item.label is not None:
             labels.add(item.label)
+        if item.targets is not None and not item.rejected:
+            _add_target_labels(item.targets, labels)
         if len(offsets) >= _INDEX_BLOCK:  # flush the index in blocks: memory stays flat
             offsets.tofile(index)
             offsets = array.array("Q")
@@ -165,18 +168,34 @@ def _spill(items: Iterator[SourceItem], lines: IO[bytes], index: IO[bytes]) -> t
     return count, digest.hexdigest(), labels
 
 
+def _add_target_labels(targets: dict[str, Any], labels: set[str]) -> None:
+    """The class names a sample's targets use: a multi-label sample's labels, its boxes' labels."""
+    for field in ("labels", "box_labels"):
+        names = targets.get(field)
+        if isinstance(names, list):
+            labels.update(name for name in names if isinstance(name, str))
+
+
+FIXED_CLASS_KINDS = frozenset({"coco", "yolo", "segmentation"})
+"""Listing kinds whose class list the format gives (`ListingInfo.classes`), where it gives one."""
+
+
 def class_names(info: ListingInfo, labels: set[str]) -> list[str]:
     """The class names of a listing, in label-index order.
 
     Args:
-        info: what listing the source found (its kind; an image folder's class folders).
-        labels: the label names seen in a list's rows.
+        info: what listing the source found (its kind; an image folder's class
+            folders, the classes a format fixes).
+        labels: the label names seen: a list's labels, a multi-label sample's
+            labels and boxes' labels (`Listing.write`).
 
     Returns:
-        An image folder's classes as listed; for a list, integer labels as the
-        indices they already are (`"0"` .. max), other names sorted.
+        An image folder's classes as listed; the classes a format fixes (COCO's
+        categories by id, YOLO's names, a segmentation folder's classes.txt);
+        otherwise integer labels as the indices they already are (`"0"` ..
+        max), other names sorted.
     """
-    if info.kind == "imagefolder":
+    if info.kind == "imagefolder" or (info.kind in FIXED_CLASS_KINDS and info.classes):
         return info.classes
     if labels and all(label.isdigit() for label in labels):
         return [str(i) for i in range(max(int(label) for label in labels) + 1)]

@@ -2,7 +2,12 @@
 
 A source is a directory (ImageFolder layout: one sub-folder per class; or a
 flat folder without labels), a CSV/JSONL list with `path` and optional
-`label`, or any fsspec URL to either. Listing yields one `SourceItem` at a
+`label`, or any fsspec URL to either. Sources with more than a class per
+image are told apart by their path and layout (formats.py): a list's
+`labels` (several class names: a JSON list or `a;b`), `caption`/`text` and
+other columns; a COCO JSON; YOLO, Pascal VOC and segmentation folders;
+WebDataset shards (a .tar, a brace pattern, a folder of them). Their
+items carry `SourceItem.targets`. Listing yields one `SourceItem` at a
 time in a deterministic order so millions of files never sit in memory at once.
 
 No image file is passed over in silence: an image at the top of a folder
@@ -26,82 +31,29 @@ from typing import Any, TypeVar
 from ..errors import ConfigError, SourceError
 from ..io.fs import forget_listings, is_url, local_path, open_fs, store_errors
 from ..io.s3get import S3Getter, getter_for
-
-IMAGE_EXTENSIONS = frozenset(
-    ".jpg .jpeg .jpe .jfif .png .gif .bmp .dib .tif .tiff .webp .ppm .pgm .pbm .pnm "
-    ".jp2 .j2k .jpx .tga .ico .avif .heic".split()
-)
-
+from .formats import detect_folder
+from .formats_common import IMAGE_EXTENSIONS, ListingInfo, SourceItem, is_image_name
+from .formats_detection import list_coco, read_json_source
+from .formats_tar import expand_braces, is_shard_pattern, list_shards
 
 LIST_EXTENSIONS = (".csv", ".jsonl", ".ndjson")
+FILE_EXTENSIONS = (*LIST_EXTENSIONS, ".json", ".tar")  # a SRC ending so is a file: no folder listing is tried
 LIST_THREADS = 16  # class folders of a store listed at once: each LIST is a round trip, not CPU work
+__all__ = ["IMAGE_EXTENSIONS", "ListingInfo", "SourceItem", "list_images"]
+
 NOT_IN_A_CLASS_FOLDER = (
     "not in a class folder: SRC has class sub-folders, and the ImageFolder layout takes "
     "each image's label from the sub-folder it is in"
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class SourceItem:
-    """One listed input: where to read it, its path relative to the source, its label name.
-
-    `rejected`, when set, is why the listing already rejects it (the file is
-    not read): the reason rejected.jsonl records.
-
-    `targets`, for a source with more than a class per image, is what the
-    listing found of the sample besides its image, JSON-able and in the
-    pixels of the file as stored (before EXIF transposition), any of:
-    "labels" (a multi-label sample's class names), "boxes" (XYXY pixel
-    boxes; fractions of the width and height with "normalized": true),
-    "box_labels" (a class index per box), "iscrowd" (a flag per box),
-    "mask" (the URL or path of its mask image), "caption", "columns" (the
-    source's other columns), "tar" (where the image's bytes sit in a
-    WebDataset shard: {"offset": o, "size": n}).
-    """
-
-    url: str
-    rel: str
-    label: str | None
-    rejected: str = ""
-    targets: dict[str, Any] | None = None
-
-    def to_json(self) -> str:
-        # ASCII escapes keep names that are not valid UTF-8 (surrogate-escaped) intact.
-        fields: list[Any] = [self.url, self.rel, self.label]
-        if self.rejected or self.targets is not None:
-            fields.append(self.rejected)
-        if self.targets is not None:
-            fields.append(self.targets)
-        return json.dumps(fields)
-
-    @classmethod
-    def from_json(cls, line: str | bytes) -> SourceItem:
-        return cls(*json.loads(line))
-
-
-@dataclasses.dataclass
-class ListingInfo:
-    """Counts kept while listing: classes seen and entries passed over.
-
-    `ignored` counts files without an image extension, special files (FIFOs,
-    sockets, devices) and symlinks that lead back into a folder being
-    listed. Hidden entries (``.name``) are skipped without counting. Images
-    beside class folders are not ignored: they are listed, rejected.
-    """
-
-    kind: str = ""
-    classes: list[str] = dataclasses.field(default_factory=list)
-    ignored: int = 0
-    task: str = "classification"
-    ignore_index: int | None = None
-
-
 def list_images(source: str, info: ListingInfo | None = None, *, threads: int = LIST_THREADS) -> Iterator[SourceItem]:
     """Yield every image of `source` in a stable order.
 
     Args:
-        source: directory, CSV/JSONL list, or fsspec URL of either.
-        info: filled in while listing (kind, class names, files ignored).
+        source: directory, CSV/JSONL list, COCO JSON, WebDataset .tar or
+            brace pattern of them, or fsspec URL of one.
+        info: filled in while listing (kind, task, class names, files ignored).
         threads: class folders of a remote folder listed at once (the top level is
             listed first, then each class folder on a thread); 1 lists them one after
             another. The listing is the same either way; a local folder is always
@@ -113,21 +65,30 @@ def list_images(source: str, info: ListingInfo | None = None, *, threads: int = 
 
     Raises:
         SourceError: when the source does not exist or cannot be read.
-        ConfigError: when a list file lacks a `path` column.
+        ConfigError: when a list file lacks a `path` column, a JSON file is
+            not COCO, or a layout is almost one the formats know.
     """
     info = info if info is not None else ListingInfo()
     local = local_path(source)
     if local is not None:
         if os.path.isdir(local):
-            yield from _list_local_dir(local.rstrip("/") or "/", info)
+            root = local.rstrip("/") or "/"
+            layout = detect_folder(root, info, functools.partial(_walk_local_folder, root))
+            yield from layout if layout is not None else _list_local_dir(root, info)
             return
         if os.path.isfile(local):
             yield from _list_file(source, info)
             return
+        if is_shard_pattern(local) and "{" in local:
+            yield from list_shards(expand_braces(source), info)
+            return
         raise SourceError(f"source not found: {source}")
+    if is_shard_pattern(source):  # shards on a store: a .tar or a brace pattern of them
+        yield from list_shards(expand_braces(source) if "{" in source else [source], info)
+        return
     fs, root = open_fs(source)
     forget_listings(fs, root)  # what the store holds now, not what this process listed before
-    top = None if _without_query(root).lower().endswith(LIST_EXTENSIONS) else _listed_top(fs, root)  # a list file: s3fs looks
+    top = None if _without_query(root).lower().endswith(FILE_EXTENSIONS) else _listed_top(fs, root)  # a file: s3fs looks
     if top is not None and (top.dirs or top.files):
         yield from _list_fs_dir(fs, root, info, threads, top)
         return
@@ -142,10 +103,6 @@ def list_images(source: str, info: ListingInfo | None = None, *, threads: int = 
         yield from _list_fs_dir(fs, root, info, threads)
     else:
         yield from _list_file(source, info)
-
-
-def _is_image_name(name: str) -> bool:
-    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
 def _scan_sorted(path: str, info: ListingInfo) -> tuple[list[str], list[str]]:
@@ -190,12 +147,17 @@ def _list_local_dir(root: str, info: ListingInfo) -> Iterator[SourceItem]:
     info.kind = "imagefolder"
     info.classes = [_printable(name) for name in top_dirs]
     for name in top_files:  # beside the class folders: no class to take a label from
-        if not _is_image_name(name):
+        if not is_image_name(name):
             info.ignored += 1
             continue
         yield SourceItem(os.path.join(root, name), name, None, NOT_IN_A_CLASS_FOLDER)
     for name in top_dirs:
         yield from _walk_dir(root, name, _printable(name), info, ancestors)
+
+
+def _walk_local_folder(root: str, rel_dir: str, info: ListingInfo) -> Iterator[SourceItem]:
+    """The images under root/rel_dir (rel relative to `root`), without labels: the walk a format reader pairs files on."""
+    yield from _walk_dir(root, rel_dir, None, info, frozenset(filter(None, [_dir_id(root)])))
 
 
 def _walk_dir(
@@ -221,7 +183,7 @@ def _walk_local(
 ) -> Iterator[SourceItem]:
     base = os.path.join(root, rel_dir) if rel_dir else root
     for name in files:
-        if not _is_image_name(name):
+        if not is_image_name(name):
             info.ignored += 1
             continue
         rel = f"{rel_dir}/{name}" if rel_dir else name
@@ -308,7 +270,7 @@ def _walk_listed(
         for name in sorted(files):
             if name.startswith("."):
                 continue
-            if not _is_image_name(name):
+            if not is_image_name(name):
                 ignored += 1
                 continue
             full = f"{path}/{name}"
@@ -358,7 +320,7 @@ def _list_fs_dir(fs: Any, root: str, info: ListingInfo, threads: int, top: _Top 
         return
     beside = sorted(file_names)
     for name in (name for name in beside if not name.startswith(".")):
-        if not _is_image_name(name):
+        if not is_image_name(name):
             info.ignored += 1
             continue
         yield SourceItem(url_of(f"{root}/{name}"), name, None, NOT_IN_A_CLASS_FOLDER)
@@ -388,7 +350,7 @@ def _walk_fs(
             for name in sorted(filenames):
                 if not name or name.startswith("."):  # "": the empty object standing for a folder ("dir/")
                     continue
-                if not _is_image_name(name):
+                if not is_image_name(name):
                     info.ignored += 1
                     continue
                 full = f"{dirpath.rstrip('/')}/{name}"
@@ -426,21 +388,85 @@ def _without_query(source: str) -> str:
 
 def _list_file(source: str, info: ListingInfo) -> Iterator[SourceItem]:
     lower = _without_query(source).lower()
-    if not lower.endswith(LIST_EXTENSIONS):
+    if lower.endswith(".tar"):
+        yield from list_shards([source], info)
+        return
+    if lower.endswith(".json"):
+        coco = read_json_source(source)
+        if coco is not None:
+            yield from list_coco(source, coco, info)
+            return
+    elif not lower.endswith(LIST_EXTENSIONS):
         raise SourceError(
-            f"{source} is a file but not a CSV or JSONL list; give a folder of images or a list with a 'path' column"
+            f"{source} is a file but not a CSV or JSONL list, a COCO JSON or a WebDataset .tar; "
+            "give a folder of images or a list with a 'path' column"
         )
     info.kind = "list"
     base = _without_query(source).rsplit("/", 1)[0] if "/" in source else "."
     rows = _read_csv_rows(source) if lower.endswith(".csv") else _read_jsonl_rows(source)
+    seen = {"label": False, "labels": False, "caption": False}
     for line_no, row in rows:
         path = row.get("path")
         if not isinstance(path, str) or not path:
             raise ConfigError(f"{source}:{line_no}: every row needs a non-empty 'path'")
         label = row.get("label")
         label = None if label in (None, "") else str(label)
+        seen["label"] |= label is not None
         url = path if ("://" in path or os.path.isabs(path)) else f"{base}/{path}"
-        yield SourceItem(url, path.lstrip("/"), label)
+        if len(row) == 1 or (len(row) == 2 and "label" in row):  # path (+ label): classification, as always
+            yield SourceItem(url, path.lstrip("/"), label)
+            continue
+        targets, rejected = _row_targets(row, seen)
+        yield SourceItem(url, path.lstrip("/"), label, rejected, targets)
+    if seen["labels"]:
+        info.task = "multilabel"
+    elif seen["caption"] and not seen["label"]:
+        info.task = "captions"
+
+
+LIST_COLUMNS = ("path", "label", "labels", "caption", "text")  # the columns a list's rows have a meaning for
+
+
+def _row_targets(row: dict[str, Any], seen: dict[str, bool]) -> tuple[dict[str, Any] | None, str]:
+    """A list row's targets: "labels", "caption" (from `caption` or `text`) and the other columns; or why not."""
+    targets: dict[str, Any] = {}
+    if "labels" in row:
+        seen["labels"] = True
+        labels = _labels_of(row["labels"])
+        if isinstance(labels, str):
+            return None, labels
+        targets["labels"] = labels
+    for name in ("caption", "text"):
+        value = row.get(name)
+        if value is None or "caption" in targets:
+            continue
+        if not isinstance(value, str):
+            return None, f"its {name!r} must be text, not {type(value).__name__}"
+        targets["caption"] = value
+        seen["caption"] = True
+    columns = {name: value for name, value in row.items() if name not in LIST_COLUMNS}
+    if columns:
+        targets["columns"] = columns
+    return targets or None, ""
+
+
+def _labels_of(value: Any) -> list[str] | str:
+    """A `labels` cell as class names: a JSON list, a JSON list in text, or `;`-separated names (empty: none)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return f"its labels {text[:60]!r} start like a JSON list but are not one"
+        else:
+            return [part.strip() for part in text.split(";") if part.strip()]
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+        return "its labels must be a list of class names (or a ';'-separated string)"
+    names = [_printable(str(v).strip()) for v in value]
+    return [name for name in names if name]
 
 
 def _open_text(source: str) -> io.TextIOBase:
@@ -462,7 +488,9 @@ def _read_csv_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or "path" not in reader.fieldnames:
             raise ConfigError(f"{source}: the CSV header must have a 'path' column (and optionally 'label')")
-        yield from enumerate(reader, start=2)
+        for line_no, row in enumerate(reader, start=2):
+            row.pop(None, None)  # fields past the header's (csv keeps them under None): no column to name them
+            yield line_no, row
 
 
 def _read_jsonl_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:

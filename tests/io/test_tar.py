@@ -27,6 +27,7 @@ from pipeline.io.tar import (
     ShardInfo,
     TarFormatError,
     TarShardWriter,
+    iter_tar_index,
     iter_tar_members,
     iter_tar_samples,
     member_name,
@@ -683,3 +684,72 @@ def test_a_folder_with_a_lying_size_is_read_past_without_holding_it():
 
 def test_a_tar_format_error_is_a_gpufeed_error():
     assert issubclass(TarFormatError, GpufeedError) and issubclass(TarFormatError, ValueError)
+
+
+# ---------------------------------------------------------------------------
+# The index: names, offsets and sizes from the headers, the data skipped
+
+
+def _tarfile_bytes(members: list[tuple[str, bytes]], fmt: int) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=fmt) as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_index_gives_each_members_data_offset_and_size(fmt):
+    long = "d/" + "x" * 150 if fmt != tarfile.USTAR_FORMAT else "d/short"
+    members = [("a.jpg", b"\xff" * 1000), ("a.txt", b"caption"), (f"{long}.jpg", b"J" * 513), ("empty.txt", b"")]
+    blob = _tarfile_bytes(members, fmt)
+    asked = []
+
+    def read(name, size):
+        asked.append((name, size))
+        return name.endswith(".txt")
+
+    index = list(iter_tar_index(io.BytesIO(blob), "t.tar", read=read))
+    assert [(name, size) for name, _, size, _ in index] == [(name, len(data)) for name, data in members]
+    assert asked == [(name, len(data)) for name, data in members]
+    for (name, offset, size, data), (_, expected) in zip(index, members):
+        assert blob[offset : offset + size] == expected
+        assert data == (expected if name.endswith(".txt") else None)
+
+
+def test_index_skips_folders_and_links():
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        folder = tarfile.TarInfo("dir")
+        folder.type = tarfile.DIRTYPE
+        archive.addfile(folder)
+        link = tarfile.TarInfo("dir/link.jpg")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "/etc/passwd"
+        archive.addfile(link)
+        info = tarfile.TarInfo("dir/k.jpg")
+        info.size = 3
+        archive.addfile(info, io.BytesIO(b"abc"))
+    assert [(name, size) for name, _, size, _ in iter_tar_index(io.BytesIO(buffer.getvalue()))] == [("dir/k.jpg", 3)]
+
+
+@pytest.mark.parametrize(
+    "blob, reason",
+    [
+        (b"", "empty file"),
+        (b"\x01" * 512 + END_OF_ARCHIVE, "corrupt tar header"),
+        (tar_file("a.jpg", b"x" * 2000)[:1024], "truncated"),
+        (tar_file("a.jpg", b"x" * 10), "truncated"),  # no end-of-archive blocks
+    ],
+)
+def test_index_refuses_what_is_not_a_whole_tar(blob, reason):
+    with pytest.raises(TarFormatError, match=reason):
+        list(iter_tar_index(io.BytesIO(blob), "t.tar"))
+
+
+def test_index_reads_a_cut_member_it_was_asked_for_as_truncated():
+    blob = tar_file("a.txt", b"x" * 2000)[:1024]
+    with pytest.raises(TarFormatError, match="truncated"):
+        list(iter_tar_index(io.BytesIO(blob), "t.tar", read=lambda name, size: True))

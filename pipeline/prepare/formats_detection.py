@@ -1,0 +1,490 @@
+"""Detection sources: a COCO instances JSON, a YOLO folder, a Pascal VOC folder.
+
+Each yields one `SourceItem` per image with targets {"boxes", "box_labels",
+...} (see `SourceItem`), boxes in pixels of the image as stored, XYXY:
+
+- COCO: `bbox` [x, y, w, h] becomes [x, y, x + w, y + h]; the category ids,
+  sorted, become class indices 0..K-1 (`ListingInfo.classes` keeps their
+  names, a box's label is its category's name); `iscrowd` and the raw
+  `segmentation` (polygons or RLE) of each box are kept. An image without
+  annotations is listed with no boxes. A bad annotation (a bbox that is not
+  four finite numbers, a negative width or height, a box outside the image,
+  an unknown category) rejects its image with the reason: the image's other
+  boxes would be a lie about what it shows. An annotation of an image id the
+  JSON does not list is dropped and counted in `ListingInfo.ignored`.
+- YOLO: `labels/<split>/<stem>.txt` beside `images/<split>/<stem>.jpg`, one
+  `class cx cy w h` line per box, normalised: boxes are listed normalised
+  XYXY ("normalized": true), the image's size being unknown here. A polygon
+  line (YOLO segmentation: `class x1 y1 x2 y2 ...`) gives its bounds. The
+  names come from data.yaml (`names:` a list or {id: name}) or classes.txt;
+  without either, a box's label is its class id as text. An image without a
+  label file has no boxes; a malformed line rejects the image (line number).
+- Pascal VOC: `Annotations/<stem>.xml` for `JPEGImages/<stem>.jpg`. VOC's
+  pixel coordinates are 1-based and inclusive, so a box is [xmin - 1,
+  ymin - 1, xmax, ymax] (the edges of the pixels it covers, as torchvision's
+  XYXY has them). `difficult` flags go in columns["difficult"]. XML with a
+  DOCTYPE or an entity is refused (no entity expansion, no external files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..errors import ConfigError, SourceError
+from ..io.fs import local_path, open_fs, store_errors
+from ..targets import MAX_BOXES
+from .formats_common import (
+    ANNOTATION_MAX_BYTES,
+    ListingInfo,
+    SourceItem,
+    finite_number,
+    inside,
+    is_image_name,
+    read_small,
+    safe_relative,
+)
+
+COCO_MAX_BYTES = 2 << 30
+"""The default bound on a COCO JSON read whole (COCO's own train2017 instances file is 448 MB)."""
+COCO_MAX_ENV = "GPUFEED_MAX_JSON_BYTES"
+BOX_SLACK = 1.0  # pixels a box may pass the image's edge by (rounding in the tools that wrote it)
+
+
+# -- COCO ----------------------------------------------------------------------
+
+
+def coco_max_bytes() -> int:
+    """The bound on a COCO JSON: $GPUFEED_MAX_JSON_BYTES, else `COCO_MAX_BYTES`.
+
+    Raises:
+        ConfigError: the variable is set to something that is not a positive integer.
+    """
+    text = os.environ.get(COCO_MAX_ENV)
+    if not text:
+        return COCO_MAX_BYTES
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"{COCO_MAX_ENV}={text!r}: give the largest JSON file to read, in bytes (a positive integer)")
+    return int(text)
+
+
+def read_json_source(source: str) -> dict[str, Any] | None:
+    """A `.json` SRC read whole: the COCO object, or None where it is a JSON-lines list (one object a line).
+
+    Raises:
+        SourceError: the file cannot be read.
+        ConfigError: it is over `coco_max_bytes()`, not JSON, or JSON that is
+            neither COCO (an object with "images", "annotations" and
+            "categories") nor a list of rows.
+    """
+    bound = coco_max_bytes()
+    data = _read_bounded(source, bound)
+    try:
+        value = json.loads(data)
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data":  # one object a line: a JSONL list named .json
+            return None
+        raise ConfigError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except (RecursionError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source} is not valid JSON ({type(exc).__name__})") from exc
+    if isinstance(value, dict) and "path" in value and "images" not in value:
+        return None  # a one-row list
+    if not isinstance(value, dict) or not all(isinstance(value.get(k), list) for k in ("images", "annotations", "categories")):
+        raise ConfigError(
+            f"{source} is a JSON file but not a COCO annotation file (an object with 'images', 'annotations' "
+            "and 'categories' lists) nor a JSON-lines list of rows with 'path'"
+        )
+    return value
+
+
+def _read_bounded(source: str, bound: int) -> bytes:
+    local = local_path(source)
+    try:
+        if local is not None:
+            if os.path.getsize(local) > bound:
+                raise ConfigError(f"{source} is {os.path.getsize(local)} bytes, over the bound of {bound} (set {COCO_MAX_ENV})")
+            with open(local, "rb") as handle:
+                return handle.read()
+        fs, path = open_fs(source)
+        with fs.open(path, "rb") as handle:
+            data: bytes = handle.read(bound + 1)
+    except OSError as exc:
+        raise SourceError(f"cannot read {source}: {exc.strerror or exc}") from exc
+    except store_errors() as exc:
+        raise SourceError(f"cannot read {source}: {exc}") from exc
+    if len(data) > bound:
+        raise ConfigError(f"{source} is over the bound of {bound} bytes (set {COCO_MAX_ENV})")
+    return data
+
+
+def list_coco(source: str, coco: dict[str, Any], info: ListingInfo) -> Iterator[SourceItem]:
+    """Yield one item per image of a COCO object (`read_json_source`), in the JSON's order.
+
+    Raises:
+        ConfigError: the categories are not a list of {"id": int, "name": str}
+            with distinct ids and names.
+        SourceError: no folder beside the JSON holds its images.
+    """
+    info.kind, info.task = "coco", "detection"
+    names = _coco_categories(source, coco["categories"])
+    info.classes = [names[i] for i in sorted(names)]
+    by_image: dict[Any, list[tuple[int, Any]]] = {}
+    known = {image.get("id") for image in coco["images"] if isinstance(image, dict) and _hashable(image.get("id"))}
+    for number, annotation in enumerate(coco["annotations"]):
+        image_id = annotation.get("image_id") if isinstance(annotation, dict) else None
+        if not _hashable(image_id) or image_id not in known:
+            info.ignored += 1  # no image to give it to
+            continue
+        by_image.setdefault(image_id, []).append((number, annotation))
+    base = _coco_image_folder(source, coco["images"])
+    seen: set[Any] = set()
+    for number, image in enumerate(coco["images"]):
+        yield _coco_item(base, number, image, by_image, names, seen)
+
+
+def _hashable(value: Any) -> bool:
+    return isinstance(value, (int, str)) and not isinstance(value, bool)
+
+
+def _coco_categories(source: str, categories: list[Any]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for category in categories:
+        if not (isinstance(category, dict) and _hashable(category.get("id")) and isinstance(category.get("id"), int)
+                and isinstance(category.get("name"), str) and category["name"]):
+            raise ConfigError(f"{source}: every category needs an integer 'id' and a non-empty 'name', not {str(category)[:80]}")
+        if category["id"] in names:
+            raise ConfigError(f"{source}: category id {category['id']} appears twice")
+        names[category["id"]] = category["name"]
+    if len(set(names.values())) != len(names):
+        raise ConfigError(f"{source}: two categories share a name; class names must be distinct")
+    return names
+
+
+def _coco_image_folder(source: str, images: list[Any]) -> str:
+    """The folder the images' file names are relative to: the first of COCO's usual places that holds the first one."""
+    folder = source.split("?", 1)[0].rsplit("/", 1)[0] if "/" in source else "."
+    candidates = [folder, f"{folder}/images"]
+    stem = os.path.splitext(os.path.basename(source.split("?", 1)[0]))[0]
+    if os.path.basename(folder) == "annotations" and "_" in stem:
+        parent = folder.rsplit("/", 1)[0] if "/" in folder else "."
+        split = stem.rsplit("_", 1)[1]  # instances_train2017 -> train2017, COCO's own layout
+        candidates = [f"{parent}/{split}", f"{parent}/images/{split}", f"{parent}/images", *candidates]
+    probe = next((image["file_name"] for image in images if isinstance(image, dict)
+                  and isinstance(image.get("file_name"), str) and safe_relative(image["file_name"])), None)
+    if probe is None:
+        return candidates[0]
+    for candidate in candidates:
+        if _exists(f"{candidate}/{probe}"):
+            return candidate
+    raise SourceError(f"cannot find the images of {source}: {probe} is in none of {', '.join(candidates)}")
+
+
+def _exists(url: str) -> bool:
+    local = local_path(url)
+    if local is not None:
+        return os.path.exists(local)
+    fs, path = open_fs(url)
+    try:
+        return bool(fs.exists(path))
+    except store_errors():
+        return False
+
+
+def _coco_item(
+    base: str, number: int, image: Any, by_image: dict[Any, list[tuple[int, Any]]], names: dict[int, str], seen: set[Any]
+) -> SourceItem:
+    name = image.get("file_name") if isinstance(image, dict) else None
+    if not isinstance(name, str) or not safe_relative(name):
+        shown = name if isinstance(name, str) and name else f"images[{number}]"
+        return SourceItem(shown, shown, None, f"COCO image {number}: file_name {name!r} is not a path inside the dataset folder")
+    url = f"{base}/{name}"
+    image_id = image.get("id")
+    if not _hashable(image_id):
+        return SourceItem(url, name, None, f"COCO image {name}: its id {image_id!r} is not an integer or a string")
+    if image_id in seen:
+        return SourceItem(url, name, None, f"COCO image id {image_id} appears twice in the JSON")
+    seen.add(image_id)
+    annotations = by_image.get(image_id, [])
+    if len(annotations) > MAX_BOXES:
+        return SourceItem(url, name, None, f"{len(annotations)} annotations, over the {MAX_BOXES} one image may have")
+    size = (image.get("width"), image.get("height"))
+    boxes, labels, crowd, shapes = [], [], [], []
+    for at, annotation in annotations:
+        box = _coco_box(annotation, names, size)
+        if isinstance(box, str):
+            return SourceItem(url, name, None, f"annotation {annotation.get('id', at)}: {box}")
+        boxes.append(box)
+        labels.append(names[annotation["category_id"]])
+        crowd.append(int(annotation.get("iscrowd", 0) or 0))
+        shapes.append(annotation.get("segmentation"))
+    targets: dict[str, Any] = {"boxes": boxes, "box_labels": labels, "iscrowd": crowd, "columns": {"image_id": image_id}}
+    if any(shape for shape in shapes):
+        targets["segmentation"] = shapes
+    return SourceItem(url, name, None, targets=targets)
+
+
+def _coco_box(annotation: dict[str, Any], names: dict[int, str], size: tuple[Any, Any]) -> list[float] | str:
+    """One annotation's XYXY box, or why it is refused."""
+    bbox = annotation.get("bbox")
+    if not isinstance(bbox, list) or len(bbox) != 4 or not all(finite_number(v) for v in bbox):
+        return f"bbox {str(bbox)[:60]} is not four finite numbers [x, y, w, h]"
+    x, y, w, h = (float(v) for v in bbox)
+    if w < 0 or h < 0 or x < -BOX_SLACK or y < -BOX_SLACK:
+        return f"bbox {bbox} has a negative width, height or corner"
+    width, height = size
+    if finite_number(width) and finite_number(height) and (x + w > width + BOX_SLACK or y + h > height + BOX_SLACK):
+        return f"bbox {bbox} passes the edge of the {width}x{height} image"
+    category = annotation.get("category_id")
+    if not isinstance(category, int) or isinstance(category, bool) or category not in names:
+        return f"category_id {category!r} is not one of the categories"
+    if annotation.get("iscrowd", 0) not in (0, 1, None, False, True):
+        return f"iscrowd {annotation.get('iscrowd')!r} is not 0 or 1"
+    shape = annotation.get("segmentation")
+    if shape is not None and not isinstance(shape, (list, dict)):
+        return "segmentation is neither polygons (a list) nor RLE (an object)"
+    return [x, y, x + w, y + h]
+
+
+# -- YOLO ----------------------------------------------------------------------
+
+YOLO_YAML_NAMES = ("data.yaml", "dataset.yaml", "data.yml", "dataset.yml")
+YAML_MAX_BYTES = 1 << 20
+
+
+def yolo_names(root: str) -> list[str] | None:
+    """A YOLO folder's class names: data.yaml's `names` (a list, or {id: name} with ids 0..K-1), else classes.txt.
+
+    Returns:
+        The names in id order, or None where the folder has neither file.
+
+    Raises:
+        ConfigError: a data.yaml that is not YAML, or whose `names` is neither form.
+    """
+    for name in YOLO_YAML_NAMES:
+        path = os.path.join(root, name)
+        if os.path.isfile(path):
+            return _yaml_names(path)
+    for path in (os.path.join(root, "classes.txt"), os.path.join(root, "labels", "classes.txt")):
+        if os.path.isfile(path):
+            return _lines_of(path)
+    return None
+
+
+def _yaml_names(path: str) -> list[str] | None:
+    data = read_small(path, YAML_MAX_BYTES)
+    if isinstance(data, str):
+        raise ConfigError(data)
+    try:
+        import yaml  # type: ignore[import-untyped]
+
+        document = yaml.safe_load(data)
+    except ImportError:
+        document = {"names": _names_by_hand(data.decode("utf-8", "replace"))}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML ({str(exc).splitlines()[0]})") from exc
+    names = document.get("names") if isinstance(document, dict) else None
+    if names is None:
+        return None
+    if isinstance(names, list) and all(isinstance(n, (str, int)) and not isinstance(n, bool) for n in names):
+        return [str(n) for n in names]
+    if isinstance(names, dict) and all(isinstance(k, int) and isinstance(v, (str, int)) for k, v in names.items()):
+        if sorted(names) != list(range(len(names))):
+            raise ConfigError(f"{path}: the ids of 'names' must be 0 to {len(names) - 1}, not {sorted(names)[:10]}")
+        return [str(names[i]) for i in range(len(names))]
+    raise ConfigError(f"{path}: 'names' must be a list of class names or a mapping of class id to name")
+
+
+def _names_by_hand(text: str) -> Any:
+    """`names:` of a data.yaml without PyYAML: `names: [a, b]`, or a block of `- a` or `0: a` lines."""
+    lines = text.splitlines()
+    for at, line in enumerate(lines):
+        match = re.match(r"names\s*:\s*(.*)$", line)
+        if not match:
+            continue
+        inline = match.group(1).split("#", 1)[0].strip()
+        if inline.startswith("["):
+            return [part.strip().strip("'\"") for part in inline.strip("[]").split(",") if part.strip()]
+        block: dict[int, str] = {}
+        items: list[str] = []
+        for entry in lines[at + 1 :]:
+            if entry and not entry[0].isspace():
+                break
+            entry = entry.split("#", 1)[0].strip()
+            pair = re.match(r"(\d+)\s*:\s*(.+)$", entry)
+            if pair:
+                block[int(pair.group(1))] = pair.group(2).strip().strip("'\"")
+            elif entry.startswith("-"):
+                items.append(entry[1:].strip().strip("'\""))
+        return block or items
+    return None
+
+
+def _lines_of(path: str) -> list[str]:
+    data = read_small(path, YAML_MAX_BYTES)
+    if isinstance(data, str):
+        raise ConfigError(data)
+    return [line.strip() for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+
+
+def list_yolo(root: str, info: ListingInfo, walk: Callable[[str, ListingInfo], Iterator[SourceItem]]) -> Iterator[SourceItem]:
+    """Yield the images under `root/images`, each with the boxes of its `labels/` file.
+
+    Args:
+        root: the dataset folder (holding images/ and labels/).
+        info: filled in: kind "yolo", task "detection", the names.
+        walk: `walk(rel_folder, info)` yielding the image items under a
+            folder of `root` in the listing's order (the plain folder walk).
+    """
+    names = yolo_names(root)
+    info.kind, info.task = "yolo", "detection"
+    info.classes = list(names or [])
+    root_real = os.path.realpath(root)
+    for item in walk("images", info):
+        stem = os.path.splitext(item.rel[len("images/") :])[0]
+        yield _yolo_item(item, os.path.join(root, "labels", f"{stem}.txt"), names, root_real)
+
+
+def _yolo_item(item: SourceItem, label_path: str, names: list[str] | None, root_real: str) -> SourceItem:
+    if item.rejected:
+        return item
+    if not os.path.lexists(label_path):
+        return SourceItem(item.url, item.rel, None, targets={"boxes": [], "box_labels": [], "normalized": True})
+    if not inside(root_real, label_path):
+        return SourceItem(item.url, item.rel, None, f"its label file {label_path} leads outside the dataset folder")
+    data = read_small(label_path)
+    if isinstance(data, str):
+        return SourceItem(item.url, item.rel, None, data)
+    where = f"labels/{item.rel[len('images/'):].rsplit('.', 1)[0]}.txt"
+    boxes, labels = [], []
+    for line_no, line in enumerate(data.decode("utf-8", "replace").splitlines(), start=1):
+        fields = line.split()
+        if not fields:
+            continue
+        box = _yolo_box(fields, names)
+        if isinstance(box, str):
+            return SourceItem(item.url, item.rel, None, f"{where}:{line_no}: {box}")
+        boxes.append(box)
+        labels.append(names[int(fields[0])] if names is not None else str(int(fields[0])))
+        if len(boxes) > MAX_BOXES:
+            return SourceItem(item.url, item.rel, None, f"{where}: over the {MAX_BOXES} boxes one image may have")
+    return SourceItem(item.url, item.rel, None, targets={"boxes": boxes, "box_labels": labels, "normalized": True})
+
+
+def _yolo_box(fields: list[str], names: list[str] | None) -> list[float] | str:
+    """A label line's normalised XYXY box, or why it is refused."""
+    if not fields[0].isdigit():
+        return f"class {fields[0][:20]!r} is not a class id (a non-negative integer)"
+    if names is not None and int(fields[0]) >= len(names):
+        return f"box label {fields[0]!r} is not one of the {len(names)} classes in data.yaml"
+    try:
+        values = [float(v) for v in fields[1:]]
+    except ValueError:
+        return "a coordinate is not a number"
+    if not all(0.0 <= v <= 1.0 for v in values):  # also refuses nan and inf
+        return "coordinates must be normalised: finite numbers from 0 to 1"
+    if len(values) == 4:
+        cx, cy, w, h = values
+        return [max(0.0, cx - w / 2), max(0.0, cy - h / 2), min(1.0, cx + w / 2), min(1.0, cy + h / 2)]
+    if len(values) >= 6 and len(values) % 2 == 0:  # a polygon (YOLO segmentation): its bounds
+        xs, ys = values[0::2], values[1::2]
+        return [min(xs), min(ys), max(xs), max(ys)]
+    return f"{len(fields)} fields: a line is 'class cx cy w h' (or 'class x1 y1 x2 y2 ...' for a polygon)"
+
+
+# -- Pascal VOC ----------------------------------------------------------------
+
+_XML_REFUSED = re.compile(rb"<!\s*(DOCTYPE|ENTITY)", re.IGNORECASE)
+
+
+def list_voc(root: str, info: ListingInfo) -> Iterator[SourceItem]:
+    """Yield one item per `Annotations/*.xml` (sorted) with the boxes it holds; images without one are ignored.
+
+    Raises:
+        SourceError: a folder cannot be listed.
+    """
+    info.kind, info.task = "voc", "detection"
+    images = _stems(os.path.join(root, "JPEGImages"))
+    xmls = [name for name in _names(os.path.join(root, "Annotations")) if name.lower().endswith(".xml")]
+    annotated = set()
+    root_real = os.path.realpath(root)
+    for name in xmls:
+        stem = name[: -len(".xml")]
+        annotated.add(stem)
+        image = images.get(stem)
+        if image is None:
+            where = os.path.join(root, "JPEGImages", f"{stem}.jpg")
+            yield SourceItem(where, f"JPEGImages/{stem}.jpg", None, f"Annotations/{name} has no image in JPEGImages/")
+            continue
+        xml_path = os.path.join(root, "Annotations", name)
+        url, rel = os.path.join(root, "JPEGImages", image), f"JPEGImages/{image}"
+        if not inside(root_real, xml_path):
+            yield SourceItem(url, rel, None, f"Annotations/{name} leads outside the dataset folder")
+            continue
+        yield voc_item(url, rel, xml_path)
+    info.ignored += sum(1 for stem in images if stem not in annotated)
+
+
+def _names(folder: str) -> list[str]:
+    try:
+        return sorted(name for name in os.listdir(folder) if not name.startswith("."))
+    except OSError as exc:
+        raise SourceError(f"cannot list {folder}: {exc.strerror or exc}") from exc
+
+
+def _stems(folder: str) -> dict[str, str]:
+    """Image file name by stem, for the images of one folder (the first name in sorted order where stems repeat)."""
+    stems: dict[str, str] = {}
+    for name in _names(folder):
+        if is_image_name(name):
+            stems.setdefault(os.path.splitext(name)[0], name)
+    return stems
+
+
+def voc_item(url: str, rel: str, xml_path: str) -> SourceItem:
+    """The item of one VOC image from its annotation XML (rejected with the reason where the XML is bad)."""
+    data = read_small(xml_path, ANNOTATION_MAX_BYTES)
+    if isinstance(data, str):
+        return SourceItem(url, rel, None, data)
+    parsed = parse_voc_xml(data)
+    if isinstance(parsed, str):
+        return SourceItem(url, rel, None, f"{os.path.basename(xml_path)}: {parsed}")
+    return SourceItem(url, rel, None, targets=parsed)
+
+
+def parse_voc_xml(data: bytes) -> dict[str, Any] | str:
+    """The targets of one VOC annotation, or why it is refused (DOCTYPE/entities, not XML, a bad box)."""
+    import xml.etree.ElementTree as ET
+
+    if _XML_REFUSED.search(data):
+        return "XML with a DOCTYPE or an entity declaration is refused"
+    if b"\0" in data:  # UTF-16 or UTF-32, where the check above would not see a DOCTYPE
+        return "XML that is not UTF-8 (it holds NUL bytes) is refused"
+    try:
+        root = ET.fromstring(data)
+    except ET.ParseError as exc:
+        return f"not well-formed XML ({exc})"
+    boxes, labels, difficult = [], [], []
+    for number, obj in enumerate(root.iter("object")):
+        name = (obj.findtext("name") or "").strip()
+        if not name:
+            return f"object {number} has no <name>"
+        bndbox = obj.find("bndbox")
+        try:
+            values = [float((bndbox.findtext(k) or "").strip()) for k in ("xmin", "ymin", "xmax", "ymax")] if bndbox is not None else []
+        except ValueError:
+            values = []
+        if len(values) != 4 or not all(finite_number(v) for v in values):
+            return f"object {number} ({name}) has no <bndbox> of four finite numbers"
+        xmin, ymin, xmax, ymax = values
+        if xmax < xmin or ymax < ymin or xmin < 0 or ymin < 0:
+            return f"object {number} ({name}): box {values} has xmax < xmin, ymax < ymin or a negative corner"
+        boxes.append([max(0.0, xmin - 1), max(0.0, ymin - 1), xmax, ymax])
+        labels.append(name)
+        flag = (obj.findtext("difficult") or "0").strip()
+        difficult.append(1 if flag in ("1", "true") else 0)
+        if len(boxes) > MAX_BOXES:
+            return f"over the {MAX_BOXES} boxes one image may have"
+    return {"boxes": boxes, "box_labels": labels, "columns": {"difficult": difficult}}
