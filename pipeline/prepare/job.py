@@ -305,6 +305,8 @@ class _SeenTargets:
         if task == "classification" and not self.labelled:
             task = next((name for member, name in _TASK_OF_FIELD if member in fields), task)
         ignore = info.ignore_index
+        if ignore is not None and (isinstance(ignore, bool) or not isinstance(ignore, int) or not 0 <= ignore <= 65535):
+            raise SourceError(f"the ignore index of {info.kind or 'the source'} must be a whole number 0 to 65535, not {ignore!r}")
         if ignore is None and MASK_MEMBER in fields:
             ignore = DEFAULT_IGNORE_INDEX
         return _TaskInfo(task, fields, ignore)

@@ -13,11 +13,11 @@ A source with targets (boxes, a mask, several labels, a caption, columns:
 `SourceItem.targets`) has them checked first and sent through the image's
 own geometry (`sample_targets.py`), on either path: the YCbCr path turns
 the picture upright by the header's EXIF orientation, and its resize is
-`resize_geometry`'s.
-They become the sample's target members (`pipeline.targets`); the sample's
-json then also records the geometry and how many boxes fell out of the
-picture. A malformed target rejects its sample like a bad image. A sample
-without targets is written exactly as before.
+`resize_geometry`'s. They become the sample's target members
+(`pipeline.targets`); the sample's json then also records the geometry
+and how many boxes fell out of the picture. A malformed target rejects
+its sample like a bad image. A sample without targets is written exactly
+as before.
 """
 
 from __future__ import annotations
@@ -254,6 +254,7 @@ def _render_targets(
 def _fast_blob(
     data: bytes, fast: Transcoded, key: str, item: SourceItem, spec: PrepareSpec, label: int | None, targets: _Targets
 ) -> bytes:
+    """The sample's tar blob from the YCbCr path's output, its targets placed by the same resize."""
     # The orientation the YCbCr path turned the output by: read again from the header (it parsed the file
     # already, so this is a few microseconds, paid by samples with targets only).
     targets.take_image(spec, fast.original_size, exif_orientation(open_image(data, max_pixels=spec.max_pixels, formats=("JPEG",))))
