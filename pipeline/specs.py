@@ -15,6 +15,8 @@ from .errors import ConfigError
 from .targets import TASKS
 from .units import parse_bytes
 
+RECIPES = ("crop", "letterbox", "scale_jitter", "iou_crop")  # how the loader makes each image its output
+
 RESIZE_MODES = ("shorter", "longer", "center-crop", "pad", "none")
 FORMATS = ("jpeg", "webp", "png", "npy")
 FORMAT_EXTENSIONS = {"jpeg": "jpg", "webp": "webp", "png": "png", "npy": "npy"}
@@ -344,6 +346,14 @@ class LoaderSpec(Spec):
             "caption", "json", "key", any member a sample holds).
         min_visible: a box keeps at least this fraction of its area after the
             crop, or it is dropped (detection).
+        recipe: how each image becomes the output: "crop" (random-resized
+            crop in train, centre crop in eval) or a detection recipe:
+            "letterbox" (the whole image, ratio kept, padded), "scale_jitter"
+            (letterbox times a random scale in `jitter`, cropped or padded),
+            "iou_crop" (SSD's random IoU crop; needs boxes). In eval mode the
+            detection recipes letterbox.
+        jitter: scale_jitter's range of scales.
+        fill: the value (0-255) of output pixels the image does not cover.
     """
 
     batch_size: int
@@ -372,6 +382,9 @@ class LoaderSpec(Spec):
     task: str | None = None
     fields: tuple[str, ...] = ()
     min_visible: float = 0.25
+    recipe: str = "crop"
+    jitter: tuple[float, float] = (0.1, 2.0)
+    fill: int = 114
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, 1 << 16)
@@ -426,6 +439,11 @@ class LoaderSpec(Spec):
                 f"fields must be member names such as ('txt', 'json', 'key', 'boxes.npy'), got {self.fields!r}"
             )
         check_number("min_visible", self.min_visible, 0.0, 1.0)
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        if not _is_number_pair(self.jitter) or not 0 < self.jitter[0] <= self.jitter[1] <= 16:
+            raise ConfigError(f"jitter must be (low, high) scales with 0 < low <= high <= 16, got {self.jitter!r}")
+        check_int("fill", self.fill, 0, 255)
 
     def _check_cache(self) -> None:
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):

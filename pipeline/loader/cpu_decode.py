@@ -39,6 +39,7 @@ from .crops import (
     Affine,
     CropRandom,
     CropSpec,
+    FixedBox,
     check_pixels,
     crop_box,
     is_planar,
@@ -46,6 +47,7 @@ from .crops import (
     region_plan,
     slot_size,
 )
+from .placement import Placement, place
 
 try:
     import simplejpeg
@@ -69,6 +71,7 @@ def decode_into(
     *,
     flip: bool = False,
     affine: Affine | tuple[Any, Any] | None = None,
+    box: tuple[float, float, float, float] | None = None,
 ) -> None:
     """Decode one sample into `slot`, written in place.
 
@@ -77,12 +80,13 @@ def decode_into(
     `affine` = (scale, shift), three values each, or an `Affine`: slot =
     pixel * scale + shift per channel (conversion and normalisation in the
     same write).
-    `flip` mirrors the result left-right.
+    `flip` mirrors the result left-right. `box` (left, top, width, height),
+    when given, is the part of the image read instead of the seed's crop.
 
     Raises:
         DecodeError: the sample is corrupt or not an image.
     """
-    rng = CropRandom(seed) if spec.train else None
+    rng: CropRandom | FixedBox | None = FixedBox(box) if box is not None else CropRandom(seed) if spec.train else None
     if slot.dtype != np.uint8 and (slot.dtype != np.float32 or affine is None):
         raise ValueError("decode_into writes uint8 slots, or float32 slots with an affine")
     if affine is not None and not isinstance(affine, Affine):
@@ -93,12 +97,13 @@ def decode_into(
             check_pixels(array.shape[1] if array.ndim > 1 else 0, array.shape[0], spec)
             _crop_array_into(slot, _as_rgb_array(array), rng, spec, flip, affine)
         elif extension in ("jpg", "jpeg") and spec.decoder == "region" and (decoder := _region_decoder()) is not None:
-            failures = _region_many(decoder, [slot], [(extension, data, seed)], [0], spec, [flip], affine)
+            boxes = None if box is None else [box]
+            failures = _region_many(decoder, [slot], [(extension, data, seed)], [0], spec, [flip], affine, boxes)
             if failures:
                 raise DecodeError(failures[0][1])
         elif extension in ("jpg", "jpeg") and spec.decoder == "simplejpeg" and simplejpeg is not None:
             if not _jpeg_into(slot, data, rng, spec, flip, affine):  # refused: Pillow's verdict stands
-                _pil_into(slot, data, CropRandom(seed) if spec.train else None, spec, flip, affine)
+                _pil_into(slot, data, _randomness(seed, spec, box), spec, flip, affine)
         else:
             _pil_into(slot, data, rng, spec, flip, affine)
     except DecodeError:
@@ -116,6 +121,13 @@ _DATA_ERRORS: tuple[type[BaseException], ...] = (
 )  # fmt: skip
 
 
+def _randomness(seed: int, spec: CropSpec, box: tuple[float, float, float, float] | None) -> CropRandom | FixedBox | None:
+    """What chooses a sample's crop: its given box, else a fresh generator from its seed (train), else none."""
+    if box is not None:
+        return FixedBox(box)
+    return CropRandom(seed) if spec.train else None
+
+
 def _as_rgb_array(array: np.ndarray) -> np.ndarray:
     if array.dtype != np.uint8 or array.ndim not in (2, 3):
         raise DecodeError(f".npy sample must be uint8 HxW or HxWx3, got {array.dtype} {array.shape}")
@@ -127,7 +139,7 @@ def _as_rgb_array(array: np.ndarray) -> np.ndarray:
 
 
 def _jpeg_into(
-    slot: np.ndarray, data: bytes, rng: CropRandom | None, spec: CropSpec, flip: bool, affine: Any
+    slot: np.ndarray, data: bytes, rng: CropRandom | FixedBox | None, spec: CropSpec, flip: bool, affine: Any
 ) -> bool:
     """simplejpeg decodes the sample into `slot`; False when it refuses the data (then Pillow decides)."""
     try:
@@ -159,6 +171,7 @@ def decode_many(
     *,
     flips: list[bool] | None = None,
     affine: Affine | None = None,
+    placements: list[Placement | None] | None = None,
 ) -> list[tuple[int, str]]:
     """`decode_into` for several samples (extension, data, seed) into their slots.
 
@@ -167,8 +180,15 @@ def decode_many(
     and slots of one layout, one C call reads the JPEGs' headers, plans
     their crops, decodes the regions and resizes them into the slots, so
     the thread lets go of Python's lock once for the lot.
+
+    A detection recipe (`spec.recipe` other than "crop") places each image
+    in part of its slot (`placement.py`): `placements` gives each sample's
+    where known (iou_crop chooses it from the sample's boxes), else it is
+    worked out here from its seed and header.
     """
     flips = flips if flips is not None else [False] * len(items)
+    if spec.recipe != "crop":
+        return _placed_many(slots, items, spec, flips, affine, placements)
     decoder = _region_decoder() if spec.decoder == "region" else None
     failures: list[tuple[int, str]] = []
     batch = [i for i, item in enumerate(items) if decoder is not None and item[0] in ("jpg", "jpeg")]
@@ -193,13 +213,15 @@ def _region_many(
     spec: CropSpec,
     flips: list[bool],
     affine: Affine | None,
+    boxes: list[tuple[float, float, float, float]] | None = None,
 ) -> list[tuple[int, str]]:
     """The region decoder over items[batch]: one C call for everything (`_crop_many`) when the slots
     share one layout and C resizes like this PIL; else headers and regions in C, crops planned and
-    resized in Python."""
+    resized in Python. `boxes`, one per batch entry, are crops already chosen (C plans its own)."""
     targets = [slots[i] for i in batch]
     mode = resample_mode()
-    if mode is not None and _same_layout(targets):
+    given: list[tuple[float, float, float, float] | None] = list(boxes) if boxes is not None else [None] * len(batch)
+    if boxes is None and mode is not None and _same_layout(targets):
         return _crop_many(decoder, mode, targets, items, batch, spec, flips, affine)
     # The fallback: C decodes the regions, Pillow resizes them.
     info, status, pointers = decoder.header_many([items[i][1] for i in batch])
@@ -207,17 +229,17 @@ def _region_many(
     usable = status == 0
     pixels = info[:, 0].astype(np.int64) * info[:, 1]
     usable &= (pixels <= spec.max_pixels) & (info[:, 0] > 0) & (info[:, 1] > 0)
-    params, boxes, sizes = np.zeros((count, 5), np.int32), np.zeros((count, 4)), np.zeros(count, np.uint64)
+    params, planned, sizes = np.zeros((count, 5), np.int32), np.zeros((count, 4)), np.zeros(count, np.uint64)
     for k in np.flatnonzero(usable):
-        rng = CropRandom(items[batch[k]][2]) if spec.train else None
+        rng = _randomness(items[batch[k]][2], spec, given[k])
         box, eighths, region = region_plan(targets[k], int(info[k, 0]), int(info[k, 1]), rng, spec)
-        boxes[k], params[k], sizes[k] = box, (eighths, *region[:4]), region[4]
+        planned[k], params[k], sizes[k] = box, (eighths, *region[:4]), region[4]
     failures: list[tuple[int, str]] = []
     for k in np.flatnonzero(~usable):  # libjpeg refused the header (Pillow decides), or the pixel checks say why
         index = batch[k]
         with _reason_into(failures, index):
             if status[k] != 0:
-                _pil_fallback(slots[index], items[index], spec, flips[index], affine)
+                _pil_fallback(slots[index], items[index], spec, flips[index], affine, given[k])
             else:
                 check_pixels(int(info[k, 0]), int(info[k, 1]), spec)
     buffer = _decode_buffer(int(sizes.sum()) + 64 * count)
@@ -229,10 +251,10 @@ def _region_many(
         index = batch[k]
         with _reason_into(failures, index):
             if done[k] != 0:
-                _handed_back(decoder, int(done[k]), slots[index], items[index], spec, flips[index], affine)
+                _handed_back(decoder, int(done[k]), slots[index], items[index], spec, flips[index], affine, given[k])
                 continue
             first, y = int(decoded[k, 0]), int(params[k, 2])
-            box = boxes[k]
+            box = planned[k]
             rows = buffer[int(offsets[k]) : int(offsets[k]) + int(sizes[k])]
             relative = (box[0] - first, box[1] - y, box[2] - first, box[3] - y)
             _rgbx_into(slots[index], rows, int(decoded[k, 1]), int(params[k, 4]), relative, flips[index], affine)
@@ -260,6 +282,7 @@ def _handed_back(
     spec: CropSpec,
     flip: bool,
     affine: Affine | None,
+    box: tuple[float, float, float, float] | None = None,
 ) -> None:
     """A sample the C call did not finish (its non-zero status).
 
@@ -273,15 +296,20 @@ def _handed_back(
     if status == native.OVER_LIMITS:
         check_pixels(*decoder.header(data), spec)
     else:  # UNSUPPORTED (CMYK) or -1 (libjpeg's message)
-        _pil_fallback(slot, item, spec, flip, affine)
+        _pil_fallback(slot, item, spec, flip, affine, box)
 
 
 def _pil_fallback(
-    slot: np.ndarray, item: tuple[str, bytes, int], spec: CropSpec, flip: bool, affine: Affine | None
+    slot: np.ndarray,
+    item: tuple[str, bytes, int],
+    spec: CropSpec,
+    flip: bool,
+    affine: Affine | None,
+    box: tuple[float, float, float, float] | None = None,
 ) -> None:
     """Pillow decodes a sample a fast path handed back: the same crop (from its seed), Pillow's pixels and verdict."""
     _, data, seed = item
-    _pil_into(slot, data, CropRandom(seed) if spec.train else None, spec, flip, affine)
+    _pil_into(slot, data, _randomness(seed, spec, box), spec, flip, affine)
 
 
 def _crop_many(
@@ -310,6 +338,64 @@ def _crop_many(
     return failures
 
 
+
+
+def image_size(extension: str, data: bytes) -> tuple[int, int]:
+    """(width, height) of a sample's image from its header, as the decoders plan its crop (no EXIF turn).
+
+    Raises:
+        DecodeError: the header does not read.
+    """
+    try:
+        if extension == "npy":
+            array = np.load(io.BytesIO(data), allow_pickle=False, mmap_mode=None)
+            return (array.shape[1], array.shape[0]) if array.ndim >= 2 else (0, 0)
+        if extension in ("jpg", "jpeg") and simplejpeg is not None:
+            with contextlib.suppress(ValueError):
+                height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+                return width, height
+        return open_image(data).size
+    except DecodeError:
+        raise
+    except _DATA_ERRORS as exc:
+        raise DecodeError(f"cannot read the .{extension} sample's header: {str(exc)[:160] or type(exc).__name__}") from None
+
+
+def _placed_many(
+    slots: list[np.ndarray],
+    items: list[tuple[str, bytes, int]],
+    spec: CropSpec,
+    flips: list[bool],
+    affine: Affine | None,
+    placements: list[Placement | None] | None,
+) -> list[tuple[int, str]]:
+    """A detection recipe: each image decoded into the part of its slot its placement says, the rest filled."""
+    failures: list[tuple[int, str]] = []
+    for index, (extension, data, seed) in enumerate(items):
+        try:
+            placement = placements[index] if placements is not None else None
+            if placement is None:
+                placement = place(_randomness(seed, spec, None), *image_size(extension, data), spec)
+            box, (x, y, width, height) = placement
+            slot = slots[index]
+            _fill(slot, spec.fill, affine)
+            if flips[index]:  # the whole slot mirrored: the image's part sits mirrored too
+                x = spec.size - x - width
+            view = slot[:, y : y + height, x : x + width] if is_planar(slot) else slot[y : y + height, x : x + width]
+            decode_into(view, extension, data, spec, seed, flip=flips[index], affine=affine, box=box)
+        except DecodeError as exc:
+            failures.append((index, exc.reason))
+    return failures
+
+
+def _fill(slot: np.ndarray, value: int, affine: Affine | None) -> None:
+    """Every pixel of the slot at `value` (0-255), normalised like the pixels when the slot is float."""
+    if slot.dtype == np.uint8:
+        slot[...] = value
+        return
+    assert affine is not None
+    shape = (3, 1, 1) if is_planar(slot) else (3,)
+    slot[...] = value * affine.scale.reshape(shape) + affine.shift.reshape(shape)
 
 
 def _same_layout(slots: list[np.ndarray]) -> bool:
@@ -412,6 +498,8 @@ def _rgbx_target(size: tuple[int, int]) -> tuple[int, Any]:
         targets = _LOCAL.targets = {}
     found = targets.get(size)
     if found is None:
+        if len(targets) >= 32:  # placed images (letterbox) come in many sizes: keep a few buffers, not one per size
+            targets.clear()
         array = np.empty((size[1], size[0], 4), np.uint8)
         core = pil_image().core.map_buffer(array, size, "raw", 0, ("RGBX", 0, 1))
         found = targets[size] = (array.ctypes.data, core, array)
@@ -438,7 +526,7 @@ def _decode_buffer(needed: int) -> np.ndarray:
 
 
 def _pil_into(
-    slot: np.ndarray, data: bytes, rng: CropRandom | None, spec: CropSpec, flip: bool, affine: Any
+    slot: np.ndarray, data: bytes, rng: CropRandom | FixedBox | None, spec: CropSpec, flip: bool, affine: Any
 ) -> None:
     Image = pil_image()
     img = open_image(data, max_pixels=spec.max_pixels)
@@ -456,7 +544,7 @@ def _pil_into(
 
 
 def _crop_array_into(
-    slot: np.ndarray, array: np.ndarray, rng: CropRandom | None, spec: CropSpec, flip: bool, affine: Any
+    slot: np.ndarray, array: np.ndarray, rng: CropRandom | FixedBox | None, spec: CropSpec, flip: bool, affine: Any
 ) -> None:
     height, width = array.shape[:2]
     left, top, cw, ch = crop_box(rng, width, height, spec)

@@ -35,6 +35,11 @@ class CropSpec:
         decoder: for JPEGs, "region" (only the crop's rows and iMCU columns,
             DCT-scaled, see cpu_decode.py), "simplejpeg" (whole image, DCT-scaled)
             or "pil".
+        recipe: "crop" (the above), or a detection recipe placing a part of
+            the image in part of the output (`placement.py`): "letterbox",
+            "scale_jitter", "iou_crop".
+        jitter: scale_jitter's range of scales (of the letterboxed size).
+        fill: the value of the output's pixels the image does not cover.
     """
 
     size: int = 224
@@ -44,6 +49,9 @@ class CropSpec:
     eval_fraction: float = 0.875
     decoder: str = "simplejpeg"
     max_pixels: int = 89_478_485
+    recipe: str = "crop"
+    jitter: tuple[float, float] = (0.1, 2.0)
+    fill: int = 114
 
 
 class Affine:
@@ -142,10 +150,26 @@ def flip_mask(seed: int, epoch: int, rank: int, index: int, count: int) -> np.nd
     return rng.random(count) < 0.5
 
 
-def crop_box(rng: CropRandom | None, width: int, height: int, spec: CropSpec) -> tuple[float, float, float, float]:
-    """(left, top, width, height) of the crop: random-resized in train mode (`rng` needed), else centred."""
+class FixedBox:
+    """Stands in for a sample's crop randomness where its box is already chosen (a placement, `placement.py`)."""
+
+    __slots__ = ("box",)
+
+    def __init__(self, box: tuple[float, float, float, float]) -> None:
+        self.box = box
+
+
+def crop_box(
+    rng: CropRandom | FixedBox | None, width: int, height: int, spec: CropSpec
+) -> tuple[float, float, float, float]:
+    """(left, top, width, height) of the crop: random-resized in train mode (`rng` needed), else centred.
+
+    A `FixedBox` gives its box: every decoder then reads that part of the image.
+    """
+    if isinstance(rng, FixedBox):
+        return rng.box
     if spec.train:
-        assert rng is not None
+        assert isinstance(rng, CropRandom)
         return random_resized_crop_box(rng, width, height, spec)
     return centre_crop_box(width, height, spec)
 
@@ -173,7 +197,7 @@ def check_pixels(width: int, height: int, spec: CropSpec) -> None:
 
 
 def region_plan(
-    slot: np.ndarray, width: int, height: int, rng: CropRandom | None, spec: CropSpec
+    slot: np.ndarray, width: int, height: int, rng: CropRandom | FixedBox | None, spec: CropSpec
 ) -> tuple[tuple[float, float, float, float], int, tuple[int, int, int, int, int]]:
     """(crop box in the scaled image, M of the M/8 scaling, region x, y, w, h to decode + its RGBX bytes)."""
     check_pixels(width, height, spec)

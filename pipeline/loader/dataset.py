@@ -72,7 +72,7 @@ class DatasetInfo:
 
 
 def resolve_dataset(source: str | os.PathLike[str], *, links_outside: bool = False) -> DatasetInfo:
-    """Resolve a manifest path/URL, a dataset directory, or a shard brace pattern.
+    """Resolve a manifest path/URL, a dataset directory, a shard brace pattern, or one shard (a `.tar`).
 
     Args:
         source: what `make_loader` was given, a str or a path.
@@ -88,7 +88,7 @@ def resolve_dataset(source: str | os.PathLike[str], *, links_outside: bool = Fal
             outside the dataset.
     """
     source = os.fspath(source)
-    if "{" in source and ".." in source:
+    if ("{" in source and ".." in source) or source.split("?", 1)[0].endswith(".tar"):  # a pattern, or one shard
         return _from_pattern(source)
     root = source[: -len(MANIFEST_NAME)].rstrip("/") if source.endswith(MANIFEST_NAME) else source.rstrip("/")
     output = Output(root or ".")

@@ -184,7 +184,10 @@ class Loader:
         self._elastic: Progress | None = None  # the epoch was resumed at another world size: what had been delivered
         self._workers = _resolve_workers(spec.num_workers)
         decoder = default_decoder() if spec.decoder in ("auto", "nvjpeg") else spec.decoder
-        self._crop = CropSpec(spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder)
+        self._crop = CropSpec(
+            spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder, recipe=spec.recipe,
+            jitter=spec.jitter, fill=spec.fill,
+        )  # fmt: skip
         self._ring_slots = spec.prefetch + 2
         self._pool: DecodePool | None = None
         self._finish = self._new_finish()
@@ -733,6 +736,9 @@ def make_loader(
     task: str | None = None,
     fields: Sequence[str] = (),
     min_visible: float = 0.25,
+    recipe: str = "crop",
+    jitter: Sequence[float] = (0.1, 2.0),
+    fill: int = 114,
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     batch_transform: Callable[[Any], Any] | None = None,
     **unknown: NoReturn,
@@ -745,8 +751,9 @@ def make_loader(
     they are validated there before anything is built.
 
     Args:
-        source: a manifest path/URL, a dataset directory, or a shard brace
-            pattern (`shards/shard-{000000..000099}.tar`); a str or a path.
+        source: a manifest path/URL, a dataset directory, a shard brace
+            pattern (`shards/shard-{000000..000099}.tar`) or one shard
+            (`shards/00000.tar`); a str or a path.
         batch_size: samples per batch (per rank).
         device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1", or a torch.device.
         train: random-resized crops, flips and shuffling; False gives
@@ -830,6 +837,19 @@ def make_loader(
             any member the samples hold ("boxes.npy", "meta.cls", ...).
         min_visible: detection: a box keeps at least this fraction of its
             area after the crop, or it is dropped (`batch.boxes_dropped`).
+        recipe: how each image becomes the `crop` x `crop` output: "crop"
+            (random-resized crop in train mode, centre crop in eval), or a
+            detection recipe (`pipeline.loader.placement`): "letterbox"
+            (the whole image, its ratio kept, centred and padded with
+            `fill`: YOLO's), "scale_jitter" (the letterboxed size times a
+            random scale in `jitter`, then a random window or padding:
+            large-scale jitter), "iou_crop" (SSD's random IoU crop around
+            the boxes). In eval mode the detection recipes letterbox. Boxes
+            and masks follow; the region decoder still decodes only what
+            each placement reads.
+        jitter: scale_jitter's range of scales (low, high).
+        fill: the value (0-255) of output pixels the image does not cover
+            (a mask's are the ignore index).
         sample_transform: a callable on each decoded sample, in the decode
             workers: it gets {"image": uint8 (H, W, 3) array, "key", and the
             sample's targets: "boxes", "box_labels", "mask", "labels",
@@ -887,6 +907,9 @@ def make_loader(
         task=task,
         fields=_field_names(fields),
         min_visible=min_visible,
+        recipe=recipe,
+        jitter=_values(jitter),
+        fill=fill,
     )
     resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":
@@ -919,6 +942,10 @@ def _task_plan(
     """The loader's task plan (None: the classification tuple path), its transforms checked."""
     if batch_transform is not None and not callable(batch_transform):
         raise ConfigError("batch_transform must be a callable taking a batch and returning the batch to deliver")
+    if spec.recipe != "crop" and spec.decoder == "nvjpeg":
+        raise ConfigError(f"recipe={spec.recipe!r} places images on the CPU: decoder='nvjpeg' only crops; use a CPU decoder")
+    if spec.recipe == "iou_crop" and (spec.task or dataset.task) != "detection":
+        raise ConfigError("recipe='iou_crop' crops around each sample's boxes: it needs a detection dataset (task='detection')")
     if sample_transform is not None and spec.decoder == "nvjpeg":
         raise ConfigError(
             "sample_transform runs on each decoded sample in the decode workers, and decoder='nvjpeg' decodes "

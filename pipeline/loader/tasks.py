@@ -49,9 +49,12 @@ from ..targets import (
     read_boxes,
     read_caption,
     read_labels,
+    scale_boxes,
     task_members,
 )
-from .crops import CropRandom, CropSpec, crop_box
+from .cpu_decode import image_size
+from .crops import CropRandom, CropSpec
+from .placement import Placement, place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +127,6 @@ def task_plan(
 # -- one sample ----------------------------------------------------------------
 
 
-def header_size(extension: str, data: bytes) -> tuple[int, int]:
-    """(width, height) of an image from its header, as the decoders read it for the crop plan."""
-    if extension == "npy":
-        array = np.load(io.BytesIO(data), allow_pickle=False)
-        return (array.shape[1], array.shape[0]) if array.ndim >= 2 else (0, 0)
-    return open_image(data).size
-
-
 def decode_mask(data: bytes, size: tuple[int, int]) -> np.ndarray:
     """A stored class-index mask (8- or 16-bit grey PNG, or a palette PNG's indices), the image's size.
 
@@ -150,10 +145,34 @@ def decode_mask(data: bytes, size: tuple[int, int]) -> np.ndarray:
     return np.asarray(image)
 
 
+def placement_of(
+    plan: TaskPlan | None, extension: str, data: bytes, seed: int, members: dict[str, bytes], crop: CropSpec
+) -> Placement:
+    """Where the sample's image goes in its output (`placement.py`): what its pixels and its targets both follow.
+
+    Raises:
+        TargetError: iou_crop needs the sample's boxes, and they are damaged.
+        DecodeError: the image's header does not read.
+    """
+    width, height = image_size(extension, data)
+    boxes = None
+    if crop.recipe == "iou_crop" and crop.train:
+        boxes = read_boxes(members, plan.classes if plan is not None else None)[0]
+    rng = CropRandom(seed) if crop.train else None
+    return place(rng, width, height, crop, boxes)
+
+
 def sample_targets(
-    plan: TaskPlan, extension: str, data: bytes, seed: int, members: dict[str, bytes], crop: CropSpec, flip: bool
+    plan: TaskPlan,
+    extension: str,
+    data: bytes,
+    seed: int,
+    members: dict[str, bytes],
+    crop: CropSpec,
+    flip: bool,
+    placement: Placement | None = None,
 ) -> dict[str, Any]:
-    """One sample's targets after its crop (the one its pixels got) and flip, as the batch takes them.
+    """One sample's targets after its placement (the one its pixels got) and flip, as the batch takes them.
 
     Raises:
         TargetError: a target member is damaged (sample damage).
@@ -161,15 +180,14 @@ def sample_targets(
     """
     out: dict[str, Any] = {}
     task = plan.task
-    geometry = task in ("detection", "segmentation")
-    if geometry:
-        width, height = header_size(extension, data)
-        rng = CropRandom(seed) if crop.train else None
-        box = crop_box(rng, width, height, crop)
+    if task in ("detection", "segmentation"):
+        if placement is None:
+            placement = placement_of(plan, extension, data, seed, members, crop)
+        box, (dx, dy, dw, dh) = placement
         size = (crop.size, crop.size)
     if task == "detection":
         boxes, labels, crowd = read_boxes(members, plan.classes)
-        moved = crop_boxes(boxes, box, size)
+        moved = scale_boxes(crop_boxes(boxes, box, (dw, dh)), 1.0, 1.0, dx, dy)
         before = box_areas(moved)
         clipped, keep = clip_boxes(moved, size, before, plan.min_visible)
         if flip:
@@ -179,10 +197,14 @@ def sample_targets(
             out["iscrowd"] = crowd[keep]
         out["boxes_dropped"] = int(len(keep) - keep.sum())
     elif task == "segmentation":
-        mask = decode_mask(members[MASK_MEMBER], (width, height)) if MASK_MEMBER in members else None
-        if mask is None:
+        if MASK_MEMBER not in members:
             raise TargetError(f"no {MASK_MEMBER}")
-        cropped = crop_mask(mask, box, size, plan.ignore_index)
+        mask = decode_mask(members[MASK_MEMBER], image_size(extension, data))
+        cropped = crop_mask(mask, box, (dw, dh), plan.ignore_index)
+        if (dw, dh) != size:
+            canvas = np.full((crop.size, crop.size), plan.ignore_index, cropped.dtype)
+            canvas[dy : dy + dh, dx : dx + dw] = cropped
+            cropped = canvas
         out["mask"] = np.ascontiguousarray(cropped[:, ::-1] if flip else cropped)
     elif task == "multilabel":
         out["labels"] = read_labels(members, plan.classes)

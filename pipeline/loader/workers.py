@@ -41,7 +41,8 @@ from .cpu_decode import decode_many
 from .crops import Affine, CropSpec, flip_mask
 from .damage import Damage, DamageLog, Donor, Extras, Item, Report, replace_failures
 from .epoch import Record
-from .tasks import TaskPlan, run_sample_transform, sample_targets
+from .placement import Placement
+from .tasks import TaskPlan, placement_of, run_sample_transform, sample_targets
 
 END = object()  # the last item of a run's queue
 _SHARED_RING: np.ndarray | None = None  # set before forking process workers
@@ -75,16 +76,18 @@ def decode_chunk(
     items: list[tuple[str, bytes, int]],
     crop: CropSpec,
     finish: CpuFinish | None = None,
+    placements: list[Placement | None] | None = None,
 ) -> list[tuple[int, str]]:
     """Decode items into ring[slot, start:...] (or the finished output); returns (position, reason) of failures."""
     target = ring if ring is not None else _SHARED_RING
     assert target is not None
     positions = range(start, start + len(items))
     if finish is None:
-        failures = decode_many([target[slot, p] for p in positions], items, crop)
+        failures = decode_many([target[slot, p] for p in positions], items, crop, placements=placements)
     else:
         slots = [finish.out[p] for p in positions]
-        failures = decode_many(slots, items, crop, flips=[finish.flip(p) for p in positions], affine=finish.affine)
+        flips = [finish.flip(p) for p in positions]
+        failures = decode_many(slots, items, crop, flips=flips, affine=finish.affine, placements=placements)
     return [(start + index, reason) for index, reason in failures]
 
 
@@ -111,14 +114,21 @@ class PieceResult:
 
 
 def sample_task(
-    plan: TaskPlan, pixels: np.ndarray | None, item: Item, extras: Extras, key: str, flip: bool, crop: CropSpec
+    plan: TaskPlan,
+    pixels: np.ndarray | None,
+    item: Item,
+    extras: Extras,
+    key: str,
+    flip: bool,
+    crop: CropSpec,
+    placement: Placement | None = None,
 ) -> dict[str, Any]:
     """One decoded sample's targets; with a sample_transform, the sample (flipped here) through it, in place.
 
     Raises:
         TargetError, DecodeError: its targets are damaged (sample damage).
     """
-    targets = sample_targets(plan, item[0], item[1], item[2], extras or {}, crop, flip)
+    targets = sample_targets(plan, item[0], item[1], item[2], extras or {}, crop, flip, placement)
     if plan.sample_transform is not None and pixels is not None:
         if flip:  # the device does not flip a batch whose samples went through the user's transform
             pixels[...] = pixels[:, :, ::-1].copy()
@@ -135,8 +145,23 @@ def decode_task_chunk(
     crop: CropSpec,
     finish: CpuFinish | None = None,
 ) -> PieceResult:
-    """`decode_chunk`, then each decoded sample's targets (`sample_task`): a sample whose targets are damaged fails."""
-    failures = decode_chunk(ring, slot, start, items, crop, finish) if work.pixels else []
+    """`decode_chunk`, then each decoded sample's targets (`sample_task`): a sample whose targets are damaged fails.
+
+    With a detection recipe each sample's placement is worked out once, for its pixels and its targets.
+    """
+    placements: list[Placement | None] | None = None
+    unplaced: list[tuple[int, str]] = []
+    if crop.recipe != "crop":
+        placements = []
+        for offset, (extension, data, seed) in enumerate(items):
+            try:
+                placements.append(placement_of(work.plan, extension, data, seed, work.extras[offset] or {}, crop))
+            except (TargetError, DecodeError) as exc:
+                placements.append(None)
+                unplaced.append((start + offset, str(exc)))
+    failures = decode_chunk(ring, slot, start, items, crop, finish, placements) if work.pixels else []
+    failed = {position for position, _ in failures}
+    failures += [failure for failure in unplaced if failure[0] not in failed]
     bad = {position for position, _ in failures}
     target = ring if ring is not None else _SHARED_RING
     done: dict[int, dict[str, Any]] = {}
@@ -145,8 +170,10 @@ def decode_task_chunk(
         if position in bad:
             continue
         pixels = target[slot, position] if work.pixels and finish is None and target is not None else None
+        placement = placements[offset] if placements is not None else None
         try:
-            done[position] = sample_task(work.plan, pixels, item, work.extras[offset], work.keys[offset], work.flips[offset], crop)
+            extras, key, flip = work.extras[offset], work.keys[offset], work.flips[offset]
+            done[position] = sample_task(work.plan, pixels, item, extras, key, flip, crop, placement)
         except (TargetError, DecodeError) as exc:
             failures.append((position, str(exc)))
     return PieceResult(sorted(failures), done)
@@ -474,10 +501,16 @@ class DecodePool:
         ring = self.ring.numpy()
 
         def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
+            placements: list[Placement | None] | None = None
+            if self._crop.recipe == "iou_crop":  # its crop depends on the stand-in's boxes
+                try:
+                    placements = [placement_of(self.plan, item[0], item[1], item[2], extras or {}, self._crop)]
+                except (TargetError, DecodeError):
+                    return False
             if finish is None:
-                return not decode_many([ring[batch.slot, position]], [item], self._crop)
+                return not decode_many([ring[batch.slot, position]], [item], self._crop, placements=placements)
             slot, flip = finish.out[position], finish.flip(position)
-            return not decode_many([slot], [item], self._crop, flips=[flip], affine=finish.affine)
+            return not decode_many([slot], [item], self._crop, flips=[flip], affine=finish.affine, placements=placements)
 
         return decode_at
 

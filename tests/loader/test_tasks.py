@@ -53,6 +53,33 @@ def test_detection_boxes_sit_on_their_colour_after_the_crop_and_flip(tmp_path: P
     assert checked >= 20
 
 
+def mask_pixel_disagreements(images: torch.Tensor, masks: torch.Tensor, fill: int = 114) -> tuple[int, int]:
+    """(pixels checked, pixels whose colour is not their mask class's) over a segmentation batch.
+
+    Checked: pixels whose 5x5 neighbourhood has one class (nearest-neighbour
+    masks sit half a pixel from bilinear pixels, as transforms.v2's do). No
+    class (255) is the black background or the recipe's fill.
+    """
+    checked = wrong = 0
+    for image, mask in zip(images, masks):
+        m = mask.numpy()
+        centre = m[2:-2, 2:-2]
+        same = np.ones_like(centre, bool)
+        for dy in range(5):
+            for dx in range(5):
+                same &= m[dy : m.shape[0] - 4 + dy, dx : m.shape[1] - 4 + dx] == centre
+        ys, xs = np.nonzero(same)
+        pixels = image.numpy().transpose(1, 2, 0)[2:-2, 2:-2][ys, xs].astype(int)
+        classes = centre[ys, xs]
+        expected = PALETTE[np.minimum(classes, 4)].astype(int)
+        off = np.abs(pixels - expected).max(axis=1)
+        nothing = classes == 255
+        off[nothing] = np.minimum(np.abs(pixels[nothing]).max(axis=1), np.abs(pixels[nothing] - fill).max(axis=1))
+        checked += len(ys)
+        wrong += int((off >= 40).sum())
+    return checked, wrong
+
+
 def test_segmentation_masks_agree_with_their_pixels(tmp_path: Path) -> None:
     root = write_task_dataset(tmp_path / "seg", "segmentation", 24)
     seen = 0
@@ -60,22 +87,51 @@ def test_segmentation_masks_agree_with_their_pixels(tmp_path: Path) -> None:
         for batch in loader(root, train=train):
             images, masks = batch
             assert masks.shape == (4, CROP, CROP) and masks.dtype == torch.int64
-            for image, mask in zip(images, masks):
-                m = mask.numpy()
-                # pixels whose 5x5 neighbourhood has one class (nearest-neighbour masks sit half a
-                # pixel from bilinear pixels, as transforms.v2's do): the picture there has its colour
-                centre = m[2:-2, 2:-2]
-                same = np.ones_like(centre, bool)
-                for dy in range(5):
-                    for dx in range(5):
-                        same &= m[dy : m.shape[0] - 4 + dy, dx : m.shape[1] - 4 + dx] == centre
-                ys, xs = np.nonzero(same)
-                pixels = image.numpy().transpose(1, 2, 0)[2:-2, 2:-2][ys, xs].astype(int)
-                classes = centre[ys, xs]
-                expected = np.where(classes[:, None] == 255, 0, PALETTE[np.minimum(classes, 4)].astype(int))
-                assert np.abs(pixels - expected).max() < 40
-                seen += len(ys)
+            checked, wrong = mask_pixel_disagreements(images, masks)
+            assert wrong == 0
+            seen += checked
     assert seen > 30_000
+
+
+@pytest.mark.parametrize("recipe", ["letterbox", "scale_jitter", "iou_crop"])
+@pytest.mark.parametrize("train", [True, False])
+def test_detection_recipes_keep_boxes_and_masks_on_their_pixels(tmp_path: Path, recipe: str, train: bool) -> None:
+    det = write_task_dataset(tmp_path / "det", "detection", 24, fmt="JPEG")
+    checked = 0
+    for worker_type in ("thread", "process"):
+        for batch in loader(det, recipe=recipe, train=train, worker_type=worker_type):
+            checked += assert_boxes_on_their_colours(batch)
+    assert checked > 40
+    if recipe == "iou_crop":
+        return
+    seg = write_task_dataset(tmp_path / "seg", "segmentation", 16)
+    seen = 0
+    for batch in loader(seg, recipe=recipe, train=train):
+        count, wrong = mask_pixel_disagreements(batch.images, batch.masks)
+        assert wrong == 0
+        seen += count
+
+
+def test_letterbox_pads_with_fill_and_scales_boxes_by_the_longer_side(tmp_path: Path) -> None:
+    pixels, boxes, labels, mask = box_picture(np.random.default_rng(1), 96, 60, 2)
+    members = target_members(SampleTargets(boxes=boxes, box_labels=labels, mask=mask))
+    data = encoded(pixels, "PNG")
+    crop = CropSpec(CROP, False, recipe="letterbox", fill=114)
+    det = sample_targets(TaskPlan("detection", min_visible=0.0), "png", data, 0, members, crop, False)
+    scale, top = CROP / 96, (CROP - round(60 * CROP / 96)) // 2
+    np.testing.assert_allclose(det["boxes"], boxes * scale + np.array([0, top, 0, top], np.float32), atol=1e-4)
+    seg = sample_targets(TaskPlan("segmentation"), "png", data, 0, members, crop, False)
+    assert (seg["mask"][:top] == 255).all() and (seg["mask"][top + 30 :] == 255).all()
+    inside = torch.nn.functional.interpolate(torch.from_numpy(mask)[None, None].float(), size=(30, CROP), mode="nearest")
+    np.testing.assert_array_equal(seg["mask"][top : top + 30], inside[0, 0].numpy().astype(np.uint8))
+    root = tmp_path / "one"
+    with TarShardWriter(str(root / "shard-000000.tar")) as writer:
+        writer.write_sample("only", {"png": data, **members})
+        writer.commit("shard-000000.tar")
+    images = next(iter(make_loader(str(root / "shard-000000.tar"), 1, device="cpu", crop=CROP, num_workers=0,
+                                   dtype="uint8", train=False, recipe="letterbox", task="detection")))[0]  # fmt: skip
+    assert (images[0, :, :top] == 114).all() and (images[0, :, top + 30 :] == 114).all()
+    assert not (images[0, :, top : top + 30] == 114).all()
 
 
 def v2_reference(boxes: np.ndarray, mask: np.ndarray, box: tuple[float, float, float, float], flip: bool):
@@ -288,6 +344,10 @@ def test_bad_task_and_field_names_are_refused(tmp_path: Path) -> None:
         loader(root, fields=("../x",))
     with pytest.raises(ConfigError, match="min_visible"):
         loader(root, min_visible=2)
+    with pytest.raises(ConfigError, match="recipe"):
+        loader(root, recipe="mosaic")
+    with pytest.raises(ConfigError, match="iou_crop"):
+        loader(root, recipe="iou_crop", task="segmentation")
 
 
 def test_a_batch_pickles_and_names_its_fields(tmp_path: Path) -> None:
