@@ -94,8 +94,8 @@ EQUIVALENT = "transforms.v2-equivalent (torchvision not importable)"
 def ensure_data(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
     """The raw files (pipeline.demo's generators) and gpufeed's prepared copies, made when missing; and what failed."""
     from pipeline import PrepareSpec, ResizeSpec, prepare_dataset
-    from pipeline.errors import GpufeedError
     from pipeline.demo import make_caption_shards, make_coco_dataset, make_segmentation_dataset
+    from pipeline.errors import GpufeedError
 
     params = {"n": args.n, "min_side": args.min_side, "max_side": args.max_side, "classes": CLASSES,
               "per_shard": args.per_shard, "seed": 0}  # fmt: skip
