@@ -108,12 +108,17 @@ class DecodedImage:
         warnings: what the decoders said about damage they read past
             (libjpeg's "Corrupt JPEG data: 5 extraneous bytes before marker
             0xdb", Pillow's "Corrupt EXIF data"); empty for a clean file.
+        orientation: the EXIF orientation (1..8) the decoder turned the
+            pixels upright by; 1 when they were stored upright. What a
+            sample's boxes and masks, given in the stored file's pixels,
+            must go through to stay on the picture (`targets.orient_boxes`).
     """
 
     image: Any
     original_size: tuple[int, int]
     format: str
     warnings: list[str] = dataclasses.field(default_factory=list)
+    orientation: int = 1
 
 
 def open_image(data: bytes, *, max_pixels: int = 89_478_485, formats: tuple[str, ...] | None = None) -> Any:
@@ -218,7 +223,7 @@ def decode_image(
         found[:0] = _refusal_warnings(data, refused)
     rgb = _apply_orientation(rgb, orientation)
     upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
-    return DecodedImage(rgb, upright, img.format or "unknown", found)
+    return DecodedImage(rgb, upright, img.format or "unknown", found, orientation)
 
 
 @contextlib.contextmanager

@@ -97,7 +97,9 @@ class Manifest:
     the members they may hold besides their image and json (`cls`,
     `boxes.npy`, `mask.png`, `txt`, ...), `ignore_index` a segmentation
     mask's value of no class. Manifests written before tasks were recorded
-    are classification.
+    are classification. `boxes_dropped` counts the boxes prepare left out
+    because too little of them stayed in their picture after a crop (0, and
+    not written, when none were).
     """
 
     samples: int
@@ -113,6 +115,7 @@ class Manifest:
     task: str = "classification"
     fields: list[str] = dataclasses.field(default_factory=list)
     ignore_index: int | None = None
+    boxes_dropped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -129,6 +132,7 @@ class Manifest:
             "task": self.task,
             "fields": self.fields,
             **({"ignore_index": self.ignore_index} if self.ignore_index is not None else {}),
+            **({"boxes_dropped": self.boxes_dropped} if self.boxes_dropped else {}),
         }
 
     @classmethod
@@ -168,6 +172,7 @@ class Manifest:
                 task=_task(data.get("task", "classification")),
                 fields=_fields(data.get("fields", [])),
                 ignore_index=None if data.get("ignore_index") is None else _count(data["ignore_index"], "ignore_index", 65535),
+                boxes_dropped=_count(data.get("boxes_dropped", 0), "boxes_dropped"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where} is malformed: {exc!r}") from exc

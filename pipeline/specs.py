@@ -184,9 +184,16 @@ class ShardSpec(Spec):
             check_int("max_samples", self.max_samples, 1)
 
 
+_DEFAULT_MIN_VISIBLE = 0.25  # pipeline.targets.DEFAULT_MIN_VISIBLE (specs imports only errors and units)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrepareSpec(Spec):
     """One prepare job: SRC in, OUT out, and every setting in between.
+
+    `min_visible` is the fraction of a box's area that must stay in the
+    picture after a crop (center-crop, a variant's random crop), or the box
+    is dropped (and counted); it changes nothing for samples without boxes.
 
     The whole spec is recorded as the manifest's `params`; two runs with equal
     specs over the same source produce byte-identical shards.
@@ -202,6 +209,7 @@ class PrepareSpec(Spec):
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_file_bytes: int = 512 * 1024 * 1024
     background: tuple[int, int, int] = (255, 255, 255)
+    min_visible: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("source", "out"):
@@ -217,6 +225,7 @@ class PrepareSpec(Spec):
             or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 255 for c in self.background)
         ):
             raise ConfigError("background must be three integers 0-255")
+        check_number("min_visible", self.min_visible, 0.0, 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -249,6 +258,9 @@ class PrepareSpec(Spec):
         data = self.to_dict()
         data.pop("out")
         data["source"] = redact_location(data["source"])
+        if data["min_visible"] == _DEFAULT_MIN_VISIBLE:
+            # Only boxes feel it: at its default, a dataset prepared before it existed is the same job.
+            data.pop("min_visible")
         return data
 
 
@@ -272,6 +284,7 @@ PREPARE_OPTION_NAMES = {
     "shards.max_samples": "--shard-samples",
     "seed": "--seed",
     "max_pixels": "--max-pixels",
+    "min_visible": "--min-visible",
 }
 """How `gpufeed prepare` spells each PrepareSpec setting (dotted path -> SRC or option), for the CLI's messages.
 

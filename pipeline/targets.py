@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -358,3 +359,66 @@ def letterbox_geometry(width: int, height: int, size: int) -> tuple[float, tuple
     new_w, new_h = max(1, round(width * scale)), max(1, round(height * scale))
     return scale, (new_w, new_h), ((size - new_w) // 2, (size - new_h) // 2)
 
+
+
+# -- geometry: affine (a crop, a resize and a rotation in one) -------------------
+
+
+def affine_boxes(boxes: np.ndarray, matrix: tuple[float, ...]) -> np.ndarray:
+    """Boxes of the source in the output of an affine resampling, not clipped.
+
+    `matrix` = (a, b, c, d, e, f) maps an output point (u, v) to the source
+    point (a u + b v + c, d u + e v + f), as PIL's `Image.transform(AFFINE)`
+    takes it. Each box's four corners go through the inverse and the box
+    becomes the axis-aligned box around them, as torchvision.transforms.v2
+    does for a rotation (exact for a crop and resize without one).
+
+    Raises:
+        ValueError: the matrix cannot be inverted.
+    """
+    a, b, c, d, e, f = (float(v) for v in matrix)
+    det = a * e - b * d
+    if not math.isfinite(det) or abs(det) < 1e-12:
+        raise ValueError(f"the affine matrix {matrix} cannot be inverted")
+    x = boxes[:, [0, 2, 2, 0]].astype(np.float64) - c  # corners: (x0,y0) (x1,y0) (x1,y1) (x0,y1)
+    y = boxes[:, [1, 1, 3, 3]].astype(np.float64) - f
+    u = (e * x - b * y) / det
+    v = (a * y - d * x) / det
+    return np.stack([u.min(axis=1), v.min(axis=1), u.max(axis=1), v.max(axis=1)], axis=1).astype(np.float32)
+
+
+def affine_mask(
+    mask: np.ndarray, matrix: tuple[float, ...], out_size: tuple[int, int], fill: int = DEFAULT_IGNORE_INDEX
+) -> np.ndarray:
+    """The mask resampled through `matrix` (see `affine_boxes`), nearest-neighbour, never interpolated.
+
+    Output pixel (u, v) takes the source pixel under the point its centre
+    maps to, floor(matrix (u + 0.5, v + 0.5)), as PIL's NEAREST transform and
+    torch's `grid_sample(mode="nearest", align_corners=False)` sample; pixels
+    that map outside the mask get `fill`.
+    """
+    a, b, c, d, e, f = (float(v) for v in matrix)
+    out_w, out_h = out_size
+    u = np.arange(out_w, dtype=np.float64) + 0.5
+    v = np.arange(out_h, dtype=np.float64)[:, None] + 0.5
+    cols = np.floor(a * u + b * v + c).astype(np.int64)
+    rows = np.floor(d * u + e * v + f).astype(np.int64)
+    inside = (rows >= 0) & (rows < mask.shape[0]) & (cols >= 0) & (cols < mask.shape[1])
+    out = mask[np.clip(rows, 0, mask.shape[0] - 1), np.clip(cols, 0, mask.shape[1] - 1)]
+    out[~inside] = fill
+    return out
+
+
+def pad_mask(
+    mask: np.ndarray, offset: tuple[int, int], canvas: tuple[int, int], fill: int = DEFAULT_IGNORE_INDEX
+) -> np.ndarray:
+    """The mask placed at `offset` = (left, top) on a `canvas` = (width, height) of `fill` (letterbox padding)."""
+    left, top = offset
+    out = np.full((canvas[1], canvas[0]), fill, dtype=mask.dtype)
+    out[top : top + mask.shape[0], left : left + mask.shape[1]] = mask
+    return out
+
+
+def flip_mask(mask: np.ndarray) -> np.ndarray:
+    """The mask of a horizontally flipped image."""
+    return np.ascontiguousarray(mask[:, ::-1])

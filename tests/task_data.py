@@ -51,6 +51,28 @@ def box_picture(rng: np.random.Generator, width: int, height: int, count: int) -
     return pixels, np.array(boxes, np.float32).reshape(-1, 4), np.array(labels, np.int64), mask
 
 
+def boxes_on_their_colours(batch, crop: int) -> tuple[int, int]:
+    """(boxes checked, boxes whose pixels are not their class's colour) in a detection batch of `crop`-pixel images.
+
+    A box counts as checked when its inside, 1.5 pixels in from its edges, is
+    at least 2 pixels wide and high; a box past the image is wrong.
+    """
+    checked = wrong = 0
+    for image, boxes, labels in zip(batch.images, batch.boxes, batch.box_labels):
+        for box, label in zip(boxes.tolist(), labels.tolist()):
+            x0, y0, x1, y1 = box
+            if min(box) < 0 or max(box) > crop:
+                wrong += 1
+                continue
+            inner = (int(np.ceil(x0 + 1.5)), int(np.ceil(y0 + 1.5)), int(np.floor(x1 - 1.5)), int(np.floor(y1 - 1.5)))
+            if inner[2] - inner[0] < 2 or inner[3] - inner[1] < 2:
+                continue
+            mean = image[:, inner[1] : inner[3], inner[0] : inner[2]].float().mean(dim=(1, 2)).numpy()
+            checked += 1
+            wrong += int(np.abs(mean - PALETTE[label]).max() >= 40)
+    return checked, wrong
+
+
 def write_task_dataset(
     root: Path,
     task: str,

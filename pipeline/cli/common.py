@@ -351,6 +351,12 @@ def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--seed", default=0, show_default=True, help="Seed for the shuffle and the augmentations."),
         click.option("--max-pixels", default=89_478_485, show_default=True, help="Refuse larger images (bombs)."),
+        click.option(
+            "--min-visible",
+            default=0.25,
+            show_default=True,
+            help="Drop a box that keeps less than this fraction of its area after a crop (detection).",
+        ),
         click.option("--force", is_flag=True, help="Write even if the free-space check fails."),
         click.option("--overwrite", is_flag=True, help="Replace an OUT prepared with other settings."),
         storage_option(
@@ -470,7 +476,7 @@ def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpe
     with option_errors(_spec_names("")):
         return PrepareSpec(
             source=src, out=out, resize=resize, augment=augment, encode=encode, shards=shards,
-            seed=o["seed"], max_pixels=o["max_pixels"],
+            seed=o["seed"], max_pixels=o["max_pixels"], min_visible=o["min_visible"],
         )
 
 

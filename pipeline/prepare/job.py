@@ -54,6 +54,16 @@ from ..io.output import Output
 from ..io.tar import ShardInfo, TarShardWriter
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, write_manifest
 from ..specs import PrepareSpec
+from ..targets import (
+    BOX_LABELS_MEMBER,
+    BOXES_MEMBER,
+    DEFAULT_IGNORE_INDEX,
+    ISCROWD_MEMBER,
+    LABELS_MEMBER,
+    MASK_MEMBER,
+    TASKS,
+    TEXT_MEMBER,
+)
 from ..units import format_bytes, format_count
 from .listing import Listing, class_names, fetch_listing, share_listing
 from .plan import ShardPlan, plan_shards, planned_shard_of, shard_name
@@ -107,6 +117,7 @@ class PrepareProgress:
     seconds: float
     stage: str = "prepare"
     warned: int = 0  # samples decoded with warnings
+    boxes_dropped: int = 0  # boxes that fell (mostly) out of their pictures
 
 
 @dataclasses.dataclass
@@ -120,7 +131,9 @@ class PrepareResult:
     `decode_warnings`). `repaired` maps each shard file this run wrote again
     to what was wrong with it (`"was missing"`), and `verified` says whether
     the finished dataset's shards were hashed against the manifest before
-    they were kept.
+    they were kept. `boxes_dropped` counts the boxes left out because less
+    than `spec.min_visible` of their area stayed in their picture (over
+    every variant set); `task` is what the samples hold (`targets.TASKS`).
     """
 
     out: str
@@ -141,6 +154,8 @@ class PrepareResult:
     decoded_with_warnings: int = 0
     repaired: dict[str, str] = dataclasses.field(default_factory=dict)
     verified: bool = False
+    boxes_dropped: int = 0
+    task: str = "classification"
 
     @property
     def images_per_s(self) -> float:
@@ -194,6 +209,8 @@ def _result(
         decoded_with_warnings=manifest.decoded_with_warnings,
         repaired=dict(repaired or {}),
         verified=verified,
+        boxes_dropped=manifest.boxes_dropped,
+        task=manifest.task,
     )
 
 
@@ -214,6 +231,88 @@ class _Repair:
 
 
 @dataclasses.dataclass
+class _TaskInfo:
+    """What a job's samples hold, as the manifest records it: the task, the members besides image and json,
+    a mask's value of no class. Decided from the listing, kept in the plan (the shard steps and the finish
+    of a distributed job read it there)."""
+
+    task: str = "classification"
+    fields: list[str] = dataclasses.field(default_factory=list)
+    ignore_index: int | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        return {"task": self.task, "fields": list(self.fields), "ignore_index": self.ignore_index}
+
+    @classmethod
+    def from_record(cls, saved: Mapping[str, Any]) -> _TaskInfo:
+        """From a saved plan; one saved before tasks were recorded is a classification (with labels if it has classes)."""
+        if "task" not in saved:
+            return cls("classification", ["cls"] if saved.get("classes") else [])
+        return cls(saved["task"], list(saved.get("fields") or []), saved.get("ignore_index"))
+
+    @property
+    def mask_fill(self) -> int:
+        """What padding and the outside of a rotated crop become in a mask."""
+        return DEFAULT_IGNORE_INDEX if self.ignore_index is None else self.ignore_index
+
+
+# The members a listed target becomes (`pipeline.targets`), in the manifest's order.
+_TARGET_FIELDS = (
+    ("labels", (LABELS_MEMBER,)),
+    ("boxes", (BOXES_MEMBER, BOX_LABELS_MEMBER)),
+    ("iscrowd", (ISCROWD_MEMBER,)),
+    ("mask", (MASK_MEMBER,)),
+    ("caption", (TEXT_MEMBER,)),
+)
+# A listing that does not say its task: the first target it has decides.
+_TASK_OF_FIELD = ((MASK_MEMBER, "segmentation"), (BOXES_MEMBER, "detection"), (LABELS_MEMBER, "multilabel"), (TEXT_MEMBER, "captions"))
+
+
+class _SeenTargets:
+    """What a listing's items hold, gathered as they stream into the listing file: target keys, class names."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.names: set[str] = set()
+        self.labelled = False
+
+    def watch(self, items: Iterable[SourceItem]) -> Iterator[SourceItem]:
+        for item in items:
+            self.labelled = self.labelled or item.label is not None
+            targets = item.targets
+            if isinstance(targets, dict) and not item.rejected:
+                self.keys.update(key for key, value in targets.items() if value is not None)
+                for key in ("labels", "box_labels"):
+                    values = targets.get(key)
+                    if isinstance(values, list):  # a malformed entry rejects its sample later, with the reason
+                        self.names.update(str(v) for v in values if isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)))
+            yield item
+
+    def classes(self, info: ListingInfo, labels: set[str]) -> list[str]:
+        """The job's class names: those the source declares (COCO's categories, YOLO's names), else
+        those its items name, as `class_names` orders them."""
+        if info.classes and info.kind != "imagefolder":
+            return list(info.classes)
+        if self.names and info.kind != "imagefolder":
+            return class_names(ListingInfo(kind=info.kind), labels | self.names)
+        return class_names(info, labels)
+
+    def task_info(self, info: ListingInfo) -> _TaskInfo:
+        fields = (["cls"] if self.labelled else []) + [
+            member for key, members in _TARGET_FIELDS if key in self.keys for member in members
+        ]
+        task = info.task if info.task in TASKS else "classification"
+        if task == "classification" and not self.labelled:
+            task = next((name for member, name in _TASK_OF_FIELD if member in fields), task)
+        ignore = info.ignore_index
+        if ignore is not None and (isinstance(ignore, bool) or not isinstance(ignore, int) or not 0 <= ignore <= 65535):
+            raise SourceError(f"the ignore index of {info.kind or 'the source'} must be a whole number 0 to 65535, not {ignore!r}")
+        if ignore is None and MASK_MEMBER in fields:
+            ignore = DEFAULT_IGNORE_INDEX
+        return _TaskInfo(task, fields, ignore)
+
+
+@dataclasses.dataclass
 class _Job:
     """A planned job, opened: what every step needs to write shards and finish."""
 
@@ -231,6 +330,7 @@ class _Job:
     written: list[int] = dataclasses.field(default_factory=list)  # shards this run wrote
     strict: bool = False  # stop at the first rejected file
     repair: _Repair | None = None  # set when the job writes a finished dataset's damaged files again
+    task: _TaskInfo = dataclasses.field(default_factory=_TaskInfo)
 
 
 def prepare_dataset(
@@ -431,10 +531,12 @@ def _start_job(
     os.makedirs(os.path.join(work, "shards"), exist_ok=True)
     listing = Listing(work)
     info = ListingInfo()
+    seen = _SeenTargets()
     try:
         items = list_images(spec.source, info)
-        listed, digest, labels = listing.write(items if check_source is None else _checked(items, check_source))
-        classes = class_names(info, labels)
+        listed, digest, labels = listing.write(seen.watch(items if check_source is None else _checked(items, check_source)))
+        classes = seen.classes(info, labels)
+        task = seen.task_info(info)
         if repair is not None:
             _check_repairable(spec, repair, listed, classes)
         if listed == 0:
@@ -452,13 +554,15 @@ def _start_job(
     share = functools.partial(share_listing, output, WORK_DIR, digest)
     if saved is not None:
         share()
-        return _Job(spec, output, listing, ShardPlan(**saved["plan"]), classes, listed, info.ignored, [])
+        saved_task = _TaskInfo.from_record(saved) if "task" in saved else task
+        return _Job(spec, output, listing, ShardPlan(**saved["plan"]), classes, listed, info.ignored, [], task=saved_task)
     # The worker pool starts now: it measures the size estimate in parallel,
     # and the samples it measured are kept for their shards, not redone.
-    pool = SamplePool(workers, spec, classes, io_threads) if workers is not None else None
+    pool = SamplePool(workers, spec, classes, io_threads, task.mask_fill) if workers is not None else None
     try:
         # the upload and the estimate's reads are round trips to stores: side by side, not one after the other
-        _, (per_sample, cache) = at_once(share, functools.partial(_estimate_sample_bytes, listing, listed, spec, classes, pool))
+        estimate = functools.partial(_estimate_sample_bytes, listing, listed, spec, classes, pool, task.mask_fill)
+        _, (per_sample, cache) = at_once(share, estimate)
         plan = plan_shards(listed, _samples_per_shard(spec, per_sample), spec.seed)
         if repair is None:
             try:
@@ -479,6 +583,7 @@ def _start_job(
             "plan": plan.to_dict(),
             "estimated_sample_bytes": per_sample,
             "ignored": info.ignored,
+            **task.to_record(),
         }
         if repair is not None:
             record["repair"] = repair.damaged
@@ -487,7 +592,9 @@ def _start_job(
         if pool is not None:
             pool.terminate()
         raise
-    return _Job(spec, output, listing, plan, classes, listed, info.ignored, warnings, pool, cache, planned_here=True, repair=repair)
+    return _Job(
+        spec, output, listing, plan, classes, listed, info.ignored, warnings, pool, cache, planned_here=True, repair=repair, task=task
+    )
 
 
 def _checked(items: Iterable[SourceItem], check: SourceCheck) -> Iterator[SourceItem]:
@@ -557,7 +664,12 @@ def _saved_plan_of(
 
 
 def _estimate_sample_bytes(
-    listing: Listing, listed: int, spec: PrepareSpec, classes: list[str], pool: SamplePool | None
+    listing: Listing,
+    listed: int,
+    spec: PrepareSpec,
+    classes: list[str],
+    pool: SamplePool | None,
+    ignore_index: int = DEFAULT_IGNORE_INDEX,
 ) -> tuple[int, dict[int, SampleOutcome]]:
     """Mean bytes one sample adds to a shard, measured on a few evenly spread sources.
 
@@ -567,7 +679,7 @@ def _estimate_sample_bytes(
     chunk = [(index, listing.get(index)) for index in range(0, listed, step)[:ESTIMATE_SAMPLES]]
     here = pool is None  # in this process, its remote sources read at once on the I/O threads
     if pool is None:
-        pool = SamplePool(0, spec, classes)
+        pool = SamplePool(0, spec, classes, ignore_index=ignore_index)
     try:
         per_worker = max(1, -(-len(chunk) // max(1, pool.workers)))
         pieces = [chunk[i : i + per_worker] for i in range(0, len(chunk), per_worker)]
@@ -627,7 +739,7 @@ def _write_pending_shards(
     resumed = job.plan.shards - len(pending)
     total = sum(len(job.plan.positions(s)) for s in pending)
     state = PrepareProgress(0, total, 0, 0.0)
-    pool = job.pool or SamplePool(workers, job.spec, job.classes, io_threads)
+    pool = job.pool or SamplePool(workers, job.spec, job.classes, io_threads, job.task.mask_fill)
     try:
         for shard in pending:
             _write_one_shard(job, shard, pool, state, progress, started, rewrites.get(shard, set()))
@@ -675,7 +787,7 @@ def _write_one_shard(
     sets = set_prefixes(job.spec.augment.variants)
     writers = [TarShardWriter(job.output.local(prefix + shard_name(shard))) for _, prefix in sets]
     rejected: list[dict[str, str]] = []
-    warned_before = state.warned
+    warned_before, dropped_before = state.warned, state.boxes_dropped
     window = max(2, pool.workers * 3)  # chunks in flight: keeps every worker busy, bounds memory
     with _ExitAll(writers):
         in_flight: deque[tuple[PendingChunk, Chunk]] = deque()
@@ -698,7 +810,9 @@ def _write_one_shard(
     # On a store the record goes up beside its files, not after them (a round trip less per shard):
     # a record whose file is missing or of another size counts as unwritten (recorded_files_intact),
     # so a record that lands before its file, or without it, only makes a re-run write the shard again.
-    recording = functools.partial(write_shard_record, job.output, shard, infos, rejected, state.warned - warned_before)
+    recording = functools.partial(
+        write_shard_record, job.output, shard, infos, rejected, state.warned - warned_before, state.boxes_dropped - dropped_before
+    )
     record: dict[str, Any] = at_once(*uploads, recording)[-1]
     job.written.append(shard)
     return record
@@ -758,6 +872,7 @@ def _drain(
             state.rejected += 1
             continue
         state.warned += bool(outcome.warnings)
+        state.boxes_dropped += outcome.boxes_dropped
         for writer, blob in zip(writers, outcome.tars):
             writer.write_sample_bytes(blob)
 
@@ -837,7 +952,7 @@ def _finish(
     """
     shards: list[ShardInfo] = []
     rejected_lines: list[bytes] = []
-    warned = 0
+    warned = dropped = 0
     if written is None or present is None:
         written, present = _written_and_present(job)
     lost: list[int] = []
@@ -850,6 +965,7 @@ def _finish(
             shards.append(ShardInfo(info["path"], info["samples"], info["bytes"], info["sha256"], info.get("variant")))
         rejected_lines += [json.dumps(entry).encode("ascii") + b"\n" for entry in record["rejected"]]
         warned += record.get("warned", 0)
+        dropped += record.get("boxes_dropped", 0)
     if lost:
         numbers = sorted(set(lost))
         raise StorageError(
@@ -881,6 +997,10 @@ def _finish(
         rejected=rejected,
         variants=job.spec.augment.variants,
         decoded_with_warnings=warned,
+        task=job.task.task,
+        fields=list(job.task.fields),
+        ignore_index=job.task.ignore_index,
+        boxes_dropped=dropped,
     )
     write_manifest(job.output, manifest)
     job.listing.close()
@@ -1050,7 +1170,7 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
         skipped = not rewrite if job.repair is not None else recorded_files_intact(job.output, recorded)
         if not skipped:
             state = PrepareProgress(0, len(job.plan.positions(shard)), 0, 0.0)
-            pool = SamplePool(0, job.spec, job.classes)
+            pool = SamplePool(0, job.spec, job.classes, ignore_index=job.task.mask_fill)
             record = _write_one_shard(job, shard, pool, state, progress, time.perf_counter(), rewrite)
         if job.repair is not None and skipped:  # an intact shard of a repaired dataset has no record
             files = [info for info in job.repair.manifest.shards if planned_shard_of(info.path) == shard]
@@ -1208,4 +1328,5 @@ def _load_planned_job(spec: PrepareSpec, records: OutRecords | None = None, *, w
     else:
         listing = Listing(output.local(WORK_DIR))  # never read: opening it reads nothing
     plan = ShardPlan(**saved["plan"])
-    return _Job(spec, output, listing, plan, saved["classes"], saved["listed"], saved.get("ignored", 0), [], repair=repair)
+    classes, task = saved["classes"], _TaskInfo.from_record(saved)
+    return _Job(spec, output, listing, plan, classes, saved["listed"], saved.get("ignored", 0), [], repair=repair, task=task)

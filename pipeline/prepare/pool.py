@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..io.fs import is_url
 from ..specs import PrepareSpec
+from ..targets import DEFAULT_IGNORE_INDEX
 from .handoff import Arena, Handoff
 from .reads import Fetched, SourceReads
 from .sample import SampleOutcome, process_item, sample_key, warm_up
@@ -100,16 +101,35 @@ def chunk_sizes(total: int, workers: int) -> list[int]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_child(spec_dict: dict[str, Any], classes: list[str], io_threads: int, arena: Arena | None = None) -> None:
+def _init_child(
+    spec_dict: dict[str, Any],
+    classes: list[str],
+    io_threads: int,
+    arena: Arena | None = None,
+    ignore_index: int = DEFAULT_IGNORE_INDEX,
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
-    _init_worker(spec_dict, classes, io_threads, arena)
+    _init_worker(spec_dict, classes, io_threads, arena, ignore_index)
 
 
-def _init_worker(spec_dict: dict[str, Any], classes: list[str], io_threads: int, arena: Arena | None = None) -> None:
+def _init_worker(
+    spec_dict: dict[str, Any],
+    classes: list[str],
+    io_threads: int,
+    arena: Arena | None = None,
+    ignore_index: int = DEFAULT_IGNORE_INDEX,
+) -> None:
     _WORKER["spec"] = PrepareSpec.from_dict(spec_dict)
     _WORKER["classes"] = {name: i for i, name in enumerate(classes)}
     _WORKER["io_threads"] = io_threads
     _WORKER["arena"] = arena  # forked: the parent's shared mapping, inherited, not pickled
+    _WORKER["ignore_index"] = ignore_index  # the listing's: a mask's value of no class
+
+
+def _read_ahead(item: SourceItem) -> bool:
+    """Whether a source is read ahead: a remote file, not rejected unread, and whole (an image
+    inside a tar is a range of it, which its worker reads: a read ahead would fetch the whole tar)."""
+    return is_url(item.url) and not item.rejected and not (isinstance(item.targets, dict) and "tar" in item.targets)
 
 
 def _shared_arena(workers: int) -> Arena | None:
@@ -138,18 +158,20 @@ def _freeze_heap() -> bool:
     return True
 
 
-def make_outcome(item: SourceItem, index: int, spec: PrepareSpec, classes: dict[str, int]) -> SampleOutcome:
+def make_outcome(
+    item: SourceItem, index: int, spec: PrepareSpec, classes: dict[str, int], ignore_index: int = DEFAULT_IGNORE_INDEX
+) -> SampleOutcome:
     """What becomes of one listed source: rejected unread when its listing already says why, else `process_item`."""
     if item.rejected:
         return SampleOutcome(index, sample_key(item.rel), item.url, reason=item.rejected)
-    return process_item(item, index, spec, classes)
+    return process_item(item, index, spec, classes, ignore_index=ignore_index)
 
 
 def _process_chunk(chunk: Chunk) -> list[SampleOutcome]:
-    spec, classes = _WORKER["spec"], _WORKER["classes"]
-    if _WORKER["io_threads"] and len(chunk) > 1 and any(is_url(item.url) for _, item in chunk):
+    spec, classes, ignore = _WORKER["spec"], _WORKER["classes"], _WORKER["ignore_index"]
+    if _WORKER["io_threads"] and len(chunk) > 1 and any(_read_ahead(item) for _, item in chunk):
         return _process_read_ahead(chunk, spec, classes)
-    return [make_outcome(item, index, spec, classes) for index, item in chunk]
+    return [make_outcome(item, index, spec, classes, ignore) for index, item in chunk]
 
 
 def _process_fetched(chunk: list[tuple[int, SourceItem, bytes | str | Handoff | None]]) -> list[SampleOutcome]:
@@ -157,14 +179,14 @@ def _process_fetched(chunk: list[tuple[int, SourceItem, bytes | str | Handoff | 
 
     Bytes the parent left in the shared arena come as a `Handoff`.
     """
-    spec, classes = _WORKER["spec"], _WORKER["classes"]
+    spec, classes, ignore = _WORKER["spec"], _WORKER["classes"], _WORKER["ignore_index"]
     outcomes = []
     for index, item, data in chunk:
         if data is None:
-            outcomes.append(make_outcome(item, index, spec, classes))
+            outcomes.append(make_outcome(item, index, spec, classes, ignore))
         else:
             taken = _WORKER["arena"].take(data) if isinstance(data, Handoff) else data
-            outcomes.append(process_item(item, index, spec, classes, taken))
+            outcomes.append(process_item(item, index, spec, classes, taken, ignore))
     return outcomes
 
 
@@ -176,15 +198,18 @@ def _process_read_ahead(chunk: Chunk, spec: PrepareSpec, classes: dict[str, int]
 def _start_reads(chunk: Chunk) -> list[Future[Fetched] | None]:
     """Reads of the chunk's remote sources started in this process (`reads.py`); None: rejected unread, or local."""
     reads = _source_reads()
-    return [None if item.rejected or not is_url(item.url) else reads.submit(item) for _, item in chunk]
+    return [reads.submit(item) if _read_ahead(item) else None for _, item in chunk]
 
 
 def _outcomes_of_reads(
     chunk: Chunk, reads: list[Future[Fetched] | None], spec: PrepareSpec, classes: dict[str, int]
 ) -> list[SampleOutcome]:
+    ignore = _WORKER["ignore_index"]
     try:
         return [
-            make_outcome(item, index, spec, classes) if read is None else process_item(item, index, spec, classes, _in_hand(read))
+            make_outcome(item, index, spec, classes, ignore)
+            if read is None
+            else process_item(item, index, spec, classes, _in_hand(read), ignore)
             for (index, item), read in zip(chunk, reads, strict=True)
         ]
     finally:
@@ -221,18 +246,26 @@ class SamplePool:
     time, in line); it does nothing for a local SRC.
     """
 
-    def __init__(self, workers: int, spec: PrepareSpec, classes: list[str], io_threads: int = IO_THREADS) -> None:
+    def __init__(
+        self,
+        workers: int,
+        spec: PrepareSpec,
+        classes: list[str],
+        io_threads: int = IO_THREADS,
+        ignore_index: int = DEFAULT_IGNORE_INDEX,
+    ) -> None:
         self.workers = workers
         self._spec = spec
         self._io_threads = io_threads
         self._initargs = (spec.to_dict(), classes, io_threads)
+        self._ignore_index = ignore_index
         self._executor: ProcessPoolExecutor | None = None
         self._reads: SourceReads | None = None
         self._froze = False
         # made before the workers fork, so that they share it; memory is taken only for what a remote SRC puts there
         self._arena = _shared_arena(workers) if workers and io_threads else None
         if workers == 0:
-            _init_worker(*self._initargs)
+            _init_worker(*self._initargs, None, ignore_index)
         else:
             warm_up(spec)  # forked workers inherit it: their first image starts sooner
             self._froze = _freeze_heap()
@@ -242,7 +275,7 @@ class SamplePool:
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("fork")
-        initargs = (*self._initargs, self._arena)
+        initargs = (*self._initargs, self._arena, self._ignore_index)
         return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_child, initargs=initargs)
 
     def submit(self, chunk: Chunk, cache: dict[int, SampleOutcome] | None = None) -> PendingChunk:
@@ -255,12 +288,12 @@ class SamplePool:
         if self._executor is None:
             from concurrent.futures import Future
 
-            if self._io_threads and any(is_url(item.url) and not item.rejected for _, item in chunk):
+            if self._io_threads and any(_read_ahead(item) for _, item in chunk):
                 return _ReadingAhead(chunk)
             done: Future[list[SampleOutcome]] = Future()
             done.set_result(_process_chunk(chunk))
             return done
-        if self._io_threads and any(is_url(item.url) and not item.rejected for _, item in chunk):
+        if self._io_threads and any(_read_ahead(item) for _, item in chunk):
             return _Fetching(self, chunk)
         return self._executor.submit(_process_chunk, chunk)
 
@@ -377,7 +410,7 @@ class _Fetching:
         self._pending: Future[list[SampleOutcome]] | None = None
         self._error: BaseException | None = None
         self._reads: list[Future[bytes | str | Handoff] | None] = [
-            None if item.rejected or not is_url(item.url) else pool._read(item) for _, item in chunk
+            pool._read(item) if _read_ahead(item) else None for _, item in chunk
         ]
         self._chunk = chunk
         self._left = sum(read is not None for read in self._reads)

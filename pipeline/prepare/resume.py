@@ -70,11 +70,14 @@ def _shard_record_rel(shard: int) -> str:
 
 
 def write_shard_record(
-    output: Output, shard: int, infos: list[ShardInfo], rejected: list[dict[str, str]], warned: int = 0
+    output: Output, shard: int, infos: list[ShardInfo], rejected: list[dict[str, str]], warned: int = 0, boxes_dropped: int = 0
 ) -> dict[str, Any]:
-    """Record a written shard: its files (one per variant set that got samples), its rejects, and how
-    many of its samples were decoded with warnings. Returns the record, as `read_shard_record` reads it."""
+    """Record a written shard: its files (one per variant set that got samples), its rejects, how many
+    of its samples were decoded with warnings, and how many boxes its samples dropped (recorded only when
+    some were). Returns the record, as `read_shard_record` reads it."""
     record = {"shard": shard, "shards": [info.to_dict() for info in infos], "rejected": rejected, "warned": warned}
+    if boxes_dropped:
+        record["boxes_dropped"] = boxes_dropped
     output.write_bytes_atomic(_shard_record_rel(shard), json.dumps(record).encode("utf-8"))
     return record
 

@@ -8,6 +8,16 @@ decides: the rule is that a file is accepted exactly when Pillow can read it.
 What the decoders warned about is kept in the sample's json
 (`decode_warnings`). A bad image never raises: its outcome carries the
 reason, and the job writes it to `rejected.jsonl`.
+
+A source with targets (boxes, a mask, several labels, a caption, columns:
+`SourceItem.targets`) has them checked first and sent through the image's
+own geometry (`sample_targets.py`), on either path: the YCbCr path turns
+the picture upright by the header's EXIF orientation, and its resize is
+`resize_geometry`'s. They become the sample's target members
+(`pipeline.targets`); the sample's json then also records the geometry
+and how many boxes fell out of the picture. A malformed target rejects
+its sample like a bad image. A sample without targets is written exactly
+as before.
 """
 
 from __future__ import annotations
@@ -20,16 +30,26 @@ import json
 import re
 from typing import Any
 
-from ..decode import DecodedImage, decode_image, pil_image
+from ..decode import DecodedImage, decode_image, exif_orientation, open_image, pil_image
 from ..errors import DecodeError
 from ..io.fs import read_source_bytes, redact_location
 from ..io.tar import sample_tar_bytes
 from ..specs import PrepareSpec
+from ..targets import DEFAULT_IGNORE_INDEX, SampleTargets, TargetError, target_members
 from .encode import encode_image
+from .sample_targets import (
+    SourceTargets,
+    parse_targets,
+    place_targets,
+    read_mask,
+    read_tar_member,
+    stored_size,
+    tar_range,
+)
 from .sources import SourceItem
-from .transcode import TranscodeRefused, transcode_jpeg
+from .transcode import Transcoded, TranscodeRefused, transcode_jpeg
 from .transcode import applies as transcode_applies
-from .transforms import augment_image, required_scale, resize_image, resize_op, variant_rng
+from .transforms import Geometry, augment_sample, required_scale, resize_geometry, resize_image, resize_op, variant_rng
 
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
@@ -58,7 +78,8 @@ class SampleOutcome:
     """What became of one source: its tar bytes per variant set, or a reject reason.
 
     `warnings` lists what the decoders warned about in an accepted file (also
-    in its samples' json as `decode_warnings`).
+    in its samples' json as `decode_warnings`). `boxes_dropped` counts the
+    boxes that fell (mostly) out of its pictures, over every variant set.
     """
 
     index: int
@@ -67,18 +88,33 @@ class SampleOutcome:
     tars: list[bytes] | None = None
     reason: str = ""
     warnings: list[str] = dataclasses.field(default_factory=list)
+    boxes_dropped: int = 0
 
 
 def read_item(item: SourceItem, spec: PrepareSpec) -> bytes | str:
-    """The source's bytes, or the reason they cannot be read (a reject reason)."""
+    """The source's bytes, or the reason they cannot be read (a reject reason).
+
+    An image inside a tar (`targets["tar"]`, a WebDataset shard as SRC) is
+    read as its byte range only.
+    """
     try:
+        tar = item.targets.get("tar") if isinstance(item.targets, dict) else None
+        if tar is not None:
+            return read_tar_member(item.url, *tar_range(tar, spec.max_file_bytes))
         return read_source_bytes(item.url, spec.max_file_bytes)
+    except TargetError as exc:
+        return str(exc)
     except (OSError, ValueError) as exc:
         return f"cannot read file: {getattr(exc, 'strerror', None) or exc}"
 
 
 def process_item(
-    item: SourceItem, index: int, spec: PrepareSpec, classes: dict[str, int], fetched: bytes | str | None = None
+    item: SourceItem,
+    index: int,
+    spec: PrepareSpec,
+    classes: dict[str, int],
+    fetched: bytes | str | None = None,
+    ignore_index: int = DEFAULT_IGNORE_INDEX,
 ) -> SampleOutcome:
     """Turn one source file into the tar members of its sample(s).
 
@@ -88,20 +124,36 @@ def process_item(
         spec: the job's settings.
         classes: class name -> label index.
         fetched: what `read_item` gave for it already (read ahead on an I/O thread); None reads it now.
+        ignore_index: a mask's value of no class: what padding and the outside
+            of a rotated crop become (the listing's `ignore_index`).
 
     Returns:
         The outcome: one tar blob per variant set, or the reason the file was rejected.
-        Never raises for a bad image.
+        Never raises for a bad image or a bad annotation.
     """
     key = sample_key(item.rel)
     outcome = SampleOutcome(index, key, item.url)
+    targets = None
+    if item.targets is not None:
+        try:  # before the read: a malformed annotation costs no download
+            targets = parse_targets(item.targets, classes)
+        except TargetError as exc:
+            outcome.reason = str(exc)
+            return outcome
     data = read_item(item, spec) if fetched is None else fetched
     if isinstance(data, str):
         outcome.reason = data
         return outcome
     label = classes.get(item.label) if item.label is not None else None
     try:
-        outcome.tars, outcome.warnings = _render(data, key, item, spec, label)
+        if targets is None:
+            outcome.tars, outcome.warnings = _render(data, key, item, spec, label)
+        else:
+            outcome.tars, outcome.warnings, outcome.boxes_dropped = _render_targets(
+                data, key, item, spec, label, _Targets(targets, ignore_index)
+            )
+    except TargetError as exc:
+        outcome.reason = str(exc)
     except DecodeError as exc:
         outcome.reason = exc.reason
     except (OSError, ValueError, MemoryError) as exc:
@@ -135,8 +187,85 @@ def _render(
     return blobs, decoded.warnings
 
 
+@dataclasses.dataclass
+class _Targets:
+    """A sample's targets on their way into its pictures: as listed, and its mask once read."""
+
+    source: SourceTargets
+    ignore_index: int
+    mask: Any = None  # np.ndarray, the stored size
+    stored: tuple[int, int] = (0, 0)
+    orientation: int = 1
+    dropped: int = 0
+
+    def take_image(self, spec: PrepareSpec, original_size: tuple[int, int], orientation: int) -> None:
+        """Note what the decoder made of the image, and read the mask (it must have the stored size)."""
+        self.orientation = orientation
+        self.stored = stored_size(original_size, orientation)
+        if self.source.mask is not None and self.mask is None:
+            self.mask = read_mask(self.source.mask, spec, self.stored)
+
+    def members(self, spec: PrepareSpec, geometry: Geometry, size: tuple[int, int], meta: dict[str, Any]) -> dict[str, bytes]:
+        """The target members of one picture (of `size`, made through `geometry`); what they did goes in its `meta`."""
+        source = self.source
+        dropped = 0
+        if source.geometric:
+            if geometry.canvas != tuple(size):  # the image and its targets must have gone the same way
+                raise ValueError(f"the picture is {size}, its geometry says {geometry.canvas}")
+            placed, dropped = place_targets(
+                source, self.mask, self.stored, self.orientation, geometry, spec.min_visible, self.ignore_index
+            )
+            meta["geometry"] = {"orientation": self.orientation, "stored_size": list(self.stored), **geometry.to_dict()}
+        else:
+            placed = SampleTargets(labels=source.labels, caption=source.caption)
+        if source.boxes is not None:
+            meta["boxes_dropped"] = dropped
+        if source.columns is not None:
+            meta["columns"] = source.columns
+        self.dropped += dropped
+        return target_members(placed)
+
+
+def _render_targets(
+    data: bytes, key: str, item: SourceItem, spec: PrepareSpec, label: int | None, targets: _Targets
+) -> tuple[list[bytes], list[str], int]:
+    """`_render` for a sample with targets: its tar blobs, the decoders' warnings, the boxes dropped."""
+    refused = None
+    if transcode_applies(spec):
+        try:
+            fast = transcode_jpeg(data, spec)
+        except TranscodeRefused as exc:
+            fast, refused = None, exc.message
+        if fast is not None and resize_geometry(fast.original_size, spec.resize).canvas == fast.size:
+            return [_fast_blob(data, fast, key, item, spec, label, targets)], list(fast.warnings), targets.dropped
+    decoded = decode_image(
+        data,
+        scale_for=lambda w, h: required_scale(spec.resize, spec.augment, w, h),
+        max_pixels=spec.max_pixels,
+        background=spec.background,
+        padded=True,
+        refused=refused,
+    )
+    targets.take_image(spec, decoded.original_size, decoded.orientation)
+    blobs = [sample_tar_bytes(key, members) for members in _render_variants(decoded, key, item, spec, label, targets)]
+    return blobs, decoded.warnings, targets.dropped
+
+
+def _fast_blob(
+    data: bytes, fast: Transcoded, key: str, item: SourceItem, spec: PrepareSpec, label: int | None, targets: _Targets
+) -> bytes:
+    """The sample's tar blob from the YCbCr path's output, its targets placed by the same resize."""
+    # The orientation the YCbCr path turned the output by: read again from the header (it parsed the file
+    # already, so this is a few microseconds, paid by samples with targets only).
+    targets.take_image(spec, fast.original_size, exif_orientation(open_image(data, max_pixels=spec.max_pixels, formats=("JPEG",))))
+    warned = list(fast.warnings)
+    meta = _meta(key, item, spec, fast.original_size, fast.size, None, [resize_op(spec.resize)], warned)
+    extra = targets.members(spec, resize_geometry(fast.original_size, spec.resize), fast.size, meta)
+    return sample_tar_bytes(key, {**_members(spec, label, meta, fast.payload), **extra})
+
+
 def _render_variants(
-    decoded: DecodedImage, key: str, item: SourceItem, spec: PrepareSpec, label: int | None
+    decoded: DecodedImage, key: str, item: SourceItem, spec: PrepareSpec, label: int | None, targets: _Targets | None = None
 ) -> list[dict[str, bytes]]:
     if spec.augment.variants and decoded.image.mode != "RGB":
         decoded.image = decoded.image.convert("RGB")  # the augmentations work on RGB
@@ -146,11 +275,13 @@ def _render_variants(
         if variant is None:
             image, op = resize_image(decoded.image, decoded.original_size, spec.resize)
             ops: list[dict[str, Any]] = [op]
+            geometry = resize_geometry(decoded.original_size, spec.resize)
         else:
             rng = variant_rng(spec.seed, key, variant)
-            image, ops = augment_image(decoded.image, decoded.original_size, spec.resize, spec.augment, rng)
+            image, ops, geometry = augment_sample(decoded.image, decoded.original_size, spec.resize, spec.augment, rng)
         meta = _meta(key, item, spec, decoded.original_size, image.size, variant, ops, decoded.warnings)
-        members_per_set.append(_members(spec, label, meta, encode_image(image, spec.encode)))
+        extra = targets.members(spec, geometry, image.size, meta) if targets is not None else {}
+        members_per_set.append({**_members(spec, label, meta, encode_image(image, spec.encode)), **extra})
     return members_per_set
 
 

@@ -4,10 +4,15 @@ Every output size is computed from the image's *original* upright size, never
 from the (possibly DCT-reduced) decoded size, so the output does not depend on
 which decoder happened to run. Augmentation is a pure function of
 (seed, key, variant): re-running a job writes the same pixels.
+
+Each transform also says where its output's pixels come from (`Geometry`,
+in the original's upright pixels), so that a sample's boxes and masks go
+through exactly what its image went through (`sample_targets.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from typing import Any
@@ -47,6 +52,69 @@ def output_size(resize: ResizeSpec, width: int, height: int) -> tuple[int, int]:
     if scale >= 1 and not resize.upscale:
         return width, height
     return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where an output picture's pixels come from: the map its sample's boxes and masks go through.
+
+    Attributes:
+        matrix: (a, b, c, d, e, f): the point (u, v) of the sampled picture
+            comes from (a u + b v + c, d u + e v + f) of the original,
+            upright, at full size (PIL's AFFINE convention).
+        size: (width, height) of the sampled picture.
+        flip: the sampled picture was then mirrored left to right.
+        offset: (left, top) where it then sits on the output (padding).
+        canvas: (width, height) of the output.
+    """
+
+    matrix: tuple[float, float, float, float, float, float]
+    size: tuple[int, int]
+    flip: bool = False
+    offset: tuple[int, int] = (0, 0)
+    canvas: tuple[int, int] = (0, 0)
+
+    @property
+    def axis_aligned(self) -> bool:
+        """No rotation: a crop and a resize, which a mask takes as `targets.crop_mask` samples them."""
+        return self.matrix[1] == 0 and self.matrix[3] == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The geometry as a sample's json records it (the matrix at full precision: it reproduces the mask exactly)."""
+        return {
+            "matrix": list(self.matrix),
+            "size": list(self.size),
+            "flip": self.flip,
+            "offset": list(self.offset),
+            "canvas": list(self.canvas),
+        }
+
+
+def _pad_offset(size: tuple[int, int], resize: ResizeSpec) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(offset, canvas) of a picture of `size` once `_pad` has placed it (as `_pad` decides)."""
+    side = resize.size
+    if resize.mode != "pad" or size == (side, side) or size[0] > side or size[1] > side:
+        return (0, 0), size
+    return ((side - size[0]) // 2, (side - size[1]) // 2), (side, side)
+
+
+def resize_geometry(original_size: tuple[int, int], resize: ResizeSpec) -> Geometry:
+    """Where `resize_image`'s output pixels come from (the same for the YCbCr path, `transcode.py`).
+
+    Args:
+        original_size: upright (width, height) of the source file.
+        resize: the resize settings.
+    """
+    width, height = original_size
+    target_w, target_h = output_size(resize, width, height)
+    if resize.mode == "center-crop":
+        side, crop = min(target_w, target_h), min(width, height)
+        scale = crop / side
+        matrix = (scale, 0.0, (width - crop) / 2, 0.0, scale, (height - crop) / 2)
+        return Geometry(matrix, (side, side), canvas=(side, side))
+    matrix = (width / target_w, 0.0, 0.0, 0.0, height / target_h, 0.0)
+    offset, canvas = _pad_offset((target_w, target_h), resize)
+    return Geometry(matrix, (target_w, target_h), offset=offset, canvas=canvas)
 
 
 def resize_op(resize: ResizeSpec) -> dict[str, Any]:
@@ -115,6 +183,22 @@ def augment_image(
     Returns:
         (image, ops) with every parameter drawn, for provenance.
     """
+    image, ops, _ = augment_sample(img, original_size, resize, augment, rng)
+    return image, ops
+
+
+def augment_sample(
+    img: Any,
+    original_size: tuple[int, int],
+    resize: ResizeSpec,
+    augment: AugmentSpec,
+    rng: np.random.Generator,
+) -> tuple[Any, list[dict[str, Any]], Geometry]:
+    """`augment_image`, and the geometry of the view (what its boxes and masks go through).
+
+    Returns:
+        (image, ops, geometry); the image and ops are `augment_image`'s.
+    """
     width, height = original_size
     cw, ch = _draw_crop(rng, width, height, augment)
     angle = float(rng.uniform(-augment.rotate, augment.rotate)) if augment.rotate else 0.0
@@ -130,7 +214,8 @@ def augment_image(
             "output": [out_w, out_h],
         }
     ]
-    if augment.flip and rng.random() < 0.5:
+    flip = bool(augment.flip and rng.random() < 0.5)
+    if flip:
         from PIL import Image
 
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -140,7 +225,22 @@ def augment_image(
         ops.append(jitter_op)
     if resize.mode == "pad":
         img = _pad(img, resize.size)
-    return img, ops
+    offset, canvas = _pad_offset((out_w, out_h), resize)
+    geometry = Geometry(_crop_matrix((cx, cy, cw, ch), angle, (out_w, out_h)), (out_w, out_h), flip, offset, canvas)
+    return img, ops, geometry
+
+
+def _crop_matrix(
+    box: tuple[float, float, float, float], angle: float, out_size: tuple[int, int]
+) -> tuple[float, float, float, float, float, float]:
+    """`_affine_crop`'s map in the original's full-size pixels: output (u, v) -> original (x, y)."""
+    cx, cy, cw, ch = box
+    out_w, out_h = out_size
+    theta = math.radians(angle)
+    cos, sin = math.cos(theta), math.sin(theta)
+    ax, ay = cw / out_w, ch / out_h
+    a, b, d, e = cos * ax, -sin * ay, sin * ax, cos * ay
+    return (a, b, cx - a * out_w / 2 - b * out_h / 2, d, e, cy - d * out_w / 2 - e * out_h / 2)
 
 
 def _draw_crop(rng: np.random.Generator, width: int, height: int, augment: AugmentSpec) -> tuple[float, float]:

@@ -20,7 +20,7 @@ from pipeline.loader.tasks import TaskPlan, sample_targets
 from pipeline.targets import SampleTargets, target_members
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from task_data import PALETTE, box_picture, encoded, write_task_dataset  # noqa: E402
+from task_data import PALETTE, box_picture, boxes_on_their_colours, encoded, write_task_dataset  # noqa: E402
 
 CROP = 48
 
@@ -31,23 +31,10 @@ def loader(root: Path, **settings: object):
     return make_loader(root, 4, **options)
 
 
-def colour_of(region: torch.Tensor) -> np.ndarray:
-    return region.float().mean(dim=(1, 2)).numpy()
-
-
 def assert_boxes_on_their_colours(batch) -> int:
     """Every delivered box covers pixels of its class's colour; returns how many boxes were checked."""
-    checked = 0
-    for image, boxes, labels in zip(batch.images, batch.boxes, batch.box_labels):
-        assert ((boxes >= 0) & (boxes <= CROP)).all()
-        for box, label in zip(boxes.tolist(), labels.tolist()):
-            x0, y0, x1, y1 = box
-            inner = (int(np.ceil(x0 + 1.5)), int(np.ceil(y0 + 1.5)), int(np.floor(x1 - 1.5)), int(np.floor(y1 - 1.5)))
-            if inner[2] - inner[0] < 2 or inner[3] - inner[1] < 2:
-                continue
-            mean = colour_of(image[:, inner[1] : inner[3], inner[0] : inner[2]])
-            assert np.abs(mean - PALETTE[label]).max() < 40, (box, label, mean)
-            checked += 1
+    checked, wrong = boxes_on_their_colours(batch, CROP)
+    assert wrong == 0
     return checked
 
 
@@ -311,3 +298,63 @@ def test_a_batch_pickles_and_names_its_fields(tmp_path: Path) -> None:
     assert batch[0] is batch.images and batch["keys"] == batch.keys
     with pytest.raises(KeyError):
         batch["nothing"]
+
+
+DDP_SCRIPT = r"""
+import json, os, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+sys.path.insert(0, sys.argv[3])
+from task_data import boxes_on_their_colours
+from pipeline import make_loader
+
+rank = dist.get_rank()
+loader = make_loader(sys.argv[1], 4, device="cpu", crop=48, num_workers=1, dtype="uint8", shuffle_buffer=16)
+result = {"batches": [], "sizes": [], "synced": True, "checked": 0, "wrong": 0, "keys": []}
+for epoch in (0, 1):
+    count = 0
+    for batch in loader:
+        result["sizes"].append(len(batch.keys))
+        assert len(batch.boxes) == len(batch.keys) == batch.images.shape[0]
+        checked, wrong = boxes_on_their_colours(batch, 48)
+        result["checked"] += checked
+        result["wrong"] += wrong
+        result["keys"] += batch.keys
+        both = torch.tensor([epoch * 1000 + count, -(epoch * 1000 + count)], dtype=torch.float64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        result["synced"] &= both[0].item() == -both[1].item()
+        count += 1
+    result["batches"].append(count)
+result["len"] = len(loader)
+result["replaced"] = loader.stats.replaced
+with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as handle:
+    json.dump(result, handle)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_detection_with_a_damaged_shard_gives_equal_batches_whose_boxes_fit(tmp_path: Path, get_free_port) -> None:
+    import os
+    import subprocess
+
+    root = write_task_dataset(tmp_path / "det", "detection", 48, fmt="JPEG")
+    damage_boxes(root, "sample00030")  # one sample whose boxes do not read
+    (root / "shard-000002.tar").unlink()  # and a whole shard lost: its 8 samples are made up from the rank's others
+    script = tmp_path / "ranks.py"
+    script.write_text(DDP_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(get_free_port()), str(script), str(root), str(out), str(Path(__file__).resolve().parents[1])]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["batches"] == ranks[1]["batches"] == [ranks[0]["len"]] * 2 == [6, 6]
+    assert all(size == 4 for rank in ranks for size in rank["sizes"]) and ranks[0]["synced"] and ranks[1]["synced"]
+    assert sum(rank["checked"] for rank in ranks) > 50 and sum(rank["wrong"] for rank in ranks) == 0
+    keys = {key for rank in ranks for key in rank["keys"]}
+    assert not keys & {f"sample{i:05d}" for i in (16, 17, 18, 19, 20, 21, 22, 23, 30)}
