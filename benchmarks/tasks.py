@@ -482,7 +482,7 @@ def measure_once(name: str, runner: Callable[[], Run], row: Row, files: list[str
         return
     run.noise = noise.share
     row.runs.append(run)
-    print(f"{label}: {ROWS[name][1]:44} {_run_text(run)}", file=sys.stderr)
+    print(f"{label}: {ROWS[name][1]:54} {_run_text(run)}", file=sys.stderr)
 
 
 def measure_rows(rows: dict[str, Row], runners: dict[str, Callable[[], Run]], files: list[str], args: argparse.Namespace) -> None:
@@ -567,16 +567,16 @@ def print_report(header: dict[str, Any], rows: dict[str, Row], ratios: dict[str,
     print(
         f"{local['pil']} | torch {local['torch']} | webdataset {local['webdataset']} | baselines: {local['baseline_transforms']}"
     )
-    print(f"{'':46} {'images/s':>9} {'seconds':>8}  runs: images/s (CPU share other processes took)")
+    print(f"{'':54} {'images/s':>9} {'seconds':>8}  runs: images/s (CPU share other processes took)")
     for name, row in rows.items():
         title = ROWS[name][1]
         run = row.best
         if run is None:
-            print(f"{title:46} {row.skipped or 'no run'}")
+            print(f"{title:54} {row.skipped or 'no run'}")
             continue
         runs = ", ".join(_run_text(r) for r in row.runs)
         flag = "  NOISY: a lower bound" if _noisy(run, header["noise_limit"]) else ""
-        print(f"{title:46} {run.images_per_s:9.1f} {run.seconds:8.2f}  {runs}{flag}")
+        print(f"{title:54} {run.images_per_s:9.1f} {run.seconds:8.2f}  {runs}{flag}")
         what = {"detection": "boxes", "captions": "captions", "segmentation": "mask samples of a class"}[ROWS[name][0]]
         print(f"{'':4}{run.detail['targets_counted']} {what} delivered, first batch after {run.detail['first_batch_s']:.2f} s"
               + (f", decoder {run.detail['decoder']}" if "decoder" in run.detail else ""))  # fmt: skip
