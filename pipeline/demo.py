@@ -242,9 +242,11 @@ def render_scene(scene: DemoScene, index: int, *, seed: int = 0) -> np.ndarray:
     return np.clip(pixels, 0, 255).astype(np.uint8)
 
 
-def _check_scene_args(images: int, classes: int) -> None:
+def _check_scene_args(images: int, classes: int, min_side: int = 48, max_side: int = 128) -> None:
     if images < 1:
         raise ConfigError("images must be at least 1")
+    if not 8 <= min_side <= max_side:
+        raise ConfigError("min_side must be at least 8 and at most max_side")
     if not 1 <= classes <= len(OBJECT_CLASSES):
         raise ConfigError(f"classes must be between 1 and {len(OBJECT_CLASSES)}")
 
@@ -257,7 +259,14 @@ def _save_jpeg(pixels: np.ndarray, path: Path) -> None:
 
 
 def make_coco_dataset(
-    root: str | os.PathLike[str], images: int = 100, *, classes: int = 3, split: str = "train", seed: int = 0
+    root: str | os.PathLike[str],
+    images: int = 100,
+    *,
+    classes: int = 3,
+    split: str = "train",
+    seed: int = 0,
+    min_side: int = 48,
+    max_side: int = 128,
 ) -> str:
     """Write a COCO detection dataset in COCO's own layout and return the path of its instances JSON.
 
@@ -273,11 +282,13 @@ def make_coco_dataset(
         classes: how many categories (at most 6).
         split: the split name in the folder and file names.
         seed: images and annotations are a pure function of (seed, index).
+        min_side: smallest image width/height in pixels (`demo_scene`).
+        max_side: largest image width/height in pixels.
 
     Raises:
         ConfigError: on impossible settings.
     """
-    _check_scene_args(images, classes)
+    _check_scene_args(images, classes, min_side, max_side)
     base = Path(root)
     coco: dict[str, list[dict[str, object]]] = {
         "images": [],
@@ -285,7 +296,7 @@ def make_coco_dataset(
         "categories": [{"id": 2 * c + 1, "name": OBJECT_CLASSES[c], "supercategory": "thing"} for c in range(classes)],
     }
     for index in range(images):
-        scene = demo_scene(index, seed=seed, classes=classes)
+        scene = demo_scene(index, seed=seed, classes=classes, min_side=min_side, max_side=max_side)
         name = f"{index:06d}.jpg"
         _save_jpeg(render_scene(scene, index, seed=seed), base / split / name)
         coco["images"].append({"id": index + 1, "file_name": name, "width": scene.width, "height": scene.height})
@@ -313,6 +324,8 @@ def make_yolo_dataset(
     splits: tuple[str, ...] = ("train", "val"),
     names_as_dict: bool = False,
     seed: int = 0,
+    min_side: int = 48,
+    max_side: int = 128,
 ) -> str:
     """Write a YOLO (Ultralytics) detection dataset and return its root.
 
@@ -329,14 +342,16 @@ def make_yolo_dataset(
         splits: split folder names; () writes images/ and labels/ without split folders.
         names_as_dict: write `names` as a mapping instead of a list.
         seed: a pure function of (seed, index).
+        min_side: smallest image width/height in pixels (`demo_scene`).
+        max_side: largest image width/height in pixels.
 
     Raises:
         ConfigError: on impossible settings.
     """
-    _check_scene_args(images, classes)
+    _check_scene_args(images, classes, min_side, max_side)
     base = Path(root)
     for index in range(images):
-        scene = demo_scene(index, seed=seed, classes=classes)
+        scene = demo_scene(index, seed=seed, classes=classes, min_side=min_side, max_side=max_side)
         folder = splits[index % len(splits)] if splits else ""
         stem = f"{index:06d}"
         _save_jpeg(render_scene(scene, index, seed=seed), base / "images" / folder / f"{stem}.jpg")
@@ -360,7 +375,8 @@ def make_yolo_dataset(
 
 
 def make_voc_dataset(
-    root: str | os.PathLike[str], images: int = 100, *, classes: int = 3, seed: int = 0
+    root: str | os.PathLike[str], images: int = 100, *, classes: int = 3, seed: int = 0, min_side: int = 48,
+    max_side: int = 128,
 ) -> str:
     """Write a Pascal VOC detection dataset and return its root.
 
@@ -374,16 +390,18 @@ def make_voc_dataset(
         images: how many images.
         classes: how many class names (at most 6).
         seed: a pure function of (seed, index).
+        min_side: smallest image width/height in pixels (`demo_scene`).
+        max_side: largest image width/height in pixels.
 
     Raises:
         ConfigError: on impossible settings.
     """
-    _check_scene_args(images, classes)
+    _check_scene_args(images, classes, min_side, max_side)
     base = Path(root)
     (base / "Annotations").mkdir(parents=True, exist_ok=True)
     stems = []
     for index in range(images):
-        scene = demo_scene(index, seed=seed, classes=classes)
+        scene = demo_scene(index, seed=seed, classes=classes, min_side=min_side, max_side=max_side)
         stem = f"{index:06d}"
         stems.append(stem)
         _save_jpeg(render_scene(scene, index, seed=seed), base / "JPEGImages" / f"{stem}.jpg")
@@ -411,6 +429,8 @@ def make_segmentation_dataset(
     layout: str = "masks",
     palette: bool = False,
     seed: int = 0,
+    min_side: int = 48,
+    max_side: int = 128,
 ) -> str:
     """Write a semantic segmentation dataset (image + class-index mask PNG) and return its root.
 
@@ -426,20 +446,22 @@ def make_segmentation_dataset(
             "voc" (`JPEGImages/` + `SegmentationClass/`).
         palette: write the masks as palette ("P") PNGs, as VOC does, instead of grey ("L").
         seed: a pure function of (seed, index).
+        min_side: smallest image width/height in pixels (`demo_scene`).
+        max_side: largest image width/height in pixels.
 
     Raises:
         ConfigError: on impossible settings.
     """
     from PIL import Image
 
-    _check_scene_args(images, classes)
+    _check_scene_args(images, classes, min_side, max_side)
     if layout not in ("masks", "voc"):
         raise ConfigError(f"layout must be 'masks' or 'voc', not {layout!r}")
     base = Path(root)
     image_dir, mask_dir = ("images", "masks") if layout == "masks" else ("JPEGImages", "SegmentationClass")
     (base / mask_dir).mkdir(parents=True, exist_ok=True)
     for index in range(images):
-        scene = demo_scene(index, seed=seed, classes=classes)
+        scene = demo_scene(index, seed=seed, classes=classes, min_side=min_side, max_side=max_side)
         stem = f"{index:06d}"
         _save_jpeg(render_scene(scene, index, seed=seed), base / image_dir / f"{stem}.jpg")
         mask = Image.fromarray(demo_mask(scene), mode="L")
@@ -452,7 +474,14 @@ def make_segmentation_dataset(
 
 
 def make_caption_shards(
-    root: str | os.PathLike[str], images: int = 100, *, per_shard: int = 50, classes: int = 3, seed: int = 0
+    root: str | os.PathLike[str],
+    images: int = 100,
+    *,
+    per_shard: int = 50,
+    classes: int = 3,
+    seed: int = 0,
+    min_side: int = 48,
+    max_side: int = 128,
 ) -> str:
     """Write img2dataset-style WebDataset shards (jpg + txt + json, no cls) and return their brace pattern.
 
@@ -468,6 +497,8 @@ def make_caption_shards(
         per_shard: samples per shard.
         classes: how many class names the captions use (at most 6).
         seed: a pure function of (seed, index).
+        min_side: smallest image width/height in pixels (`demo_scene`).
+        max_side: largest image width/height in pixels.
 
     Returns:
         The shards as a brace pattern, e.g. `root/{00000..00001}.tar`.
@@ -481,7 +512,7 @@ def make_caption_shards(
 
     from .io.tar import sample_tar_bytes
 
-    _check_scene_args(images, classes)
+    _check_scene_args(images, classes, min_side, max_side)
     if per_shard < 1:
         raise ConfigError("per_shard must be at least 1")
     base = Path(root)
@@ -490,7 +521,7 @@ def make_caption_shards(
     for shard in range(shards):
         parts = []
         for index in range(shard * per_shard, min(images, (shard + 1) * per_shard)):
-            scene = demo_scene(index, seed=seed, classes=classes)
+            scene = demo_scene(index, seed=seed, classes=classes, min_side=min_side, max_side=max_side)
             buffer = _io.BytesIO()
             Image.fromarray(render_scene(scene, index, seed=seed)).save(buffer, format="JPEG", quality=90)
             key = f"{shard:05d}{index - shard * per_shard:04d}"

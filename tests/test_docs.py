@@ -83,3 +83,47 @@ def test_the_docs_site_builds_strictly_with_no_broken_link(tmp_path: Path) -> No
     for command in ("gpufeed-prepare", "gpufeed-advise", "gpufeed-submit-prepare", "gpufeed-worker", "gpufeed-schedule-add"):
         assert f'id="{command}"' in cli, command
     assert 'id="pipeline.loader.loader.make_loader"' in (site / "api.html").read_text()
+
+
+def python_blocks(text: str) -> list[str]:
+    """The ```python code blocks of a Markdown text, in order."""
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def section(text: str, heading: str) -> str:
+    """A Markdown text's section under `heading`, up to the next heading of its level."""
+    start = text.index(heading)
+    level = heading.split(" ")[0]
+    end = text.find(f"\n{level} ", start + len(heading))
+    return text[start : end if end >= 0 else len(text)]
+
+
+RUN_BLOCKS = """
+import sys, traceback
+blocks = {blocks!r}
+for number, code in enumerate(blocks, 1):
+    try:
+        exec(compile(code, f"<{{sys.argv[1]}} block {{number}}>", "exec"), {{"__name__": "__main__"}})
+    except BaseException:
+        traceback.print_exc()
+        print(f"block {{number}} of {{sys.argv[1]}} failed:\\n{{code}}")
+        sys.exit(1)
+    print(f"block {{number}} ran")
+"""
+
+
+@pytest.mark.parametrize("page", ["docs/tasks.md", "README.md"])
+def test_the_tasks_examples_run_on_the_data_they_generate(tmp_path: Path, page: str) -> None:
+    text = (REPO / page).read_text()
+    if page == "README.md":
+        text = section(text, "## Every kind of dataset")
+    blocks = python_blocks(text)
+    assert len(blocks) >= (8 if page == "docs/tasks.md" else 1)
+    script = tmp_path / "run_blocks.py"
+    script.write_text(RUN_BLOCKS.format(blocks=blocks))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(script), page], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.count(" ran\n") == len(blocks)
