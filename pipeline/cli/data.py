@@ -106,8 +106,10 @@ def inspect(dataset: str, verify: bool, links_outside: bool, as_json: bool) -> N
     manifest = read_manifest(output)
     summary: dict[str, Any] = {
         "dataset": root,
+        "task": manifest.task,
         "samples": manifest.samples,
         "classes": len(manifest.classes),
+        "fields": ", ".join(manifest.fields),
         "variants": manifest.variants,
         "shards": len(manifest.shards),
         "bytes": sum(s.bytes for s in manifest.shards),

@@ -89,6 +89,9 @@ def print_prepare_summary(result: PrepareResult) -> None:
             f"{format_count(result.processed, 'image')} in {format_duration(result.seconds)} = {format_rate(result.images_per_s)} "
             f"with {format_count(result.workers or 1, 'worker process', 'worker processes')}"
         )
+    if result.task != "classification" or result.boxes_dropped:
+        dropped = f", {format_count(result.boxes_dropped, 'box', 'boxes')} dropped by the geometry (under --min-visible)" if result.boxes_dropped else ""
+        console.print(f"task: {escape(result.task)}{dropped}")
     if result.rejected:
         console.print(f"rejected files and reasons: {escape(result.out.rstrip('/'))}/rejected.jsonl")
     console.print(f"manifest: {escape(result.out.rstrip('/'))}/manifest.json")
@@ -99,7 +102,7 @@ def print_inspect(summary: dict[str, Any], manifest: Any) -> None:
 
     console = summary_console()
     table = Table(show_header=False, box=None)
-    for name in ("dataset", "samples", "classes", "variants", "shards", "bytes", "rejected", "format", "size", "mode", "created"):
+    for name in ("dataset", "task", "samples", "classes", "fields", "variants", "shards", "bytes", "rejected", "format", "size", "mode", "created"):
         table.add_row(name, escape(summary[name]))
         if name == "rejected" and summary.get("decoded_with_warnings"):  # the samples' json say what was warned about
             table.add_row("decoded with warnings", str(summary["decoded_with_warnings"]))

@@ -700,3 +700,17 @@ def test_the_readme_and_the_demo_use_no_old_spelling() -> None:
     readme = "\n".join(texts[:-1])
     for retired in ("`--shard-count N`", "demo-data demo/raw --n", "`--size` sets the test file", "`--target 224`", "`--workers 1,2"):
         assert retired not in readme, retired
+
+
+def test_prepare_and_inspect_say_the_task_a_coco_source_makes(tmp_path: Path) -> None:
+    from pipeline.demo import make_coco_dataset
+
+    instances = make_coco_dataset(str(tmp_path / "coco"), images=12)
+    out = tmp_path / "shards"
+    done = run("prepare", instances, str(out), "--size", "64", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "task: detection" in done.stdout
+    shown = run("inspect", str(out), "--json")
+    summary = json.loads(shown.stdout)
+    assert summary["task"] == "detection" and summary["fields"] == "boxes.npy, box_labels.npy, iscrowd.npy"
+    assert "detection" in run("inspect", str(out)).stdout
