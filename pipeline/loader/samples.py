@@ -21,7 +21,9 @@ from ..decode import decode_image, pil_image
 from ..errors import DecodeError, SampleError
 from ..io.tar import TarFormatError, iter_tar_samples
 from .dataset import DatasetInfo, ShardRef
-from .epoch import label_bound, pick_image, sample_label
+from ..targets import TargetError
+from .epoch import MAX_LABEL, label_bound, pick_image, sample_label
+from .tasks import stored_targets
 from .streaming import ShardOpener
 
 
@@ -37,6 +39,11 @@ class DatasetSample:
         shard: the shard it was read from.
         info: what prepare recorded of it (its `.json`: source path,
             original size, label name, variant), {} when it has none.
+        targets: what it holds besides its image and class, in pixels of
+            `image` (before the loader's crop): "boxes" (float32 [N, 4]
+            XYXY), "box_labels", "iscrowd", "mask" ([H, W] class indices),
+            "labels" (a multi-label sample's), "caption"; {} for a plain
+            classification sample.
     """
 
     image: Any
@@ -44,6 +51,7 @@ class DatasetSample:
     key: str
     shard: str
     info: dict[str, Any]
+    targets: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.image, self.label))
@@ -106,9 +114,12 @@ def _sample(shard: str, key: str, members: dict[str, bytes], bound: int) -> Data
     try:
         image = _image(extension, data)
         info = json.loads(members["json"]) if "json" in members else {}
-    except (DecodeError, ValueError) as exc:
+        targets = stored_targets(members, bound if bound <= MAX_LABEL else None, image.size)
+    except (DecodeError, ValueError) as exc:  # TargetError is a GpufeedError, not a ValueError
         raise SampleError(f"sample {key} of {shard}: {exc}", shard=shard, sample=key) from exc
-    return DatasetSample(image, label, key, shard, info if isinstance(info, dict) else {})
+    except TargetError as exc:
+        raise SampleError(f"sample {key} of {shard}: {exc}", shard=shard, sample=key, reason=str(exc)) from exc
+    return DatasetSample(image, label, key, shard, info if isinstance(info, dict) else {}, targets)
 
 
 def _image(extension: str, data: bytes) -> Any:

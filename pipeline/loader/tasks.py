@@ -35,8 +35,10 @@ import torch
 from ..decode import open_image
 from ..errors import ConfigError, DecodeError
 from ..targets import (
+    BOXES_MEMBER,
     DEFAULT_IGNORE_INDEX,
     FIELD_ALIASES,
+    LABELS_MEMBER,
     MASK_MEMBER,
     TASKS,
     TEXT_MEMBER,
@@ -214,6 +216,26 @@ def sample_targets(
         if name != "key":
             out.setdefault("fields", {})[name] = field_value(name, members.get(name))
     return out
+
+
+def stored_targets(members: dict[str, bytes], classes: int | None, size: tuple[int, int]) -> dict[str, Any]:
+    """What a stored sample holds besides its image and class, as the shard has it (no crop): for a look at it.
+
+    Raises:
+        TargetError: a target member is damaged.
+    """
+    found: dict[str, Any] = {}
+    if BOXES_MEMBER in members:
+        found["boxes"], found["box_labels"], crowd = read_boxes(members, classes)
+        if crowd is not None:
+            found["iscrowd"] = crowd
+    if MASK_MEMBER in members:
+        found["mask"] = decode_mask(members[MASK_MEMBER], size)
+    if LABELS_MEMBER in members:
+        found["labels"] = read_labels(members, classes)
+    if TEXT_MEMBER in members:
+        found["caption"] = read_caption(members)
+    return found
 
 
 def field_value(name: str, data: bytes | None) -> Any:

@@ -418,3 +418,15 @@ def test_ddp_detection_with_a_damaged_shard_gives_equal_batches_whose_boxes_fit(
     assert sum(rank["checked"] for rank in ranks) > 50 and sum(rank["wrong"] for rank in ranks) == 0
     keys = {key for rank in ranks for key in rank["keys"]}
     assert not keys & {f"sample{i:05d}" for i in (16, 17, 18, 19, 20, 21, 22, 23, 30)}
+
+
+def test_a_look_at_one_sample_brings_its_stored_targets(tmp_path: Path) -> None:
+    det = write_task_dataset(tmp_path / "det", "detection", 8)
+    stored = {s["__key__"]: s for s in wds.WebDataset(str(det / "shard-000000.tar"), shardshuffle=False)}
+    sample = loader(det).dataset[3]
+    want = np.load(__import__("io").BytesIO(stored[sample.key]["boxes.npy"]))
+    np.testing.assert_array_equal(sample.targets["boxes"], want)
+    assert sample.targets["box_labels"].dtype == np.int64 and sample.image.size == tuple(sample.info["size"])
+    seg = loader(write_task_dataset(tmp_path / "seg", "segmentation", 8)).dataset[0]
+    assert seg.targets["mask"].shape == (seg.image.size[1], seg.image.size[0])
+    assert loader(write_task_dataset(tmp_path / "cap", "captions", 8)).dataset[0].targets["caption"].startswith("a picture")
