@@ -20,11 +20,11 @@ import numpy as np
 from ..decode import decode_image, pil_image
 from ..errors import DecodeError, SampleError
 from ..io.tar import TarFormatError, iter_tar_samples
-from .dataset import DatasetInfo, ShardRef
 from ..targets import TargetError
+from .dataset import DatasetInfo, ShardRef
 from .epoch import MAX_LABEL, label_bound, pick_image, sample_label
-from .tasks import stored_targets
 from .streaming import ShardOpener
+from .tasks import stored_targets
 
 
 @dataclasses.dataclass(frozen=True)
