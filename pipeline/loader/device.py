@@ -15,6 +15,7 @@ decoder="nvjpeg" the JPEGs are decoded on the GPU here (`gpu_decode.py`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ import torch
 from ..specs import LoaderSpec
 from .crops import Affine, CropSpec, flip_mask
 from .damage import Extras, Item, Report
-from .tasks import TaskPlan, make_batch
+from .tasks import TaskPlan, make_batch, tensors_in
 from .workers import CpuFinish, DecodePool, HostBatch, Run, RunSlots, Upcoming, failed_samples
 
 Ready = tuple[torch.Tensor, torch.Tensor, Any]  # images, labels, and the side stream's event (None off CUDA)
@@ -91,13 +92,22 @@ class DeviceFinish:
         crop: what each sample becomes (the GPU decoder crops with it).
         buffers: CPU output buffers kept for reuse at most.
         plan: a task's targets (`tasks.py`): batches are `Batch`es; None: (images, labels).
+        batch_transform: the user's callable on each batch on the device (in the side stream on CUDA).
     """
 
     def __init__(
-        self, spec: LoaderSpec, device: torch.device, rank: int, crop: CropSpec, buffers: int, plan: TaskPlan | None = None
+        self,
+        spec: LoaderSpec,
+        device: torch.device,
+        rank: int,
+        crop: CropSpec,
+        buffers: int,
+        plan: TaskPlan | None = None,
+        batch_transform: Callable[[Any], Any] | None = None,
     ) -> None:
         self.spec = spec
         self.plan = plan
+        self.batch_transform = batch_transform
         # The user's sample_transform sees each sample as the batch gets it: the workers flip it first.
         self.flips_in_workers = plan is not None and plan.sample_transform is not None
         self.device = device
@@ -151,7 +161,7 @@ class DeviceFinish:
         upcoming = Upcoming(run.out, report, depth=pool.ring.shape[0] - 1)
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
-        ready: deque[tuple[Ready, HostBatch]] = deque()
+        ready: deque[tuple[Any, Any]] = deque()  # (what is delivered, the side stream's event or None)
         depth = self.spec.prefetch if cuda and not pool.inline else 1  # num_workers=0: decoded when asked for
         exhausted = False
         try:
@@ -161,25 +171,45 @@ class DeviceFinish:
                     if batch is None:
                         exhausted = True
                         break
-                    ready.append((self._to_device(epoch, batch, free, side, pool, report, upcoming), batch))
+                    ready.append(self._deliverable(self._to_device(epoch, batch, free, side, pool, report, upcoming), batch, side))
                 if not ready or run.stop.is_set():  # the end, or the loader was closed: nothing more
                     return
-                (images, labels, done), host = ready.popleft()
+                delivered, done = ready.popleft()
                 if done is not None:
                     # The training stream waits for this batch only, not for later ones
                     # already queued on the side stream; the caching allocator must know
                     # the tensors are used there.
                     current = torch.cuda.current_stream(self.device)
                     current.wait_event(done)
-                    images.record_stream(current)
-                    labels.record_stream(current)
-                if self.plan is None:
-                    yield images, labels
-                else:
-                    targets = [host.targets[position] for position in range(host.count)]
-                    yield make_batch(self.plan, images, labels, host.keys, targets)
+                    for tensor in tensors_in(delivered):
+                        tensor.record_stream(current)
+                yield delivered
         finally:
             upcoming.close(self.outputs.release)
+
+    def _deliverable(self, ready: Ready, host: HostBatch, side: Any) -> tuple[Any, Any]:
+        """What the training loop gets for a batch on the device, and the event it waits for.
+
+        (images, labels) for classification; a task's `Batch`, its targets
+        copied to the device; then the user's batch_transform. On CUDA the
+        targets' copies and the transform are queued on the side stream
+        behind the batch's pixels, while the training stream still works on
+        earlier batches.
+        """
+        images, labels, done = ready
+        if self.plan is None and self.batch_transform is None:
+            return (images, labels), done
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            delivered: Any = (images, labels)
+            if self.plan is not None:
+                targets = [host.targets[position] for position in range(host.count)]
+                delivered = make_batch(self.plan, images, labels, host.keys, targets)
+            if self.batch_transform is not None:
+                delivered = self.batch_transform(delivered)
+            if side is not None:
+                done = torch.cuda.Event()
+                done.record(side)
+        return delivered, done
 
     def _to_device(
         self,

@@ -48,7 +48,7 @@ from .elastic import Progress, check_progress, elastic_records, progress_from_st
 from .epoch import epoch_records
 from .samples import LoaderDataset
 from .streaming import ShardOpener
-from .tasks import TaskPlan, task_plan
+from .tasks import TaskPlan, batch_size_of, task_plan
 from .workers import DecodePool, Run, new_run, stop_run
 
 log = logging.getLogger("gpufeed.loader")
@@ -340,7 +340,10 @@ class Loader:
 
     def _new_finish(self) -> DeviceFinish:
         buffers = self._ring_slots + self.spec.prefetch + 2
-        return DeviceFinish(self.spec, self.device, self._placed[0], self._crop, buffers=buffers, plan=self.plan)
+        return DeviceFinish(
+            self.spec, self.device, self._placed[0], self._crop, buffers=buffers, plan=self.plan,
+            batch_transform=self._batch_transform,
+        )  # fmt: skip
 
     def _ensure_workers(self) -> None:
         if self._pool is not None:
@@ -438,11 +441,9 @@ class Loader:
             batch = next(batches, None)
             if batch is None:
                 return
-            if self._batch_transform is not None:
-                batch = self._batch_transform(batch)
             self.stats.wait_s += time.perf_counter() - waited_from
             self.stats.batches += 1
-            self.stats.samples += len(batch[0])
+            self.stats.samples += batch_size_of(batch)
             self._delivered += 1
             step_started = time.perf_counter()
             yield batch
@@ -860,8 +861,10 @@ def make_loader(
             must pickle (a function at the top level of a module).
         batch_transform: a callable on each batch on the device (MixUp,
             CutMix, kornia or transforms.v2 on the GPU), returning the batch
-            to deliver; it runs before the batch is handed out, its time
-            counted as waiting for data in `stats`.
+            to deliver; on CUDA it runs in the prefetch stream, `prefetch`
+            batches ahead, while the training stream works on earlier ones
+            (on the CPU, in the training loop's thread as each batch is
+            asked for: its time counts as waiting for data in `stats`).
         **unknown: refused: a misspelt setting is an error, never ignored.
 
     Returns:

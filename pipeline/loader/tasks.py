@@ -26,7 +26,7 @@ import dataclasses
 import io
 import json
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -398,3 +398,27 @@ def make_batch(
             continue
         batch.fields[name] = [t.get("fields", {}).get(name) for t in targets]
     return batch
+
+
+def tensors_in(delivered: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a delivered batch: a tensor, a tuple, list or dict of them, a `Batch` (a transform's output too)."""
+    stack = [delivered]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, Batch):
+            stack.extend(getattr(item, field.name) for field in dataclasses.fields(item))
+
+
+def batch_size_of(delivered: Any) -> int:
+    """The samples of a delivered batch: the first dimension of its first tensor (0 when it has none)."""
+    if isinstance(delivered, tuple) and delivered and isinstance(delivered[0], torch.Tensor):
+        return int(delivered[0].shape[0])  # (images, labels): no walk
+    if isinstance(delivered, Batch):
+        return int(delivered.images.shape[0])
+    return next((int(t.shape[0]) for t in tensors_in(delivered) if t.dim()), 0)

@@ -430,3 +430,39 @@ def test_a_look_at_one_sample_brings_its_stored_targets(tmp_path: Path) -> None:
     seg = loader(write_task_dataset(tmp_path / "seg", "segmentation", 8)).dataset[0]
     assert seg.targets["mask"].shape == (seg.image.size[1], seg.image.size[0])
     assert loader(write_task_dataset(tmp_path / "cap", "captions", 8)).dataset[0].targets["caption"].startswith("a picture")
+
+
+def test_elastic_resume_of_a_detection_epoch_on_fewer_ranks_delivers_the_rest_with_their_boxes(tmp_path: Path) -> None:
+    from pipeline.loader import merge_states
+
+    root = write_task_dataset(tmp_path / "det", "detection", 32, fmt="JPEG")
+    seen: list[str] = []
+    states = []
+    for rank in (0, 1):  # two ranks, each two batches into the epoch
+        ranked = loader(root, rank=rank, world_size=2)
+        for number, batch in enumerate(ranked):
+            seen += batch.keys
+            if number == 1:
+                break
+        states.append(ranked.state_dict())
+    one = loader(root, rank=0, world_size=1)
+    one.load_state_dict(merge_states(states))
+    rest: list[str] = []
+    for batch in one:
+        assert_boxes_on_their_colours(batch)
+        rest += batch.keys
+    assert len(seen) == 16 and not set(seen) & set(rest) and len(set(seen) | set(rest)) == 32
+
+
+def test_prepare_from_img2dataset_shards_keeps_every_caption(tmp_path: Path) -> None:
+    from pipeline import PrepareSpec, ResizeSpec, prepare_dataset
+    from pipeline.demo import make_caption_shards
+
+    pattern = make_caption_shards(str(tmp_path / "src"), images=30, per_shard=10)
+    source = sorted(s["txt"].decode() for s in wds.WebDataset(sorted(map(str, (tmp_path / "src").glob("*.tar"))), shardshuffle=False))
+    result = prepare_dataset(PrepareSpec(source=pattern, out=str(tmp_path / "out"), resize=ResizeSpec(size=64)), workers=1)
+    assert result.samples == 30 and result.rejected == 0 and result.task == "captions"
+    prepared = [s for s in wds.WebDataset(sorted(map(str, (tmp_path / "out").glob("*.tar"))), shardshuffle=False)]
+    assert sorted(s["txt"].decode() for s in prepared) == source
+    captions = [c for batch in loader(tmp_path / "out", train=False) for c in batch.captions]  # eval: every sample
+    assert sorted(captions) == source
