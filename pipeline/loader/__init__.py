@@ -8,6 +8,8 @@
     workers.py     the host side of a run: ring slots, the producer thread, the decode pool
     device.py      the device side: flip, float, normalise; the CPU finish; CUDA side-stream prefetch
     crops.py       the crop plan: each sample's random-resized or centre crop box, from its seed and size
+    placement.py   detection recipes: letterbox, scale jitter, IoU crop (which part of an image goes where)
+    tasks.py       targets on their way to a batch (boxes, masks, labels, captions, fields) and `Batch`
     cpu_decode.py  decode on the CPU straight into batch slots (region decoder, simplejpeg, Pillow)
     gpu_decode.py  JPEG decode on the GPU (nvjpeg through torchvision)
 

@@ -6,7 +6,14 @@
     resume.py      what OUT already holds: the plan and shard records, which shards are complete
     pool.py        the process pool over a shard's samples (warm start, survives a crashing decoder)
     sample.py      one source -> one sample: read, decode or the YCbCr path, transform, encode
+    sample_targets.py  a sample's boxes, mask, labels, caption checked and moved with its pixels' geometry
     sources.py     list the images of a folder, a CSV/JSONL list or an fsspec URL, streaming
+    formats.py     which layout a folder has (YOLO, VOC, segmentation); segmentation folders
+    formats_detection.py  COCO JSON, YOLO labels and Pascal VOC XML -> listed samples with boxes
+    formats_tar.py WebDataset shards (img2dataset's) as a source: samples by key, images by byte range
+    formats_common.py  SourceItem, ListingInfo and the checks every format reader shares
+    reads.py       how remote source files are read ahead, many at once, for the store's latency
+    handoff.py     source bytes from the parent to its forked workers through shared memory, not a pipe
     transforms.py  resize modes and the pre-augmented variant sets
     encode.py      JPEG, WebP, PNG or raw .npy bytes of one image
     transcode.py   JPEG in, resized JPEG out without RGB (the native YCbCr path)
