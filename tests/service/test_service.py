@@ -423,3 +423,23 @@ def test_the_service_repairs_a_dataset_and_reaugments_one_prepared_from_a_relati
     record = service.wait_finished(job, timeout=60)
     assert record.state == "succeeded", record.error
     assert read_manifest(local).params["seed"] == 7
+
+
+def test_a_coco_detection_job_on_two_workers_matches_a_local_prepare(service: Service, tmp_path: Path) -> None:
+    from pipeline.demo import make_coco_dataset
+
+    instances = make_coco_dataset(str(tmp_path / "coco"), images=24)
+    service.start_worker("w1")
+    service.start_worker("w2")
+    out = tmp_path / "out"
+    job = service.submit("prepare", instances, str(out), "--size", "64", "--shard-samples", "6")
+    service.wait_finished(job, timeout=90)
+    status = service.status(job)
+    assert status["state"] == "succeeded", status
+    manifest = assert_verified(out)
+    assert manifest.task == "detection" and manifest.classes == ["cat", "dog", "bird"]
+    assert manifest.fields == ["boxes.npy", "box_labels.npy", "iscrowd.npy"]
+    local = tmp_path / "local"
+    spec = dict(service.record(job).payload["spec"])
+    prepare_dataset(PrepareSpec.from_dict({**spec, "out": str(local)}), workers=0)
+    assert shard_bytes(out) == shard_bytes(local)  # boxes and all, sample for sample
