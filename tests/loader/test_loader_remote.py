@@ -334,3 +334,27 @@ def test_two_loaders_sharing_a_cache_with_a_changed_shard_both_deliver_good_samp
     assert got == [expected, expected]
     assert gets(s3_server) == {f"{bucket.name}/{bucket.key(victim.path)}": 1}
     assert hashlib.sha256((cache / "shards" / f"{victim.sha256}.tar").read_bytes()).hexdigest() == victim.sha256
+
+
+def test_a_detection_dataset_from_the_store_through_the_cache_gives_what_local_disk_gives(
+    s3_server: S3Server, s3_upload: Callable[[Path], Bucket], tmp_path: Path
+) -> None:
+    from task_data import write_task_dataset
+
+    local = write_task_dataset(tmp_path / "det", "detection", 24, fmt="JPEG")
+    bucket = s3_upload(local)
+
+    def epochs(source: str, **options: object) -> list[list[tuple[list[str], list[list[float]]]]]:
+        loader = loader_for(source, **options)
+        runs = []
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            runs.append([(batch.keys, [b.tolist() for b in batch.boxes]) for batch in loader])
+        loader.close()
+        return runs
+
+    expected = epochs(str(local))
+    assert epochs(bucket.url, server=s3_server, cache_dir=tmp_path / "cache") == expected
+    s3_server.reset_reads()
+    assert epochs(bucket.url, server=s3_server, cache_dir=tmp_path / "cache") == expected  # from the cache now
+    assert shard_bytes_sent(s3_server, bucket) == 0
