@@ -148,12 +148,38 @@ def target_members(targets: SampleTargets) -> dict[str, bytes]:
     return members
 
 
+def read_npy(data: bytes, name: str) -> np.ndarray:
+    """A `.npy` member's array, its header checked before anything is allocated.
+
+    A hostile header can claim any shape and dtype, and NumPy's header
+    parser raises many kinds of errors on garbage; here the claimed size must
+    fit in the bytes there are, objects (pickles) are refused, and every
+    failure is a TargetError.
+
+    Raises:
+        TargetError: not a .npy array, an object array, or one its bytes cannot hold.
+    """
+    stream = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        claimed = dtype.itemsize * math.prod(shape)
+        if dtype.hasobject or claimed > len(data) - stream.tell():
+            raise ValueError("an object array" if dtype.hasobject else f"its header claims {claimed} bytes")
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as exc:  # NumPy's header parser raises ValueError, SyntaxError, TokenError, TypeError ...
+        raise TargetError(f"{name} is not a .npy array ({str(exc)[:160] or type(exc).__name__})") from None
+    if not isinstance(array, np.ndarray):
+        raise TargetError(f"{name} is not a .npy array")
+    return array
+
+
 def load_npy(data: bytes, name: str, dtypes: tuple[str, ...], ndim: int) -> np.ndarray:
     """A checked `.npy` member: no pickles, one of `dtypes`, `ndim` dimensions, at most MAX_BOXES rows."""
-    try:
-        array = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise TargetError(f"{name} is not a .npy array ({exc})") from exc
+    array = read_npy(data, name)
     if not isinstance(array, np.ndarray) or array.dtype.name not in dtypes or array.ndim != ndim:
         shape = getattr(array, "shape", None)
         raise TargetError(f"{name} must be {'/'.join(dtypes)} with {ndim} dimensions, not {getattr(array, 'dtype', '?')} {shape}")

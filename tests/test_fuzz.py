@@ -341,6 +341,73 @@ def test_a_loader_epoch_under_skip_delivers_full_batches_or_raises_a_gpufeed_err
 # Peak memory over a hostile corpus, in a child process
 
 
+def _valid_targets() -> tuple[bytes, dict[str, bytes]]:
+    from pipeline.targets import SampleTargets, target_members
+
+    boxes = np.array([[2, 3, 20, 30], [10, 5, 40, 28]], np.float32)
+    mask = np.zeros((32, 48), np.uint8)
+    mask[3:30, 2:20] = 1
+    members = target_members(
+        SampleTargets(labels=[0, 2], boxes=boxes, box_labels=np.array([0, 1]), iscrowd=np.array([0, 1]), mask=mask, caption="a cat")
+    )
+    members["json"] = b'{"columns": {"id": 7}}'
+    image = io.BytesIO()
+    Image.new("RGB", (48, 32), (90, 20, 200)).save(image, "PNG")
+    return image.getvalue(), members
+
+
+_target_member = st.sampled_from(["boxes.npy", "box_labels.npy", "iscrowd.npy", "labels.json", "mask.png", "txt", "json"])
+_target_change = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 4096), st.integers(1, 255)),
+    st.tuples(st.just("cut"), st.integers(0, 4096)),
+    st.tuples(st.just("bytes"), st.binary(max_size=300)),
+    st.tuples(
+        st.just("array"),
+        st.sampled_from(["float32", "float64", "int64", "uint8", "bool", "complex64", "int8"]),
+        st.lists(st.integers(0, 5), min_size=0, max_size=3),
+        st.sampled_from([0.0, -1.0, 1e30, float("nan"), float("inf"), 3.0, 2**40]),
+    ),
+)
+
+
+def _changed_member(data: bytes, change: tuple[Any, ...]) -> bytes:
+    if change[0] == "flip":
+        at = change[1] % max(1, len(data))
+        return data[:at] + bytes([data[at] ^ change[2]]) + data[at + 1 :] if data else data
+    if change[0] == "cut":
+        return data[: change[1] % (len(data) + 1)]
+    if change[0] == "bytes":
+        return change[1]
+    _, dtype, shape, value = change
+    buffer = io.BytesIO()
+    with np.errstate(all="ignore"):
+        np.save(buffer, np.full(shape, value).astype(dtype), allow_pickle=False)
+    return buffer.getvalue()
+
+
+@_fuzz_settings(200)
+@given(member=_target_member, changes=st.lists(_target_change, min_size=1, max_size=2), flip=st.booleans())
+def test_a_sample_s_targets_are_delivered_or_are_sample_damage(member: str, changes, flip: bool) -> None:
+    from pipeline.loader.crops import CropSpec
+    from pipeline.loader.tasks import TaskPlan, sample_targets
+
+    image, members = _valid_targets()
+    for change in changes:
+        members[member] = _changed_member(members[member], change)
+    for task in ("detection", "segmentation", "multilabel", "captions"):
+        for recipe in ("crop", "letterbox", "iou_crop"):
+            plan = TaskPlan(task, fields=("json", "boxes.npy"), classes=3)
+            try:
+                found = sample_targets(plan, "png", image, 11, members, CropSpec(24, True, recipe=recipe), flip)
+            except GpufeedError:
+                continue
+            if task == "detection":
+                assert found["boxes"].shape[1:] == (4,) and np.isfinite(found["boxes"]).all()
+                assert len(found["boxes"]) == len(found["box_labels"]) and (found["box_labels"] < 3).all()
+            if task == "segmentation":
+                assert found["mask"].shape == (24, 24)
+
+
 def write_hostile_corpus(root: Path) -> list[Path]:
     """Datasets a user might be handed: a 1.5 GiB member in a sparse shard, counts that lie, a shard that is a pax bomb."""
     made = []

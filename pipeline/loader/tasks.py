@@ -23,7 +23,6 @@ masks `[B, H, W]`, multi-hot labels `[B, C]`), lists where they do not
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import pickle
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +50,7 @@ from ..targets import (
     read_boxes,
     read_caption,
     read_labels,
+    read_npy,
     scale_boxes,
     task_members,
 )
@@ -250,11 +250,8 @@ def field_value(name: str, data: bytes | None) -> Any:
         except (ValueError, RecursionError) as exc:
             raise TargetError(f"{name} is not JSON ({exc})") from exc
     if name.endswith("npy"):
-        try:
-            array = np.load(io.BytesIO(data), allow_pickle=False)
-        except (ValueError, OSError, EOFError) as exc:
-            raise TargetError(f"{name} is not a .npy array ({exc})") from exc
-        if not isinstance(array, np.ndarray) or array.dtype.name not in _NPY_DTYPES:
+        array = read_npy(data, name)
+        if array.dtype.name not in _NPY_DTYPES:
             raise TargetError(f"{name} holds {getattr(array, 'dtype', type(array).__name__)}, not a plain numeric array")
         return array
     if name == "cls" or name.endswith(".cls"):
