@@ -57,7 +57,7 @@ TARGET_MEMBERS = (LABELS_MEMBER, BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER
 TASK_MEMBERS = {
     "classification": (),
     "multilabel": (LABELS_MEMBER,),
-    "detection": (BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER),
+    "detection": (BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER),  # a mask where the dataset has one
     "segmentation": (MASK_MEMBER,),
     "captions": (TEXT_MEMBER,),
 }
