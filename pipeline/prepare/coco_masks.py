@@ -190,13 +190,19 @@ def fill_polygons(polygons: list[np.ndarray], size: tuple[int, int]) -> np.ndarr
     width, height = size
     inside = np.zeros((height, width), np.bool_)
     for points in polygons:
-        inside |= _fill_one(points, width, height)
+        placed = _fill_one(points, width, height)
+        if placed is not None:
+            top, left, region = placed
+            inside[top : top + region.shape[0], left : left + region.shape[1]] |= region
     return inside
 
 
-def _fill_one(points: np.ndarray, width: int, height: int) -> np.ndarray:
-    """One polygon's pixels by scanlines through the pixel centres, all edges at once."""
-    out = np.zeros((height, width), np.bool_)
+def _fill_one(points: np.ndarray, width: int, height: int) -> tuple[int, int, np.ndarray] | None:
+    """One polygon's pixels within its bounds, by scanlines through the pixel centres, all edges at once.
+
+    Returns:
+        (top, left, bool region) or None where it covers no pixel.
+    """
     xa, ya = points[:, 0], points[:, 1]
     xb, yb = np.roll(xa, -1), np.roll(ya, -1)
     low, high = np.minimum(ya, yb), np.maximum(ya, yb)
@@ -204,10 +210,11 @@ def _fill_one(points: np.ndarray, width: int, height: int) -> np.ndarray:
     first = np.clip(np.ceil(low - 0.5), 0, height).astype(np.int64)
     last = np.clip(np.ceil(high - 0.5), 0, height).astype(np.int64)
     spans = last - first
-    if not spans.sum():
-        return out
+    total = int(spans.sum())
+    if not total:
+        return None
     edge = np.repeat(np.arange(len(points)), spans)
-    rows = np.arange(int(spans.sum())) - np.repeat(np.cumsum(spans) - spans, spans) + first[edge]
+    rows = np.arange(total) - np.repeat(np.cumsum(spans) - spans, spans) + first[edge]
     centre = rows + 0.5
     xs = xa[edge] + (centre - ya[edge]) * (xb[edge] - xa[edge]) / (yb[edge] - ya[edge])
     order = np.lexsort((xs, rows))
@@ -215,12 +222,16 @@ def _fill_one(points: np.ndarray, width: int, height: int) -> np.ndarray:
     # Even-odd: crossings pair up within each row (each row has an even number of them).
     starts = np.clip(np.ceil(xs[0::2] - 0.5), 0, width).astype(np.int64)
     stops = np.clip(np.ceil(xs[1::2] - 0.5), 0, width).astype(np.int64)
-    span_rows = rows[0::2]
-    steps = np.zeros((height, width + 1), np.int32)
-    np.add.at(steps, (span_rows, starts), 1)
-    np.add.at(steps, (span_rows, stops), -1)
-    out[:] = np.cumsum(steps, axis=1)[:, :width] > 0
-    return out
+    top, bottom = int(rows[0]), int(rows[-1]) + 1
+    left, right = int(starts.min()), int(stops.max())
+    if right <= left:
+        return None
+    span = right - left + 1
+    at = (rows[0::2] - top) * span
+    cells = (bottom - top) * span
+    steps = np.bincount(at + starts - left, minlength=cells) - np.bincount(at + stops - left, minlength=cells)
+    region = np.cumsum(steps.reshape(bottom - top, span), axis=1)[:, : span - 1] > 0
+    return top, left, region
 
 
 # -- one image -------------------------------------------------------------------
@@ -248,8 +259,8 @@ def rasterise(
     painted = [int(box_labels[n]) + 1 for n, shape in enumerate(shapes) if shape is not None and not (crowd is not None and crowd[n])]
     if ignore_index in painted:
         raise TargetError(f"bad annotation: class {ignore_index - 1} would paint the mask's ignore index {ignore_index}")
-    top = max(int(box_labels.max(initial=-1)) + 1, ignore_index if crowd is not None and crowd.any() else 0)
-    mask = np.zeros((height, width), np.uint8 if top <= 255 else np.uint16)
+    highest = max(int(box_labels.max(initial=-1)) + 1, ignore_index if crowd is not None and crowd.any() else 0)
+    mask = np.zeros((height, width), np.uint8 if highest <= 255 else np.uint16)
     for number, shape in enumerate(shapes):
         if shape is None:
             continue
@@ -261,8 +272,15 @@ def rasterise(
                 region = decode_rle(shape["counts"], shape["size"])
             except ValueError as exc:
                 raise TargetError(f"bad annotation: segmentation {number}: a malformed RLE ({exc})") from None
-        else:
-            region = fill_polygons(shape, stored)
-        is_crowd = crowd is not None and bool(crowd[number])
-        mask[region] = ignore_index if is_crowd else int(box_labels[number]) + 1
+            mask[region] = _value(number, box_labels, crowd, ignore_index)
+            continue
+        for points in shape:  # an annotation's polygons add up: each painted in turn, within its bounds
+            placed = _fill_one(points, width, height)
+            if placed is not None:
+                top, left, part = placed
+                mask[top : top + part.shape[0], left : left + part.shape[1]][part] = _value(number, box_labels, crowd, ignore_index)
     return mask
+
+
+def _value(number: int, box_labels: np.ndarray, crowd: np.ndarray | None, ignore_index: int) -> int:
+    return ignore_index if crowd is not None and bool(crowd[number]) else int(box_labels[number]) + 1

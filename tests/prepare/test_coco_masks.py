@@ -23,7 +23,7 @@ from PIL import Image
 
 from pipeline import PrepareSpec, ResizeSpec, demo, prepare_dataset
 from pipeline.manifest import read_manifest
-from pipeline.prepare.coco_masks import decode_rle, fill_polygons, rle_string_counts
+from pipeline.prepare.coco_masks import check_segmentation, decode_rle, fill_polygons, rasterise, rle_string_counts
 
 # -- reference encoders and rasteriser -------------------------------------------
 
@@ -136,6 +136,17 @@ def test_a_polygon_covers_the_pixels_whose_centre_is_inside(points: list[float])
     np.testing.assert_array_equal(got, ref_polygon(points, 12, 10))
     if len(points) == 8 and points[0] == 2:
         assert got.sum() == (9 - 2) * (7 - 1)
+
+
+def test_an_annotations_polygons_add_up_and_later_annotations_win() -> None:
+    square_a, square_b = [1, 1, 7, 1, 7, 7, 1, 7], [4, 4, 10, 4, 10, 9, 4, 9]
+    shapes = check_segmentation([[square_a, square_b], [[6, 0, 12, 0, 12, 3, 6, 3]], [[0, 8, 3, 8, 3, 10, 0, 10]]], 3)
+    mask = rasterise(shapes, np.array([0, 1, 1]), np.array([0, 0, 1], np.uint8), (12, 10), 255)
+    want = np.zeros((10, 12), np.uint8)
+    want[ref_polygon(square_a, 12, 10) | ref_polygon(square_b, 12, 10)] = 1  # a union, not an even-odd of the parts
+    want[0:3, 6:12] = 2
+    want[8:10, 0:3] = 255  # the crowd
+    np.testing.assert_array_equal(mask, want)
 
 
 @pytest.mark.parametrize(("text", "reason"), [("0a~", "alphabet"), ("0a", "ends inside"), ("0O", "negative")])
