@@ -267,13 +267,14 @@ def make_coco_dataset(
     seed: int = 0,
     min_side: int = 48,
     max_side: int = 128,
+    segmentation: str | None = "polygon",
 ) -> str:
     """Write a COCO detection dataset in COCO's own layout and return the path of its instances JSON.
 
     Layout: `root/<split>/<NNNNNN>.jpg` and `root/annotations/instances_<split>.json`.
     Category ids are 1, 3, 5, ... (COCO's ids have gaps too), named from
     `OBJECT_CLASSES`; each rectangle of `demo_scene(i)` is one annotation with
-    its bbox [x, y, w, h], area, iscrowd and its four corners as a polygon.
+    its bbox [x, y, w, h], area, iscrowd and its shape (`segmentation`).
     Images without objects have no annotations.
 
     Args:
@@ -284,11 +285,18 @@ def make_coco_dataset(
         seed: images and annotations are a pure function of (seed, index).
         min_side: smallest image width/height in pixels (`demo_scene`).
         max_side: largest image width/height in pixels.
+        segmentation: each rectangle's shape: "polygon" (its four corners),
+            "rle" (uncompressed RLE, {"counts": [...], "size": [h, w]}),
+            "compressed" (COCO's compressed RLE string), or None (no
+            `segmentation`: boxes only). Each covers exactly the pixels the
+            rectangle is drawn on.
 
     Raises:
         ConfigError: on impossible settings.
     """
     _check_scene_args(images, classes, min_side, max_side)
+    if segmentation not in ("polygon", "rle", "compressed", None):
+        raise ConfigError(f"segmentation must be 'polygon', 'rle', 'compressed' or None, not {segmentation!r}")
     base = Path(root)
     coco: dict[str, list[dict[str, object]]] = {
         "images": [],
@@ -301,19 +309,54 @@ def make_coco_dataset(
         _save_jpeg(render_scene(scene, index, seed=seed), base / split / name)
         coco["images"].append({"id": index + 1, "file_name": name, "width": scene.width, "height": scene.height})
         for (x0, y0, x1, y1), label, crowd in zip(scene.boxes, scene.labels, scene.crowd):
-            coco["annotations"].append({
+            annotation: dict[str, object] = {
                 "id": len(coco["annotations"]) + 1,
                 "image_id": index + 1,
                 "category_id": 2 * label + 1,
                 "bbox": [x0, y0, x1 - x0, y1 - y0],
                 "area": (x1 - x0) * (y1 - y0),
                 "iscrowd": crowd,
-                "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]],
-            })
+            }
+            if segmentation is not None:
+                annotation["segmentation"] = _demo_shape(segmentation, scene, (x0, y0, x1, y1))
+            coco["annotations"].append(annotation)
     path = base / "annotations" / f"instances_{split}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(coco), encoding="utf-8")
     return str(path)
+
+
+def _demo_shape(kind: str, scene: DemoScene, box: tuple[int, int, int, int]) -> object:
+    x0, y0, x1, y1 = box
+    if kind == "polygon":
+        return [[x0, y0, x1, y0, x1, y1, x0, y1]]
+    region = np.zeros((scene.height, scene.width), np.bool_)
+    region[y0:y1, x0:x1] = True
+    counts = rle_counts(region)
+    return {"counts": rle_string(counts) if kind == "compressed" else counts, "size": [scene.height, scene.width]}
+
+
+def rle_counts(region: np.ndarray) -> list[int]:
+    """COCO's uncompressed RLE counts of an (H, W) bool mask: run lengths in column-major order, zeros first."""
+    flat = np.asarray(region, np.bool_).T.reshape(-1)
+    edges = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+    bounds = np.concatenate([[0], edges, [flat.size]])
+    runs = np.diff(bounds).tolist()
+    return ([0] + runs) if flat.size and flat[0] else runs
+
+
+def rle_string(counts: list[int]) -> str:
+    """COCO's compressed RLE string of run lengths (pycocotools' `rleToString`)."""
+    out = []
+    for i, count in enumerate(counts):
+        value = count - counts[i - 2] if i > 2 else count
+        more = True
+        while more:
+            char = value & 0x1F
+            value >>= 5
+            more = value != -1 if char & 0x10 else value != 0
+            out.append(chr((char | 0x20 if more else char) + 48))
+    return "".join(out)
 
 
 def make_yolo_dataset(

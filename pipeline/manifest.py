@@ -99,7 +99,11 @@ class Manifest:
     mask's value of no class. Manifests written before tasks were recorded
     are classification. `boxes_dropped` counts the boxes prepare left out
     because too little of them stayed in their picture after a crop (0, and
-    not written, when none were).
+    not written, when none were). `mask_classes` names a mask's values
+    where they are not `classes` indices: a detection dataset painted from
+    COCO's shapes holds box class c as c + 1 and 0 as background, so its
+    `mask_classes` is ["background", *classes] (None, and not written,
+    elsewhere).
     """
 
     samples: int
@@ -116,6 +120,7 @@ class Manifest:
     fields: list[str] = dataclasses.field(default_factory=list)
     ignore_index: int | None = None
     boxes_dropped: int = 0
+    mask_classes: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,6 +138,7 @@ class Manifest:
             "fields": self.fields,
             **({"ignore_index": self.ignore_index} if self.ignore_index is not None else {}),
             **({"boxes_dropped": self.boxes_dropped} if self.boxes_dropped else {}),
+            **({"mask_classes": self.mask_classes} if self.mask_classes is not None else {}),
         }
 
     @classmethod
@@ -173,6 +179,7 @@ class Manifest:
                 fields=_fields(data.get("fields", [])),
                 ignore_index=None if data.get("ignore_index") is None else _count(data["ignore_index"], "ignore_index", 65535),
                 boxes_dropped=_count(data.get("boxes_dropped", 0), "boxes_dropped"),
+                mask_classes=_mask_classes(data.get("mask_classes")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where} is malformed: {exc!r}") from exc
@@ -186,6 +193,14 @@ MAX_PARAMS_DEPTH = 32
 MAX_SHARD_BYTES = 1 << 50  # 1 PiB
 MAX_COUNT = 2**63 - 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _mask_classes(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise ValueError("mask_classes must be a list of names (strings)")
+    return list(value)
 
 
 def _capacity(size: int) -> int:

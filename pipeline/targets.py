@@ -10,7 +10,10 @@ shard (every member readable by plain `webdataset`: it decodes `.npy`,
     <key>.boxes.npy        boxes, float32 (N, 4): x0, y0, x1, y1 in pixels of the stored image
     <key>.box_labels.npy   their class indices, int64 (N,)
     <key>.iscrowd.npy      COCO's crowd flags, uint8 (N,), when the source has them
-    <key>.mask.png         class index per pixel (segmentation): 8-bit grey PNG, 16-bit past 255 classes
+    <key>.mask.png         class index per pixel (segmentation): 8-bit grey PNG, 16-bit past 255 classes;
+                           in a detection dataset painted from COCO's polygons/RLE, box class c
+                           is c + 1, 0 background, the ignore index (255) a crowd: the manifest's
+                           `mask_classes` = ["background", *classes] names them
     <key>.txt              a caption or text, UTF-8 (img2dataset's convention)
     <key>.json             what prepare recorded (source, sizes, ops) and the source's other
                            columns, under "columns"
@@ -54,7 +57,7 @@ TARGET_MEMBERS = (LABELS_MEMBER, BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER
 TASK_MEMBERS = {
     "classification": (),
     "multilabel": (LABELS_MEMBER,),
-    "detection": (BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER),
+    "detection": (BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER),  # a mask where the dataset has one
     "segmentation": (MASK_MEMBER,),
     "captions": (TEXT_MEMBER,),
 }

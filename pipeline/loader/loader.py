@@ -957,7 +957,7 @@ def _task_plan(
     classes = len(dataset.classes) or None
     return task_plan(
         spec.task, spec.fields, dataset.task, classes, dataset.ignore_index, spec.min_visible, sample_transform,
-        spec.worker_type,
+        spec.worker_type, dataset.fields,
     )  # fmt: skip
 
 

@@ -17,7 +17,9 @@ own targets).
 
 `Batch` is what such a loader yields: tensors where shapes agree (images,
 masks `[B, H, W]`, multi-hot labels `[B, C]`), lists where they do not
-(boxes per image, captions). It unpacks as `images, targets`.
+(boxes per image, captions). It unpacks as `images, targets`. A detection
+dataset painted from COCO's shapes (its manifest lists `mask.png`) also
+gives `Batch.masks`, cropped and flipped with its boxes.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class TaskPlan:
         ignore_index: a mask's value of no class; also what a crop past a mask's edge gets.
         min_visible: a box keeps at least this fraction of its area after the crop, or is dropped.
         sample_transform: the user's callable on each decoded sample, in the decode workers.
+        masks: detection: the dataset's samples have a `mask.png` (painted from
+            COCO's shapes) and batches carry it as `Batch.masks`, cropped and
+            flipped with the boxes.
     """
 
     task: str
@@ -78,6 +83,7 @@ class TaskPlan:
     ignore_index: int = DEFAULT_IGNORE_INDEX
     min_visible: float = 0.25
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    masks: bool = False
 
     @property
     def keep(self) -> frozenset[str]:
@@ -94,8 +100,12 @@ def task_plan(
     min_visible: float,
     sample_transform: Callable[..., Any] | None,
     worker_type: str,
+    manifest_fields: Sequence[str] = (),
 ) -> TaskPlan | None:
     """The plan of a loader's targets; None for plain classification (the tuple path, unchanged).
+
+    A detection dataset whose manifest lists `mask.png` among its fields
+    (`manifest_fields`) delivers its masks too (`TaskPlan.masks`).
 
     Raises:
         ConfigError: an unknown task or field, or a sample_transform that
@@ -122,7 +132,7 @@ def task_plan(
         return None
     return TaskPlan(
         chosen, names, classes, DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, min_visible,
-        sample_transform,
+        sample_transform, masks=chosen == "detection" and MASK_MEMBER in manifest_fields,
     )  # fmt: skip
 
 
@@ -183,9 +193,8 @@ def sample_targets(
     out: dict[str, Any] = {}
     task = plan.task
     if task in ("detection", "segmentation"):
-        if placement is None:
-            placement = placement_of(plan, extension, data, seed, members, crop)
-        box, (dx, dy, dw, dh) = placement
+        placed = placement if placement is not None else placement_of(plan, extension, data, seed, members, crop)
+        box, (dx, dy, dw, dh) = placed
         size = (crop.size, crop.size)
     if task == "detection":
         boxes, labels, crowd = read_boxes(members, plan.classes)
@@ -198,16 +207,14 @@ def sample_targets(
         if crowd is not None:
             out["iscrowd"] = crowd[keep]
         out["boxes_dropped"] = int(len(keep) - keep.sum())
+        if plan.masks:  # a sample without one (prepared apart) has a mask of the ignore index: no loss from it
+            mask = decode_mask(members[MASK_MEMBER], image_size(extension, data)) if MASK_MEMBER in members else None
+            out["mask"] = _placed_mask(mask, placed, crop.size, flip, plan.ignore_index)
     elif task == "segmentation":
         if MASK_MEMBER not in members:
             raise TargetError(f"no {MASK_MEMBER}")
         mask = decode_mask(members[MASK_MEMBER], image_size(extension, data))
-        cropped = crop_mask(mask, box, (dw, dh), plan.ignore_index)
-        if (dw, dh) != size:
-            canvas = np.full((crop.size, crop.size), plan.ignore_index, cropped.dtype)
-            canvas[dy : dy + dh, dx : dx + dw] = cropped
-            cropped = canvas
-        out["mask"] = np.ascontiguousarray(cropped[:, ::-1] if flip else cropped)
+        out["mask"] = _placed_mask(mask, placed, crop.size, flip, plan.ignore_index)
     elif task == "multilabel":
         out["labels"] = read_labels(members, plan.classes)
     elif task == "captions":
@@ -236,6 +243,24 @@ def stored_targets(members: dict[str, bytes], classes: int | None, size: tuple[i
     if TEXT_MEMBER in members:
         found["caption"] = read_caption(members)
     return found
+
+
+def _placed_mask(mask: np.ndarray | None, placement: Placement, size: int, flip: bool, fill: int) -> np.ndarray:
+    """A sample's mask after its placement in the `size` x `size` output, then its flip (all `fill` without a mask).
+
+    The placement's box is resized nearest-neighbour into its destination;
+    the rest of the output (letterbox padding) is `fill`, the ignore index.
+    """
+    dtype = np.uint16 if fill > 255 or (mask is not None and mask.dtype != np.uint8) else np.uint8
+    if mask is None:
+        return np.full((size, size), fill, dtype)
+    box, (x, y, width, height) = placement
+    cropped = crop_mask(mask, box, (width, height), fill)
+    if (width, height) != (size, size):
+        canvas = np.full((size, size), fill, dtype)
+        canvas[y : y + height, x : x + width] = cropped
+        cropped = canvas
+    return np.ascontiguousarray(cropped[:, ::-1] if flip else cropped)
 
 
 def field_value(name: str, data: bytes | None) -> Any:
@@ -311,7 +336,13 @@ class Batch:
         boxes: detection: per image, float32 [N_i, 4] XYXY pixel boxes in the crop.
         box_labels: detection: per image, int64 [N_i] class indices.
         iscrowd: detection, when the dataset has crowd flags: per image, uint8 [N_i].
-        masks: segmentation: [B, H, W] int64 class indices (the ignore index where no class).
+        masks: segmentation: [B, H, W] int64 class indices (the ignore index where no class);
+            detection, where the dataset has masks (`TaskPlan.masks`: painted
+            from COCO's polygons/RLE): the same, box class c as c + 1, 0
+            background, the ignore index for crowds (the manifest's
+            `mask_classes` names them). One class mask per image, not one per
+            instance, so it stays here and out of the `targets` dicts (which
+            torchvision's Mask R-CNN would read as per-instance masks).
         captions: captions: per image, its text.
         fields: the members asked for with `fields=`, by name: a list with
             one value per sample (str, parsed json, an array, or bytes; None
@@ -386,6 +417,8 @@ def make_batch(
         if any("iscrowd" in t for t in targets):
             batch.iscrowd = [torch.as_tensor(t.get("iscrowd", np.zeros(len(t["boxes"]), np.uint8))).to(device) for t in targets]
         batch.boxes_dropped = sum(int(t.get("boxes_dropped", 0)) for t in targets)
+        if plan.masks:
+            batch.masks = torch.from_numpy(np.stack([np.asarray(t["mask"], dtype=np.int64) for t in targets])).to(device)
     elif plan.task == "segmentation":
         batch.masks = torch.from_numpy(np.stack([np.asarray(t["mask"], dtype=np.int64) for t in targets])).to(device)
     elif plan.task == "captions":

@@ -695,7 +695,7 @@ def _cold_read_rate(items: list[Any], readers: int, details: dict[str, Any]) -> 
 
     from ..io.fs import local_path
 
-    paths = [local_path(item.url) for item in items]
+    paths = list(dict.fromkeys(local_path(item.url) for item in items))  # a shard's images share its tar
     evictable = all(path is not None for path in paths)
     details["storage_cache_evicted"] = evictable
     total_bytes = done = 0
@@ -705,7 +705,7 @@ def _cold_read_rate(items: list[Any], readers: int, details: dict[str, Any]) -> 
             if evictable:
                 for path in paths:
                     _evict(path)  # type: ignore[arg-type]
-            total_bytes += sum(pool.map(_read_size, [item.url for item in items]))
+            total_bytes += sum(pool.map(_read_size, items))
             done += len(items)
             elapsed = time.perf_counter() - started
             if elapsed >= 0.5 or not evictable:  # remote files cannot be evicted: one pass
@@ -713,11 +713,12 @@ def _cold_read_rate(items: list[Any], readers: int, details: dict[str, Any]) -> 
                 return done / elapsed
 
 
-def _read_size(url: str) -> int:
-    from ..io.fs import read_source_bytes
+def _read_size(item: Any) -> int:
+    """Bytes read of one image: its file, or its byte range where it sits in a tar (never the whole tar)."""
+    from .decode import item_bytes
 
     try:
-        return len(read_source_bytes(url, 1 << 30))
+        return len(item_bytes(item, 1 << 30))
     except (OSError, ValueError):
         return 0
 
@@ -812,10 +813,12 @@ def _prepare_sample(items: list[Any], scratch: str, fmt: str, size: int, workers
 
     listing = os.path.join(scratch, f"sample-{fmt}.jsonl")
     with open(listing, "w", encoding="utf-8") as handle:
-        for item in items:
+        for number, item in enumerate(items):
             local = local_path(item.url)
             # A list's relative paths are relative to the list's own folder: write absolute ones.
             path = os.path.abspath(local) if local is not None else item.url
+            if isinstance(item.targets, dict) and item.targets.get("tar") is not None:
+                path = _extracted(item, scratch, number)  # a list row names a file: the member, not its tar
             label = f', "label": {_json(item.label)}' if item.label is not None else ""
             handle.write(f'{{"path": {_json(path)}{label}}}\n')
     out = os.path.join(scratch, fmt)
@@ -823,6 +826,23 @@ def _prepare_sample(items: list[Any], scratch: str, fmt: str, size: int, workers
     prepare_dataset(spec, workers=workers, force=True)
     manifest = read_manifest(Output(out))
     return out, sum(s.bytes for s in manifest.shards) / max(1, manifest.samples)
+
+
+def _extracted(item: Any, scratch: str, number: int) -> str:
+    """An image inside a tar (WebDataset shards as the source) written out as a file of the scratch folder."""
+    from .decode import item_bytes
+
+    folder = os.path.join(scratch, "sample-members")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, str(number))
+    if not os.path.exists(path):  # written once, for every candidate format
+        try:
+            data = item_bytes(item)
+        except (OSError, ValueError):
+            data = b""  # prepare rejects it, as it would the member
+        with open(path, "wb") as handle:
+            handle.write(data)
+    return path
 
 
 def _json(value: str) -> str:

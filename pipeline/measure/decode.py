@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -32,11 +33,13 @@ import numpy as np
 
 from ..decode import decode_image, open_image, pil_image
 from ..errors import ConfigError, DecodeError
-from ..io.fs import read_source_bytes
+from ..io.fs import local_path, open_fs, read_source_bytes
 from ..prepare.encode import encode_image
+from ..prepare.sample_targets import read_tar_member, tar_range
 from ..prepare.sources import SourceItem, list_images
 from ..prepare.transforms import required_scale, resize_image
 from ..specs import AugmentSpec, EncodeSpec, ResizeSpec
+from ..targets import TargetError
 from ..units import format_count
 
 MAX_FILE_BYTES = 512 * 1024 * 1024
@@ -132,12 +135,46 @@ def sample_sources(source: str, count: int, seed: int = 0) -> tuple[list[SourceI
     return [item for _, item in sorted(chosen, key=lambda pair: pair[0])], listed
 
 
+def item_bytes(item: SourceItem, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    """The image bytes of a listed item: its file, or its member's byte range where it sits in a tar
+    (a WebDataset shard as the source: `targets["tar"]`), never the whole tar.
+
+    Raises:
+        OSError: it cannot be read.
+        ValueError: it is over `max_bytes`, or its tar range is malformed.
+    """
+    tar = item.targets.get("tar") if isinstance(item.targets, dict) else None
+    if tar is None:
+        return read_source_bytes(item.url, max_bytes)
+    try:
+        offset, size = tar_range(tar, max_bytes)
+    except TargetError as exc:
+        raise ValueError(str(exc)) from None
+    return read_tar_member(item.url, offset, size)
+
+
+def item_size(item: SourceItem) -> int:
+    """The image bytes of a listed item without reading them: its file's size, or its tar member's.
+
+    Raises:
+        OSError: the file's size cannot be read.
+    """
+    tar = item.targets.get("tar") if isinstance(item.targets, dict) else None
+    if isinstance(tar, dict) and isinstance(tar.get("size"), int):
+        return int(tar["size"])
+    local = local_path(item.url)
+    if local is not None:
+        return os.path.getsize(local)
+    fs, inner = open_fs(item.url)
+    return int(fs.size(inner))
+
+
 def read_sample(items: list[SourceItem]) -> list[bytes]:
     """The bytes of each item that can be read (unreadable files are left out)."""
     blobs = []
     for item in items:
         try:
-            blobs.append(read_source_bytes(item.url, MAX_FILE_BYTES))
+            blobs.append(item_bytes(item))
         except (OSError, ValueError):
             continue
     return blobs
@@ -154,7 +191,7 @@ def usable_sample(source: str, count: int, seed: int = 0) -> tuple[list[SourceIt
     kept, blobs = [], []
     for item in items:
         try:
-            data = read_source_bytes(item.url, MAX_FILE_BYTES)
+            data = item_bytes(item)
             decode_image(data, scale_for=lambda w, h: 0.125)  # every byte decoded, DCT-scaled: cheap
         except (OSError, ValueError, DecodeError):
             continue

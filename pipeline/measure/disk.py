@@ -280,24 +280,23 @@ def _bypass_text(direct: bool, memory: bool, fstype: str) -> str:
 
 
 def mean_file_bytes(source: str, limit: int = 1000) -> int:
-    """Mean size of the first `limit` images of a dataset (folder, list or URL).
+    """Mean size of the first `limit` images of a dataset (folder, list, WebDataset shards or URL).
 
     Raises:
         SourceError: the source cannot be listed.
         ConfigError: it holds no images.
     """
-    from ..io.fs import local_path, open_fs
+    from ..io.fs import local_path
     from ..prepare.sources import list_images
+    from .decode import item_size
 
     sizes = []
     for item in itertools.islice(list_images(source), limit):
-        local = local_path(item.url)
-        if local is not None:
+        if local_path(item.url) is not None:
             with contextlib.suppress(OSError):
-                sizes.append(os.path.getsize(local))
+                sizes.append(item_size(item))
         else:
-            fs, inner = open_fs(item.url)
-            sizes.append(int(fs.size(inner)))
+            sizes.append(item_size(item))  # an image inside a tar: its member's size, not the tar's
     if not sizes:
         raise ConfigError(f"{source} holds no images to take a mean file size from")
     return max(1, round(sum(sizes) / len(sizes)))

@@ -6,7 +6,10 @@ Each yields one `SourceItem` per image with targets {"boxes", "box_labels",
 - COCO: `bbox` [x, y, w, h] becomes [x, y, x + w, y + h]; the category ids,
   sorted, become class indices 0..K-1 (`ListingInfo.classes` keeps their
   names, a box's label is its category's name); `iscrowd` and the raw
-  `segmentation` (polygons or RLE) of each box are kept. An image without
+  `segmentation` (polygons or RLE) of each box are kept: where any
+  annotation of the file has one, every image carries its list (prepare
+  paints them into the image's `mask.png`, `coco_masks.py`; past 254
+  categories the mask's ignore index is 65535). An image without
   annotations is listed with no boxes. A bad annotation (a bbox that is not
   four finite numbers, a negative width or height, a box outside the image,
   an unknown category) rejects its image with the reason: the image's other
@@ -36,7 +39,7 @@ from typing import Any
 
 from ..errors import ConfigError, SourceError
 from ..io.fs import local_path, open_fs, store_errors
-from ..targets import MAX_BOXES
+from ..targets import DEFAULT_IGNORE_INDEX, MAX_BOXES
 from .formats_common import (
     ANNOTATION_MAX_BYTES,
     ListingInfo,
@@ -140,9 +143,13 @@ def list_coco(source: str, coco: dict[str, Any], info: ListingInfo) -> Iterator[
             continue
         by_image.setdefault(image_id, []).append((number, annotation))
     base = _coco_image_folder(source, coco["images"])
+    # Any shape in the file: then every image gets a mask (one without shapes is all background).
+    shaped = any(annotation.get("segmentation") for group in by_image.values() for _, annotation in group)
+    if shaped and len(names) >= DEFAULT_IGNORE_INDEX:
+        info.ignore_index = 65535  # class c paints c + 1: 255 must stay free for the crowds
     seen: set[Any] = set()
     for number, image in enumerate(coco["images"]):
-        yield _coco_item(base, number, image, by_image, names, seen)
+        yield _coco_item(base, number, image, by_image, names, seen, shaped)
 
 
 def _hashable(value: Any) -> bool:
@@ -194,7 +201,13 @@ def _exists(url: str) -> bool:
 
 
 def _coco_item(
-    base: str, number: int, image: Any, by_image: dict[Any, list[tuple[int, Any]]], names: dict[int, str], seen: set[Any]
+    base: str,
+    number: int,
+    image: Any,
+    by_image: dict[Any, list[tuple[int, Any]]],
+    names: dict[int, str],
+    seen: set[Any],
+    shaped: bool = False,
 ) -> SourceItem:
     name = image.get("file_name") if isinstance(image, dict) else None
     if not isinstance(name, str) or not safe_relative(name):
@@ -221,7 +234,7 @@ def _coco_item(
         crowd.append(int(annotation.get("iscrowd", 0) or 0))
         shapes.append(annotation.get("segmentation"))
     targets: dict[str, Any] = {"boxes": boxes, "box_labels": labels, "iscrowd": crowd, "columns": {"image_id": image_id}}
-    if any(shape for shape in shapes):
+    if shaped:
         targets["segmentation"] = shapes
     return SourceItem(url, name, None, targets=targets)
 

@@ -239,16 +239,22 @@ class _TaskInfo:
     task: str = "classification"
     fields: list[str] = dataclasses.field(default_factory=list)
     ignore_index: int | None = None
+    painted: bool = False  # the masks are painted from COCO's shapes: box class c is c + 1, 0 background
 
     def to_record(self) -> dict[str, Any]:
-        return {"task": self.task, "fields": list(self.fields), "ignore_index": self.ignore_index}
+        record = {"task": self.task, "fields": list(self.fields), "ignore_index": self.ignore_index}
+        return {**record, "painted_masks": True} if self.painted else record
 
     @classmethod
     def from_record(cls, saved: Mapping[str, Any]) -> _TaskInfo:
         """From a saved plan; one saved before tasks were recorded is a classification (with labels if it has classes)."""
         if "task" not in saved:
             return cls("classification", ["cls"] if saved.get("classes") else [])
-        return cls(saved["task"], list(saved.get("fields") or []), saved.get("ignore_index"))
+        return cls(saved["task"], list(saved.get("fields") or []), saved.get("ignore_index"), bool(saved.get("painted_masks")))
+
+    def mask_classes(self, classes: list[str]) -> list[str] | None:
+        """What the values of masks painted from COCO's shapes mean (None for any other dataset)."""
+        return ["background", *classes] if self.painted else None
 
     @property
     def mask_fill(self) -> int:
@@ -262,6 +268,7 @@ _TARGET_FIELDS = (
     ("boxes", (BOXES_MEMBER, BOX_LABELS_MEMBER)),
     ("iscrowd", (ISCROWD_MEMBER,)),
     ("mask", (MASK_MEMBER,)),
+    ("segmentation", (MASK_MEMBER,)),  # COCO's shapes, painted into a mask (`coco_masks.py`)
     ("caption", (TEXT_MEMBER,)),
 )
 # A listing that does not say its task: the first target it has decides.
@@ -298,9 +305,9 @@ class _SeenTargets:
         return class_names(info, labels)
 
     def task_info(self, info: ListingInfo) -> _TaskInfo:
-        fields = (["cls"] if self.labelled else []) + [
+        fields = (["cls"] if self.labelled else []) + list(dict.fromkeys(
             member for key, members in _TARGET_FIELDS if key in self.keys for member in members
-        ]
+        ))  # fmt: skip
         task = info.task if info.task in TASKS else "classification"
         if task == "classification" and not self.labelled:
             task = next((name for member, name in _TASK_OF_FIELD if member in fields), task)
@@ -309,7 +316,8 @@ class _SeenTargets:
             raise SourceError(f"the ignore index of {info.kind or 'the source'} must be a whole number 0 to 65535, not {ignore!r}")
         if ignore is None and MASK_MEMBER in fields:
             ignore = DEFAULT_IGNORE_INDEX
-        return _TaskInfo(task, fields, ignore)
+        painted = "segmentation" in self.keys and "mask" not in self.keys
+        return _TaskInfo(task, fields, ignore, painted)
 
 
 @dataclasses.dataclass
@@ -1001,6 +1009,7 @@ def _finish(
         fields=list(job.task.fields),
         ignore_index=job.task.ignore_index,
         boxes_dropped=dropped,
+        mask_classes=job.task.mask_classes(job.classes),
     )
     write_manifest(job.output, manifest)
     job.listing.close()

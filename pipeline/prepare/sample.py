@@ -16,8 +16,10 @@ the picture upright by the header's EXIF orientation, and its resize is
 `resize_geometry`'s. They become the sample's target members
 (`pipeline.targets`); the sample's json then also records the geometry
 and how many boxes fell out of the picture. A malformed target rejects
-its sample like a bad image. A sample without targets is written exactly
-as before.
+its sample like a bad image. COCO's polygons and RLE are painted into a
+class-index mask of the stored size first (`coco_masks.py`) and then go
+the way of a mask file. A sample without targets is written exactly as
+before.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..io.fs import read_source_bytes, redact_location
 from ..io.tar import sample_tar_bytes
 from ..specs import PrepareSpec
 from ..targets import DEFAULT_IGNORE_INDEX, SampleTargets, TargetError, target_members
+from .coco_masks import rasterise
 from .encode import encode_image
 from .sample_targets import (
     SourceTargets,
@@ -204,6 +207,11 @@ class _Targets:
         self.stored = stored_size(original_size, orientation)
         if self.source.mask is not None and self.mask is None:
             self.mask = read_mask(self.source.mask, spec, self.stored)
+        elif self.source.segmentation is not None and self.mask is None:
+            assert self.source.box_labels is not None  # parse_targets requires boxes with segmentation
+            self.mask = rasterise(
+                self.source.segmentation, self.source.box_labels, self.source.iscrowd, self.stored, self.ignore_index
+            )
 
     def members(self, spec: PrepareSpec, geometry: Geometry, size: tuple[int, int], meta: dict[str, Any]) -> dict[str, bytes]:
         """The target members of one picture (of `size`, made through `geometry`); what they did goes in its `meta`."""

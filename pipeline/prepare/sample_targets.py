@@ -48,6 +48,7 @@ from ..targets import (
     pad_mask,
     scale_boxes,
 )
+from .coco_masks import check_segmentation
 from .transforms import Geometry
 
 MASK_MODES = ("P", "L", "1", "I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -68,6 +69,7 @@ class SourceTargets:
     box_labels: np.ndarray | None = None
     iscrowd: np.ndarray | None = None
     mask: str | None = None
+    segmentation: list[Any] | None = None  # COCO's shapes, one per box (`coco_masks.check_segmentation`)
     caption: str | None = None
     columns: dict[str, Any] | None = None
 
@@ -102,11 +104,17 @@ def parse_targets(raw: Any, classes: dict[str, int]) -> SourceTargets:
             raise TargetError(f"bad annotation: {len(parsed.boxes)} boxes but {len(parsed.box_labels)} box_labels")
         if raw.get("iscrowd") is not None:
             parsed.iscrowd = _crowd(raw["iscrowd"], len(parsed.boxes))
+        if raw.get("segmentation") is not None:
+            parsed.segmentation = check_segmentation(raw["segmentation"], len(parsed.boxes))
     elif raw.get("box_labels") is not None:
         raise TargetError("bad annotation: box_labels without boxes")
+    elif raw.get("segmentation") is not None:
+        raise TargetError("bad annotation: segmentation without boxes (one shape per box)")
     if raw.get("mask") is not None:
         if not isinstance(raw["mask"], str) or not raw["mask"]:
             raise TargetError("bad annotation: mask must be the path or URL of a mask image")
+        if parsed.segmentation is not None:
+            raise TargetError("bad annotation: both a mask file and segmentation shapes: give one")
         parsed.mask = raw["mask"]
     if raw.get("caption") is not None:
         parsed.caption = _caption(raw["caption"])
