@@ -148,13 +148,10 @@ def process_item(
         outcome.reason = data
         return outcome
     label = classes.get(item.label) if item.label is not None else None
+    placing = _Targets(targets, ignore_index) if targets is not None else None
     try:
-        if targets is None:
-            outcome.tars, outcome.warnings = _render(data, key, item, spec, label)
-        else:
-            outcome.tars, outcome.warnings, outcome.boxes_dropped = _render_targets(
-                data, key, item, spec, label, _Targets(targets, ignore_index)
-            )
+        outcome.tars, outcome.warnings = _render(data, key, item, spec, label, placing)
+        outcome.boxes_dropped = placing.dropped if placing is not None else 0
     except TargetError as exc:
         outcome.reason = str(exc)
     except DecodeError as exc:
@@ -165,19 +162,21 @@ def process_item(
 
 
 def _render(
-    data: bytes, key: str, item: SourceItem, spec: PrepareSpec, label: int | None
+    data: bytes, key: str, item: SourceItem, spec: PrepareSpec, label: int | None, targets: _Targets | None = None
 ) -> tuple[list[bytes], list[str]]:
-    """The tar blobs of the file's sample(s) and the decoders' warnings."""
+    """The tar blobs of the file's sample(s) and the decoders' warnings; `targets` are placed with its pixels."""
     refused = None
     if transcode_applies(spec):
         try:  # None for what the YCbCr path does not handle (not a JPEG, CMYK, ...): RGB then
             fast = transcode_jpeg(data, spec)
         except TranscodeRefused as exc:  # Pillow decides, and the message is a warning if it reads the file
             fast, refused = None, exc.message
-        if fast is not None:
+        if fast is not None and targets is None:
             warned = list(fast.warnings)
             meta = _meta(key, item, spec, fast.original_size, fast.size, None, [resize_op(spec.resize)], warned)
             return [sample_tar_bytes(key, _members(spec, label, meta, fast.payload))], warned
+        if fast is not None and targets is not None and resize_geometry(fast.original_size, spec.resize).canvas == fast.size:
+            return [_fast_blob(data, fast, key, item, spec, label, targets)], list(fast.warnings)
     decoded = decode_image(
         data,
         scale_for=lambda w, h: required_scale(spec.resize, spec.augment, w, h),
@@ -186,7 +185,9 @@ def _render(
         padded=True,
         refused=refused,
     )
-    blobs = [sample_tar_bytes(key, members) for members in _render_variants(decoded, key, item, spec, label)]
+    if targets is not None:
+        targets.take_image(spec, decoded.original_size, decoded.orientation)
+    blobs = [sample_tar_bytes(key, members) for members in _render_variants(decoded, key, item, spec, label, targets)]
     return blobs, decoded.warnings
 
 
@@ -232,31 +233,6 @@ class _Targets:
             meta["columns"] = source.columns
         self.dropped += dropped
         return target_members(placed)
-
-
-def _render_targets(
-    data: bytes, key: str, item: SourceItem, spec: PrepareSpec, label: int | None, targets: _Targets
-) -> tuple[list[bytes], list[str], int]:
-    """`_render` for a sample with targets: its tar blobs, the decoders' warnings, the boxes dropped."""
-    refused = None
-    if transcode_applies(spec):
-        try:
-            fast = transcode_jpeg(data, spec)
-        except TranscodeRefused as exc:
-            fast, refused = None, exc.message
-        if fast is not None and resize_geometry(fast.original_size, spec.resize).canvas == fast.size:
-            return [_fast_blob(data, fast, key, item, spec, label, targets)], list(fast.warnings), targets.dropped
-    decoded = decode_image(
-        data,
-        scale_for=lambda w, h: required_scale(spec.resize, spec.augment, w, h),
-        max_pixels=spec.max_pixels,
-        background=spec.background,
-        padded=True,
-        refused=refused,
-    )
-    targets.take_image(spec, decoded.original_size, decoded.orientation)
-    blobs = [sample_tar_bytes(key, members) for members in _render_variants(decoded, key, item, spec, label, targets)]
-    return blobs, decoded.warnings, targets.dropped
 
 
 def _fast_blob(
