@@ -425,16 +425,7 @@ def iter_tar_index(
             data = _read_exact(handle, size)
             if len(data) < size:
                 raise TarFormatError(url, "truncated tar member")
-            if kind == b"L":
-                long_name = _text(data)
-            elif kind == b"x":
-                pax.update(_pax_records(data, url))
-            elif kind == b"g":
-                for keyword, value in _pax_records(data, url).items():
-                    if value:
-                        global_pax[keyword] = value
-                    else:
-                        global_pax.pop(keyword, None)
+            long_name = _take_meta(kind, data, pax, global_pax, url, long_name)
         elif kind in _KEPT:
             size = _pax_size(pax, global_pax, url, size)
             name = _member_path(header, pax, global_pax, long_name)
@@ -577,16 +568,7 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
             yield name, data
             continue
         if kind in _META:
-            if kind == b"L":
-                long_name = _text(data)
-            elif kind == b"x":
-                pax.update(_pax_records(data, url))
-            elif kind == b"g":
-                for keyword, value in _pax_records(data, url).items():
-                    if value:
-                        global_pax[keyword] = value
-                    else:  # POSIX: an empty value deletes the keyword
-                        global_pax.pop(keyword, None)
+            long_name = _take_meta(kind, data, pax, global_pax, url, long_name)
             continue
         long_name = None
         pax = {}
@@ -650,6 +632,23 @@ def _pax_size(pax: dict[str, str], global_pax: dict[str, str], url: str, size: i
     if not _DECIMAL.fullmatch(value):
         raise TarFormatError(url, f"corrupt PAX header (size {value[:40]!r} is not a number)")
     return int(value)
+
+
+def _take_meta(
+    kind: bytes, data: bytes, pax: dict[str, str], global_pax: dict[str, str], url: str, long_name: str | None
+) -> str | None:
+    """A metadata member read: a GNU long name (returned), PAX records for the next member, or global ones."""
+    if kind == b"L":
+        return _text(data)
+    if kind == b"x":
+        pax.update(_pax_records(data, url))
+    elif kind == b"g":
+        for keyword, value in _pax_records(data, url).items():
+            if value:
+                global_pax[keyword] = value
+            else:  # POSIX: an empty value deletes the keyword
+                global_pax.pop(keyword, None)
+    return long_name
 
 
 def _pax_records(data: bytes, url: str) -> dict[str, str]:
