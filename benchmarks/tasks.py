@@ -114,14 +114,14 @@ def ensure_data(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str
     from pipeline.errors import GpufeedError
 
     params = {"n": args.n, "min_side": args.min_side, "max_side": args.max_side, "classes": CLASSES,
-              "per_shard": args.per_shard, "seed": 0}  # fmt: skip
+              "per_shard": args.per_shard, "seed": 0, "coco": "boxes"}  # fmt: skip
     root = os.path.join(os.path.abspath(args.data), f"tasks-{args.n}-{args.min_side}-{args.max_side}")
     marker = os.path.join(root, DATA_MARKER)
     sides = {"min_side": args.min_side, "max_side": args.max_side, "classes": CLASSES}
     if not os.path.exists(marker) or json.load(open(marker)) != params:
         common.fresh_dir(root)
         print(f"generating {args.n} images x 3 datasets under {root} (once) ...", file=sys.stderr)
-        make_coco_dataset(os.path.join(root, "coco"), args.n, **sides)
+        make_coco_dataset(os.path.join(root, "coco"), args.n, segmentation=None, **sides)  # boxes only
         make_segmentation_dataset(os.path.join(root, "segmentation"), args.n, **sides)
         make_caption_shards(os.path.join(root, "captions"), args.n, per_shard=args.per_shard, **sides)
         with open(marker, "w") as handle:
@@ -133,9 +133,13 @@ def ensure_data(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str
         "captions": os.path.join(root, "captions", f"{{00000..{shards - 1:05d}}}.tar"),
     }
     failed: dict[str, str] = {}
-    for name, source in list(paths.items()):
-        out = os.path.join(root, f"{name}-prepared-{args.size}")
-        spec = PrepareSpec(source=source, out=out, resize=ResizeSpec(size=args.size))
+    # What each loader row reads: prepared at --size (shorter side) for the crops; for the letterbox,
+    # at the letterbox's own size (longer side = --crop), as a YOLO user prepares for it.
+    jobs = [(name, source, ResizeSpec(size=args.size), f"{name}-prepared") for name, source in paths.items()]
+    jobs.append(("coco", paths["coco"], ResizeSpec(size=args.crop, mode="longer"), "coco-letterbox-prepared"))
+    for name, source, resize, key in jobs:
+        out = os.path.join(root, f"{key}-{resize.mode}-{resize.size}")
+        spec = PrepareSpec(source=source, out=out, resize=resize)
         try:
             result = prepare_dataset(spec, workers=args.workers)  # a finished one is only checked
         except GpufeedError as exc:  # its rows say so; the others still run
@@ -143,8 +147,8 @@ def ensure_data(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str
             print(f"{name}: {failed[name]}", file=sys.stderr)
             continue
         if not result.already_complete:
-            print(f"prepared {name}: {result.samples} samples in {result.seconds:.1f} s", file=sys.stderr)
-        paths[f"{name}-prepared"] = out
+            print(f"prepared {key}: {result.samples} samples in {result.seconds:.1f} s", file=sys.stderr)
+        paths[key] = out
     return paths, failed
 
 
@@ -152,7 +156,8 @@ def raw_files(paths: dict[str, str]) -> list[str]:
     """Every raw and prepared file, for warming the page cache before each run."""
     found = []
     tops = {os.path.dirname(os.path.dirname(paths["coco"])), os.path.dirname(paths["captions"]), paths["segmentation"]}
-    tops |= {paths[name] for name in ("coco-prepared", "segmentation-prepared", "captions-prepared") if name in paths}
+    prepared = ("coco-prepared", "coco-letterbox-prepared", "segmentation-prepared", "captions-prepared")
+    tops |= {paths[name] for name in prepared if name in paths}
     for top in sorted(tops):
         for dirpath, _, names in os.walk(top):
             found += [os.path.join(dirpath, name) for name in names]
@@ -770,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     runners: dict[str, Callable[[], Run]] = {
         "detection-gpufeed": lambda: run_gpufeed(paths["coco-prepared"], args, "detection"),
         "detection-baseline": lambda: run_detection_baseline(paths, args, use_v2),
-        "letterbox-gpufeed": lambda: run_gpufeed(paths["coco-prepared"], args, "detection", recipe="letterbox"),
+        "letterbox-gpufeed": lambda: run_gpufeed(paths["coco-letterbox-prepared"], args, "detection", recipe="letterbox"),
         "letterbox-baseline": lambda: run_detection_baseline(paths, args, use_v2, letterbox=True),
         "captions-gpufeed": lambda: run_gpufeed(paths["captions"], args, "captions"),
         "captions-gpufeed-prepared": lambda: run_gpufeed(paths["captions-prepared"], args, "captions"),

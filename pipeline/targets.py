@@ -38,6 +38,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -151,39 +152,65 @@ def target_members(targets: SampleTargets) -> dict[str, bytes]:
     return members
 
 
-def read_npy(data: bytes, name: str) -> np.ndarray:
-    """A `.npy` member's array, its header checked before anything is allocated.
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_HEADER = re.compile(
+    rb"\{\s*'descr':\s*'([<>|=]?[biuf?][0-9]{0,2})',\s*'fortran_order':\s*(True|False),\s*"
+    rb"'shape':\s*\(((?:\s*[0-9]{1,12}\s*,)*\s*(?:[0-9]{1,12})?\s*)\),?\s*\}\s*"
+)
 
-    A hostile header can claim any shape and dtype, and NumPy's header
-    parser raises many kinds of errors on garbage; here the claimed size must
-    fit in the bytes there are, objects (pickles) are refused, and every
-    failure is a TargetError.
+
+def read_npy(data: bytes, name: str) -> np.ndarray:
+    """A `.npy` member's array, from its header as NumPy writes it, read without NumPy's parser.
+
+    A hostile header can claim any shape and dtype, and NumPy's own parser
+    (an `ast.literal_eval`, 0.1 ms a member) raises many kinds of errors on
+    garbage. Here only the header NumPy writes for a plain numeric array is
+    accepted (descr, fortran_order, shape), the claimed size must be the
+    bytes there are, and the array is a view of them: no pickle, no
+    allocation a header could ask for.
 
     Raises:
-        TargetError: not a .npy array, an object array, or one its bytes cannot hold.
+        TargetError: not such a .npy array, or one its bytes do not hold.
     """
-    stream = io.BytesIO(data)
+    if data[:6] != _NPY_MAGIC or len(data) < 10:
+        raise TargetError(f"{name} is not a .npy array (no NUMPY magic)")
+    major = data[6]
+    if major == 1:
+        length, start = int.from_bytes(data[8:10], "little"), 10
+    elif major in (2, 3):
+        length, start = int.from_bytes(data[8:12], "little"), 12
+    else:
+        raise TargetError(f"{name} is a .npy array of an unknown version {major}")
+    match = _NPY_HEADER.fullmatch(data[start : start + length])
+    if match is None:
+        raise TargetError(f"{name} is not a plain numeric .npy array (its header is not NumPy's for one)")
     try:
-        version = np.lib.format.read_magic(stream)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
-        claimed = dtype.itemsize * math.prod(shape)
-        if dtype.hasobject or claimed > len(data) - stream.tell():
-            raise ValueError("an object array" if dtype.hasobject else f"its header claims {claimed} bytes")
-        array = np.load(io.BytesIO(data), allow_pickle=False)
-    except Exception as exc:  # NumPy's header parser raises ValueError, SyntaxError, TokenError, TypeError ...
-        raise TargetError(f"{name} is not a .npy array ({str(exc)[:160] or type(exc).__name__})") from None
-    if not isinstance(array, np.ndarray):
-        raise TargetError(f"{name} is not a .npy array")
-    return array
+        dtype = np.dtype(match.group(1).decode("ascii"))
+    except TypeError as exc:
+        raise TargetError(f"{name} has an unknown dtype {match.group(1)!r}") from exc
+    shape = tuple(int(part) for part in match.group(3).split(b",") if part.strip())
+    count = math.prod(shape)
+    if count * dtype.itemsize != len(data) - start - length:
+        raise TargetError(f"{name} holds {len(data) - start - length} bytes of data, its header says {count * dtype.itemsize}")
+    array = np.frombuffer(data, dtype, count, start + length)
+    order = "F" if match.group(2) == b"True" else "C"
+    return array.reshape(shape[::-1]).T if order == "F" else array.reshape(shape)
+
+
+_DTYPE_NAMES = {np.dtype(name).str[1:]: name for name in (
+    "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+)}  # fmt: skip
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """`dtype.name` for the plain numeric dtypes, without its cost (a few microseconds a call)."""
+    return _DTYPE_NAMES.get(dtype.str[1:]) or dtype.name
 
 
 def load_npy(data: bytes, name: str, dtypes: tuple[str, ...], ndim: int) -> np.ndarray:
     """A checked `.npy` member: no pickles, one of `dtypes`, `ndim` dimensions, at most MAX_BOXES rows."""
     array = read_npy(data, name)
-    if not isinstance(array, np.ndarray) or array.dtype.name not in dtypes or array.ndim != ndim:
+    if array.ndim != ndim or _dtype_name(array.dtype) not in dtypes:
         shape = getattr(array, "shape", None)
         raise TargetError(f"{name} must be {'/'.join(dtypes)} with {ndim} dimensions, not {getattr(array, 'dtype', '?')} {shape}")
     if len(array) > MAX_BOXES:
@@ -271,6 +298,34 @@ def crop_boxes(
     moved[:, 0::2] = (moved[:, 0::2] - left) * sx
     moved[:, 1::2] = (moved[:, 1::2] - top) * sy
     return moved
+
+
+def place_boxes(
+    boxes: np.ndarray,
+    box: tuple[float, float, float, float],
+    dest: tuple[int, int, int, int],
+    size: int,
+    min_visible: float,
+    flip: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Boxes after the part `box` (left, top, width, height) of their image is resized into `dest`
+    (x, y, width, height) of a `size` x `size` output, clipped to it, then flipped: (boxes, keep mask).
+
+    What `crop_boxes`, `scale_boxes`, `clip_boxes` and `flip_boxes` do one after the other, in
+    one pass over the boxes (a loader does it for every sample).
+    """
+    left, top, width, height = box
+    x, y, dest_w, dest_h = dest
+    sx, sy = dest_w / width, dest_h / height
+    dx, dy = x - left * sx, y - top * sy
+    moved = boxes * np.array([sx, sy, sx, sy], np.float32) + np.array([dx, dy, dx, dy], np.float32)
+    before = np.maximum(moved[:, 2] - moved[:, 0], 0) * np.maximum(moved[:, 3] - moved[:, 1], 0)
+    np.clip(moved, 0, size, out=moved)
+    after = (moved[:, 2] - moved[:, 0]) * (moved[:, 3] - moved[:, 1])
+    keep = (after > 0) & (after >= min_visible * before - 1e-6)
+    if flip:
+        moved[:, [0, 2]] = size - moved[:, [2, 0]]
+    return moved, keep
 
 
 def scale_boxes(boxes: np.ndarray, sx: float, sy: float, dx: float = 0.0, dy: float = 0.0) -> np.ndarray:

@@ -44,16 +44,12 @@ from ..targets import (
     TASKS,
     TEXT_MEMBER,
     TargetError,
-    box_areas,
-    clip_boxes,
-    crop_boxes,
     crop_mask,
-    flip_boxes,
+    place_boxes,
     read_boxes,
     read_caption,
     read_labels,
     read_npy,
-    scale_boxes,
     task_members,
 )
 from .cpu_decode import image_size
@@ -195,14 +191,9 @@ def sample_targets(
     if task in ("detection", "segmentation"):
         placed = placement if placement is not None else placement_of(plan, extension, data, seed, members, crop)
         box, (dx, dy, dw, dh) = placed
-        size = (crop.size, crop.size)
     if task == "detection":
         boxes, labels, crowd = read_boxes(members, plan.classes)
-        moved = scale_boxes(crop_boxes(boxes, box, (dw, dh)), 1.0, 1.0, dx, dy)
-        before = box_areas(moved)
-        clipped, keep = clip_boxes(moved, size, before, plan.min_visible)
-        if flip:
-            clipped = flip_boxes(clipped, crop.size)
+        clipped, keep = place_boxes(boxes, box, (dx, dy, dw, dh), crop.size, plan.min_visible, flip)
         out["boxes"], out["box_labels"] = clipped[keep], labels[keep]
         if crowd is not None:
             out["iscrowd"] = crowd[keep]
