@@ -369,23 +369,42 @@ def _placed_many(
     affine: Affine | None,
     placements: list[Placement | None] | None,
 ) -> list[tuple[int, str]]:
-    """A detection recipe: each image decoded into the part of its slot its placement says, the rest filled."""
+    """A detection recipe: each image decoded into the part of its slot its placement says, the rest filled.
+
+    The JPEGs go to the region decoder together (one C call for their
+    headers, one for their regions), the others one by one.
+    """
     failures: list[tuple[int, str]] = []
+    views: list[np.ndarray] = list(slots)
+    boxes: dict[int, tuple[float, float, float, float]] = {}
     for index, (extension, data, seed) in enumerate(items):
         try:
             placement = placements[index] if placements is not None else None
             if placement is None:
                 placement = place(_randomness(seed, spec, None), *image_size(extension, data), spec)
-            box, (x, y, width, height) = placement
-            slot = slots[index]
-            _fill(slot, spec.fill, affine)
-            if flips[index]:  # the whole slot mirrored: the image's part sits mirrored too
-                x = spec.size - x - width
-            view = slot[:, y : y + height, x : x + width] if is_planar(slot) else slot[y : y + height, x : x + width]
-            decode_into(view, extension, data, spec, seed, flip=flips[index], affine=affine, box=box)
         except DecodeError as exc:
             failures.append((index, exc.reason))
-    return failures
+            continue
+        box, (x, y, width, height) = placement
+        slot = slots[index]
+        _fill(slot, spec.fill, affine)
+        if flips[index]:  # the whole slot mirrored: the image's part sits mirrored too
+            x = spec.size - x - width
+        views[index] = slot[:, y : y + height, x : x + width] if is_planar(slot) else slot[y : y + height, x : x + width]
+        boxes[index] = box
+    decoder = _region_decoder() if spec.decoder == "region" else None
+    batch = [i for i in boxes if decoder is not None and items[i][0] in ("jpg", "jpeg")]
+    chosen = set(batch)
+    for index in (i for i in boxes if i not in chosen):
+        extension, data, seed = items[index]
+        try:
+            decode_into(views[index], extension, data, spec, seed, flip=flips[index], affine=affine, box=boxes[index])
+        except DecodeError as exc:
+            failures.append((index, exc.reason))
+    if batch:
+        assert decoder is not None
+        failures += _region_many(decoder, views, items, batch, spec, flips, affine, [boxes[i] for i in batch])
+    return sorted(failures)
 
 
 def _fill(slot: np.ndarray, value: int, affine: Affine | None) -> None:
