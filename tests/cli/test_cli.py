@@ -705,7 +705,7 @@ def test_the_readme_and_the_demo_use_no_old_spelling() -> None:
 def test_prepare_and_inspect_say_the_task_a_coco_source_makes(tmp_path: Path) -> None:
     from pipeline.demo import make_coco_dataset
 
-    instances = make_coco_dataset(str(tmp_path / "coco"), images=12)
+    instances = make_coco_dataset(str(tmp_path / "coco"), images=12, segmentation=None)  # boxes only
     out = tmp_path / "shards"
     done = run("prepare", instances, str(out), "--size", "64", "--quiet")
     assert done.returncode == 0, done.stderr
