@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import SourceError, StorageError
+from ..errors import ConfigError, SourceError, StorageError
 from ..redact import redact_url, redact_urls
 from .s3get import getter_for
 
@@ -356,3 +356,22 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def byte_bound(variable: str, default: int, what: str) -> int:
+    """A size bound a user may raise through an environment variable: $`variable`, else `default`.
+
+    Args:
+        variable: the variable's name (GPUFEED_MAX_MEMBER_BYTES, ...).
+        default: the bound without it.
+        what: what the bound is on, for the error ("tar member", "JSON file").
+
+    Raises:
+        ConfigError: the variable is set to something that is not a positive integer.
+    """
+    text = os.environ.get(variable)
+    if not text:
+        return default
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"{variable}={text!r}: give the largest {what} to read, in bytes (a positive integer)")
+    return int(text)

@@ -25,8 +25,8 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, BinaryIO
 from zlib import adler32
 
-from ..errors import ConfigError, GpufeedError, StorageError, write_failure
-from .fs import temp_suffix
+from ..errors import GpufeedError, StorageError, write_failure
+from .fs import byte_bound, temp_suffix
 
 TAR_MTIME = 946684800  # 2000-01-01: fixed so equal jobs give equal tars
 TAR_BLOCK = 512
@@ -453,12 +453,7 @@ def max_member_bytes() -> int:
     Raises:
         ConfigError: the variable is set to something that is not a positive integer.
     """
-    text = os.environ.get(MAX_MEMBER_ENV)
-    if not text:
-        return MAX_MEMBER_BYTES
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ConfigError(f"{MAX_MEMBER_ENV}={text!r}: give the largest tar member to read, in bytes (a positive integer)")
-    return int(text)
+    return byte_bound(MAX_MEMBER_ENV, MAX_MEMBER_BYTES, "tar member")
 
 
 _CHUNK = 1 << 20  # read shards 1 MB at a time into one reused buffer: no fresh pages per read

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import ConfigError, SourceError
-from ..io.fs import local_path, open_fs, store_errors
+from ..io.fs import byte_bound, local_path, open_fs, store_errors
 from ..targets import DEFAULT_IGNORE_INDEX, MAX_BOXES
 from .formats_common import (
     ANNOTATION_MAX_BYTES,
@@ -66,12 +66,7 @@ def coco_max_bytes() -> int:
     Raises:
         ConfigError: the variable is set to something that is not a positive integer.
     """
-    text = os.environ.get(COCO_MAX_ENV)
-    if not text:
-        return COCO_MAX_BYTES
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ConfigError(f"{COCO_MAX_ENV}={text!r}: give the largest JSON file to read, in bytes (a positive integer)")
-    return int(text)
+    return byte_bound(COCO_MAX_ENV, COCO_MAX_BYTES, "JSON file")
 
 
 def read_json_source(source: str) -> dict[str, Any] | None:
