@@ -285,21 +285,6 @@ def _check_indices(values: np.ndarray, classes: int | None, name: str) -> None:
 # -- geometry: boxes -----------------------------------------------------------
 
 
-def crop_boxes(
-    boxes: np.ndarray, box: tuple[float, float, float, float], out_size: tuple[int, int]
-) -> np.ndarray:
-    """Boxes of an image after cropping `box` = (left, top, width, height) and resizing it to `out_size`.
-
-    Not clipped: `clip_boxes` does that (and says which boxes to keep).
-    """
-    left, top, width, height = box
-    sx, sy = out_size[0] / width, out_size[1] / height
-    moved = boxes.astype(np.float32, copy=True)
-    moved[:, 0::2] = (moved[:, 0::2] - left) * sx
-    moved[:, 1::2] = (moved[:, 1::2] - top) * sy
-    return moved
-
-
 def place_boxes(
     boxes: np.ndarray,
     box: tuple[float, float, float, float],
@@ -311,8 +296,8 @@ def place_boxes(
     """Boxes after the part `box` (left, top, width, height) of their image is resized into `dest`
     (x, y, width, height) of a `size` x `size` output, clipped to it, then flipped: (boxes, keep mask).
 
-    What `crop_boxes`, `scale_boxes`, `clip_boxes` and `flip_boxes` do one after the other, in
-    one pass over the boxes (a loader does it for every sample).
+    What `scale_boxes`, `clip_boxes` and `flip_boxes` do one after the other (prepare's
+    geometry), in one pass over the boxes: the loader does it for every sample.
     """
     left, top, width, height = box
     x, y, dest_w, dest_h = dest
@@ -354,7 +339,7 @@ def clip_boxes(
     """Boxes clipped to the output, and which to keep: those with at least `min_visible` of their area left.
 
     Args:
-        moved: boxes in output pixels, not yet clipped (`crop_boxes`, `scale_boxes`).
+        moved: boxes in output pixels, not yet clipped (`scale_boxes`, `affine_boxes`).
         out_size: (width, height) of the output.
         before: the area each box had, in the same (output) pixel units, before clipping.
         min_visible: the fraction of its area a box must keep; a box with no
@@ -431,21 +416,6 @@ def orient_mask(mask: np.ndarray, orientation: int) -> np.ndarray:
     }
     op = ops.get(orientation)
     return mask if op is None else np.ascontiguousarray(op(mask))
-
-
-def letterbox_geometry(width: int, height: int, size: int) -> tuple[float, tuple[int, int], tuple[int, int]]:
-    """Resize keeping the ratio so the longer side is `size`, centred on a size x size canvas.
-
-    Returns:
-        (scale, (resized width, resized height), (left pad, top pad)).
-    """
-    scale = size / max(width, height)
-    new_w, new_h = max(1, round(width * scale)), max(1, round(height * scale))
-    return scale, (new_w, new_h), ((size - new_w) // 2, (size - new_h) // 2)
-
-
-
-# -- geometry: affine (a crop, a resize and a rotation in one) -------------------
 
 
 def affine_boxes(boxes: np.ndarray, matrix: tuple[float, ...]) -> np.ndarray:

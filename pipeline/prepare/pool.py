@@ -101,15 +101,10 @@ def chunk_sizes(total: int, workers: int) -> list[int]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_child(
-    spec_dict: dict[str, Any],
-    classes: list[str],
-    io_threads: int,
-    arena: Arena | None = None,
-    ignore_index: int = DEFAULT_IGNORE_INDEX,
-) -> None:
+def _init_child(*initargs: Any) -> None:
+    """A forked pool worker's start: `_init_worker`'s arguments."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
-    _init_worker(spec_dict, classes, io_threads, arena, ignore_index)
+    _init_worker(*initargs)
 
 
 def _init_worker(
