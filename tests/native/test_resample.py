@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from pipeline import native
-from pipeline.loader import cpu_decode, crops
+from pipeline.loader import crops, slot_pixels
 from pipeline.loader.cpu_decode import decode_many
 from pipeline.loader.crops import Affine, CropSpec
 
@@ -33,7 +33,7 @@ def pil_resize(source: np.ndarray, box, size) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def mode() -> int:
-    found = cpu_decode.resample_mode()
+    found = slot_pixels.resample_mode()
     if found is None:
         pytest.skip("no C resample mode matches this PIL")
     return found
@@ -42,13 +42,13 @@ def mode() -> int:
 @needs_native
 def test_the_pil_in_use_has_a_matching_mode():
     # Pillow-SIMD and Pillow (the two PILs setup can install) both round in a way resample.c reproduces.
-    assert cpu_decode.resample_mode() in (native.PILLOW, native.PILLOW_SIMD)
+    assert slot_pixels.resample_mode() in (native.PILLOW, native.PILLOW_SIMD)
 
 
 @needs_native
 @pytest.mark.parametrize("simd", [True, False])
 def test_resize_equals_pil_bit_for_bit(mode: int, simd: bool):
-    decoder = cpu_decode._region_decoder()
+    decoder = slot_pixels.region_decoder()
     for source, box, size in cases(120, 3):
         ours = np.zeros((size[1], size[0], 3), np.uint8)
         decoder.resize_store(source.ctypes.data, source.shape[1::-1], box, ours, mode, simd=simd)
@@ -58,7 +58,7 @@ def test_resize_equals_pil_bit_for_bit(mode: int, simd: bool):
 @needs_native
 def test_other_mode_is_not_silently_equal(mode: int):
     # The calibration can tell the two roundings apart: the other one differs somewhere.
-    decoder = cpu_decode._region_decoder()
+    decoder = slot_pixels.region_decoder()
     other = native.PILLOW if mode == native.PILLOW_SIMD else native.PILLOW_SIMD
     differs = 0
     for source, box, size in cases(40, 5):
@@ -71,7 +71,7 @@ def test_other_mode_is_not_silently_equal(mode: int):
 @needs_native
 @pytest.mark.parametrize("simd", [True, False])
 def test_layouts_flips_and_float_output_agree(mode: int, simd: bool):
-    decoder = cpu_decode._region_decoder()
+    decoder = slot_pixels.region_decoder()
     scale = np.array([1 / 58.0, 1 / 57.0, 1 / 57.5], np.float32)
     shift = np.array([-2.1, -2.0, -1.8], np.float32)
     affine = Affine.of(scale, shift)
@@ -95,7 +95,7 @@ def test_layouts_flips_and_float_output_agree(mode: int, simd: bool):
 
 @needs_native
 def test_exact_integer_crop_copies_pixels(mode: int):
-    decoder = cpu_decode._region_decoder()
+    decoder = slot_pixels.region_decoder()
     source = np.random.RandomState(1).randint(0, 256, (40, 50, 4)).astype(np.uint8)
     out = np.zeros((3, 20, 30), np.uint8)
     decoder.resize_store(source.ctypes.data, (50, 40), (7.0, 11.0, 37.0, 31.0), out, mode, flip=True)
@@ -126,17 +126,17 @@ def test_loader_decode_path_equals_decode_then_pil_resize(mode: int, dtype, monk
         spec = CropSpec(112, train, decoder="region")
         fused = np.zeros((len(items), 3, 112, 112), dtype)
         assert decode_many(list(fused), items, spec, flips=flips, affine=affine) == []
-        monkeypatch.setattr(cpu_decode, "_resample_mode", None)  # Pillow resizes the decoded regions
+        monkeypatch.setattr(slot_pixels, "_resample_mode", None)  # Pillow resizes the decoded regions
         pillow = np.zeros_like(fused)
         assert decode_many(list(pillow), items, spec, flips=flips, affine=affine) == []
-        monkeypatch.setattr(cpu_decode, "_resample_mode", mode)
+        monkeypatch.setattr(slot_pixels, "_resample_mode", mode)
         assert np.array_equal(fused, pillow), train
 
 
 @needs_native
 def test_c_crop_plans_equal_python_plans():
     # The loader plans crops in C; the other decoders plan them in Python: the same crop for the same seed.
-    decoder = cpu_decode._region_decoder()
+    decoder = slot_pixels.region_decoder()
     rs = np.random.RandomState(11)
     specs = [CropSpec(224, True), CropSpec(112, True, scale=(0.35, 1.0), ratio=(0.5, 2.0)), CropSpec(224, False),
              CropSpec(13, False), CropSpec(61, True, scale=(0.9, 1.0))]  # fmt: skip
