@@ -27,10 +27,14 @@ import torch
 from ..specs import LoaderSpec
 from .crops import Affine, CropSpec, flip_mask
 from .damage import Extras, Item, Report
+from .executors import failed_samples
+from .pacing import RunSlots
+from .pieces import CpuFinish
+from .runs import Run, Upcoming
 from .tasks import TaskPlan, make_batch, tensors_in
-from .workers import CpuFinish, DecodePool, HostBatch, Run, RunSlots, Upcoming, failed_samples
+from .workers import DecodePool, HostBatch
 
-Ready = tuple[torch.Tensor, torch.Tensor, Any]  # images, labels, and the side stream's event (None off CUDA)
+BatchOnDevice = tuple[torch.Tensor, torch.Tensor, Any]  # images, labels, and the side stream's event (None off CUDA)
 
 
 class OutputBuffers:
@@ -187,7 +191,7 @@ class DeviceFinish:
         finally:
             upcoming.close(self.outputs.release)
 
-    def _deliverable(self, ready: Ready, host: HostBatch, side: Any) -> tuple[Any, Any]:
+    def _deliverable(self, on_device: BatchOnDevice, host: HostBatch, side: Any) -> tuple[Any, Any]:
         """What the training loop gets for a batch on the device, and the event it waits for.
 
         (images, labels) for classification; a task's `Batch`, its targets
@@ -196,7 +200,7 @@ class DeviceFinish:
         behind the batch's pixels, while the training stream still works on
         earlier batches.
         """
-        images, labels, done = ready
+        images, labels, done = on_device
         if self.plan is None and self.batch_transform is None:
             return (images, labels), done
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -220,7 +224,7 @@ class DeviceFinish:
         pool: DecodePool,
         report: Report,
         upcoming: Upcoming,
-    ) -> Ready:
+    ) -> BatchOnDevice:
         if self._gpu_decode:
             return self._gpu_decoded(epoch, batch, free, side, pool, report, upcoming)
         if batch.finished is not None:
@@ -247,7 +251,7 @@ class DeviceFinish:
 
     def _cpu_finished(
         self, batch: HostBatch, free: RunSlots, pool: DecodePool, report: Report, upcoming: Upcoming
-    ) -> Ready:
+    ) -> BatchOnDevice:
         _, labels = pool.collect(batch, report, upcoming.later())
         free.put(batch.slot)
         assert batch.finished is not None
@@ -266,7 +270,7 @@ class DeviceFinish:
         pool: DecodePool,
         report: Report,
         upcoming: Upcoming,
-    ) -> Ready:
+    ) -> BatchOnDevice:
         """nvjpeg: decode the batch's JPEGs on the GPU, crop and resize there too."""
         from .gpu_decode import decode_batch_on_gpu
 

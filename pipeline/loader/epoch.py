@@ -7,7 +7,7 @@ end), a few shards are interleaved, then a seeded shuffle buffer mixes
 samples. Because the order is deterministic, resuming mid-epoch is just
 replaying the order and skipping what was already delivered.
 `epoch_records` puts these steps together: the records a run's producer
-batches (`workers.py`). Damaged shards are reported as they are met and the
+batches (`runs.py`). Damaged shards are reported as they are met and the
 samples lost with them made up at the end of the epoch (`damage.py`), so the
 epoch still has its planned number of records."""
 

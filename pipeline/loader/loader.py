@@ -46,10 +46,11 @@ from .dataset import DatasetInfo, resolve_dataset
 from .device import DeviceFinish
 from .elastic import Progress, check_progress, elastic_records, progress_from_state, saved_progress
 from .epoch import epoch_records
+from .runs import Run, new_run, stop_run
 from .samples import LoaderDataset
 from .streaming import ShardOpener
 from .tasks import TaskPlan, batch_size_of, task_plan
-from .workers import DecodePool, Run, new_run, stop_run
+from .workers import DecodePool
 
 log = logging.getLogger("gpufeed.loader")
 WARNINGS_LIMIT = 100  # damage warnings a loader logs at most (one per shard, one per sample)
