@@ -420,7 +420,7 @@ def test_damage_warnings_are_one_per_shard_or_sample_and_bounded(
     dataset: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from pipeline.loader.damage import Damage
-    from pipeline.loader.loader import WARNINGS_LIMIT
+    from pipeline.loader.iteration import WARNINGS_LIMIT
 
     loader = loader_for(dataset)
     with caplog.at_level(logging.WARNING, logger="gpufeed.loader"):
