@@ -1,17 +1,28 @@
 """The online flow: shards in, batches on the training device out (`make_loader`).
 
-    loader.py      make_loader() and Loader: settings, epochs and the runs over them, state, stats
-    dataset.py     what a source names: a manifest, a dataset folder or a brace pattern -> shards
-    streaming.py   opening shards: local as they are, remote ones read ahead, through the local cache
-    epoch.py       each epoch's order (seed, epoch, rank), segments of shards, the shuffle buffer
-    damage.py      the error policy: damaged shards and samples counted, named once, replaced
-    workers.py     the host side of a run: ring slots, the producer thread, the decode pool
-    device.py      the device side: flip, float, normalise; the CPU finish; CUDA side-stream prefetch
-    crops.py       the crop plan: each sample's random-resized or centre crop box, from its seed and size
-    placement.py   detection recipes: letterbox, scale jitter, IoU crop (which part of an image goes where)
-    tasks.py       targets on their way to a batch (boxes, masks, labels, captions, fields) and `Batch`
-    cpu_decode.py  decode on the CPU straight into batch slots (region decoder, simplejpeg, Pillow)
-    gpu_decode.py  JPEG decode on the GPU (nvjpeg through torchvision)
+    loader.py         make_loader(): the settings checked, the dataset resolved, the Loader built over it
+    iteration.py      Loader: epochs and the runs over them, placement, state_dict/load_state_dict, close
+    stats.py          LoaderStats: where the training loop's time goes, what damage cost it
+    ranks.py          rank and world size (given, or torch.distributed's), each rank's epoch size, merge_states
+    elastic.py        elastic resume: an epoch continued at another world size, no sample twice, none skipped
+    dataset.py        what a source names: a manifest, a dataset folder or a brace pattern -> shards
+    samples.py        `loader.dataset[i]`: one sample by its index, as a torchvision dataset gives it
+    streaming.py      opening shards: local as they are, remote ones read ahead, through the local cache
+    epoch.py          each epoch's order (seed, epoch, rank), segments of shards, the shuffle buffer
+    damage.py         the error policy: damaged shards and samples counted, named once, replaced
+    runs.py           a run over one epoch: its producer thread, its queue of batches, stopping it
+    pacing.py         what paces a run: the ring slots it holds, the decode pieces not yet started
+    workers.py        the decode pool: the ring of uint8 batch slots and the workers that decode into it
+    executors.py      where the pool's pieces run (inline, threads, a fork pool) and waiting for them
+    pieces.py         a worker's piece of a batch: pixels into its ring slot, a task's targets
+    device.py         the device side: flip, float, normalise; the CPU finish; CUDA side-stream prefetch
+    crops.py          the crop plan: each sample's random-resized or centre crop box, from its seed and size
+    placement.py      detection recipes: letterbox, scale jitter, IoU crop (which part of an image goes where)
+    tasks.py          targets on their way to a batch (boxes, masks, labels, captions, fields) and `Batch`
+    cpu_decode.py     decode on the CPU straight into batch slots: decode_into, decode_many, the decoder chosen
+    region_decode.py  the region decoder (libjpeg-turbo in pipeline.native) over a piece's JPEGs, one C call
+    slot_pixels.py    decoded pixels into a slot: crop box resized (Pillow or C), flipped, normalised; Pillow's decode
+    gpu_decode.py     JPEG decode on the GPU (nvjpeg through torchvision)
 
 Importing this package is cheap; torch is imported with `loader.py`.
 """
