@@ -4,7 +4,10 @@ The group is assembled here from its modules, none of which imports this one:
 
 - `common`: one-line errors, the group class, missing extras, shared options;
 - `data`: prepare, inspect, reshard, demo-data, doctor;
-- `bench`: bench disk|decode|loader, advise, estimate-memory;
+- `bench`: bench disk|decode|loader;
+- `advise`: advise (the bottleneck, and the prepare that fixes it);
+- `memory`: estimate-memory;
+- `measuring`: what the measuring commands share: option parsers, tables, --json, --plot;
 - `stage`: stage (copy a dataset to local disk);
 - `watch`: watch (is a training command waiting for data, and on what);
 - `progress`: the progress bar and the summaries;
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import click
 
-from . import bench, data, stage, watch
+from . import advise, bench, data, memory, stage, watch
 from .common import GpufeedGroup
 
 __all__ = ["main"]
@@ -29,7 +32,7 @@ def main() -> None:
     """gpufeed keeps GPUs fed: prepare image datasets into fast shards, measure, advise."""
 
 
-for _command in (*data.COMMANDS, *bench.COMMANDS, *watch.COMMANDS):
+for _command in (*data.COMMANDS, *bench.COMMANDS, *advise.COMMANDS, *memory.COMMANDS, *watch.COMMANDS):
     main.add_command(_command)
 main.add_command(stage.stage)
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import click
 
 from ..units import format_bytes
-from .bench import plot_option
 from .common import Duration, exit_on_user_errors, fail
+from .measuring import plot_option
 
 if TYPE_CHECKING:
     from ..measure.watcher import WatchReport, WatchSample

@@ -289,7 +289,7 @@ def test_only_what_prepare_accepts_is_sampled(raw_photos: Path, tmp_path: Path) 
 
 
 def test_apply_says_what_each_prediction_is_and_why_they_differ(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.cli.bench import _print_applied
+    from pipeline.cli.advise import _print_applied
     from pipeline.measure.advise import AdviseResult, ApplyResult
 
     measured_at_advise = dataclasses.replace(JPEG, loader_images_per_s=747.0, others_cpu_share=0.41)

@@ -17,6 +17,7 @@ import pytest
 from pipeline.errors import ConfigError, StorageError
 from pipeline.measure import disk as disk_bench
 from pipeline.measure.disk import WORK_PREFIX, benchmark_disk, mean_file_bytes
+from pipeline.measure.disk_runner import aligned_buffer
 
 MiB = 1 << 20
 SMALL = dict(file_bytes=8 * MiB, block_sizes=(MiB, 2 * MiB), duration_s=0.15, threads=4, small_files=24, small_file_bytes=20_000)
@@ -84,7 +85,7 @@ def test_reads_with_o_direct_into_aligned_buffers(tmp_path: Path, monkeypatch: p
     small_reads = [flags for name, flags in opened if name.endswith(".bin")]
     assert data_reads and all(flags & os.O_DIRECT for flags in data_reads)
     assert small_reads and all(flags & os.O_DIRECT for flags in small_reads)
-    buffer = disk_bench._aligned(3 * 4096)
+    buffer = aligned_buffer(3 * 4096)
     try:
         assert ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % 4096 == 0
     finally:

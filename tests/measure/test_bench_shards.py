@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.demo import make_caption_shards
-from pipeline.measure import advise
+from pipeline.measure import advise_probes
 from pipeline.measure.decode import benchmark_decode, item_bytes, item_size, read_sample, sample_sources
 from pipeline.measure.disk import mean_file_bytes
 from pipeline.prepare.sources import list_images
@@ -64,10 +64,10 @@ def test_cli_bench_decode_on_a_brace_pattern(shards: tuple[str, list[bytes]]) ->
 def test_advise_reads_and_prepares_the_members(shards: tuple[str, list[bytes]], tmp_path: Path) -> None:
     pattern, members = shards
     items, _ = sample_sources(pattern, 6)
-    assert sum(advise._read_size(item) for item in items) == sum(len(item_bytes(item)) for item in items)
+    assert sum(advise_probes.read_size(item) for item in items) == sum(len(item_bytes(item)) for item in items)
     details: dict[str, object] = {}
-    assert advise._cold_read_rate(items, 2, details) > 0
-    out, per_sample = advise._prepare_sample(items, str(tmp_path), "jpeg", 48, 0)
+    assert advise_probes.cold_read_rate(items, 2, details) > 0
+    out, per_sample = advise_probes.prepare_sample(items, str(tmp_path), "jpeg", 48, 0)
     manifest = json.loads((Path(out) / "manifest.json").read_text())
     assert (manifest["samples"], manifest["rejected"]) == (6, 0)
     assert 0 < per_sample < max(map(len, members)) * 2
