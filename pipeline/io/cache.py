@@ -128,7 +128,7 @@ class ShardCache:
     """
 
     _pid: int  # the process `_fills` belongs to
-    _fills: ShardFills  # made again after a fork: see _runtime
+    _fills: ShardFills  # made again after a fork: see _process_fills
 
     def __init__(
         self,
@@ -153,7 +153,7 @@ class ShardCache:
         self._folder.make()
         self._space = CacheSpace(self._folder, self.max_bytes)
         self._pid = -1
-        self._runtime()
+        self._process_fills()
 
     # -- the loader's API
 
@@ -173,7 +173,7 @@ class ShardCache:
             SourceError: the store cannot be read.
             ManifestError: from `read` or `close`, when the shard's bytes do not match the manifest.
         """
-        fills = self._runtime()
+        fills = self._process_fills()
         shard = shard_entry(url, sha256, size)
         poll = POLL_MIN_S
         while True:
@@ -221,7 +221,7 @@ class ShardCache:
         Raises:
             ConfigError: a sha256 or size is invalid.
         """
-        return self._runtime().prefetch(shard_entry(url, sha256, size) for url, sha256, size in shards)
+        return self._process_fills().prefetch(shard_entry(url, sha256, size) for url, sha256, size in shards)
 
     def wait(self) -> None:
         """Wait until the fills this process started (queued prefetches included) are done."""
@@ -255,7 +255,7 @@ class ShardCache:
 
     def stats(self) -> CacheStats:
         """A copy of what this `ShardCache` did in this process."""
-        return self._runtime().stats()
+        return self._process_fills().stats()
 
     def prune(self, keep: Iterable[str]) -> int:
         """Remove the cached shards whose sha256 is not in `keep` (e.g. the current manifest's).
@@ -273,7 +273,7 @@ class ShardCache:
 
     # -- this process
 
-    def _runtime(self) -> ShardFills:
+    def _process_fills(self) -> ShardFills:
         """The fills, threads, locks and counters of this process (fresh after a fork)."""
         if self._pid != os.getpid():
             self._pid = os.getpid()

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ..errors import GpufeedError, ManifestError, SourceError
-from .cache_files import CacheFolder, ShardEntry, hash_prefix, try_lock, unlock
+from .cache_files import CacheFolder, ShardEntry, hash_prefix, sha256_of, try_lock, unlock
 from .fs import open_fs, redact_url
 
 log = logging.getLogger("gpufeed.cache")
@@ -77,7 +77,7 @@ class ShardReader(io.RawIOBase):
         self._shard = shard
         self._fill_file = fill_file
         self._store_file: Any = None
-        self._store_sha256: Any = None
+        self._read_sha256: Any = None  # of every byte read, once they come from the store
         self._position = 0
         self._abandoned = False
         self.verified: bool | None = None
@@ -148,7 +148,7 @@ class ShardReader(io.RawIOBase):
         except Exception as exc:
             raise SourceError(f"cannot read shard {redact_url(self._shard.url)}: {exc}") from exc
         view[: len(data)] = data
-        self._store_sha256.update(data)
+        self._read_sha256.update(data)
         return len(data)
 
     def _fill_alive(self) -> bool:
@@ -183,17 +183,17 @@ class ShardReader(io.RawIOBase):
                 store.seek(self._position)
         except Exception as exc:
             raise SourceError(f"cannot read shard {redact_url(self._shard.url)}: {exc}") from exc
-        self._store_sha256 = hashlib.sha256()
+        self._read_sha256 = hashlib.sha256()
         if self._fill_file is not None:
-            hash_prefix(self._fill_file.fileno(), self._position, self._store_sha256)
+            hash_prefix(self._fill_file.fileno(), self._position, self._read_sha256)
             self._fill_file.close()
             self._fill_file = None
             log.debug("the fill of %s stopped; reading on from the store at byte %d", redact_url(self._shard.url), self._position)
         self._store_file = store
 
     def _check_at_end(self) -> None:
-        if self._store_sha256 is not None:
-            ok = self._position == self._shard.size and self._store_sha256.hexdigest() == self._shard.digest
+        if self._read_sha256 is not None:
+            ok = self._position == self._shard.size and self._read_sha256.hexdigest() == self._shard.digest
         else:
             ok = self._position == self._shard.size and self._fill_verified()
         self.verified = ok
@@ -222,6 +222,4 @@ class ShardReader(io.RawIOBase):
                 break
             fills.progress.wait(seen, poll)  # the filler is checking the last bytes
             poll = min(poll * 2, POLL_MAX_S)
-        hasher = hashlib.sha256()
-        hash_prefix(self._fill_file.fileno(), shard.size, hasher)
-        return hasher.hexdigest() == shard.digest
+        return sha256_of(self._fill_file.fileno(), shard.size) == shard.digest
