@@ -106,7 +106,7 @@ __all__ = ["CacheStats", "CacheUsage", "ShardAddress", "ShardCache", "copy_from_
 
 PREFETCH_THREADS = 6  # downloads in flight: sized for the store's latency, not for the cores
 
-# A fill's lock, taken and let go as a filler does (`cache_files.lock`, `cache_files.unlock`).
+# The flocks under the names this module has always given them: a shard's lock held here reads as a live fill.
 _lock, _unlock = lock, unlock
 
 
