@@ -215,7 +215,7 @@ class ShardFills:
                 log.warning(
                     "shard %s does not match its manifest entry (%d bytes, sha256 %s…; the manifest says %d bytes, %s…): not cached",
                     redact_url(shard.url), count, digest[:12], shard.size, shard.digest[:12],
-                )  # fmt: skip
+                )
         except GpufeedError as exc:  # the store failed: its readers go on from the store and see the error there
             log.debug("filling %s stopped: %s", redact_url(shard.url), exc)
         except OSError as exc:

@@ -80,7 +80,7 @@ def _check_whole(folder: CacheFolder, shard: ShardEntry) -> tuple[BinaryIO | Non
             "cached shard %s (%s) no longer matches its manifest entry (changed on disk since it was cached): "
             "removed, fetched again from the store",
             redact_url(shard.url), path,
-        )  # fmt: skip
+        )
         remove_file(path)
         remove_file(folder.check_path(shard.digest))
         held, shard_lock = shard_lock, None
