@@ -1,8 +1,18 @@
 """Storage for every stage: fsspec paths, atomic output, the tar format, devices.
 
-fs.py       local paths or fsspec URLs, bounded reads, hashes
-output.py   Output: write locally, publish atomically (local folder or any fsspec URL)
-tar.py      the one tar writer and streaming reader for WebDataset shards, one key rule (split_key)
-devices.py  the kind of device behind a path (nvme, ssd, rotational, network) and its free space
-cache.py    ShardCache: remote shards filled into a local, bounded cache as they stream, verified, shared by a machine
+fs.py            local paths or fsspec URLs, bounded reads, hashes
+output.py        Output: write locally, publish atomically (local folder or any fsspec URL)
+tar.py           the one tar streaming reader for WebDataset shards, and where reader and writer are imported from
+tar_format.py    the tar format both share: the one key rule (split_key), the block size, the header parser
+tar_write.py     the one tar writer: members built by hand, a hidden temp file, fsync and rename
+devices.py       the kind of device behind a path (nvme, ssd, rotational, network) and its free space
+cache.py         ShardCache: remote shards filled into a local, bounded cache as they stream, verified, shared by a machine;
+                 it ties the cache_* parts together
+cache_files.py   the shard cache's folder: where each file of a shard lives, the flocks that guard them, file helpers
+cache_fill.py    a shard filled into the cache under its lock, checked and published; prefetches; the download from the store
+cache_follow.py  a reader of a fill in progress (this process's or another's), going on from the store where it stops
+cache_verify.py  a cached shard checked before it is served: its fill's record, a whole sha256 where it differs
+cache_space.py   the cache's space counted across processes, room for a fill reserved or refused, nothing evicted; prune
+s3get.py         S3Getter: one signed GET per object on an S3 store, and signed listings (a fast path beside s3fs)
+getloop.py       GetLoop: many signed GETs in flight on one thread, for prepare's remote reads
 """

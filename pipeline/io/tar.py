@@ -5,239 +5,86 @@ A shard is a tar whose members are grouped into samples by `split_key`:
 `dir/cat-1f2e`. The writer builds member names with the same rule (and
 refuses a key the reader would split differently); the reader groups by it.
 
-Writing: POSIX (ustar) members built by hand with fixed metadata, to a hidden
-temporary name, fsynced and renamed, so identical jobs give identical bytes
-and a partial shard never has a shard's name.
+This module is the reader, and the one place both sides are imported from:
 
-Reading: one sequential pass through a reused 1 MB buffer (the loader's hot
-path), understanding ustar, GNU long names and PAX path records, and
-refusing a damaged header instead of yielding garbage.
+- reading (here): one sequential pass through a reused 1 MB buffer (the
+  loader's hot path), understanding ustar, GNU long names and PAX path
+  records, and refusing a damaged header instead of yielding garbage; and
+  an index of a shard that reads its headers only;
+- writing (`tar_write`): POSIX (ustar) members built by hand with fixed
+  metadata, to a hidden temporary name, fsynced and renamed, so identical
+  jobs give identical bytes and a partial shard never has a shard's name;
+- the format both share (`tar_format`): the key rule, the block size, the
+  header parser and `TarFormatError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
-import re
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any, BinaryIO
+from typing import Any
 from zlib import adler32
 
-from ..errors import GpufeedError, StorageError, write_failure
-from .fs import byte_bound, temp_suffix
+from .fs import byte_bound
+from .tar_format import (
+    META_KINDS,
+    OCTAL_TEXT,
+    REGULAR_KINDS,
+    TAR_BLOCK,
+    ZERO_BLOCK,
+    TarFormatError,
+    header_name,
+    member_name,
+    member_path,
+    parse_header,
+    pax_size,
+    split_key,
+    take_meta,
+)
+from .tar_write import TAR_MTIME, TAR_RECORD, ShardInfo, TarShardWriter, sample_tar_bytes, tar_member
 
-TAR_MTIME = 946684800  # 2000-01-01: fixed so equal jobs give equal tars
-TAR_BLOCK = 512
-TAR_RECORD = 10240  # tar's default record: archives are padded to a multiple of it
+__all__ = [
+    "MAX_MEMBER_BYTES", "MAX_MEMBER_ENV", "MAX_META_BYTES", "TAR_BLOCK", "TAR_MTIME", "TAR_RECORD",
+    "DigestReader", "ShardInfo", "TarFormatError", "TarShardWriter",
+    "group_samples", "iter_tar_index", "iter_tar_members", "iter_tar_samples", "max_member_bytes",
+    "member_name", "sample_tar_bytes", "split_key", "tar_member",
+]  # fmt: skip
 
-# ---------------------------------------------------------------------------
-# The key rule
-
-
-def split_key(name: str) -> tuple[str, str]:
-    """Split a member name into (sample key, extension), the WebDataset way.
-
-    The key is the member path up to the first dot of its base name, folders
-    included; the extension is the rest, lower-cased: `a/b.seg.PNG` is
-    (`a/b`, `seg.png`). A name without a dot in its base name is all key,
-    with the extension "".
-    """
-    dot = name.find(".", name.rfind("/") + 1)
-    if dot < 0:
-        return name, ""
-    return name[:dot], name[dot + 1 :].lower()
-
-
-def member_name(key: str, extension: str) -> str:
-    """The tar member name of one field of a sample: `key.extension`.
-
-    Raises:
-        ValueError: when the key is empty, has an empty base name or contains a
-            dot, or when `split_key` would not give back (key, extension), e.g.
-            for an upper-case extension or one with a slash.
-    """
-    name = f"{key}.{extension}"
-    if "." in key or not key or key.endswith("/") or split_key(name) != (key, extension):
-        raise ValueError(
-            f"cannot store sample {key!r} field {extension!r}: a key needs a base name and no dots, "
-            "an extension no slashes or upper-case letters"
-        )
-    return name
+MAX_MEMBER_BYTES = 256 << 20
+"""The default bound on one member read into memory: far above any image a dataset holds."""
+MAX_META_BYTES = 1 << 20  # a PAX header or GNU long name: a path and a few numbers
+MAX_MEMBER_ENV = "GPUFEED_MAX_MEMBER_BYTES"
 
 
-# ---------------------------------------------------------------------------
-# Writing
-
-
-def tar_member(name: str, data: bytes) -> bytes:
-    """One POSIX ustar member (header + data + padding) with fixed metadata.
-
-    Built by hand instead of through `tarfile`: this runs once per member in
-    the writing process and `tarfile.addfile` costs ~0.08 ms each.
+def max_member_bytes() -> int:
+    """The bound on one tar member read into memory: $GPUFEED_MAX_MEMBER_BYTES, else `MAX_MEMBER_BYTES`.
 
     Raises:
-        ValueError: when the name is over ustar's 100 bytes.
+        ConfigError: the variable is set to something that is not a positive integer.
     """
-    encoded = name.encode("utf-8")
-    if len(encoded) > 100:
-        raise ValueError(f"tar member name over 100 bytes: {name!r}")
-    header = bytearray(TAR_BLOCK)
-    header[0 : len(encoded)] = encoded
-    header[100:108] = b"0000644\0"
-    header[108:116] = b"0000000\0"
-    header[116:124] = b"0000000\0"
-    header[124:136] = b"%011o\0" % len(data)
-    header[136:148] = b"%011o\0" % TAR_MTIME
-    header[148:156] = b"        "
-    header[156:157] = b"0"
-    header[257:265] = b"ustar\x0000"
-    header[148:156] = b"%06o\0 " % sum(header)
-    padding = -len(data) % TAR_BLOCK
-    return bytes(header) + data + b"\0" * padding
+    return byte_bound(MAX_MEMBER_ENV, MAX_MEMBER_BYTES, "tar member")
 
 
-def sample_tar_bytes(key: str, members: dict[str, bytes]) -> bytes:
-    """All members of one sample, ready to append to a shard (extensions in sorted order).
-
-    Raises:
-        ValueError: for a key or extension `member_name` refuses.
-    """
-    return b"".join(tar_member(member_name(key, extension), members[extension]) for extension in sorted(members))
+_CHUNK = 1 << 20  # read shards 1 MB at a time into one reused buffer: no fresh pages per read
+_spare_buffers: list[bytearray] = []
+_spare_buffers_lock = threading.Lock()
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardInfo:
-    """A finished shard, as listed in the manifest."""
-
-    path: str
-    samples: int
-    bytes: int
-    sha256: str
-    variant: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        if self.variant is None:
-            data.pop("variant")
-        return data
+def _take_buffer() -> bytearray:
+    """A read buffer: a spare one, whose pages are already mapped, else a new one."""
+    with _spare_buffers_lock:
+        if _spare_buffers and len(_spare_buffers[-1]) == _CHUNK:
+            return _spare_buffers.pop()
+    return bytearray(_CHUNK)
 
 
-class TarShardWriter:
-    """Write one shard: members go to a hidden temp file; `commit` renames it into place.
+def _give_back(buffer: bytearray) -> None:
+    with _spare_buffers_lock:
+        if len(_spare_buffers) < 8:
+            _spare_buffers.append(buffer)
 
-    Use as a context manager: leaving the block without `commit` (an
-    exception, a cancelled job) removes the temp file, so a partial shard
-    never has a shard's name.
-    """
-
-    def __init__(self, final_path: str) -> None:
-        self.final_path = final_path
-        directory, name = os.path.split(final_path)
-        self.temp_path = os.path.join(directory, f".{name}{temp_suffix()}")
-        self.samples = 0
-        self.bytes = 0
-        self._sha256 = hashlib.sha256()
-        self._raw: BinaryIO | None = None
-
-    def __enter__(self) -> TarShardWriter:
-        try:
-            os.makedirs(os.path.dirname(self.final_path) or ".", exist_ok=True)
-            self._raw = open(self.temp_path, "wb")
-        except OSError as exc:
-            raise StorageError(f"cannot create {self.temp_path}: {exc.strerror or exc}") from exc
-        return self
-
-    def _write(self, data: bytes) -> None:
-        assert self._raw is not None
-        try:
-            self._raw.write(data)
-        except OSError as exc:
-            raise write_failure(self.final_path, exc) from exc
-        self._sha256.update(data)
-        self.bytes += len(data)
-
-    def write_sample(self, key: str, members: dict[str, bytes]) -> None:
-        """Add one sample: `members` maps extension (e.g. "jpg") to bytes."""
-        self.write_sample_bytes(sample_tar_bytes(key, members))
-
-    def write_sample_bytes(self, blob: bytes) -> None:
-        """Add one sample already encoded by `sample_tar_bytes` (e.g. in a worker process)."""
-        self._write(blob)
-        self.samples += 1
-
-    def commit(self, relative_path: str, variant: int | None = None) -> ShardInfo:
-        """Finish the tar, make it durable, rename it to its final name."""
-        info = self._seal(relative_path, variant)
-        self._rename()
-        return info
-
-    def commit_if_same(self, expected: ShardInfo) -> bool:
-        """Finish the tar and give it its final name only if it is exactly `expected` (size and sha256).
-
-        For a shard written again to repair a dataset: the file the manifest
-        records, or nothing. A tar that differs is left to be removed when the
-        writer's block ends.
-
-        Returns:
-            Whether the tar was `expected` and now has its final name.
-        """
-        info = self._seal(expected.path, expected.variant)
-        if (info.bytes, info.sha256) != (expected.bytes, expected.sha256):
-            return False
-        self._rename()
-        return True
-
-    def _seal(self, relative_path: str, variant: int | None) -> ShardInfo:
-        """End the archive and make the temp file durable."""
-        assert self._raw is not None
-        end = 2 * TAR_BLOCK
-        end += -(self.bytes + end) % TAR_RECORD
-        self._write(b"\0" * end)
-        try:
-            self._raw.flush()
-            os.fsync(self._raw.fileno())
-            self._raw.close()
-        except OSError as exc:
-            raise write_failure(self.final_path, exc) from exc
-        return ShardInfo(relative_path, self.samples, self.bytes, self._sha256.hexdigest(), variant)
-
-    def _rename(self) -> None:
-        try:
-            os.replace(self.temp_path, self.final_path)
-        except OSError as exc:
-            raise write_failure(self.final_path, exc) from exc
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._raw is not None and not self._raw.closed:
-            try:
-                self._raw.close()
-            except OSError:
-                pass  # the temp file is being discarded; a full disk may refuse the final flush
-        if os.path.exists(self.temp_path):
-            os.unlink(self.temp_path)
-
-
-# ---------------------------------------------------------------------------
-# Reading
-
-
-class TarFormatError(GpufeedError, ValueError):
-    """A shard is not a well-formed tar (a corrupt header, a member cut short): the rest of it cannot be trusted.
-
-    Attributes:
-        url: the shard, as the caller named it ("" when not given).
-        reason: what is wrong, without the shard's name.
-    """
-
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(url, reason)
-        self.url = url
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"{self.url}: {self.reason}" if self.url else self.reason
 
 
 class DigestReader:
@@ -372,7 +219,7 @@ def iter_tar_members(handle: Any, url: str = "", *, max_member: int | None = Non
     limit = max_member_bytes() if max_member is None else max_member
     buffer = _take_buffer()
     try:
-        yield from _members(handle, url, buffer, limit)
+        yield from _read_members(handle, url, buffer, limit)
     finally:
         _give_back(buffer)
 
@@ -413,22 +260,22 @@ def iter_tar_index(
             cut = "in a header" if header else "without the end-of-archive blocks"
             raise TarFormatError(url, f"truncated tar archive (it ends {cut})")
         first = False
-        if header == _ZERO_BLOCK:
+        if header == ZERO_BLOCK:
             return
-        size = _parse_header(header, url)
+        size = parse_header(header, url)
         kind = header[156:157]
         start = position + TAR_BLOCK
         data: bytes | None = None
-        if kind in _META:
+        if kind in META_KINDS:
             if size > MAX_META_BYTES:
-                raise _over_bound(url, "a PAX or long-name header", size, MAX_META_BYTES, settable=False)
+                raise _over_bound_error(url, "a PAX or long-name header", size, MAX_META_BYTES, settable=False)
             data = _read_exact(handle, size)
             if len(data) < size:
                 raise TarFormatError(url, "truncated tar member")
-            long_name = _take_meta(kind, data, pax, global_pax, url, long_name)
-        elif kind in _KEPT:
-            size = _pax_size(pax, global_pax, url, size)
-            name = _member_path(header, pax, global_pax, long_name)
+            long_name = take_meta(kind, data, pax, global_pax, url, long_name)
+        elif kind in REGULAR_KINDS:
+            size = pax_size(pax, global_pax, url, size)
+            name = member_path(header, pax, global_pax, long_name)
             long_name, pax = None, {}
             if read is not None and read(name, size):
                 data = _read_exact(handle, size)
@@ -436,60 +283,12 @@ def iter_tar_index(
                     raise TarFormatError(url, "truncated tar member")
             yield name, start, size, data
         else:
-            size = _pax_size(pax, global_pax, url, size)
+            size = pax_size(pax, global_pax, url, size)
             long_name, pax = None, {}
         position = start + size + (-size % TAR_BLOCK)
 
 
-MAX_MEMBER_BYTES = 256 << 20
-"""The default bound on one member read into memory: far above any image a dataset holds."""
-MAX_META_BYTES = 1 << 20  # a PAX header or GNU long name: a path and a few numbers
-MAX_MEMBER_ENV = "GPUFEED_MAX_MEMBER_BYTES"
-
-
-def max_member_bytes() -> int:
-    """The bound on one tar member read into memory: $GPUFEED_MAX_MEMBER_BYTES, else `MAX_MEMBER_BYTES`.
-
-    Raises:
-        ConfigError: the variable is set to something that is not a positive integer.
-    """
-    return byte_bound(MAX_MEMBER_ENV, MAX_MEMBER_BYTES, "tar member")
-
-
-_CHUNK = 1 << 20  # read shards 1 MB at a time into one reused buffer: no fresh pages per read
-_ZERO_BLOCK = bytes(TAR_BLOCK)
-_spare_buffers: list[bytearray] = []
-_spare_lock = threading.Lock()
-
-
-def _take_buffer() -> bytearray:
-    """A read buffer: a spare one, whose pages are already mapped, else a new one."""
-    with _spare_lock:
-        if _spare_buffers and len(_spare_buffers[-1]) == _CHUNK:
-            return _spare_buffers.pop()
-    return bytearray(_CHUNK)
-
-
-def _give_back(buffer: bytearray) -> None:
-    with _spare_lock:
-        if len(_spare_buffers) < 8:
-            _spare_buffers.append(buffer)
-
-
-
-
-_KEPT = (b"0", b"\0", b"7")  # regular files: the members yielded
-_META = (b"x", b"g", b"L", b"K")  # PAX headers and GNU long names: read, applied to what follows
-# mode, uid, gid (8 bytes each), size, mtime (12 each); devmajor, devminor (8 each): octal text
-# ended by NUL or space, or GNU base-256 (first byte 0x80, or 0xff for a negative number).
-_NUMBER8 = rb"(?:[0-7 \0]{8}|[\x80\xff].{7})"
-_NUMBERS = re.compile(rb"%s{3}(?:[0-7 \0]{12}|[\x80\xff].{11}){2}.{181}%s{2}" % (_NUMBER8, _NUMBER8), re.DOTALL)
-_OCTAL_TEXT = b"01234567 \0"
-_HIGH_BYTES = bytes(range(128, 256))
-_DECIMAL = re.compile(r"[0-9]{1,20}")
-
-
-def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[tuple[str, bytes]]:
+def _read_members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[tuple[str, bytes]]:
     view = memoryview(buffer)
     long_name: str | None = None  # a GNU long name, for the next member
     pax: dict[str, str] = {}  # the next member's PAX records (x)
@@ -504,10 +303,10 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
                 cut = "in a header" if end > start else "without the end-of-archive blocks"
                 raise TarFormatError(url, f"truncated tar archive (it ends {cut})")
         header = bytes(view[start : start + TAR_BLOCK])
-        if header == _ZERO_BLOCK:
+        if header == ZERO_BLOCK:
             return  # the end of the archive
         try:  # the usual header, inline: octal text in every number field, the unsigned checksum right
-            if header[100:156].translate(None, _OCTAL_TEXT) or header[329:345].translate(None, _OCTAL_TEXT):
+            if header[100:156].translate(None, OCTAL_TEXT) or header[329:345].translate(None, OCTAL_TEXT):
                 raise ValueError("not octal")
             size = int(header[124:136].partition(b"\0")[0], 8)
             # ASCII only: the byte sum is under 65521, so Adler-32's low half is 1 + the exact sum.
@@ -517,27 +316,27 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
             ) + 256:
                 raise ValueError("checksum")
         except ValueError:  # a closer look: base-256, a signed checksum, an empty field; or the error
-            size = _parse_header(header, url)
+            size = parse_header(header, url)
         kind = header[156:157]
-        keep = regular = kind in _KEPT
+        keep = regular = kind in REGULAR_KINDS
         if regular:
             if pax or global_pax or long_name is not None:
-                size = _pax_size(pax, global_pax, url, size)
-                name = _member_path(header, pax, global_pax, long_name)
-            else:  # _header_name, inline
+                size = pax_size(pax, global_pax, url, size)
+                name = member_path(header, pax, global_pax, long_name)
+            else:  # header_name, inline
                 name = header[:100].partition(b"\0")[0].decode("utf-8", "replace")
                 if header[345] and header[257:262] == b"ustar":
-                    name = _header_name(header)
+                    name = header_name(header)
             if size > limit:
-                raise _over_bound(url, f"tar member {name!r}", size, limit)
-        elif kind in _META:
+                raise _over_bound_error(url, f"tar member {name!r}", size, limit)
+        elif kind in META_KINDS:
             keep = True
             if size > MAX_META_BYTES:
-                raise _over_bound(url, "a PAX or long-name header", size, MAX_META_BYTES, settable=False)
+                raise _over_bound_error(url, "a PAX or long-name header", size, MAX_META_BYTES, settable=False)
         else:  # read past: a folder, a link, a device
-            size = _pax_size(pax, global_pax, url, size)
+            size = pax_size(pax, global_pax, url, size)
             if size > limit:
-                raise _over_bound(url, "a tar member", size, limit)
+                raise _over_bound_error(url, "a tar member", size, limit)
         padded = size + (-size % TAR_BLOCK)
         whole = TAR_BLOCK + padded
         if end - start < whole and whole <= len(buffer):
@@ -562,111 +361,16 @@ def _members(handle: Any, url: str, buffer: bytearray, limit: int) -> Iterator[t
                 pax = {}
             yield name, data
             continue
-        if kind in _META:
-            long_name = _take_meta(kind, data, pax, global_pax, url, long_name)
+        if kind in META_KINDS:
+            long_name = take_meta(kind, data, pax, global_pax, url, long_name)
             continue
         long_name = None
         pax = {}
 
 
-def _over_bound(url: str, what: str, size: int, bound: int, *, settable: bool = True) -> TarFormatError:
+def _over_bound_error(url: str, what: str, size: int, bound: int, *, settable: bool = True) -> TarFormatError:
     hint = f" (set {MAX_MEMBER_ENV} to read larger ones)" if settable else ""
     return TarFormatError(url, f"{what} holds {size} bytes, over the bound of {bound} bytes on one member{hint}")
-
-
-def _parse_header(header: bytes, url: str) -> int:
-    """The size field of a header whose numbers and checksum are exactly right.
-
-    Three parts of the header (148, 248 and 108 bytes around the checksum
-    field) each sum to under 65521, so zlib's Adler-32, whose low half is
-    1 + the byte sum mod 65521, gives each part's exact sum in C: the
-    checksum is their sum plus the field as 8 spaces (256), -3 for the three
-    ones. `_members` checks the usual header inline: octal text in every
-    number field, ASCII only (so one Adler-32 over the whole header is exact).
-    """
-    try:
-        checksum_ok = _header_checksum_ok(header, _octal(header[148:156]))
-    except ValueError:
-        checksum_ok = False
-    if not checksum_ok:
-        raise TarFormatError(url, "corrupt tar header (checksum mismatch)")
-    try:
-        if _NUMBERS.fullmatch(header, 100, 345) is None:
-            raise ValueError("not a number")
-        size = _number(header[124:136])
-    except ValueError:
-        raise TarFormatError(url, "corrupt tar header (a number field is not a number)") from None
-    if size < 0:
-        raise TarFormatError(url, "corrupt tar header (negative size)")
-    return size
-
-
-def _member_path(header: bytes, pax: dict[str, str], global_pax: dict[str, str], long_name: str | None) -> str:
-    """A member's name: its PAX path, else its GNU long name, else a global PAX path, else the header's."""
-    path = pax.get("path")
-    if path is None:
-        path = long_name if long_name is not None else global_pax.get("path")
-    if path:  # an empty PAX path deletes it: the header's name holds
-        return path.rstrip("/")  # as tarfile reads it
-    return _header_name(header)
-
-
-def _header_name(header: bytes) -> str:
-    """The name a ustar header holds: its prefix field, a slash and its name field (or the name alone)."""
-    name = _text(header[:100])
-    if header[345] and header[257:262] == b"ustar":
-        name = _text(header[345:500]) + "/" + name
-    return name
-
-
-def _pax_size(pax: dict[str, str], global_pax: dict[str, str], url: str, size: int) -> int:
-    """A member's size: its PAX `size` record (or a global one) where there is one, else its header's."""
-    value = pax.get("size", global_pax.get("size"))
-    if not value:
-        return size
-    if not _DECIMAL.fullmatch(value):
-        raise TarFormatError(url, f"corrupt PAX header (size {value[:40]!r} is not a number)")
-    return int(value)
-
-
-def _take_meta(
-    kind: bytes, data: bytes, pax: dict[str, str], global_pax: dict[str, str], url: str, long_name: str | None
-) -> str | None:
-    """A metadata member read: a GNU long name (returned), PAX records for the next member, or global ones."""
-    if kind == b"L":
-        return _text(data)
-    if kind == b"x":
-        pax.update(_pax_records(data, url))
-    elif kind == b"g":
-        for keyword, value in _pax_records(data, url).items():
-            if value:
-                global_pax[keyword] = value
-            else:  # POSIX: an empty value deletes the keyword
-                global_pax.pop(keyword, None)
-    return long_name
-
-
-def _pax_records(data: bytes, url: str) -> dict[str, str]:
-    """The records of a PAX header: `LENGTH KEYWORD=VALUE\\n`, LENGTH counting the whole record.
-
-    Raises:
-        TarFormatError: a record that is not one (NUL padding after the last is allowed).
-    """
-    records: dict[str, str] = {}
-    position = 0
-    while position < len(data):
-        if data[position] == 0 and not data[position:].strip(b"\0"):
-            break
-        space = data.find(b" ", position, position + 21)
-        digits = data[position:space] if space > position else b""
-        length = int(digits) if digits.isdigit() else 0
-        stop = position + length
-        keyword, equals, value = data[space + 1 : stop - 1].partition(b"=")
-        if not length or stop > len(data) or data[stop - 1] != 0x0A or not equals or not keyword:
-            raise TarFormatError(url, "corrupt PAX header (a record is not LENGTH KEYWORD=VALUE)")
-        records[keyword.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
-        position = stop
-    return records
 
 
 def _read_into(handle: Any, view: memoryview) -> int:
@@ -718,48 +422,3 @@ def _skip(handle: Any, buffer: bytearray, count: int) -> int:
             break
         left -= got
     return count - left
-
-
-def _number(field: bytes) -> int:
-    """A numeric header field: octal text, or GNU base-256 (0x80: positive, 0xff: negative, two's complement).
-
-    Raises:
-        ValueError: when the field is neither.
-    """
-    if not field[0] & 0x80:
-        return _octal(field)
-    if field[0] not in (0x80, 0xFF):
-        raise ValueError("not base-256")
-    value = int.from_bytes(field[1:], "big")
-    return value - (1 << (8 * (len(field) - 1))) if field[0] == 0xFF else value
-
-
-def _octal(field: bytes) -> int:
-    """Octal text up to the first NUL, spaces around it (as tar writes it); empty is 0.
-
-    Raises:
-        ValueError: anything else (a sign, an underscore, a non-octal digit).
-    """
-    text = field.partition(b"\0")[0]
-    if text.translate(None, _OCTAL_TEXT):  # a sign, an underscore: what int() would take, tar not
-        raise ValueError("not octal")
-    return int(text, 8) if text.strip(b" ") else 0  # int() refuses a space between digits
-
-
-def _header_checksum_ok(header: bytes, stored: int) -> bool:
-    """The tar checksum, exactly: the header's byte sum with the checksum field as spaces, unsigned or signed.
-
-    POSIX sums the bytes unsigned; some old tars summed them signed, and tar
-    accepts either (see `_parse_header` for the sum).
-    """
-    unsigned = (adler32(header[:148]) & 0xFFFF) + (adler32(header[156:404]) & 0xFFFF) + (adler32(header[404:]) & 0xFFFF) + 253
-    if stored == unsigned:
-        return True
-    field = header[148:156]
-    high = len(header) - len(header.translate(None, _HIGH_BYTES)) - (len(field) - len(field.translate(None, _HIGH_BYTES)))
-    return stored == unsigned - 256 * high
-
-
-def _text(field: bytes) -> str:
-    """A NUL-terminated name field, as tarfile reads it (up to the first NUL)."""
-    return field.partition(b"\0")[0].decode("utf-8", "replace")

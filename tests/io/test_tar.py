@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pipeline.io.tar as tar_module
+import pipeline.io.tar_write as tar_write_module
 from pipeline.errors import ConfigError, GpufeedError, StorageError
 from pipeline.io.fs import file_sha256
 from pipeline.io.tar import (
@@ -275,7 +276,7 @@ def _patch_open_full_disk(monkeypatch, budget: int) -> None:
         handle = builtins.open(path, mode, *args, **kwargs)
         return _FullDisk(handle, budget) if "w" in mode else handle
 
-    monkeypatch.setattr(tar_module, "open", opener, raising=False)
+    monkeypatch.setattr(tar_write_module, "open", opener, raising=False)
 
 
 @pytest.mark.parametrize("budget", [0, 1500, 4000])

@@ -268,7 +268,7 @@ def test_full_disk_mid_write_is_a_clear_error_without_manifest(
         handle = builtins.open(path, mode, *args, **kwargs)
         return _FullDisk(handle, 40_000) if "w" in mode and ".tmp-" in str(path) else handle
 
-    monkeypatch.setattr("pipeline.io.tar.open", failing_open, raising=False)
+    monkeypatch.setattr("pipeline.io.tar_write.open", failing_open, raising=False)
     out = tmp_path / "out"
     with pytest.raises(StorageError, match="no space left"):
         prepare_dataset(spec_for(raw, out), workers=0)
