@@ -8,6 +8,26 @@ shards (`prepare_dataset`), re-pack it (`reshard_dataset`), check it
 Importing it is cheap: the names that need torch (`make_loader`, `Loader`,
 `LoaderStats`, `estimate_memory`) are imported on first use, and nothing here
 imports Celery or matplotlib.
+
+The package map (the layers, highest first, are import-linter contracts in
+pyproject.toml):
+
+    cli/          the `gpufeed` command: parsing and printing only
+    measure/      bench disk|decode|loader, advise, estimate-memory, doctor, watch
+    prepare/      the offline flow: raw images in, shards and a manifest out
+    loader/       the online flow: shards in, batches on the training device out
+    demo.py       generated demo datasets (photo-like folders, detection, segmentation, captions)
+    decode.py     the one gate for hostile image bytes: any image file -> upright RGB, or why not
+    manifest.py   manifest.json, the contract between prepare, the loader and the service
+    specs.py      the frozen, validated settings objects (PrepareSpec, LoaderSpec, ...)
+    stage.py      copy a prepared dataset to local disk, verified and resumable
+    targets.py    what a sample holds besides its image (boxes, masks, labels, captions) and its geometry
+    io/           storage: fsspec paths, the S3 transport, atomic output, the tar format, devices, the cache
+    errors.py     the one exception tree
+    units.py      sizes, durations, rates and counts: one parser and one formatter each
+    redact.py     secrets out of text (a URL's user information and signatures as ***)
+    native/       the C code (region JPEG decoder, resampler, YCbCr path), reached through ctypes
+    __main__.py   `python -m pipeline` is the `gpufeed` command
 """
 
 from __future__ import annotations

@@ -16,6 +16,16 @@ Without it the loader decodes whole images with simplejpeg or Pillow and
 prepare takes its RGB path (Pillow decodes, resizes and encodes); the first
 caller that wants the library logs one warning saying so, and `gpufeed
 doctor` (which calls `library_info()`) reports where the library came from.
+
+    __init__.py    library() and library_info(): which build is loaded, and from where
+    build.py       compiling it: the setuptools extension and the first-use build
+    bindings.py    ctypes signatures of every exported function
+    gpufeed.h      the exported prototypes, the one place the C and Python sides agree on
+    _libgpufeed.c  the extension module's shell; it records the digest of the sources it was built from
+    jpegcommon.h   libjpeg-turbo error handling shared by the decoders
+    jpegregion.c   decode only the region of a JPEG a crop reads, at the DCT scale it needs
+    resample.c     the resampling filters into a batch slot
+    ycc.c          prepare's JPEG-to-JPEG resize in YCbCr, without RGB
 """
 
 from __future__ import annotations
