@@ -3,7 +3,8 @@
     job.py         prepare_dataset() and the step API the service calls (plan, write a shard, finish)
     listing.py     the listing spilled to OUT/.gpufeed: JSON lines plus a uint64 offset index
     plan.py        which listing index lands in which shard (a seeded permutation, nothing in memory)
-    resume.py      what OUT already holds: the plan and shard records, which shards are complete
+    resume.py      WorkFolder: what OUT already holds (plan and shard records, temp files, damaged files)
+    lock.py        OUT's lock: one prepare at a time per OUT, across the service's processes
     pool.py        the process pool over a shard's samples (warm start, survives a crashing decoder)
     sample.py      one source -> one sample: read, decode or the YCbCr path, transform, encode
     sample_targets.py  a sample's boxes, mask, labels, caption checked and moved with its pixels' geometry

@@ -66,36 +66,10 @@ from ..targets import (
 )
 from ..units import format_bytes, format_count
 from .listing import Listing, class_names, fetch_listing, share_listing
+from .lock import OutLock, remove_lock
 from .plan import ShardPlan, plan_shards, planned_shard_of, shard_name
 from .pool import IO_THREADS, Chunk, PendingChunk, SamplePool, available_cores, chunk_sizes
-from .resume import (
-    WORK_DIR,
-    OutLock,
-    OutRecords,
-    check_existing,
-    clear_output,
-    damaged_shards,
-    finished_manifest,
-    for_each_shard,
-    has_shard_record,
-    pending_shards,
-    planned_conflict,
-    read_rejects,
-    read_shard_record,
-    recorded_files_intact,
-    recorded_source,
-    remove_lock,
-    remove_shards,
-    remove_stale_temp_files,
-    remove_stale_temp_objects,
-    remove_temp_files,
-    remove_work,
-    set_prefixes,
-    shard_file_problem,
-    shard_record_text,
-    write_plan,
-    write_shard_record,
-)
+from .resume import WORK_DIR, OutRecords, WorkFolder, planned_conflict, set_prefixes
 from .sample import SampleOutcome
 from .sources import ListingInfo, SourceItem, list_images
 
@@ -340,6 +314,10 @@ class _Job:
     repair: _Repair | None = None  # set when the job writes a finished dataset's damaged files again
     task: _TaskInfo = dataclasses.field(default_factory=_TaskInfo)
 
+    @property
+    def folder(self) -> WorkFolder:
+        return WorkFolder(self.output)
+
 
 def prepare_dataset(
     spec: PrepareSpec,
@@ -485,11 +463,11 @@ def _open_or_plan(
         records, _ = at_once(OutRecords(output).read_both, output.makedirs)
     spec = _as_recorded(spec, records)
     _refuse_out_inside_source(spec)
-    finished = check_existing(output, spec, overwrite, records)
+    finished = WorkFolder(output).check_existing(spec, overwrite, records)
     if finished is not None:
-        damaged = damaged_shards(output, finished, verify=verify)
+        damaged = WorkFolder(output).damaged_shards(finished, verify=verify)
         if not damaged:
-            remove_stale_temp_objects(output, finished)
+            WorkFolder(output).remove_stale_temp_objects(finished)
             return finished
         return _start_repair(spec, output, _Repair(finished, damaged), workers, io_threads, check_source)
     if output.is_local:
@@ -506,7 +484,7 @@ def _as_recorded(spec: PrepareSpec, records: OutRecords) -> PrepareSpec:
     another spelling of the same folder still writes the bytes it first wrote.
     """
     source = resolve_location(spec.source)
-    recorded = recorded_source(records)
+    recorded = records.recorded_source()
     if recorded is not None and recorded != source and same_location(recorded, source):
         source = recorded
     return spec if source == spec.source else dataclasses.replace(spec, source=source)
@@ -595,7 +573,7 @@ def _start_job(
         }
         if repair is not None:
             record["repair"] = repair.damaged
-        write_plan(output, record)
+        WorkFolder(output).write_plan(record)
     except BaseException:
         if pool is not None:
             pool.terminate()
@@ -741,7 +719,7 @@ def _check_placement(spec: PrepareSpec, estimated_bytes: int, force: bool) -> li
 def _write_pending_shards(
     job: _Job, workers: int, progress: ProgressCallback | None, started: float, io_threads: int
 ) -> tuple[int, int]:
-    remove_stale_temp_files(job.output, job.spec.augment.variants)
+    job.folder.remove_stale_temp_files(job.spec.augment.variants)
     rewrites = _rewrites(job) if job.repair is not None else {}
     pending = sorted(rewrites) if job.repair is not None else _unwritten(job)
     resumed = job.plan.shards - len(pending)
@@ -762,7 +740,7 @@ def _unwritten(job: _Job) -> list[int]:
     """The planned shards without a complete record. A plan made just now has none written (a plan is made
     only where none is, or where its old records went with it), so its records are not read: on a store,
     a round trip less before the first shard."""
-    return list(range(job.plan.shards)) if job.planned_here else pending_shards(job.output, job.plan.shards)
+    return list(range(job.plan.shards)) if job.planned_here else job.folder.pending_shards(job.plan.shards)
 
 
 def _rewrites(job: _Job, only: int | None = None) -> dict[int, set[str]]:
@@ -773,7 +751,7 @@ def _rewrites(job: _Job, only: int | None = None) -> dict[int, set[str]]:
         shard, recorded = planned_shard_of(rel), job.repair.recorded(rel)
         if shard is None or (only is not None and shard != only):
             continue
-        if recorded is None or shard_file_problem(job.output, recorded, verify=True):
+        if recorded is None or job.folder.shard_file_problem(recorded, verify=True):
             rewrites.setdefault(shard, set()).add(rel)
     return rewrites
 
@@ -819,7 +797,7 @@ def _write_one_shard(
     # a record whose file is missing or of another size counts as unwritten (recorded_files_intact),
     # so a record that lands before its file, or without it, only makes a re-run write the shard again.
     recording = functools.partial(
-        write_shard_record, job.output, shard, infos, rejected, state.warned - warned_before, state.boxes_dropped - dropped_before
+        job.folder.write_shard_record, shard, infos, rejected, state.warned - warned_before, state.boxes_dropped - dropped_before
     )
     record: dict[str, Any] = at_once(*uploads, recording)[-1]
     job.written.append(shard)
@@ -914,8 +892,8 @@ def _check_known_rejects(job: _Job) -> None:
         if outcome.tars is None:
             raise _StrictStop(outcome.source, outcome.reason)
     for shard in range(job.plan.shards):  # a recorded reject stands even if its shard must be written again
-        if has_shard_record(job.output, shard):
-            for entry in read_shard_record(job.output, shard)["rejected"][:1]:
+        if job.folder.has_shard_record(shard):
+            for entry in job.folder.read_shard_record(shard)["rejected"][:1]:
                 raise _StrictStop(entry["source"], entry["reason"], earlier=True)
 
 
@@ -929,18 +907,18 @@ def _abandon(job: _Job) -> None:
         job.pool.terminate()  # the estimate's pool, when no shard was started yet
     job.listing.close()
     if job.repair is not None:  # the finished dataset stays: a repair only rewrites files equal to the manifest's
-        remove_temp_files(job.output)
+        job.folder.remove_temp_files()
         job.output.remove(WORK_DIR)
     elif job.planned_here:
-        clear_output(job.output)
-        remove_temp_files(job.output)
-        remove_work(job.output)
+        job.folder.clear_output()
+        job.folder.remove_temp_files()
+        job.folder.remove_work()
     else:
-        remove_shards(job.output, sorted(set(job.written)))
+        job.folder.remove_shards(sorted(set(job.written)))
 
 
 def _refuse_finished_with_rejects(spec: PrepareSpec, output: Output, manifest: Manifest) -> None:
-    first = next(iter(read_rejects(output)), {"source": "?", "reason": "see rejected.jsonl"})
+    first = next(iter(WorkFolder(output).read_rejects()), {"source": "?", "reason": "see rejected.jsonl"})
     raise SampleError(
         f"{spec.out} already holds this dataset, prepared without strict=True: it left out {format_count(manifest.rejected, 'rejected file')}, "
         f"the first {first['source']}: {first['reason']}; pass overwrite=True to prepare it again"
@@ -991,7 +969,7 @@ def _finish(
     job.output.write_bytes_atomic(REJECTED_NAME, b"".join(rejected_lines))
     if samples == 0:  # a manifest of no samples is no dataset: keep the reasons, write nothing else
         job.listing.close()
-        remove_work(job.output)
+        job.folder.remove_work()
         raise NoImagesError(
             f"no usable images in {job.spec.source}: {format_count(job.listed, 'file')} listed, {rejected} rejected "
             f"(see {job.spec.out.rstrip('/')}/{REJECTED_NAME})"
@@ -1019,13 +997,13 @@ def _finish(
 
 def _clean_up(output: Output, manifest: Manifest) -> None:
     """Once the manifest is written: the temp objects crashed writers left and the work folder go (at once)."""
-    at_once(lambda: remove_stale_temp_objects(output, manifest), lambda: remove_work(output))
+    at_once(lambda: WorkFolder(output).remove_stale_temp_objects(manifest), lambda: WorkFolder(output).remove_work())
 
 
 def _written_and_present(job: _Job) -> tuple[list[dict[str, Any] | None], dict[str, int]]:
     """Every planned shard's record (None: not written) and the size of every file under OUT now (one
     listing, paged on a store: the manifest lists only what OUT holds, and a store may have lost files)."""
-    written, present = at_once(lambda: for_each_shard(job.output, job.plan.shards, _record_or_none), job.output.file_sizes)
+    written, present = at_once(lambda: job.folder.for_each_shard(job.plan.shards, job.folder.shard_record_or_none), job.output.file_sizes)
     return written, present
 
 
@@ -1034,19 +1012,12 @@ def _lost(record: dict[str, Any] | None, present: dict[str, int]) -> bool:
     return record is None or any(present.get(info["path"]) != info["bytes"] for info in record["shards"])
 
 
-def _record_or_none(output: Output, shard: int) -> dict[str, Any] | None:
-    try:
-        return read_shard_record(output, shard)
-    except FileNotFoundError:
-        return None
-
-
 def _finish_repair(job: _Job) -> Manifest:
     """A repair rewrote files exactly as recorded: the manifest and rejected.jsonl stay; the work folder goes."""
     assert job.repair is not None
-    remove_stale_temp_objects(job.output, job.repair.manifest)
+    job.folder.remove_stale_temp_objects(job.repair.manifest)
     job.listing.close()
-    remove_work(job.output)
+    job.folder.remove_work()
     return job.repair.manifest
 
 
@@ -1135,7 +1106,7 @@ def _plan_locked(
         return PreparePlanInfo(shards, done.samples + done.rejected, 0, done.classes, [], True)
     job = job_or_done
     try:
-        remove_stale_temp_files(job.output, spec.augment.variants)
+        job.folder.remove_stale_temp_files(spec.augment.variants)
         pending = sorted(_rewrites(job)) if job.repair is not None else _unwritten(job)
     finally:
         job.listing.close()
@@ -1170,13 +1141,13 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
     """
     records = OutRecords(Output(spec.out))
     # the shard's record is read beside the plan: on a store, one round trip, not two
-    _, recorded = at_once(lambda: records.plan, lambda: shard_record_text(records.output, shard))
+    _, recorded = at_once(lambda: records.plan, lambda: WorkFolder(records.output).shard_record_text(shard))
     job = _load_planned_job(spec, records)
     try:
         if not 0 <= shard < job.plan.shards:
             raise ConfigError(f"shard {shard} is outside the plan (0..{job.plan.shards - 1})")
         rewrite = _rewrites(job, shard).get(shard, set()) if job.repair is not None else set()
-        skipped = not rewrite if job.repair is not None else recorded_files_intact(job.output, recorded)
+        skipped = not rewrite if job.repair is not None else job.folder.recorded_files_intact(recorded)
         if not skipped:
             state = PrepareProgress(0, len(job.plan.positions(shard)), 0, 0.0)
             pool = SamplePool(0, job.spec, job.classes, ignore_index=job.task.mask_fill)
@@ -1221,9 +1192,9 @@ def finish_prepare(spec: PrepareSpec, *, job: str | None = None) -> PrepareResul
     job_id, output = job, Output(spec.out)
     records = OutRecords(output).read_both()
     spec = _as_recorded(spec, records)
-    manifest = finished_manifest(output, spec, records)
+    manifest = WorkFolder(output).finished_manifest(spec, records)
     if manifest is not None:
-        damaged = damaged_shards(output, manifest)
+        damaged = WorkFolder(output).damaged_shards(manifest)
         if damaged:
             listed = ", ".join(f"{path} {problem}" for path, problem in list(damaged.items())[:10])
             raise StorageError(f"cannot finish {spec.out}: {listed}; write those shards first (plan_prepare plans them)")
@@ -1234,7 +1205,7 @@ def finish_prepare(spec: PrepareSpec, *, job: str | None = None) -> PrepareResul
     try:
         if planned.output.is_local:  # sizes and sha256, file by file
             written, present = None, None
-            missing = pending_shards(planned.output, planned.plan.shards)
+            missing = planned.folder.pending_shards(planned.plan.shards)
         else:  # the records and one listing of OUT, at once: the sizes they record are checked against it
             written, present = _written_and_present(planned)
             missing = [shard for shard, record in enumerate(written) if _lost(record, present)]
@@ -1266,10 +1237,10 @@ def discard_prepare(spec: PrepareSpec, *, job: str | None = None) -> None:
     """
     output = Output(spec.out)
     if not output.exists(MANIFEST_NAME):
-        clear_output(output)
+        WorkFolder(output).clear_output()
     else:
         output.remove(WORK_DIR)
-    remove_temp_files(output)
+    WorkFolder(output).remove_temp_files()
     remove_lock(output, job=job)
 
 
@@ -1286,7 +1257,7 @@ def discard_partial_shards(spec: PrepareSpec, *, job: str | None = None) -> None
         job: the service job whose plan took OUT's lock (else a lock no live process holds goes).
     """
     output = Output(spec.out)
-    remove_temp_files(output)
+    WorkFolder(output).remove_temp_files()
     if not output.is_local:
         with contextlib.suppress(StorageError):  # invisible leftovers: a failure here must not fail the cancel
             output.abort_uploads()
@@ -1328,7 +1299,7 @@ def _load_planned_job(spec: PrepareSpec, records: OutRecords | None = None, *, w
         raise planned_conflict(spec, saved.get("identity") or {})
     repair = None
     if saved.get("repair"):
-        manifest = finished_manifest(output, spec, records)
+        manifest = WorkFolder(output).finished_manifest(spec, records)
         if manifest is None:
             raise ConfigError(f"{spec.out} has no planned prepare (its planned repair lost its manifest); run plan_prepare first")
         repair = _Repair(manifest, dict(saved["repair"]))
