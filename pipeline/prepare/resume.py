@@ -9,7 +9,7 @@ holds a manifest of the same settings the dataset is complete, and whatever
 is left of the work folder is a leftover of a run that stopped just after.
 A finished dataset is checked too: a shard file that is missing or has
 another size than its manifest entry (with `verify`, another sha256) is
-damaged, and a re-run writes it again (see `job.py`).
+damaged, and a re-run writes it again (see `repair.py`).
 
 `WorkFolder` owns all of it (the records, the temp-file sweeps, the checks of
 what OUT holds); `OutRecords` caches the two reads every step starts with.

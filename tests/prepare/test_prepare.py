@@ -233,7 +233,7 @@ def test_bad_sources_are_clear_errors(tmp_path: Path) -> None:
 
 
 def test_free_space_check_refuses_unless_forced(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipeline.prepare.job.free_bytes", lambda path: 1000)
+    monkeypatch.setattr("pipeline.prepare.opening.free_bytes", lambda path: 1000)
     with pytest.raises(StorageError, match="free"):
         prepare_dataset(spec_for(raw, tmp_path / "out"), workers=0)
     assert not (tmp_path / "out" / "manifest.json").exists()
