@@ -1,6 +1,7 @@
 """The offline flow: a source of raw images in, sharded WebDataset tar files and a manifest out.
 
-    job.py         prepare_dataset(), and the step API the service calls (plan, write a shard, finish, discard)
+    job.py         prepare_dataset(): one whole job in this process (re-exports the step API)
+    steps.py       the step API the service calls: plan, write a shard, finish, discard
     options.py     RunOptions (how a run goes: workers, force, overwrite, strict, verify ...) and PrepareProgress
     results.py     PrepareResult, and the steps' PreparePlanInfo and ShardRecord
     opening.py     a job opened: what OUT holds read, SRC listed, the shards planned or a saved plan kept

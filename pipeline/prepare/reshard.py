@@ -46,8 +46,9 @@ from ..manifest import (
     write_manifest,
 )
 from ..specs import MAX_SHARDS, PrepareSpec, ShardSpec, Spec, check_int
-from .job import discard_prepare, finish_prepare, prepare_dataset
+from .job import prepare_dataset
 from .plan import shard_name
+from .steps import discard_prepare, finish_prepare
 
 VERSIONS_NAME = ".gpufeed-versions.json"
 SWAP_NAME = ".gpufeed-swap.json"
