@@ -27,7 +27,8 @@
     transforms.py  resize modes and the pre-augmented variant sets
     encode.py      JPEG, WebP, PNG or raw .npy bytes of one image
     transcode.py   JPEG in, resized JPEG out without RGB (the native YCbCr path)
-    reshard.py     re-pack or re-augment a prepared dataset, swapped in atomically
+    reshard.py     re-pack or re-augment a prepared dataset into a new version or a new OUT
+    versions.py    a dataset's versions in place and the atomic swap that makes one current
 """
 
 from __future__ import annotations
