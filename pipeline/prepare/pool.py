@@ -276,20 +276,20 @@ class SamplePool:
     def submit(self, chunk: Chunk, cache: dict[int, SampleOutcome] | None = None) -> PendingChunk:
         """Start a chunk; outcomes already in `cache` (taken out of it) are not redone."""
         if cache:
-            known = {index: cache.pop(index) for index, _ in chunk if index in cache}
-            if known:
-                rest = [(index, item) for index, item in chunk if index not in known]
-                return _WithKnown(known, chunk, self.submit(rest) if rest else None)
+            measured = {index: cache.pop(index) for index, _ in chunk if index in cache}
+            if measured:
+                rest = [(index, item) for index, item in chunk if index not in measured]
+                return _MeasuredAndPending(measured, chunk, self.submit(rest) if rest else None)
         if self._executor is None:
             from concurrent.futures import Future
 
             if self._io_threads and any(_read_ahead(item) for _, item in chunk):
-                return _ReadingAhead(chunk)
+                return _ReadAheadInProcess(chunk)
             done: Future[list[SampleOutcome]] = Future()
             done.set_result(_process_chunk(chunk))
             return done
         if self._io_threads and any(_read_ahead(item) for _, item in chunk):
-            return _Fetching(self, chunk)
+            return _ReadInParentThenPooled(self, chunk)
         return self._executor.submit(_process_chunk, chunk)
 
     def _read(self, item: SourceItem) -> Future[Fetched]:
@@ -390,7 +390,7 @@ class SamplePool:
             thread.join(TERMINATE_GRACE_S)
 
 
-class _Fetching:
+class _ReadInParentThenPooled:
     """A chunk of remote sources being read in the parent; it goes to a worker once every read is in.
 
     The reads' last completion (on an I/O thread) submits the chunk to the
@@ -445,7 +445,7 @@ class _Fetching:
                     self._pool._release(read.result())
 
 
-class _ReadingAhead:
+class _ReadAheadInProcess:
     """A chunk that runs in this process (no pool), its remote sources downloading from the moment it is submitted.
 
     The caller submits the next chunk before it takes this one's outcomes, so
@@ -461,12 +461,12 @@ class _ReadingAhead:
         return _outcomes_of_reads(self._chunk, self._reads, _WORKER["spec"], _WORKER["classes"])
 
 
-class _WithKnown:
+class _MeasuredAndPending:
     """A chunk's outcomes: some measured earlier (the size estimate), the rest still running."""
 
-    def __init__(self, known: dict[int, SampleOutcome], chunk: Chunk, pending: PendingChunk | None) -> None:
-        self.known, self.chunk, self.pending = known, chunk, pending
+    def __init__(self, measured: dict[int, SampleOutcome], chunk: Chunk, pending: PendingChunk | None) -> None:
+        self.measured, self.chunk, self.pending = measured, chunk, pending
 
     def result(self) -> list[SampleOutcome]:
         fresh = {outcome.index: outcome for outcome in (self.pending.result() if self.pending else [])}
-        return [self.known.get(index) or fresh[index] for index, _ in self.chunk]
+        return [self.measured.get(index) or fresh[index] for index, _ in self.chunk]

@@ -25,10 +25,8 @@ reports what the first one did.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,13 +44,18 @@ from ..manifest import (
     write_manifest,
 )
 from ..specs import MAX_SHARDS, PrepareSpec, ShardSpec, Spec, check_int
-from .job import discard_prepare, finish_prepare, prepare_dataset
+from .job import prepare_dataset
 from .plan import shard_name
-
-VERSIONS_NAME = ".gpufeed-versions.json"
-SWAP_NAME = ".gpufeed-swap.json"
-VERSION_DIR = re.compile(r"r\d{4,}")
-ROOT_SHARD = re.compile(r"shard-\d{6}\.tar|v\d+")
+from .steps import discard_prepare, finish_prepare
+from .versions import (
+    ROOT_SHARD,
+    VERSION_DIR,
+    SwapInfo,
+    claim_version,
+    shards_per_set,
+    swap_version,
+    swapped_in,
+)
 
 ReshardProgress = Callable[[int, int], None]
 """Called with (shards written, shards to write) after every new shard."""
@@ -282,9 +285,9 @@ def _repacked_already(spec: ReshardSpec, source: Output, version: str, started: 
     if not target.exists(MANIFEST_NAME):
         return None
     written, original = read_manifest(target), read_manifest(source)
-    if _strip_layout(written) != _strip_layout(original) or _shards_per_set(written) != target_shard_count(original, spec):
+    if _strip_layout(written) != _strip_layout(original) or shards_per_set(written) != target_shard_count(original, spec):
         return None  # another dataset: _open_target refuses it
-    return _repack_result(spec, written, "", _shards_per_set(original), [], started)
+    return _repack_result(spec, written, "", shards_per_set(original), [], started)
 
 
 def _strip_layout(manifest: Manifest) -> dict[str, Any]:
@@ -303,7 +306,7 @@ def _repack_result(
         out=spec.out or spec.dataset,
         version=version,
         shards_before=shards_before,
-        shards_after=_shards_per_set(manifest),
+        shards_after=shards_per_set(manifest),
         samples=manifest.samples,
         rejected=manifest.rejected,
         variants=manifest.variants,
@@ -385,136 +388,6 @@ def _discard_target(spec: ReshardSpec, source: Output, target: Output, version: 
 
 
 # ---------------------------------------------------------------------------
-# Versions and the atomic swap
-
-
-def claim_version(output: Output) -> str:
-    """Create and return the next free version folder name (r0001, r0002, ...)."""
-    existing = [int(name[1:]) for name in output.listdir() if VERSION_DIR.fullmatch(name)]
-    number = max(existing, default=0) + 1
-    while True:
-        name = f"r{number:04d}"
-        try:
-            os.makedirs(output.local(name))
-            return name
-        except FileExistsError:
-            number += 1
-
-
-def version_of(manifest: Manifest) -> str:
-    """The version folder a manifest's shards live in ("" for the original, top-level shards)."""
-    first = manifest.shards[0].path.split("/", 1)[0] if manifest.shards else ""
-    return first if VERSION_DIR.fullmatch(first) else ""
-
-
-def swap_version(output: Output, old: Manifest, new: Manifest, version: str, keep: int) -> list[str]:
-    """Make `new` (whose shards are in `version`) the dataset's manifest; returns the versions removed.
-
-    Raises:
-        JobConflictError: the manifest changed since `old` was read (nothing is swapped).
-    """
-    current = read_manifest(output)
-    if current.to_dict() != old.to_dict():
-        raise JobConflictError(f"{output.url} changed while it was being resharded; nothing was swapped, run it again")
-    history = _read_history(output, old) + [version]
-    kept = history[-(keep + 1) :]
-    removed = history[: -(keep + 1)]
-    removed += [  # folders of earlier reshards that died before their swap
-        name
-        for name in output.listdir()
-        if VERSION_DIR.fullmatch(name) and name not in kept and name not in removed and int(name[1:]) < int(version[1:] or 0)
-    ]
-    record = {"version": version, "shards_before": _shards_per_set(old), "kept": kept, "removed": removed}
-    # Written before the switch, so a run that stops right after it can be completed from it.
-    output.write_bytes_atomic(f"{version}/{SWAP_NAME}", json.dumps(record).encode("utf-8"))
-    write_manifest(output, new)  # the switch: one atomic rename
-    _complete_swap(output, record)
-    return removed
-
-
-@dataclasses.dataclass(frozen=True)
-class SwapInfo:
-    """A swap that happened: the version it made current, the shards per set it replaced, the versions it removed."""
-
-    version: str
-    shards_before: int
-    removed: list[str]
-
-
-def swapped_in(output: Output, version: str) -> SwapInfo | None:
-    """What the swap that made `version` current did, or None when no swap made it current yet.
-
-    Whatever that swap left undone (the versions list, removing old
-    versions) is done now, so a swap that stopped right after its switch ends
-    as if it had not stopped.
-
-    Args:
-        output: the dataset.
-        version: a version folder name (`rNNNN`).
-
-    Returns:
-        The swap, as its first run reported it. A swap that left no record
-        (an older gpufeed made it) reports no removals and the current layout
-        as the one before.
-
-    Raises:
-        JobConflictError: `version` was made current and a later swap has replaced it since.
-    """
-    current = read_manifest(output)
-    if version_of(current) != version:
-        if version in _read_history(output, current):
-            raise JobConflictError(
-                f"{version} was swapped into {output.url} and a later reshard has replaced it since; nothing to publish"
-            )
-        return None
-    record = _read_swap(output, version)
-    if record is None:
-        return SwapInfo(version, _shards_per_set(current), [])
-    _complete_swap(output, record)
-    return SwapInfo(version, int(record["shards_before"]), [str(v) for v in record["removed"]])
-
-
-def _read_swap(output: Output, version: str) -> dict[str, Any] | None:
-    rel = f"{version}/{SWAP_NAME}"
-    try:
-        text = output.read_if_exists(rel)
-        record = json.loads(text) if text is not None else None
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and record.get("version") == version else None
-
-
-def _complete_swap(output: Output, record: dict[str, Any]) -> None:
-    """The steps after the switch; each is safe to repeat."""
-    output.write_bytes_atomic(VERSIONS_NAME, json.dumps({"versions": record["kept"]}).encode("utf-8"))
-    for name in record["removed"]:
-        _remove_version(output, name)
-
-
-def _shards_per_set(manifest: Manifest) -> int:
-    return len(manifest.shards) // max(1, manifest.variants)
-
-
-def _read_history(output: Output, current: Manifest) -> list[str]:
-    try:
-        versions = json.loads(output.read_bytes(VERSIONS_NAME))["versions"]
-    except (OSError, ValueError, KeyError, TypeError):
-        versions = []
-    if not isinstance(versions, list) or not versions or versions[-1] != version_of(current):
-        versions = [version_of(current)]
-    return [str(v) for v in versions]
-
-
-def _remove_version(output: Output, version: str) -> None:
-    if version:
-        output.remove(version)
-        return
-    for name in output.listdir():
-        if ROOT_SHARD.fullmatch(name):
-            output.remove(name)
-
-
-# ---------------------------------------------------------------------------
 # Re-augmenting, in steps
 
 
@@ -569,7 +442,7 @@ def publish_reaugment(spec: ReshardSpec, staged: PrepareSpec, *, started: float 
     version = staged_version(spec, staged)
     if spec.out is not None:
         finish_prepare(staged)
-        before = _shards_per_set(read_manifest(Output(spec.dataset)))
+        before = shards_per_set(read_manifest(Output(spec.dataset)))
         return _reaugment_result(spec, before, read_manifest(Output(spec.out)), version, [], started)
     output = Output(spec.dataset)
     stage = Output(staged.out)
@@ -592,7 +465,7 @@ def _swap_reaugmented(spec: ReshardSpec, output: Output, stage: Output, version:
     if stage.exists(REJECTED_NAME):
         output.write_bytes_atomic(REJECTED_NAME, stage.read_bytes(REJECTED_NAME))
     removed = swap_version(output, old, new, version, spec.keep)
-    return SwapInfo(version, _shards_per_set(old), removed)
+    return SwapInfo(version, shards_per_set(old), removed)
 
 
 def discard_reaugment(spec: ReshardSpec, staged: PrepareSpec) -> None:
@@ -611,7 +484,7 @@ def _reaugment_result(
         out=spec.out or spec.dataset,
         version=version,
         shards_before=shards_before,
-        shards_after=_shards_per_set(new),
+        shards_after=shards_per_set(new),
         samples=new.samples,
         rejected=new.rejected,
         variants=new.variants,

@@ -9,13 +9,15 @@ holds a manifest of the same settings the dataset is complete, and whatever
 is left of the work folder is a leftover of a run that stopped just after.
 A finished dataset is checked too: a shard file that is missing or has
 another size than its manifest entry (with `verify`, another sha256) is
-damaged, and a re-run writes it again (see `job.py`).
+damaged, and a re-run writes it again (see `repair.py`).
+
+`WorkFolder` owns all of it (the records, the temp-file sweeps, the checks of
+what OUT holds); `OutRecords` caches the two reads every step starts with.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -32,6 +34,7 @@ from ..io.tar import ShardInfo
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, Manifest, parse_manifest
 from ..specs import PrepareSpec
 from ..units import format_bytes
+from .lock import remove_lock as remove_lock  # the service imports it from here
 
 T = TypeVar("T")
 
@@ -42,20 +45,10 @@ _VARIANT_DIR = re.compile(r"v\d+")
 # A publish moves its temp object within seconds; ten minutes leaves room for a
 # slow server-side copy of a large shard, so a live writer's object is never taken.
 STALE_TEMP_OBJECT_S = 600.0
-
-
-def read_plan(output: Output) -> dict[str, Any] | None:
-    """The saved plan record of an unfinished job in OUT, or None when there is none."""
-    text = output.read_if_exists(PLAN_REL)
-    if text is None:
-        return None
-    record: dict[str, Any] = json.loads(text)
-    return record
-
-
-def write_plan(output: Output, record: dict[str, Any]) -> None:
-    """Save the plan record (atomically: a reader sees the old one or the new one)."""
-    output.write_bytes_atomic(PLAN_REL, json.dumps(record, indent=1).encode("utf-8"))
+STORE_THREADS = 16  # a remote OUT's shard records checked at once: each check is a few round trips
+# What a prepare leaves in an OUT that holds no dataset: the reasons of a job whose every file was
+# rejected, its work folder, a lock. Hidden names and a file system's lost+found are never written.
+_OWN_WITHOUT_DATASET = frozenset({REJECTED_NAME, WORK_DIR, "lost+found"})
 
 
 def set_prefixes(variants: int) -> list[tuple[int | None, str]]:
@@ -69,152 +62,324 @@ def _shard_record_rel(shard: int) -> str:
     return f"{WORK_DIR}/shards/{shard:06d}.json"
 
 
-def write_shard_record(
-    output: Output, shard: int, infos: list[ShardInfo], rejected: list[dict[str, str]], warned: int = 0, boxes_dropped: int = 0
-) -> dict[str, Any]:
-    """Record a written shard: its files (one per variant set that got samples), its rejects, how many
-    of its samples were decoded with warnings, and how many boxes its samples dropped (recorded only when
-    some were). Returns the record, as `read_shard_record` reads it."""
-    record = {"shard": shard, "shards": [info.to_dict() for info in infos], "rejected": rejected, "warned": warned}
-    if boxes_dropped:
-        record["boxes_dropped"] = boxes_dropped
-    output.write_bytes_atomic(_shard_record_rel(shard), json.dumps(record).encode("utf-8"))
-    return record
+class WorkFolder:
+    """A prepare's view of OUT: its work folder (plan and shard records), its temp files, what else OUT holds.
 
+    Args:
+        output: OUT.
+    """
 
-def read_shard_record(output: Output, shard: int) -> dict[str, Any]:
-    """A written shard's record: `shards` (file dicts), `rejected` (source, reason) entries, `warned`
-    (0 in records of older versions, which did not count)."""
-    record: dict[str, Any] = json.loads(output.read_bytes(_shard_record_rel(shard)))
-    return record
+    def __init__(self, output: Output) -> None:
+        self.output = output
 
+    # -- the plan and the shard records ------------------------------------
 
-def remove_shards(output: Output, shards: list[int]) -> None:
-    """Remove written shards: their files and their records (the plan stays, so they are pending again)."""
-    for shard in shards:
-        if has_shard_record(output, shard):
-            for info in read_shard_record(output, shard)["shards"]:
-                output.remove(info["path"])
-            output.remove(_shard_record_rel(shard))
+    def read_plan(self) -> dict[str, Any] | None:
+        """The saved plan record of an unfinished job in OUT, or None when there is none."""
+        text = self.output.read_if_exists(PLAN_REL)
+        if text is None:
+            return None
+        record: dict[str, Any] = json.loads(text)
+        return record
 
+    def write_plan(self, record: dict[str, Any]) -> None:
+        """Save the plan record (atomically: a reader sees the old one or the new one)."""
+        self.output.write_bytes_atomic(PLAN_REL, json.dumps(record, indent=1).encode("utf-8"))
 
-def read_rejects(output: Output) -> list[dict[str, str]]:
-    """The entries of a finished dataset's rejected.jsonl ([] when it has none)."""
-    text = output.read_if_exists(REJECTED_NAME)
-    return [json.loads(line) for line in (text or b"").splitlines() if line.strip()]
+    def write_shard_record(
+        self, shard: int, infos: list[ShardInfo], rejected: list[dict[str, str]], warned: int = 0, boxes_dropped: int = 0
+    ) -> dict[str, Any]:
+        """Record a written shard: its files (one per variant set that got samples), its rejects, how many
+        of its samples were decoded with warnings, and how many boxes its samples dropped (recorded only when
+        some were). Returns the record, as `read_shard_record` reads it."""
+        record = {"shard": shard, "shards": [info.to_dict() for info in infos], "rejected": rejected, "warned": warned}
+        if boxes_dropped:
+            record["boxes_dropped"] = boxes_dropped
+        self.output.write_bytes_atomic(_shard_record_rel(shard), json.dumps(record).encode("utf-8"))
+        return record
 
+    def read_shard_record(self, shard: int) -> dict[str, Any]:
+        """A written shard's record: `shards` (file dicts), `rejected` (source, reason) entries, `warned`
+        (0 in records of older versions, which did not count)."""
+        record: dict[str, Any] = json.loads(self.output.read_bytes(_shard_record_rel(shard)))
+        return record
 
-def has_shard_record(output: Output, shard: int) -> bool:
-    """Whether a run wrote and recorded the shard (its files are not checked: see `shard_is_complete`)."""
-    return output.exists(_shard_record_rel(shard))
+    def shard_record_or_none(self, shard: int) -> dict[str, Any] | None:
+        """A shard's record, None when the shard has none."""
+        try:
+            return self.read_shard_record(shard)
+        except FileNotFoundError:
+            return None
 
+    def shard_record_text(self, shard: int) -> bytes | None:
+        """The bytes of a shard's record; None when the shard has none."""
+        return self.output.read_if_exists(_shard_record_rel(shard))
 
-def shard_is_complete(output: Output, shard: int) -> bool:
-    """Whether the shard was recorded and its files are still exactly what was recorded."""
-    return recorded_files_intact(output, shard_record_text(output, shard))
+    def has_shard_record(self, shard: int) -> bool:
+        """Whether a run wrote and recorded the shard (its files are not checked: see `shard_is_complete`)."""
+        return self.output.exists(_shard_record_rel(shard))
 
+    def shard_is_complete(self, shard: int) -> bool:
+        """Whether the shard was recorded and its files are still exactly what was recorded."""
+        return self.recorded_files_intact(self.shard_record_text(shard))
 
-def shard_record_text(output: Output, shard: int) -> bytes | None:
-    """The bytes of a shard's record; None when the shard has none."""
-    return output.read_if_exists(_shard_record_rel(shard))
-
-
-def recorded_files_intact(output: Output, text: bytes | None) -> bool:
-    """Whether a shard record's files (`text`, `shard_record_text`; None: no record) are still exactly what it records."""
-    if text is None:
-        return False
-    for info in json.loads(text)["shards"]:
-        if output.size(info["path"]) != info["bytes"]:
+    def recorded_files_intact(self, text: bytes | None) -> bool:
+        """Whether a shard record's files (`text`, `shard_record_text`; None: no record) are still exactly what it records."""
+        if text is None:
             return False
-        # Locally a hash is cheap next to rewriting; remotely the size has to do.
-        if output.is_local and file_sha256(output.local(info["path"]))[0] != info["sha256"]:
-            return False
-    return True
+        for info in json.loads(text)["shards"]:
+            if self.output.size(info["path"]) != info["bytes"]:
+                return False
+            # Locally a hash is cheap next to rewriting; remotely the size has to do.
+            if self.output.is_local and file_sha256(self.output.local(info["path"]))[0] != info["sha256"]:
+                return False
+        return True
 
+    def for_each_shard(self, shards: int, check: Callable[[int], T]) -> list[T]:
+        """`check(shard)` for shards 0 .. shards-1, in order; on a remote OUT, STORE_THREADS at once.
 
-STORE_THREADS = 16  # a remote OUT's shard records checked at once: each check is a few round trips
+        A store 20 ms away makes a finish that reads each shard's record and sizes one
+        after another take seconds; the calls are independent, so they overlap.
+        """
+        if self.output.is_local or shards < 2:
+            return [check(shard) for shard in range(shards)]
+        from concurrent.futures import ThreadPoolExecutor
 
+        with ThreadPoolExecutor(min(STORE_THREADS, shards), thread_name_prefix="gpufeed-record") as pool:
+            return list(pool.map(check, range(shards)))
 
-def for_each_shard(output: Output, shards: int, check: Callable[[Output, int], T]) -> list[T]:
-    """`check(output, shard)` for shards 0 .. shards-1, in order; on a remote OUT, STORE_THREADS at once.
+    def pending_shards(self, shards: int) -> list[int]:
+        """The planned shards (0 .. shards-1) that are not complete yet."""
+        complete = self.for_each_shard(shards, self.shard_is_complete)
+        return [shard for shard, done in enumerate(complete) if not done]
 
-    A store 20 ms away makes a finish that reads each shard's record and sizes one
-    after another take seconds; the calls are independent, so they overlap.
-    """
-    if output.is_local or shards < 2:
-        return [check(output, shard) for shard in range(shards)]
-    from concurrent.futures import ThreadPoolExecutor
+    def remove_shards(self, shards: list[int]) -> None:
+        """Remove written shards: their files and their records (the plan stays, so they are pending again)."""
+        for shard in shards:
+            if self.has_shard_record(shard):
+                for info in self.read_shard_record(shard)["shards"]:
+                    self.output.remove(info["path"])
+                self.output.remove(_shard_record_rel(shard))
 
-    with ThreadPoolExecutor(min(STORE_THREADS, shards), thread_name_prefix="gpufeed-record") as pool:
-        return list(pool.map(lambda shard: check(output, shard), range(shards)))
+    def read_rejects(self) -> list[dict[str, str]]:
+        """The entries of a finished dataset's rejected.jsonl ([] when it has none)."""
+        text = self.output.read_if_exists(REJECTED_NAME)
+        return [json.loads(line) for line in (text or b"").splitlines() if line.strip()]
 
+    # -- temp files --------------------------------------------------------
 
-def pending_shards(output: Output, shards: int) -> list[int]:
-    """The planned shards (0 .. shards-1) that are not complete yet."""
-    complete = for_each_shard(output, shards, shard_is_complete)
-    return [shard for shard, done in enumerate(complete) if not done]
+    def remove_stale_temp_files(self, variants: int) -> None:
+        """Remove the temp files of shards an earlier run was writing when it stopped."""
+        for _, prefix in set_prefixes(variants):
+            directory = self.output.local(prefix) if prefix else self.output.staging
+            if not os.path.isdir(directory):
+                continue
+            for name in os.listdir(directory):
+                if _is_temp_shard(name):
+                    os.unlink(os.path.join(directory, name))
 
+    def remove_temp_files(self) -> None:
+        """Remove every shard temp file in a local OUT, whatever the variant sets of the job that left it."""
+        output = self.output
+        if not output.is_local:
+            return
+        for prefix in [""] + [name for name in output.listdir() if _VARIANT_DIR.fullmatch(name)]:
+            for name in output.listdir(prefix):
+                if _is_temp_shard(name):
+                    output.remove(f"{prefix}/{name}" if prefix else name)
 
-def remove_stale_temp_files(output: Output, variants: int) -> None:
-    """Remove the temp files of shards an earlier run was writing when it stopped."""
-    for _, prefix in set_prefixes(variants):
-        directory = output.local(prefix) if prefix else output.staging
-        if not os.path.isdir(directory):
-            continue
-        for name in os.listdir(directory):
-            if _is_temp_shard(name):
-                os.unlink(os.path.join(directory, name))
+    def remove_stale_temp_objects(self, manifest: Manifest) -> list[str]:
+        """Remove the temp objects crashed writers left next to a finished dataset's files.
 
+        Called once every shard is published (so no writer of this job still needs
+        a temp object of its own): the temp names of the manifest's shard files, of
+        rejected.jsonl and of the manifest go when older than STALE_TEMP_OBJECT_S;
+        the work folder goes whole with `remove_work`.
 
-def remove_temp_files(output: Output) -> None:
-    """Remove every shard temp file in a local OUT, whatever the variant sets of the job that left it."""
-    if not output.is_local:
-        return
-    for prefix in [""] + [name for name in output.listdir() if _VARIANT_DIR.fullmatch(name)]:
-        for name in output.listdir(prefix):
-            if _is_temp_shard(name):
-                output.remove(f"{prefix}/{name}" if prefix else name)
+        On a local OUT, the temp files of writers that are gone go instead (see
+        `remove_dead_temp_files`): a worker killed in the middle of a shard leaves
+        one, and the shard is written again by another.
 
+        Returns:
+            The members removed, relative to OUT.
+        """
+        if self.output.is_local:
+            return self.remove_dead_temp_files()
+        finals = [info.path for info in manifest.shards] + [REJECTED_NAME, MANIFEST_NAME]
+        return remove_temp_objects(self.output, finals, older_than_s=STALE_TEMP_OBJECT_S)
 
-def remove_stale_temp_objects(output: Output, manifest: Manifest) -> list[str]:
-    """Remove the temp objects crashed writers left next to a finished dataset's files.
+    def remove_dead_temp_files(self) -> list[str]:
+        """Remove the temp files in a local OUT (at its top and in its variant folders) whose writer is gone.
 
-    Called once every shard is published (so no writer of this job still needs
-    a temp object of its own): the temp names of the manifest's shard files, of
-    rejected.jsonl and of the manifest go when older than STALE_TEMP_OBJECT_S;
-    the work folder goes whole with `remove_work`.
+        A temp name ends in ``.tmp-HOST-PID`` (`temp_suffix`): one of this host
+        goes when no process PID runs here; one of another host (OUT on a shared
+        file system) when it was last written more than STALE_TEMP_OBJECT_S ago.
+        Only temp names of what a prepare writes (shards, manifest.json,
+        rejected.jsonl) are looked at. Returns the members removed, relative to OUT.
+        """
+        output, removed = self.output, []
+        for prefix in [""] + [f"{name}/" for name in output.listdir() if _VARIANT_DIR.fullmatch(name)]:
+            for name in output.listdir(prefix.rstrip("/")):
+                path = output.local(prefix + name)
+                if _is_temp_of_output(name) and _writer_gone(name, path):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                    removed.append(prefix + name)
+        return removed
 
-    On a local OUT, the temp files of writers that are gone go instead (see
-    `remove_dead_temp_files`): a worker killed in the middle of a shard leaves
-    one, and the shard is written again by another.
+    # -- a finished dataset's shard files ----------------------------------
 
-    Returns:
-        The members removed, relative to OUT.
-    """
-    if output.is_local:
-        return remove_dead_temp_files(output)
-    finals = [info.path for info in manifest.shards] + [REJECTED_NAME, MANIFEST_NAME]
-    return remove_temp_objects(output, finals, older_than_s=STALE_TEMP_OBJECT_S)
+    def shard_file_problem(self, info: ShardInfo, *, verify: bool = False, sizes: dict[str, int] | None = None) -> str:
+        """What is wrong with a finished dataset's shard file on disk, phrased to follow its name; "" when nothing.
 
+        Cheap by default (the file is there with its recorded size); with
+        `verify`, its sha256 is computed and compared too. `sizes`: OUT's files
+        and sizes, listed once (`Output.file_sizes`), instead of asking for this one.
+        """
+        size = self.output.size(info.path) if sizes is None else sizes.get(info.path)
+        if size is None:
+            return "was missing"
+        if size != info.bytes:
+            return f"had {size} bytes, the manifest says {info.bytes}"
+        if verify and self._sha256_of(info.path) != info.sha256:
+            return "did not match its sha256"
+        return ""
 
-def remove_dead_temp_files(output: Output) -> list[str]:
-    """Remove the temp files in a local OUT (at its top and in its variant folders) whose writer is gone.
+    def damaged_shards(self, manifest: Manifest, *, verify: bool = False) -> dict[str, str]:
+        """The manifest's shard files that are missing or damaged in OUT: path -> what is wrong (see `shard_file_problem`).
 
-    A temp name ends in ``.tmp-HOST-PID`` (`temp_suffix`): one of this host
-    goes when no process PID runs here; one of another host (OUT on a shared
-    file system) when it was last written more than STALE_TEMP_OBJECT_S ago.
-    Only temp names of what a prepare writes (shards, manifest.json,
-    rejected.jsonl) are looked at. Returns the members removed, relative to OUT.
-    """
-    removed = []
-    for prefix in [""] + [f"{name}/" for name in output.listdir() if _VARIANT_DIR.fullmatch(name)]:
-        for name in output.listdir(prefix.rstrip("/")):
-            path = output.local(prefix + name)
-            if _is_temp_of_output(name) and _writer_gone(name, path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                removed.append(prefix + name)
-    return removed
+        On a store, OUT is listed once for every shard's size (one request per
+        thousand files, not one per shard).
+        """
+        sizes = None if self.output.is_local else self.output.file_sizes()
+        problems = {info.path: self.shard_file_problem(info, verify=verify, sizes=sizes) for info in manifest.shards}
+        return {path: problem for path, problem in problems.items() if problem}
+
+    def _sha256_of(self, rel: str) -> str:
+        if self.output.is_local:
+            return file_sha256(self.output.local(rel))[0]
+        digest = hashlib.sha256()
+        with self.output.open_read(rel) as handle:
+            while block := handle.read(4 * 1024 * 1024):
+                digest.update(block)
+        return digest.hexdigest()
+
+    # -- what OUT holds besides the work -----------------------------------
+
+    def finished_manifest(self, spec: PrepareSpec, records: OutRecords | None = None) -> Manifest | None:
+        """OUT's manifest when OUT holds the finished dataset of exactly these settings, else None.
+
+        `records`: what the caller read of OUT already.
+        """
+        try:
+            manifest = (records or OutRecords(self.output)).manifest()
+        except ManifestError:
+            return None
+        return manifest if manifest.params == spec.output_identity() else None
+
+    def check_existing(self, spec: PrepareSpec, overwrite: bool, records: OutRecords | None = None) -> Manifest | None:
+        """The existing manifest when OUT already holds this exact job, else None (OUT cleared when asked).
+
+        `records`: what the caller read of OUT already (stale once OUT is cleared here).
+
+        Raises:
+            JobConflictError: OUT holds another job's dataset or unfinished work and
+                `overwrite` is False (the message names each setting that differs), or
+                OUT holds files but is no gpufeed dataset (whatever `overwrite` says).
+        """
+        identity = spec.output_identity()
+        records = records or OutRecords(self.output)
+        if records.manifest_text is not None:
+            if overwrite:
+                self.clear_output()
+                return None
+            try:
+                manifest = records.manifest()
+            except ManifestError as exc:
+                raise JobConflictError(f"{exc}; choose another OUT or pass overwrite=True to replace it") from exc
+            if manifest.params == identity:
+                return manifest
+            differences = setting_differences(identity, manifest.params, f"{spec.out.rstrip('/')}/{MANIFEST_NAME}")
+            raise JobConflictError(
+                f"{spec.out} already holds a dataset prepared with different settings{_conflict(differences)}; "
+                "choose another OUT or pass overwrite=True to replace it"
+            )
+        plan = records.plan
+        if plan is None:
+            self.refuse_foreign_output(spec.out)
+        if plan is not None and plan.get("identity") != identity:
+            if not overwrite:
+                differences = setting_differences(identity, plan.get("identity") or {}, "the unfinished prepare")
+                raise JobConflictError(
+                    f"{spec.out} holds an unfinished prepare with different settings{_conflict(differences)}; "
+                    "re-run that command to finish it, choose another OUT, or pass overwrite=True"
+                )
+            self.clear_output()
+        return None
+
+    def foreign_entries(self) -> list[str]:
+        """What OUT holds that no prepare wrote, when OUT holds no manifest (sorted names at its top).
+
+        [] when there is none, or when OUT shows that a prepare was writing it: its work
+        folder, temp files of its shards or manifest (a run that died before its plan), or
+        nothing but names a prepare writes (``shard-000000.tar``, ``v0/``). Else every name
+        (the shard-like ones too: they would be written over).
+        """
+        output = self.output
+        if output.is_local:
+            names = output.listdir()
+        else:  # one listing: `listdir` would ask whether OUT is a folder first
+            try:
+                names = [str(path).rstrip("/").rsplit("/", 1)[-1] for path in output.fs.ls(output._fresh(""), detail=False)]
+            except FileNotFoundError:
+                return []
+            except store_errors() as exc:
+                raise store_failure("list", output.url, exc) from exc
+        if any(name == WORK_DIR or _is_own_temp(name) for name in names):
+            return []  # a prepare was here (its work folder, or what its writers left when they died): its OUT
+        shown = sorted(name for name in names if name not in _OWN_WITHOUT_DATASET and not name.startswith("."))
+        if all(_OUTPUT_NAME.fullmatch(name) for name in shown):
+            return []  # only what a prepare writes: the shards of one whose work folder was lost (a store emptied mid-job)
+        return shown
+
+    def refuse_foreign_output(self, out: str) -> None:
+        """Refuse an OUT that holds files but no gpufeed dataset (no manifest, no unfinished prepare): never written over.
+
+        Raises:
+            JobConflictError: naming what OUT holds; `--overwrite` does not apply (it replaces gpufeed datasets only).
+        """
+        foreign = self.foreign_entries()
+        if not foreign:
+            return
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise JobConflictError(
+            f"{out} is not a gpufeed dataset (no {MANIFEST_NAME}, no unfinished prepare) but holds {shown}; "
+            "nothing was written: prepare into an empty or new folder (overwrite=True replaces only a gpufeed dataset)"
+        )
+
+    def clear_output(self) -> None:
+        """Remove everything a prepare writes to OUT (and nothing else that lives there)."""
+        for name in self.output.listdir():
+            if name in (MANIFEST_NAME, REJECTED_NAME, WORK_DIR) or _OUTPUT_NAME.fullmatch(name):
+                self.output.remove(name)
+
+    def remove_work(self) -> None:
+        """Remove the work folder (and a remote OUT's local staging copy) once the manifest is written.
+
+        On a store, the multipart uploads that failed uploads left in progress under OUT are
+        aborted too, as far as the store lets them be (they are invisible, but stored and billed).
+        """
+        output = self.output
+        if output.is_local:
+            output.remove(WORK_DIR)
+            return
+
+        def abort_uploads() -> None:
+            with contextlib.suppress(StorageError):
+                output.abort_uploads()
+
+        at_once(functools.partial(output.remove, WORK_DIR), abort_uploads)  # independent round trips: side by side
+        shutil.rmtree(output.staging, ignore_errors=True)
 
 
 def _is_temp_of_output(name: str) -> bool:
@@ -239,44 +404,11 @@ def _is_temp_shard(name: str) -> bool:
     return name.startswith(".shard-") and ".tmp-" in name
 
 
-def shard_file_problem(
-    output: Output, info: ShardInfo, *, verify: bool = False, sizes: dict[str, int] | None = None
-) -> str:
-    """What is wrong with a finished dataset's shard file on disk, phrased to follow its name; "" when nothing.
-
-    Cheap by default (the file is there with its recorded size); with
-    `verify`, its sha256 is computed and compared too. `sizes`: OUT's files
-    and sizes, listed once (`Output.file_sizes`), instead of asking for this one.
-    """
-    size = output.size(info.path) if sizes is None else sizes.get(info.path)
-    if size is None:
-        return "was missing"
-    if size != info.bytes:
-        return f"had {size} bytes, the manifest says {info.bytes}"
-    if verify and _sha256_of(output, info.path) != info.sha256:
-        return "did not match its sha256"
-    return ""
-
-
-def damaged_shards(output: Output, manifest: Manifest, *, verify: bool = False) -> dict[str, str]:
-    """The manifest's shard files that are missing or damaged in OUT: path -> what is wrong (see `shard_file_problem`).
-
-    On a store, OUT is listed once for every shard's size (one request per
-    thousand files, not one per shard).
-    """
-    sizes = None if output.is_local else output.file_sizes()
-    problems = {info.path: shard_file_problem(output, info, verify=verify, sizes=sizes) for info in manifest.shards}
-    return {path: problem for path, problem in problems.items() if problem}
-
-
-def _sha256_of(output: Output, rel: str) -> str:
-    if output.is_local:
-        return file_sha256(output.local(rel))[0]
-    digest = hashlib.sha256()
-    with output.open_read(rel) as handle:
-        while block := handle.read(4 * 1024 * 1024):
-            digest.update(block)
-    return digest.hexdigest()
+def _is_own_temp(name: str) -> bool:
+    """A temp name of a file a prepare writes (``.shard-000000.tar.tmp-HOST-PID``, ``manifest.json.tmp-…``)."""
+    final, marker, _ = name.partition(".tmp-")
+    final = final[1:] if final.startswith(".") else final
+    return bool(marker) and (bool(_OUTPUT_NAME.fullmatch(final)) or final in (MANIFEST_NAME, REJECTED_NAME))
 
 
 class OutRecords:
@@ -297,8 +429,8 @@ class OutRecords:
 
     @functools.cached_property
     def plan(self) -> dict[str, Any] | None:
-        """The plan record of an unfinished job (`read_plan`), or None."""
-        return read_plan(self.output)
+        """The plan record of an unfinished job (`WorkFolder.read_plan`), or None."""
+        return WorkFolder(self.output).read_plan()
 
     @functools.cached_property
     def manifest_text(self) -> bytes | None:
@@ -313,24 +445,23 @@ class OutRecords:
         """
         return parse_manifest(self.manifest_text, self.output.url)
 
+    def recorded_source(self) -> str | None:
+        """The SRC that OUT's unfinished prepare, or else its dataset, records; None when OUT holds neither.
 
-def recorded_source(records: OutRecords) -> str | None:
-    """The SRC that OUT's unfinished prepare, or else its dataset, records; None when OUT holds neither.
-
-    The plan comes first: an unfinished job's plan records the SRC its manifest
-    will (a repair's plan, the manifest's), and a shard step then needs no
-    other read.
-    """
-    if records.plan is not None:
-        source = (records.plan.get("identity") or {}).get("source")
-    elif records.manifest_text is not None:
-        try:
-            source = records.manifest().params.get("source")
-        except ManifestError:
+        The plan comes first: an unfinished job's plan records the SRC its manifest
+        will (a repair's plan, the manifest's), and a shard step then needs no
+        other read.
+        """
+        if self.plan is not None:
+            source = (self.plan.get("identity") or {}).get("source")
+        elif self.manifest_text is not None:
+            try:
+                source = self.manifest().params.get("source")
+            except ManifestError:
+                return None
+        else:
             return None
-    else:
-        return None
-    return source if isinstance(source, str) else None
+        return source if isinstance(source, str) else None
 
 
 def setting_differences(here: dict[str, Any], recorded: dict[str, Any], where: str) -> list[str]:
@@ -382,356 +513,8 @@ def _conflict(differences: list[str]) -> str:
     return f" ({'; '.join(differences)})" if differences else ""
 
 
-def finished_manifest(output: Output, spec: PrepareSpec, records: OutRecords | None = None) -> Manifest | None:
-    """OUT's manifest when OUT holds the finished dataset of exactly these settings, else None.
-
-    `records`: what the caller read of OUT already.
-    """
-    try:
-        manifest = (records or OutRecords(output)).manifest()
-    except ManifestError:
-        return None
-    return manifest if manifest.params == spec.output_identity() else None
-
-
-def check_existing(output: Output, spec: PrepareSpec, overwrite: bool, records: OutRecords | None = None) -> Manifest | None:
-    """The existing manifest when OUT already holds this exact job, else None (OUT cleared when asked).
-
-    `records`: what the caller read of OUT already (stale once OUT is cleared here).
-
-    Raises:
-        JobConflictError: OUT holds another job's dataset or unfinished work and
-            `overwrite` is False (the message names each setting that differs), or
-            OUT holds files but is no gpufeed dataset (whatever `overwrite` says).
-    """
-    identity = spec.output_identity()
-    records = records or OutRecords(output)
-    if records.manifest_text is not None:
-        if overwrite:
-            clear_output(output)
-            return None
-        try:
-            manifest = records.manifest()
-        except ManifestError as exc:
-            raise JobConflictError(f"{exc}; choose another OUT or pass overwrite=True to replace it") from exc
-        if manifest.params == identity:
-            return manifest
-        differences = setting_differences(identity, manifest.params, f"{spec.out.rstrip('/')}/{MANIFEST_NAME}")
-        raise JobConflictError(
-            f"{spec.out} already holds a dataset prepared with different settings{_conflict(differences)}; "
-            "choose another OUT or pass overwrite=True to replace it"
-        )
-    plan = records.plan
-    if plan is None:
-        refuse_foreign_output(output, spec.out)
-    if plan is not None and plan.get("identity") != identity:
-        if not overwrite:
-            differences = setting_differences(identity, plan.get("identity") or {}, "the unfinished prepare")
-            raise JobConflictError(
-                f"{spec.out} holds an unfinished prepare with different settings{_conflict(differences)}; "
-                "re-run that command to finish it, choose another OUT, or pass overwrite=True"
-            )
-        clear_output(output)
-    return None
-
-
-# What a prepare leaves in an OUT that holds no dataset: the reasons of a job whose every file was
-# rejected, its work folder, a lock. Hidden names and a file system's lost+found are never written.
-_OWN_WITHOUT_DATASET = frozenset({REJECTED_NAME, WORK_DIR, "lost+found"})
-
-
-def foreign_entries(output: Output) -> list[str]:
-    """What OUT holds that no prepare wrote, when OUT holds no manifest (sorted names at its top).
-
-    [] when there is none, or when OUT shows that a prepare was writing it: its work
-    folder, temp files of its shards or manifest (a run that died before its plan), or
-    nothing but names a prepare writes (``shard-000000.tar``, ``v0/``). Else every name
-    (the shard-like ones too: they would be written over).
-    """
-    if output.is_local:
-        names = output.listdir()
-    else:  # one listing: `listdir` would ask whether OUT is a folder first
-        try:
-            names = [str(path).rstrip("/").rsplit("/", 1)[-1] for path in output.fs.ls(output._fresh(""), detail=False)]
-        except FileNotFoundError:
-            return []
-        except store_errors() as exc:
-            raise store_failure("list", output.url, exc) from exc
-    if any(name == WORK_DIR or _is_own_temp(name) for name in names):
-        return []  # a prepare was here (its work folder, or what its writers left when they died): its OUT
-    shown = sorted(name for name in names if name not in _OWN_WITHOUT_DATASET and not name.startswith("."))
-    if all(_OUTPUT_NAME.fullmatch(name) for name in shown):
-        return []  # only what a prepare writes: the shards of one whose work folder was lost (a store emptied mid-job)
-    return shown
-
-
-def _is_own_temp(name: str) -> bool:
-    """A temp name of a file a prepare writes (``.shard-000000.tar.tmp-HOST-PID``, ``manifest.json.tmp-…``)."""
-    final, marker, _ = name.partition(".tmp-")
-    final = final[1:] if final.startswith(".") else final
-    return bool(marker) and (bool(_OUTPUT_NAME.fullmatch(final)) or final in (MANIFEST_NAME, REJECTED_NAME))
-
-
-def refuse_foreign_output(output: Output, out: str) -> None:
-    """Refuse an OUT that holds files but no gpufeed dataset (no manifest, no unfinished prepare): never written over.
-
-    Raises:
-        JobConflictError: naming what OUT holds; `--overwrite` does not apply (it replaces gpufeed datasets only).
-    """
-    foreign = foreign_entries(output)
-    if not foreign:
-        return
-    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-    raise JobConflictError(
-        f"{out} is not a gpufeed dataset (no {MANIFEST_NAME}, no unfinished prepare) but holds {shown}; "
-        "nothing was written: prepare into an empty or new folder (overwrite=True replaces only a gpufeed dataset)"
-    )
-
 
 def planned_conflict(spec: PrepareSpec, planned: dict[str, Any]) -> JobConflictError:
     """The error for a step of a job whose OUT holds a planned prepare of other settings (`planned`: its identity)."""
     differences = setting_differences(spec.output_identity(), planned, "the planned prepare")
     return JobConflictError(f"{spec.out} holds a planned prepare with different settings{_conflict(differences)}")
-
-
-def clear_output(output: Output) -> None:
-    """Remove everything a prepare writes to OUT (and nothing else that lives there)."""
-    for name in output.listdir():
-        if name in (MANIFEST_NAME, REJECTED_NAME, WORK_DIR) or _OUTPUT_NAME.fullmatch(name):
-            output.remove(name)
-
-
-def remove_work(output: Output) -> None:
-    """Remove the work folder (and a remote OUT's local staging copy) once the manifest is written.
-
-    On a store, the multipart uploads that failed uploads left in progress under OUT are
-    aborted too, as far as the store lets them be (they are invisible, but stored and billed).
-    """
-    if output.is_local:
-        output.remove(WORK_DIR)
-        return
-
-    def abort_uploads() -> None:
-        with contextlib.suppress(StorageError):
-            output.abort_uploads()
-
-    at_once(functools.partial(output.remove, WORK_DIR), abort_uploads)  # independent round trips: side by side
-    shutil.rmtree(output.staging, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------
-# One prepare at a time per OUT
-
-# Beside the work folder, not in it: a run removes and makes that folder again (--overwrite, a repair, its finish).
-LOCK_NAME = ".gpufeed.lock"
-
-
-@dataclasses.dataclass(frozen=True)
-class LockHolder:
-    """Who holds OUT's lock: a process (its pid and host, since when), for a service job its id."""
-
-    pid: int
-    host: str
-    since: str
-    job: str | None = None
-
-    @classmethod
-    def parse(cls, data: bytes | None) -> LockHolder | None:
-        try:
-            record = json.loads(data or b"")
-            return cls(int(record["pid"]), str(record["host"]), str(record.get("since", "?")), record.get("job") or None)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None  # empty (a lock file being written) or not ours: no one known
-
-    @classmethod
-    def here(cls, job: str | None = None) -> LockHolder:
-        import datetime
-        import socket
-
-        since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        return cls(os.getpid(), socket.gethostname(), since, job)
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self)).encode("utf-8")
-
-    def gone(self) -> bool:
-        """Whether the process is known to be gone: it ran on this host and runs no more."""
-        import socket
-
-        return self.host == socket.gethostname() and not process_alive(self.pid)
-
-    def describe(self) -> str:
-        job = f" for service job {self.job}" if self.job else ""
-        return f"process {self.pid} on {self.host}{job} (since {self.since})"
-
-
-class OutLock:
-    """OUT's lock (``OUT/.gpufeed.lock``), held by one prepare at a time.
-
-    Locally the file is `flock`ed while held, so a process that dies lets go
-    of it at once, and its record (pid, host, since) names the holder to the
-    next run; on a store the record alone is a best-effort marker. A record left
-    by a process that is gone from this host is taken over (not one of a service
-    job: that holds OUT as long as any of its workers may write).
-
-    A service job holds the lock from its plan to its finish, across processes:
-    its plan takes it for the job (`job`), leaves the record when the plan ends
-    (`keep`), and its finish (or its failure, or its discard) removes it; the
-    shard steps do not touch it, so they run on many workers at once.
-
-    Args:
-        output: OUT.
-        job: the service job this lock is taken for; a record of another job is
-            taken over (the service lets one job at a time write an OUT).
-    """
-
-    def __init__(self, output: Output, job: str | None = None) -> None:
-        self.output = output
-        self.holder = LockHolder.here(job)
-        self._fd: int | None = None
-        self._made: list[str] = []
-
-    def acquire(self) -> OutLock:
-        """Take the lock.
-
-        Raises:
-            JobConflictError: another prepare holds it (the message names it).
-            OSError: a local OUT cannot be made or written (read-only, no permission).
-            StorageError: a remote OUT cannot be written.
-        """
-        if self.output.is_local:
-            self._acquire_local()
-        else:
-            self._refuse_held(LockHolder.parse(self.output.read_if_exists(LOCK_NAME)))
-            self.output.write_bytes_atomic(LOCK_NAME, self.holder.to_bytes())
-        return self
-
-    def _acquire_local(self) -> None:
-        import fcntl
-
-        self._make_out()
-        path = self.output.local(LOCK_NAME)
-        for _ in range(10):
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:  # a read-only or full OUT, said as the file system says it (`describe_os_error`)
-                self._unmake_out()
-                exc.filename = self.output.root
-                raise
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = LockHolder.parse(_read_fd(fd))
-                os.close(fd)
-                raise self._busy(holder) from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:  # its holder removed it as it let go: take the new one
-                same = False
-            if same:
-                break
-            os.close(fd)
-        else:  # pragma: no cover - the file replaced ten times over
-            raise JobConflictError(f"{self.output.url}: another prepare keeps taking {LOCK_NAME}; try again")
-        try:
-            self._refuse_held(LockHolder.parse(_read_fd(fd)))
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, self.holder.to_bytes(), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-
-    def _refuse_held(self, holder: LockHolder | None) -> None:
-        """Refuse a lock record that names a live holder (locally: the flock is ours, so only a service job's)."""
-        if holder is None or (holder.pid, holder.host) == (self.holder.pid, self.holder.host):
-            return
-        if holder.job is None and holder.gone():
-            return  # a service job holds OUT while any of its workers runs, not only the one that planned it
-        if self.holder.job is not None and holder.job is not None:
-            return  # an earlier service job's: the service runs one job at a time on an OUT
-        if self.output.is_local and holder.job is None:
-            return  # a process that held the flock would hold it still
-        raise self._busy(holder)
-
-    def _busy(self, holder: LockHolder | None) -> JobConflictError:
-        who = holder.describe() if holder is not None else "another process"
-        where = f"{self.output.url.rstrip('/')}/{LOCK_NAME}"
-        wait = f"gpufeed status {holder.job}" if holder is not None and holder.job else "wait for it to finish"
-        return JobConflictError(
-            f"{self.output.url} is being prepared by {who}: one prepare at a time per OUT; {wait} "
-            f"(if it is gone for good, remove {where})"
-        )
-
-    def release(self, *, keep: bool = False) -> None:
-        """Let go of the lock; with `keep` the record stays (a service job's plan: the job holds OUT on)."""
-        if self.output.is_local:
-            if self._fd is None:
-                return
-            with contextlib.suppress(OSError):
-                if not keep and os.fstat(self._fd).st_ino == os.stat(self.output.local(LOCK_NAME)).st_ino:
-                    os.unlink(self.output.local(LOCK_NAME))
-            os.close(self._fd)
-            self._fd = None
-            self._unmake_out()
-        elif not keep:
-            remove_lock(self.output, self.holder)
-
-    def _make_out(self) -> None:
-        missing, folder = [], self.output.root
-        while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
-            missing.append(folder)
-            folder = os.path.dirname(folder)
-        os.makedirs(self.output.root, exist_ok=True)
-        self._made = missing
-
-    def _unmake_out(self) -> None:
-        """Remove the folders this lock made, when nothing else was put in them."""
-        for folder in self._made:
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
-        self._made = []
-
-    def __enter__(self) -> OutLock:
-        return self.acquire()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
-
-
-def _read_fd(fd: int) -> bytes:
-    return os.pread(fd, 4096, 0)
-
-
-def remove_lock(output: Output, holder: LockHolder | None = None, *, job: str | None = None) -> None:
-    """Remove OUT's lock record: the one `holder` wrote, or with `job` the one that service job left (any with neither).
-
-    A local lock that a live process holds (flocked) is never removed.
-    """
-    if output.is_local:
-        import fcntl
-
-        path = output.local(LOCK_NAME)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if _is_removable(LockHolder.parse(_read_fd(fd)), holder, job):
-                os.unlink(path)
-        except OSError:
-            return  # held by a live process: its own
-        finally:
-            os.close(fd)
-        return
-    if _is_removable(LockHolder.parse(output.read_if_exists(LOCK_NAME)), holder, job):
-        output.remove(LOCK_NAME)
-
-
-def _is_removable(found: LockHolder | None, holder: LockHolder | None, job: str | None) -> bool:
-    if job is not None:
-        return found is not None and found.job == job
-    if holder is not None:
-        return found is None or (found.pid, found.host, found.since) == (holder.pid, holder.host, holder.since)
-    return True

@@ -233,7 +233,7 @@ def test_bad_sources_are_clear_errors(tmp_path: Path) -> None:
 
 
 def test_free_space_check_refuses_unless_forced(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipeline.prepare.job.free_bytes", lambda path: 1000)
+    monkeypatch.setattr("pipeline.prepare.opening.free_bytes", lambda path: 1000)
     with pytest.raises(StorageError, match="free"):
         prepare_dataset(spec_for(raw, tmp_path / "out"), workers=0)
     assert not (tmp_path / "out" / "manifest.json").exists()
@@ -498,21 +498,21 @@ def test_the_plan_checks_every_listed_file_as_it_lists_and_a_refusal_leaves_noth
 
 def test_finish_twice_gives_the_same_manifest_and_result(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A finish repeated after a crash right after the manifest (work folder still there) changes nothing."""
-    import pipeline.prepare.job as job
     from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
+    from pipeline.prepare.resume import WorkFolder
 
     spec = spec_for(raw, tmp_path / "steps")
     for shard in range(plan_prepare(spec).shards):
         write_prepare_shard(spec, shard)
 
-    def die(output: Output) -> None:
+    def die(folder: WorkFolder) -> None:
         raise KeyboardInterrupt("the worker died")
 
-    real_remove_work = job.remove_work
-    monkeypatch.setattr(job, "remove_work", die)
+    real_remove_work = WorkFolder.remove_work
+    monkeypatch.setattr(WorkFolder, "remove_work", die)
     with pytest.raises(KeyboardInterrupt):
         finish_prepare(spec)
-    monkeypatch.setattr(job, "remove_work", real_remove_work)
+    monkeypatch.setattr(WorkFolder, "remove_work", real_remove_work)
     manifest = (tmp_path / "steps" / "manifest.json").read_bytes()
     rejected = (tmp_path / "steps" / "rejected.jsonl").read_bytes()
     assert (tmp_path / "steps" / ".gpufeed" / "plan.json").exists()

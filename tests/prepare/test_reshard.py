@@ -256,6 +256,7 @@ def test_publish_reaugment_twice_makes_one_version_with_the_same_result(
 ) -> None:
     """A publish repeated after a crash right after the switch completes that swap, it does not make another."""
     import pipeline.prepare.reshard as reshard
+    import pipeline.prepare.versions as versions
 
     dataset = prepared(raw, tmp_path / "ds", variants=1)
     reshard_dataset(ReshardSpec(dataset=str(dataset), multiple_of=4))  # r0001: 5 -> 8 shards
@@ -266,13 +267,13 @@ def test_publish_reaugment_twice_makes_one_version_with_the_same_result(
     def die(output: Output, record: dict[str, object]) -> None:
         raise KeyboardInterrupt("the worker died")
 
-    real_complete = reshard._complete_swap
-    monkeypatch.setattr(reshard, "_complete_swap", die)
+    real_complete = versions._complete_swap
+    monkeypatch.setattr(versions, "_complete_swap", die)
     with pytest.raises(KeyboardInterrupt):
         reshard.publish_reaugment(spec, staged)
-    monkeypatch.setattr(reshard, "_complete_swap", real_complete)
+    monkeypatch.setattr(versions, "_complete_swap", real_complete)
     switched = (dataset / "manifest.json").read_bytes()
-    assert reshard.version_of(read_manifest(Output(str(dataset)))) == "r0002"
+    assert versions.version_of(read_manifest(Output(str(dataset)))) == "r0002"
     assert (dataset / "v0").is_dir()  # the original shards (a top-level variant set) are still there
 
     first = reshard.publish_reaugment(spec, staged)

@@ -29,7 +29,7 @@ from PIL import Image, ImageDraw
 
 from pipeline import AugmentSpec, ConfigError, EncodeSpec, PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset
 from pipeline.manifest import read_manifest
-from pipeline.prepare import job as job_module
+from pipeline.prepare import opening as opening_module
 from pipeline.prepare.job import finish_prepare, plan_prepare, write_prepare_shard
 from pipeline.prepare.sample import process_item
 from pipeline.prepare.sources import ListingInfo, SourceItem
@@ -415,7 +415,7 @@ def fake_listing(monkeypatch: pytest.MonkeyPatch, items: list[SourceItem], **inf
             into.ignore_index = info.get("ignore_index")
         yield from items
 
-    monkeypatch.setattr(job_module, "list_images", listed)
+    monkeypatch.setattr(opening_module, "list_images", listed)
 
 
 def detection_items(folder: Path, count: int = 6) -> list[SourceItem]:
@@ -495,7 +495,7 @@ def test_the_service_steps_carry_the_task_and_ignore_index(tmp_path: Path, monke
     fake_listing(monkeypatch, items, task="segmentation", ignore_index=99)
     spec = PrepareSpec(str(tmp_path / "src"), str(tmp_path / "out"), resize=ResizeSpec(size=64, mode="pad"))
     plan = plan_prepare(spec)
-    monkeypatch.setattr(job_module, "list_images", None)  # the shard steps and the finish never list
+    monkeypatch.setattr(opening_module, "list_images", None)  # the shard steps and the finish never list
     for shard in plan.pending:
         write_prepare_shard(spec, shard)
     result = finish_prepare(spec)
