@@ -11,6 +11,7 @@ pytest.importorskip("s3fs")
 
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
 from pipeline.io.s3get import S3Getter, getter_for, parse_listing  # noqa: E402
+from pipeline.io.transport import FsspecTransport  # noqa: E402
 from pipeline.prepare import sources  # noqa: E402
 from pipeline.prepare.sources import ListingInfo, list_images  # noqa: E402
 
@@ -54,7 +55,7 @@ def _listing(url: str, options: dict[str, Any], threads: int = 4) -> tuple[list[
 
 def _by_s3fs(monkeypatch: pytest.MonkeyPatch, url: str, options: dict[str, Any], threads: int = 4) -> Any:
     with monkeypatch.context() as patched:
-        patched.setattr(sources, "getter_for", lambda fs: None)
+        patched.setattr(sources, "transport_for", lambda fs: FsspecTransport(fs))
         return _listing(url, options, threads)
 
 
