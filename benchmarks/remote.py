@@ -157,15 +157,7 @@ def main() -> None:
     parser.add_argument("--server", choices=("auto", "rclone", "moto"), default="auto")
     parser.add_argument("--loader-only", action="store_true", help="time the loader rows only")
     parser.add_argument("--json", help="write the figures here")
-    parser.add_argument(
-        "--transports", default="",
-        help="A/B the S3 transports, e.g. 'native,obstore': the s3 rows once per transport in each round, "
-        "the order alternating round to round (GPUFEED_S3_TRANSPORT)",
-    )  # fmt: skip
     args = parser.parse_args()
-    if args.transports:
-        main_ab(args)
-        return
     os.environ.setdefault("NO_PROXY", "127.0.0.1")
     from pipeline.demo import make_demo_dataset
 
@@ -200,61 +192,6 @@ def main() -> None:
     finally:
         store.stop()
         shutil.rmtree(work, ignore_errors=True)
-
-
-def main_ab(args: argparse.Namespace) -> None:
-    """The A/B of the S3 transports: prepare s3->local and loader epoch 1 for each, alternating, medians and ratios."""
-    import statistics
-
-    os.environ.setdefault("NO_PROXY", "127.0.0.1")
-    from pipeline.demo import make_demo_dataset
-
-    transports = args.transports.split(",")
-    work = tempfile.mkdtemp(prefix="gpufeed-remote-ab-")
-    store = Store(work, args.latency_ms, args.server)
-    runs: dict[tuple[str, str], list[Run]] = {}
-    try:
-        raw, loader_raw, shards = (os.path.join(work, name) for name in ("raw", "loader-raw", "shards"))
-        workers = common.available_processes()
-        make_demo_dataset(raw, args.n, min_side=DEMO_SIDES[0], max_side=DEMO_SIDES[1], workers=workers)
-        make_demo_dataset(loader_raw, args.loader_n, min_side=LOADER_SIDES[0], max_side=LOADER_SIDES[1], workers=workers)
-        time_prepare(loader_raw, shards, store, 0, LOADER_SHARD_SAMPLES)
-        upload(store, raw, "s3://bench/raw")
-        upload(store, shards, "s3://bench/shards")
-        out = os.path.join(work, "out")
-        for round_ in range(args.rounds):
-            order = transports if round_ % 2 == 0 else transports[::-1]
-            for name in order:
-                os.environ["GPUFEED_S3_TRANSPORT"] = name
-                runs.setdefault(("prepare_s3", name), []).append(time_prepare("s3://bench/raw", out, store, 32))
-                cache = os.path.join(work, f"cache-{round_}-{name}")
-                runs.setdefault(("loader_epoch1", name), []).extend(time_epochs("s3://bench/shards", store, cache, 1))
-                shutil.rmtree(cache, ignore_errors=True)
-                for row in ("prepare_s3", "loader_epoch1"):
-                    run = runs[(row, name)][-1]
-                    print(
-                        f"round {round_} {name:8} {row:14} {run.images_per_s:8.1f} images/s  "
-                        f"cpu {run.detail['cpu_ms_per_image']:.3f} ms/image  other load "
-                        f"{'-' if run.noise is None else f'{run.noise:.0%}'}  load avg {os.getloadavg()[0]:.2f}",
-                        flush=True,
-                    )
-    finally:
-        os.environ.pop("GPUFEED_S3_TRANSPORT", None)
-        store.stop()
-        shutil.rmtree(work, ignore_errors=True)
-    base = transports[0]
-    print(f"medians over {args.rounds} rounds; ratios {'/'.join(transports[1:])} to {base} (>1: faster / more CPU)")
-    table = {}
-    for row in ("prepare_s3", "loader_epoch1"):
-        for metric, get in (("images/s", lambda r: r.images_per_s), ("cpu ms/image", lambda r: r.detail["cpu_ms_per_image"])):
-            medians = {name: statistics.median(get(run) for run in runs[(row, name)]) for name in transports}
-            ratios = {name: medians[name] / medians[base] for name in transports[1:]}
-            table[f"{row} {metric}"] = {"medians": medians, "ratios": ratios}
-            cells = "  ".join(f"{name} {value:.3f}" for name, value in medians.items())
-            print(f"  {row:14} {metric:13} {cells}  ratio " + " ".join(f"{value:.3f}" for value in ratios.values()))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(table, handle, indent=2)
 
 
 def fresh_write_cost(work: str, size: int, times: int = 3) -> list[float]:

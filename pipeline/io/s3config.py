@@ -93,10 +93,15 @@ class S3Settings:
         self.scheme = parts.scheme
         self.region = region
         self.credentials = credentials
+        if tls_ca is None and self.scheme == "https":
+            from botocore.httpsession import get_cert_path  # type: ignore[import-untyped]
+
+            tls_ca = os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True)  # what botocore trusts
         self.tls_ca = tls_ca
         match = _PLAIN_AWS.match(parts.hostname or "")
         self.virtual_host = match is not None and not parts.port and parts.path in ("", "/")
         self._regions: dict[str, str] = {}  # bucket -> its region, learnt from a 301
+        self._refused: set[str] = set()  # buckets the fast path cannot reach (left to s3fs)
         self._lock = threading.Lock()
 
     @property
@@ -125,12 +130,7 @@ class S3Settings:
         if getattr(config, "signature_version", None) is not UNSIGNED:
             options = fs.storage_options
             credentials = S3Credentials(fs.key, fs.secret, fs.token, options.get("profile"))
-        tls_ca = None
-        if urlsplit(endpoint).scheme == "https":
-            from botocore.httpsession import get_cert_path  # type: ignore[import-untyped]
-
-            tls_ca = os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True)
-        return cls(endpoint, str(client.meta.region_name or "us-east-1"), credentials, tls_ca)
+        return cls(endpoint, str(client.meta.region_name or "us-east-1"), credentials)
 
     def region_of(self, bucket: str) -> str:
         """The region `bucket`'s requests are signed for: learnt from a 301, else the configured one."""
@@ -143,6 +143,14 @@ class S3Settings:
         with self._lock:
             self._regions[bucket] = region
         return True
+
+    def refuse(self, bucket: str) -> None:
+        """Leave `bucket` to s3fs from now on (it redirects or refuses what the fast path sends)."""
+        with self._lock:
+            self._refused.add(bucket)
+
+    def refused(self, bucket: str) -> bool:
+        return bucket in self._refused
 
     def bucket_url(self, bucket: str) -> str | None:
         """The URL of `bucket` itself (no trailing slash); None where the name does not fit the addressing."""
