@@ -46,7 +46,7 @@ class S3Transport(Transport):
     def __init__(self, settings: S3Settings, fallback: FsspecTransport) -> None:
         self.settings = settings
         self.fallback = fallback
-        self._loop: GetLoop | None = None
+        self._loops: dict[str, GetLoop] = {}  # "blocking" (waited for), "ahead" (read_ahead's, its own count in flight)
         self._lock = threading.Lock()
 
     @classmethod
@@ -55,13 +55,17 @@ class S3Transport(Transport):
         settings = S3Settings.for_filesystem(fs)
         return None if settings is None else cls(settings, FsspecTransport(fs))
 
-    def loop(self, in_flight: int = BLOCKING_CONNECTIONS) -> GetLoop:
-        """The client, started on first use, with at least `in_flight` connections."""
+    def loop(self, in_flight: int | None = None) -> GetLoop:
+        """The client, started on first use: the one blocking reads wait on, or with `in_flight` the one reads ahead
+        use, with at least that many connections (a later job's reads in flight may be more)."""
+        kind = "blocking" if in_flight is None else "ahead"
         with self._lock:
-            if self._loop is None:
-                self._loop = GetLoop(self.settings, max(in_flight, BLOCKING_CONNECTIONS))
-            self._loop.connections = max(self._loop.connections, in_flight)  # a later job's reads in flight may be more
-            return self._loop
+            loop = self._loops.get(kind)
+            if loop is None:
+                loop = self._loops[kind] = GetLoop(self.settings, in_flight or BLOCKING_CONNECTIONS)
+            if in_flight is not None:
+                loop.connections = max(loop.connections, in_flight)
+            return loop
 
     def read_range(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         fetched = self.fetch(path, end, start)
@@ -76,7 +80,7 @@ class S3Transport(Transport):
         return self._wait(self.loop().get(path, end, start=start))
 
     def read_ahead(self, path: str, end: int | None = None, into: Into | None = None, in_flight: int = 1) -> Future[Body | None]:
-        return self.loop(in_flight).get(path, end, into=into)
+        return self.loop(max(1, in_flight)).get(path, end, into=into)
 
     def list(self, path: str, delimiter: str | None = None) -> tuple[list[str], list[str]] | None:
         """Every key under `path` (``bucket/prefix``), and with `delimiter` the common prefixes.
@@ -124,8 +128,8 @@ class S3Transport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            loop, self._loop = self._loop, None
-        if loop is not None:
+            loops, self._loops = list(self._loops.values()), {}
+        for loop in loops:
             loop.close()
 
     @staticmethod
