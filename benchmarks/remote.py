@@ -58,15 +58,35 @@ TARGETS = {"loader_epoch1": 0.80, "loader_epoch2": 0.95, "prepare_s3": 0.80}
 
 
 def measured(store: Store, timed: Callable[[], int]) -> Run:
-    """Run `timed` (it returns the images it did), with its wall time, the other load and the store's CPU share."""
+    """Run `timed` (it returns the images it did), with its wall time, the other load, the store's CPU share and
+    gpufeed's own CPU per image (this process and its workers, the store's processes not counted)."""
     cpu_before = store.cpu_seconds()
+    own_before = own_cpu_seconds(store)
     with common.NoiseMeter() as meter:
         started = time.perf_counter()
         images = timed()
         seconds = time.perf_counter() - started
     store_share = (store.cpu_seconds() - cpu_before) / (seconds * (os.cpu_count() or 1))
     noise = None if meter.share is None else max(0.0, meter.share - store_share)
-    return Run(images, seconds, {"store_cpu_share": round(store_share, 3)}, noise)
+    own = (own_cpu_seconds(store) - own_before) / max(1, images) * 1000
+    return Run(images, seconds, {"store_cpu_share": round(store_share, 3), "cpu_ms_per_image": round(own, 3)}, noise)
+
+
+def own_cpu_seconds(store: Store) -> float:
+    """CPU seconds of this process, its ended children and its live ones (prepare's and the loader's workers),
+    the store's server and proxy left out."""
+    import psutil
+
+    total = common.cpu_seconds(children=True) - store.cpu_seconds_reaped()
+    for child in psutil.Process().children(recursive=True):
+        if child.pid in store.pids():
+            continue
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def time_prepare(source: str, out: str, store: Store, io_threads: int, shard_samples: int | None = None) -> Run:

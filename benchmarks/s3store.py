@@ -185,6 +185,14 @@ class Store:
         """CPU seconds the server and the proxy have used so far."""
         return process_cpu_seconds(self.server.pid) + process_cpu_seconds(self.proxy.pid)
 
+    def pids(self) -> set[int]:
+        """The server's and the proxy's process ids (not gpufeed's CPU)."""
+        return {self.server.pid, self.proxy.pid}
+
+    def cpu_seconds_reaped(self) -> float:
+        """What of this process's ended children's CPU seconds was the store's: none while it runs."""
+        return 0.0
+
     def stop(self) -> None:
         for process in (self.proxy, self.server):
             if process.poll() is None:

@@ -13,6 +13,10 @@ cache_fill.py    a shard filled into the cache under its lock, checked and publi
 cache_follow.py  a reader of a fill in progress (this process's or another's), going on from the store where it stops
 cache_verify.py  a cached shard checked before it is served: its fill's record, a whole sha256 where it differs
 cache_space.py   the cache's space counted across processes, room for a fill reserved or refused, nothing evicted; prune
-s3get.py         S3Getter: one signed GET per object on an S3 store, and signed listings (a fast path beside s3fs)
-getloop.py       GetLoop: many signed GETs in flight on one thread, for prepare's remote reads
+transport.py     Transport: the operations every stage asks of a store; FsspecTransport, the general fsspec one
+transports.py    transport_for(fs): the transport for a filesystem, one per filesystem and process
+s3config.py      S3Settings: an s3fs filesystem's endpoint, addressing, regions learnt, refused buckets, credentials
+s3transport.py   S3Transport: reads and listings of plain S3 endpoints on gpufeed's own client, s3fs for the rest
+getloop.py       GetLoop: gpufeed's S3 client: one request builder, one parser, many GETs in flight on one thread
+s3sign.py        AWS Signature Version 4 for the client's requests
 """

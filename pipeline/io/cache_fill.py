@@ -34,7 +34,7 @@ from .cache_follow import FillProgress, ShardReader
 from .cache_space import COMPLETE, FULL, CacheSpace, unwritable_warning
 from .cache_verify import record_check
 from .fs import open_fs, redact_url
-from .s3get import getter_for
+from .transports import transport_for
 
 log = logging.getLogger("gpufeed.cache")
 
@@ -288,15 +288,14 @@ def copy_from_store(
         OSError: writing the file failed (e.g. ENOSPC).
     """
     fs, path = open_fs(url, storage_options)
-    getter = getter_for(fs)  # one signed GET per piece on S3, a fraction of the client CPU of s3fs's
+    transport = transport_for(fs)  # one signed GET per piece on S3, a fraction of the client CPU of s3fs's
     hasher = hashlib.sha256()
     count, piece = 0, FIRST_PIECE
     while count <= limit:
         # the last piece asks for one byte past `limit`: an object longer than the manifest says shows
         end = count + piece if count + piece < limit else limit + 1
         try:
-            fetched = getter.get(path, end, start=count) if getter is not None else None
-            chunk = fs.cat_file(path, start=count, end=end) if fetched is None else fetched
+            chunk = transport.read_range(path, count, end)
         except OSError as exc:
             if count and exc.errno == errno.EINVAL:  # 416: the object ended where the last piece did
                 break

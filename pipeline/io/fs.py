@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigError, SourceError, StorageError
 from ..redact import redact_url, redact_urls
-from .s3get import getter_for
+from .transports import transport_for
 
 
 def is_url(path: str) -> bool:
@@ -293,9 +293,9 @@ def read_source_bytes(url: str, max_bytes: int) -> bytes:
     A remote file is one request: a GET of its first ``max_bytes + 1`` bytes
     (a Range the store clips to the object), so a file over the limit is known
     from what came back, without asking its size first (fsspec's plain
-    ``cat_file`` would). On S3 that GET is sent by `s3get.S3Getter`, at a
-    tenth of the client CPU s3fs spends on it, wherever the fast path applies;
-    else, or when it cannot tell, by s3fs. A store that refuses the range (an
+    ``cat_file`` would). It goes through the filesystem's transport
+    (`transports.transport_for`): on S3 the fast path, at a fraction of the
+    client CPU s3fs spends on it; else, or when it cannot tell, s3fs. A store that refuses the range (an
     empty object answers 416 on S3) is read the plain way: its size, then the
     whole object.
     """
@@ -307,10 +307,8 @@ def read_source_bytes(url: str, max_bytes: int) -> bytes:
                 raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
             return handle.read()
     fs, path = open_fs(url)
-    getter = getter_for(fs)
-    fetched = getter.get(path, max_bytes + 1) if getter is not None else None
     try:
-        data: bytes = fs.cat_file(path, start=0, end=max_bytes + 1) if fetched is None else fetched
+        data: bytes = transport_for(fs).read_range(path, 0, max_bytes + 1)
     except FileNotFoundError:
         raise
     except Exception as exc:

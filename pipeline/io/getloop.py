@@ -1,4 +1,4 @@
-"""Many signed GETs in flight on one thread: how prepare reads a remote SRC's files, a store's latency hidden.
+"""gpufeed's S3 client: signed GETs, many in flight on one thread, one request builder and one response parser.
 
 A store 20 ms away must have tens of reads in flight to keep the CPUs fed.
 On a pool of I/O threads each read is a thread: they wake one another,
@@ -8,59 +8,94 @@ itself. A `GetLoop` keeps the same requests in flight on one thread: up to
 `connections` kept-alive, non-blocking connections to the store, each with
 one request at a time, and a `selectors` loop that sends a request, reads
 its answer straight into the buffer that holds it, and starts the next one
-on the same connection. That is under half the CPU per file, and one
-wake-up where the threads had several.
+on the same connection. A blocking read (`S3Transport.read_range`) is one
+request on the same loop, waited for.
 
-It sends what `s3get.S3Getter.get` sends (the same URL, Range and
-Signature Version 4) and gives what it gives: the bytes, FileNotFoundError
-for an object the store says is absent, or None for anything else (another
-status, a chunked answer, a connection that failed or timed out), where the
-caller reads the file the ordinary way. TLS endpoints are read the same way,
-their handshake done without blocking.
+Each request is built by `_Request.head` (URL from `S3Settings`, Range,
+Signature Version 4 from `s3sign`) and its answer read by `_Link` (status
+line, headers, a body of Content-Length bytes or chunks). What it gives:
+the bytes, FileNotFoundError for an object the store says is absent, or
+None where the caller must read the object through s3fs. On the way:
+
+- a 301 (or 400) with ``x-amz-bucket-region`` teaches the bucket's region
+  once (`S3Settings.learn_region`), and the request goes again there; a
+  403 is tried once more with credentials resolved afresh; a bucket that
+  still redirects or refuses is left to s3fs from then on
+  (`S3Settings.refuse`), not asked again per object;
+- transient failures (a connection reset or dropped, a 500, 502, 503
+  SlowDown, 504) are retried with exponential backoff and jitter, at most
+  RETRIES times; a kept-alive connection the store closed meanwhile is
+  tried again at once;
+- a Content-Length or chunk size that is not a plain non-negative number
+  is refused at once; bodies are capped (the range asked for, else
+  BODY_LIMIT; an error document at ERROR_LIMIT);
+- a whole-object GET asks for the store's checksum (``x-amz-checksum-mode:
+  ENABLED``) and checks ``x-amz-checksum-crc32``, ``-sha1`` and ``-sha256``
+  (full-object values; composite ``-N`` ones are not checked) and
+  ``Content-MD5`` where the answer has one; a mismatch is retried like a
+  transient failure, then left to s3fs; ranged reads carry no checksum;
+- host names are resolved on a small thread pool (`_resolve`), never on the
+  loop: requests in flight go on while a slow DNS answer is awaited.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import errno
+import hashlib
+import heapq
+import ipaddress
+import random
 import selectors
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
-from .s3get import S3Getter, sign_get, starts_at
+from .s3config import S3Settings
+from .s3sign import canonical_query, sign_get
+from .transport import Body, Into
 
 IDLE_S = 1.0  # the longest the loop sleeps with nothing to do (it is woken for new requests)
 KEEP_IDLE_S = 15.0  # a kept-alive connection unused this long is closed (stores close theirs after 20 s or so)
 TIMEOUT_S = 60.0  # a connection with no progress this long is given up (its request: None)
 HEAD_LIMIT = 64 << 10  # an answer's status line and headers
 ERROR_LIMIT = 1 << 20  # the body of an answer that is not the object (an error document) is read up to this
+BODY_LIMIT = 1 << 30  # the most bytes a whole-object GET reads; a larger object is left to s3fs
 RECV_BYTES = 1 << 16  # what is read at a time before the body's size is known
+RETRIES = 3  # transient failures retried per request
+BACKOFF_S = 0.05  # the first retry's delay; doubled each time, with jitter
+DNS_TTL_S = 30.0  # how long a resolved address is reused
+DNS_THREADS = 2
+RETRIED_STATUSES = (500, 502, 503, 504)
 
 _CONNECTING, _HANDSHAKE, _SENDING, _READING = range(4)
 
-Body = bytearray | memoryview
-"""An answer's bytes: a new bytearray, or the caller's memoryview (`into`)."""
-Into = Callable[[int], memoryview | None]
-"""Asked for a buffer of the body's size; None: read into a new one."""
+
+def _resolve(host: str, port: int) -> Any:
+    """The first address of `host` (a thread of the resolver pool calls it; tests replace it)."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
 
 
 class GetLoop:
-    """GETs of objects in one S3 endpoint, up to `connections` in flight, on one background thread (see the module).
+    """GETs on one S3 endpoint, up to `connections` in flight, on one background thread (see the module).
 
     Args:
-        getter: the endpoint, region and credentials to use (its URLs and signatures).
+        settings: the endpoint, addressing, regions and credentials to use.
         connections: how many requests may be in flight at once, one per connection.
     """
 
-    def __init__(self, getter: S3Getter, connections: int) -> None:
-        self.getter = getter
+    def __init__(self, settings: S3Settings, connections: int) -> None:
+        self.settings = settings
         self.connections = max(1, connections)
+        self._tls: Any = None
+        if settings.scheme == "https":
+            self._tls = ssl.create_default_context(cafile=settings.tls_ca)
         self._selector = selectors.DefaultSelector()
         self._waker_in, self._waker_out = socket.socketpair()
         self._waker_in.setblocking(False)
@@ -71,17 +106,31 @@ class GetLoop:
         self._closing = False
         self._idle: list[_Link] = []
         self._busy: set[_Link] = set()
+        self._later: list[tuple[float, int, _Request]] = []  # (when, order, request): retries waiting out a backoff
+        self._order = 0
+        self._addresses: dict[tuple[str, int], tuple[Any, float]] = {}
+        self._resolving: dict[tuple[str, int], list[_Request]] = {}
+        self._pool = ThreadPoolExecutor(DNS_THREADS, thread_name_prefix="gpufeed-resolve")
         self._expired_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="gpufeed-get-loop", daemon=True)
         self._thread.start()
 
-    def get(self, path: str, end: int | None = None, start: int = 0, into: Into | None = None) -> Future[Body | None]:
-        """Bytes `start` to `end` (exclusive) of ``bucket/key``, as `S3Getter.get` gives them, when they come.
+    def get(
+        self,
+        path: str,
+        end: int | None = None,
+        start: int = 0,
+        into: Into | None = None,
+        query: dict[str, str] | None = None,
+    ) -> Future[Body | None]:
+        """Bytes `start` to `end` (exclusive; to its end if None) of ``bucket/key``, when they come.
 
         The future's result is the bytes (fewer when the object ends first),
         or None where the caller must read the object another way; it raises
         FileNotFoundError when the store says there is no such object. It is
-        cancelled when the loop is closed first.
+        cancelled when the loop is closed first. `query` (for a request on
+        the bucket itself, ``bucket/`` and no key: a listing) is sent as the
+        query string.
 
         `into`, where given, is asked (on the loop's thread) for a buffer of
         the body's size once the store has said it; the body is read straight
@@ -90,18 +139,15 @@ class GetLoop:
         """
         future: Future[Body | None] = Future()
         bucket, _, key = path.partition("/")
-        url = self.getter.url(bucket, key) if key else None
-        if url is None:
+        if not bucket or (not key and query is None) or self.settings.refused(bucket) or self.settings.bucket_url(bucket) is None:
             future.set_result(None)
             return future
-        headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"} if start or end is not None else {}
         with self._lock:
             if self._closing:
                 future.cancel()
                 return future
             wake = not self._queue  # a queue with requests in it is looked at whenever a connection comes free
-            most = None if end is None else max(0, end - start)
-            self._queue.append(_Request(url, headers, start, most, future, into))
+            self._queue.append(_Request(bucket, key, start, end, query, future, into))
         if wake:
             self._wake()
         return future
@@ -127,11 +173,15 @@ class GetLoop:
     def _run(self) -> None:
         try:
             while not self._closing:
-                for key, _ in self._selector.select(timeout=IDLE_S):
+                timeout = IDLE_S
+                if self._later:
+                    timeout = max(0.0, min(timeout, self._later[0][0] - time.monotonic()))
+                for key, _ in self._selector.select(timeout=timeout):
                     if key.data is None:
                         self._drain_waker()
                     else:
                         self._step(key.data)
+                self._release_due()
                 self._start_queued()
                 if time.monotonic() - self._expired_at > min(1.0, IDLE_S):
                     self._expire()
@@ -145,6 +195,29 @@ class GetLoop:
         except (BlockingIOError, OSError):
             pass
 
+    def _release_due(self) -> None:
+        now = time.monotonic()
+        while self._later and self._later[0][0] <= now:
+            request = heapq.heappop(self._later)[2]
+            with self._lock:
+                self._queue.appendleft(request)
+
+    def _retry_later(self, request: _Request) -> bool:
+        """Put `request` back after a backoff; False once it has had its RETRIES."""
+        if request.attempts >= RETRIES or self._closing:
+            return False
+        delay = BACKOFF_S * (2**request.attempts) * (0.5 + random.random())
+        request.attempts += 1
+        self._order += 1
+        heapq.heappush(self._later, (time.monotonic() + delay, self._order, request))
+        return True
+
+    def _again(self, request: _Request) -> None:
+        """Send `request` again at once (a region learnt, credentials refreshed, a stale connection)."""
+        with self._lock:
+            self._queue.appendleft(request)
+        self._wake()
+
     def _start_queued(self) -> None:
         while True:
             with self._lock:
@@ -153,7 +226,18 @@ class GetLoop:
                 request = self._queue.popleft()
             if request.future.cancelled():
                 continue
-            link = self._idle_link(request) or self._new_link(request)
+            if self.settings.refused(request.bucket):
+                request.answer(None)
+                continue
+            try:
+                request.place(self.settings)
+            except ValueError:
+                request.answer(None)
+                continue
+            address = self._address(request)
+            if address is None:
+                continue  # parked until its host is resolved
+            link = self._idle_link(request) or self._new_link(request, address)
             if link is None:
                 continue  # the request was answered None: no connection could be made
             try:
@@ -162,6 +246,47 @@ class GetLoop:
                 self._busy.discard(link)
                 self._drop(link)
                 request.answer(None)
+
+    def _address(self, request: _Request) -> Any:
+        """The request's host's address, known or a literal; None: it is being resolved (the request waits for it)."""
+        where = (request.host, request.port)
+        known = self._addresses.get(where)
+        if known is not None and time.monotonic() - known[1] < DNS_TTL_S:
+            return known[0]
+        try:
+            ipaddress.ip_address(request.host)
+        except ValueError:
+            pass
+        else:
+            address = socket.getaddrinfo(request.host, request.port, type=socket.SOCK_STREAM)[0]  # a literal: no DNS
+            self._addresses[where] = (address, time.monotonic())
+            return address
+        with self._lock:
+            waiting = self._resolving.get(where)
+            if waiting is not None:
+                waiting.append(request)
+                return None
+            self._resolving[where] = [request]
+        try:
+            self._pool.submit(_resolve, *where).add_done_callback(lambda done: self._resolved(where, done))
+        except RuntimeError:  # shutting down
+            self._resolving.pop(where, None)
+            request.future.cancel()
+        return None
+
+    def _resolved(self, where: tuple[str, int], done: Future[Any]) -> None:
+        """(On a resolver thread) the address is known: its requests go back to the queue."""
+        with self._lock:
+            waiting = self._resolving.pop(where, [])
+            if done.cancelled():
+                return
+            if done.exception() is None:
+                self._addresses[where] = (done.result(), time.monotonic())
+                self._queue.extendleft(reversed(waiting))
+                waiting = []
+        for request in waiting:  # the name does not resolve: the caller reads it its way (s3fs says why)
+            request.answer(None)
+        self._wake()
 
     def _idle_link(self, request: _Request) -> _Link | None:
         """A kept-alive connection to the request's host, if one is idle (one to another host is closed for room)."""
@@ -172,36 +297,35 @@ class GetLoop:
             self._drop(self._idle.pop(0))
         return None
 
-    def _new_link(self, request: _Request) -> _Link | None:
+    def _new_link(self, request: _Request, address: Any) -> _Link | None:
         try:
-            address = socket.getaddrinfo(request.host, request.port, type=socket.SOCK_STREAM)[0]
             sock = socket.socket(address[0], address[1], address[2])
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             code = sock.connect_ex(address[4])
         except OSError:
-            request.answer(None)
+            if not self._retry_later(request):
+                request.answer(None)
             return None
         if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
             sock.close()
-            request.answer(None)
+            if not self._retry_later(request):
+                request.answer(None)
             return None
         return _Link(sock, request.host, request.port, request.tls)
 
     def _begin(self, link: _Link, request: _Request) -> None:
         """Sign `request` and start it on `link`."""
-        headers = request.headers
-        if not self.getter.anonymous:
-            credentials = self.getter.credentials()
+        credentials = None
+        if not self.settings.anonymous:
+            assert self.settings.credentials is not None
+            credentials = self.settings.credentials.get(fresh=request.fresh_credentials)
+            request.fresh_credentials = False
             if credentials is None:
                 self._idle.append(link)
                 request.answer(None)
                 return
-            headers = sign_get(request.netloc, request.path, headers, credentials, self.getter.region)
-        head = f"GET {request.path} HTTP/1.1\r\nHost: {request.netloc}\r\n" + "".join(
-            f"{name}: {value}\r\n" for name, value in headers.items()
-        )
-        link.start(request, (head + "\r\n").encode("latin-1"))
+        link.start(request, request.head(credentials, self.settings.region_of(request.bucket)))
         self._busy.add(link)
         self._watch(link)
         if link.state == _SENDING:
@@ -218,21 +342,44 @@ class GetLoop:
     def _step(self, link: _Link) -> None:
         """Move `link` on as far as its socket allows; finish its request when the answer is whole."""
         try:
-            done = link.advance(self.getter)
+            done = link.advance(self._tls)
         except Exception as exc:  # noqa: BLE001 - a socket error, an answer not understood, anything: this request only
             self._fail(link, exc)
             return
         if not done:
             self._watch(link)
             return
-        request, answer, keep = link.finish()
+        request, status, headers, body = link.finish()
         self._busy.discard(link)
-        if keep and not self._closing:
+        if link.keep and not self._closing:
             self._unwatch(link)
             self._idle.append(link)
         else:
             self._drop(link)
-        request.answer(answer)
+        self._settle(request, status, headers, body)
+
+    def _settle(self, request: _Request, status: int, headers: dict[str, str], body: Body) -> None:
+        """What the answer means for `request`: its bytes, absence, another try, or None (see the module)."""
+        settings = self.settings
+        if status in (200, 206) and starts_at(headers.get("content-range"), request.start, status):
+            if request.whole and not checksum_matches(headers, body):
+                if not self._retry_later(request):
+                    request.answer(None)
+                return
+            request.answer(body)
+        elif status == 404:
+            request.answer(FileNotFoundError(f"no such object: s3://{request.bucket}/{request.key}"))
+        elif status in (301, 307, 400) and settings.learn_region(request.bucket, headers.get("x-amz-bucket-region", "")):
+            self._again(request)  # the bucket lives elsewhere: learnt once, every later request goes there
+        elif status == 403 and not settings.anonymous and not request.refreshed:
+            request.refreshed = request.fresh_credentials = True  # they may have expired: resolved anew, once
+            self._again(request)
+        elif status in RETRIED_STATUSES and self._retry_later(request):
+            pass
+        else:
+            if status in (301, 307, 403) or (status == 400 and "x-amz-bucket-region" in headers):
+                settings.refuse(request.bucket)  # the fast path cannot reach it: s3fs, from now on
+            request.answer(None)
 
     def _fail(self, link: _Link, exc: BaseException) -> None:
         request = link.request
@@ -240,12 +387,13 @@ class GetLoop:
         self._drop(link)
         if request is None:
             return
-        if link.reused and not link.answered_any and not request.retried:
-            request.retried = True  # the store closed a kept-alive connection meanwhile: once more on a new one
-            with self._lock:
-                self._queue.appendleft(request)
-            return
-        request.answer(None)
+        if isinstance(exc, ValueError):  # an answer not understood or over its bound: not something a retry mends
+            request.answer(None)
+        elif link.reused and not link.answered_any and not request.stale_retried:
+            request.stale_retried = True  # the store closed a kept-alive connection meanwhile: once more on a new one
+            self._again(request)
+        elif not self._retry_later(request):
+            request.answer(None)
 
     def _expire(self) -> None:
         """Give up requests that made no progress for TIMEOUT_S; close connections idle for KEEP_IDLE_S."""
@@ -271,8 +419,12 @@ class GetLoop:
     def _shut_down(self) -> None:
         with self._lock:
             self._closing = True
-            queued = list(self._queue)
+            queued = list(self._queue) + [entry[2] for entry in self._later]
+            for waiting in self._resolving.values():
+                queued += waiting
             self._queue.clear()
+            self._later.clear()
+            self._resolving.clear()
         for link in list(self._busy):
             if link.request is not None:
                 queued.append(link.request)
@@ -283,47 +435,74 @@ class GetLoop:
         self._idle.clear()
         for request in queued:
             request.future.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._selector.close()
         self._waker_in.close()
         self._waker_out.close()
 
 
 class _Request:
-    """One GET: where it goes (the URL taken apart once), what it asks for, and the future its answer goes to."""
+    """One GET: what it asks for, where it goes now (`place`), its tries, and the future its answer goes to."""
 
     __slots__ = (
-        "url",
-        "host",
-        "port",
-        "netloc",
-        "path",
-        "tls",
-        "headers",
-        "start",
-        "most",
-        "future",
-        "into",
-        "retried",
-    )
+        "bucket", "key", "start", "end", "query", "future", "into", "url", "host", "port", "netloc", "path", "tls",
+        "attempts", "stale_retried", "refreshed", "fresh_credentials",
+    )  # fmt: skip
 
     def __init__(
         self,
-        url: str,
-        headers: dict[str, str],
+        bucket: str,
+        key: str,
         start: int,
-        most: int | None,
+        end: int | None,
+        query: dict[str, str] | None,
         future: Future[Body | None],
         into: Into | None,
     ) -> None:
+        self.bucket, self.key, self.start, self.end, self.query = bucket, key, start, end, query
+        self.future, self.into = future, into
+        self.url = self.host = self.netloc = self.path = ""
+        self.port, self.tls = 0, False
+        self.attempts = 0
+        self.stale_retried = self.refreshed = self.fresh_credentials = False
+
+    @property
+    def whole(self) -> bool:
+        """Whether the whole object is asked for (its checksum is asked for and checked)."""
+        return self.query is None and self.start == 0 and self.end is None
+
+    @property
+    def most(self) -> int:
+        """The most bytes the object's answer may have: the range's length, else BODY_LIMIT."""
+        return BODY_LIMIT if self.end is None else max(0, self.end - self.start)
+
+    def place(self, settings: S3Settings) -> None:
+        """Where the request goes now (the bucket's region may have been learnt since the last try)."""
+        url = settings.bucket_url(self.bucket) if self.query is not None else settings.url(self.bucket, self.key)
+        if url is None:
+            raise ValueError("the bucket's name does not fit the addressing")
         parts = urlsplit(url)
         self.url, self.netloc, self.path, self.tls = url, parts.netloc, parts.path or "/", parts.scheme == "https"
         self.host, self.port = parts.hostname or "", parts.port or (443 if self.tls else 80)
-        self.headers, self.start, self.future, self.into = headers, start, future, into
-        self.most = most  # the most bytes the answer may have: the range's length
-        self.retried = False
+
+    def head(self, credentials: Any, region: str) -> bytes:
+        """The request's bytes: the one request builder (signed where `credentials` are given)."""
+        headers: dict[str, str] = {}
+        if self.start or self.end is not None:
+            headers["Range"] = f"bytes={self.start}-{'' if self.end is None else self.end - 1}"
+        if self.whole:
+            headers["x-amz-checksum-mode"] = "ENABLED"
+        query = canonical_query(self.query) if self.query is not None else ""
+        if credentials is not None:
+            headers = sign_get(self.netloc, self.path, headers, credentials, region, query=query)
+        target = f"{self.path}?{query}" if query else self.path
+        text = f"GET {target} HTTP/1.1\r\nHost: {self.netloc}\r\n" + "".join(
+            f"{name}: {value}\r\n" for name, value in headers.items()
+        )
+        return (text + "\r\n").encode("latin-1")
 
     def answer(self, value: Body | BaseException | None) -> None:
-        if self.future.cancelled():
+        if self.future.done():
             return
         if isinstance(value, BaseException):
             self.future.set_exception(value)
@@ -332,7 +511,7 @@ class _Request:
 
 
 class _Link:
-    """One non-blocking connection to the store and the request on it, as a small state machine."""
+    """One non-blocking connection to the store and the request on it, as a small state machine: the one parser."""
 
     def __init__(self, sock: socket.socket, host: str, port: int, tls: bool) -> None:
         self.sock: Any = sock
@@ -344,14 +523,15 @@ class _Link:
         self.reused = False
         self.served = 0
         self.progress_at = time.monotonic()
+        self.keep = False
+        self.answered_any = False
         self._out = memoryview(b"")
         self._head = bytearray()
         self._status = 0
         self._headers: dict[str, str] = {}
         self._body: Body | None = None
         self._got = 0
-        self._keep = False
-        self.answered_any = False
+        self._chunks: _Chunks | None = None
 
     def start(self, request: _Request, data: bytes) -> None:
         self.request = request
@@ -359,22 +539,21 @@ class _Link:
         self._out = memoryview(data)
         self._head = bytearray()
         self._body = None
+        self._chunks = None
         self._got = 0
         self.answered_any = False
         self.progress_at = time.monotonic()
         if self.state == _READING:  # a kept-alive connection: its next request goes straight out
             self.state = _SENDING
 
-    def advance(self, getter: S3Getter) -> bool:
+    def advance(self, tls: Any) -> bool:
         """Do what the socket allows now; True once the whole answer is in."""
         if self.state == _CONNECTING:
             failure = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if failure:
                 raise OSError(failure, "cannot connect to the store")
             if self.tls:
-                self.sock = getter.tls_context.wrap_socket(
-                    self.sock, server_hostname=self.host, do_handshake_on_connect=False
-                )
+                self.sock = tls.wrap_socket(self.sock, server_hostname=self.host, do_handshake_on_connect=False)
                 self.state = _HANDSHAKE
             else:
                 self.state = _SENDING
@@ -393,7 +572,7 @@ class _Link:
 
     def _read(self) -> bool:
         while True:
-            if self._body is None:
+            if self._body is None and self._chunks is None:
                 data = self._io(self.sock.recv, RECV_BYTES)
                 if data is None:
                     return False
@@ -403,7 +582,15 @@ class _Link:
                 self._head += data
                 if not self._parse_head():
                     continue
+            elif self._chunks is not None:
+                data = self._io(self.sock.recv, RECV_BYTES)
+                if data is None:
+                    return False
+                if not data:
+                    raise ConnectionResetError("the store closed the connection in a chunked answer")
+                self._chunks.feed(data)
             else:
+                assert self._body is not None
                 view = memoryview(self._body)[self._got :]
                 got = self._io(self.sock.recv_into, view) if view else 0
                 if got is None:
@@ -411,8 +598,11 @@ class _Link:
                 if view and not got:
                     raise ConnectionResetError(f"the answer ended after {self._got} of {len(self._body)} bytes")
                 self._got += got
-            assert self._body is not None
-            if self._got >= len(self._body):
+            if self._chunks is not None:
+                if self._chunks.done:
+                    self._body = self._chunks.body()
+                    return True
+            elif self._body is not None and self._got >= len(self._body):
                 return True
             if not self.tls:
                 return False  # one read per readiness; a TLS socket may hold decrypted bytes the selector cannot see
@@ -426,32 +616,40 @@ class _Link:
             return False
         lines = bytes(self._head[:end]).decode("latin-1").split("\r\n")
         version, status, *_ = lines[0].split(" ", 2) + [""]
-        if not version.startswith("HTTP/1.") or not status.isdigit():
+        if not version.startswith("HTTP/1.") or not status.isdigit() or len(status) != 3:
             raise ValueError(f"not an HTTP answer: {lines[0][:64]!r}")
-        headers = {}
+        headers: dict[str, str] = {}
         for line in lines[1:]:
             name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if "content-length" not in headers or "transfer-encoding" in headers:
-            raise ValueError("an answer without a plain length")  # chunked and the like: read the ordinary way
+            name, value = name.strip().lower(), value.strip()
+            if name == "content-length" and headers.get(name, value) != value:
+                raise ValueError("an answer with two lengths")
+            headers[name] = value
         self._status, self._headers = int(status), headers
-        self._keep = version != "HTTP/1.0" and headers.get("connection", "").lower() != "close"
+        self.keep = version != "HTTP/1.0" and headers.get("connection", "").lower() != "close"
+        assert self.request is not None
+        limit = self.request.most if self._is_the_object(self.request) else ERROR_LIMIT
         rest = self._head[end + 4 :]
-        length = int(headers["content-length"])
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            self._chunks = _Chunks(limit)
+            self._chunks.feed(rest)
+            return True
+        if "transfer-encoding" in headers:
+            raise ValueError(f"an answer in {headers['transfer-encoding']!r} encoding")
+        if "content-length" not in headers:
+            raise ValueError("an answer without a length")  # read to the end: rare; s3fs reads it instead
+        length = _length(headers["content-length"])
+        if length > limit:
+            raise ValueError(f"an answer of {length} bytes, over the {limit} it may have")
         if len(rest) > length:
             raise ValueError("more bytes than the answer's length")  # nothing was asked for after it
-        assert self.request is not None
-        if self._is_the_object(self.request):
-            if self.request.most is not None and length > self.request.most:
-                raise ValueError("an answer longer than the range asked for")  # the caller reads it its way
-        elif length > ERROR_LIMIT:
-            raise ValueError("an error answer of more than a megabyte")
-        self._body = self._buffer(length)
-        self._body[: len(rest)] = rest
+        body = self._buffer(length)
+        body[: len(rest)] = rest
+        self._body = body
         self._got = len(rest)
         return True
 
-    def _buffer(self, length: int) -> Body:
+    def _buffer(self, length: int) -> bytearray | memoryview:
         """Where the body goes: the caller's buffer for the bytes it asked for, where it gives one; else a new one."""
         request = self.request
         assert request is not None
@@ -464,18 +662,13 @@ class _Link:
     def _is_the_object(self, request: _Request) -> bool:
         return self._status in (200, 206) and starts_at(self._headers.get("content-range"), request.start, self._status)
 
-    def finish(self) -> tuple[_Request, Body | BaseException | None, bool]:
-        """(the request, its answer as `S3Getter.get` gives it, whether the connection may be used again)."""
+    def finish(self) -> tuple[_Request, int, dict[str, str], Body]:
+        """(the request, the answer's status, headers and body); the link is free for its next request."""
         request, body = self.request, self._body
         assert request is not None and body is not None
-        self.request, self._body = None, None
+        self.request, self._body, self._chunks = None, None, None
         self.served += 1
-        answer: Body | BaseException | None = None
-        if self._is_the_object(request):
-            answer = body
-        elif self._status == 404:
-            answer = FileNotFoundError(f"no such object: {request.url}")
-        return request, answer, self._keep
+        return request, self._status, self._headers, body
 
     def _io(self, call: Any, *args: Any, writing: bool = False) -> Any:
         """`call(*args)`, or None where the socket must wait (and which way: `wants_write`)."""
@@ -498,3 +691,94 @@ class _Link:
             self.sock.close()
         except OSError:
             pass
+
+
+class _Chunks:
+    """A chunked body decoded as it comes, sizes checked at once, at most `limit` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.done = False
+        self._raw = bytearray()
+        self._pieces: list[bytes] = []
+        self._size = 0
+
+    def feed(self, data: bytes | bytearray) -> None:
+        self._raw += data
+        while not self.done:
+            line_end = self._raw.find(b"\r\n")
+            if line_end < 0:
+                if len(self._raw) > 1024:
+                    raise ValueError("a chunk size line too long")
+                return
+            size_text = bytes(self._raw[:line_end]).split(b";")[0].strip()
+            if not size_text or len(size_text) > 16 or any(c not in b"0123456789abcdefABCDEF" for c in size_text):
+                raise ValueError(f"a chunk size that is not a hex number: {size_text[:20]!r}")
+            size = int(size_text, 16)
+            if size == 0:
+                trailers_end = self._raw.find(b"\r\n\r\n", line_end)
+                if self._raw[line_end : line_end + 4] == b"\r\n\r\n" or trailers_end >= 0:
+                    self.done = True
+                elif len(self._raw) > HEAD_LIMIT:
+                    raise ValueError("chunked trailers too long")
+                return
+            if self._size + size > self.limit:
+                raise ValueError(f"a chunked answer over the {self.limit} bytes it may have")
+            if len(self._raw) < line_end + 2 + size + 2:
+                return
+            start = line_end + 2
+            if self._raw[start + size : start + size + 2] != b"\r\n":
+                raise ValueError("a chunk not followed by CRLF")
+            self._pieces.append(bytes(self._raw[start : start + size]))
+            self._size += size
+            del self._raw[: start + size + 2]
+
+    def body(self) -> bytearray:
+        return bytearray(b"".join(self._pieces))
+
+
+def _length(text: str) -> int:
+    """A Content-Length: plain decimal digits only (a sign, a space, hex or 20 digits are refused at once)."""
+    if not text.isdigit() or not text.isascii() or len(text) > 19:
+        raise ValueError(f"a Content-Length that is not a byte count: {text[:32]!r}")
+    return int(text)
+
+
+def starts_at(content_range: str | None, start: int, status: int) -> bool:
+    """Whether an answer's body begins at byte `start` of the object.
+
+    A 206 says where in its Content-Range; so does the 200 some S3 servers send
+    for a range (rclone's). A 200 without one is the whole object: its start.
+    """
+    if content_range is None:
+        return status == 206 or start == 0
+    unit, _, rest = content_range.partition(" ")
+    first = rest.partition("-")[0]
+    return unit.strip().lower() == "bytes" and first.strip().isdigit() and int(first) == start
+
+
+def checksum_matches(headers: dict[str, str], body: Body) -> bool:
+    """Whether `body` has the checksums its answer carries (those a whole-object GET can be checked against).
+
+    Checked: x-amz-checksum-crc32, -sha1, -sha256 (base64 of the big-endian
+    CRC or the digest) and Content-MD5. A composite value (``...-N``, a
+    multipart object's checksum of part checksums), CRC32C and CRC64NVME are
+    not checked.
+    """
+    checks = {
+        "x-amz-checksum-crc32": lambda data: zlib.crc32(data).to_bytes(4, "big"),
+        "x-amz-checksum-sha1": lambda data: hashlib.sha1(data).digest(),
+        "x-amz-checksum-sha256": lambda data: hashlib.sha256(data).digest(),
+        "content-md5": lambda data: hashlib.md5(data).digest(),
+    }
+    for name, digest in checks.items():
+        value = headers.get(name)
+        if not value or "-" in value:
+            continue
+        try:
+            expected = base64.b64decode(value, validate=True)
+        except ValueError:
+            return False
+        if digest(body) != expected:
+            return False
+    return True

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import StorageError, write_failure
 from .fs import abort_uploads, forget_listings, lean_puts, local_path, open_fs, store_errors, store_failure, temp_suffix
-from .s3get import getter_for
+from .transports import transport_for
 
 # Stores on which an object appears only when its upload completes, whole (a single PUT, or a
 # multipart upload once it is completed): a file is published by uploading it under its final name.
@@ -212,7 +212,7 @@ class Output:
             return None
 
     def read_bytes(self, rel: str) -> bytes:
-        """A member's bytes: one GET on S3 (see `s3get`).
+        """A member's bytes: one GET on S3 (see `transports`).
 
         Raises:
             FileNotFoundError: there is no such member.
@@ -222,10 +222,8 @@ class Output:
             with open(self.local(rel), "rb") as handle:
                 return handle.read()
         remote = self._remote(rel)
-        getter = getter_for(self.fs)
         try:
-            fetched = getter.get(remote) if getter is not None else None
-            data: bytes = self.fs.cat_file(remote) if fetched is None else fetched
+            data: bytes = transport_for(self.fs).read_range(remote)
         except FileNotFoundError:
             raise
         except store_errors() as exc:

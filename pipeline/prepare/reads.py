@@ -5,9 +5,9 @@
 read), or of a `Handoff` where the bytes went into the shared arena the
 workers take them from (`handoff.py`).
 
-On an S3 store the fast path serves (`io/s3get.py`), the reads are GETs on
-this process's `GetLoop` (`io/getloop.py`): one thread, tens of requests in
-flight, each answer read straight into the arena where there is one. Every
+On an S3 store the fast path serves (`io/transports.py`), the reads are the
+transport's `read_ahead`: one thread, tens of requests in flight, each
+answer read straight into the arena where there is one. Every
 other read runs `read_item` on a pool of `io_threads` threads, and so does
 every file whose GET did not give its bytes within the input limit (another
 status, a missing object, a file too large, a dropped connection): that read
@@ -18,14 +18,13 @@ loop changes how fast files come and nothing else.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 from ..io.fs import open_fs
-from ..io.getloop import Body, GetLoop
-from ..io.s3get import getter_for
+from ..io.transport import Body, Transport
+from ..io.transports import transport_for
 from ..specs import PrepareSpec
 from .handoff import Arena, Handoff
 from .sample import read_item
@@ -33,9 +32,6 @@ from .sources import SourceItem
 
 Fetched = bytes | str | Handoff
 """A source read ahead: its bytes, the reason it cannot be read, or where its bytes wait in the arena."""
-
-_LOOPS: dict[tuple[int, int], GetLoop] = {}
-_LOOPS_LOCK = threading.Lock()
 
 
 class SourceReads:
@@ -63,12 +59,12 @@ class SourceReads:
         out: Future[Fetched] = Future()
         reserved: list[Handoff | None] = []  # what `into` got from the arena: a range, or None (it was full)
         into = None if self.arena is None else _reserving(self.arena, reserved)
-        got = loop.get(path, self.spec.max_file_bytes + 1, into=into)
+        got = loop.read_ahead(path, self.spec.max_file_bytes + 1, into=into, in_flight=self.io_threads)
         got.add_done_callback(lambda answer: self._settle(answer, item, out, reserved))
         return out
 
     def close(self) -> None:
-        """Stop the threads (their queued reads are cancelled); the loop stays, for this process's next job."""
+        """Stop the threads (their queued reads are cancelled); the transport stays, for this process's next job."""
         with self._lock:
             self._closed = True
             threads, self._threads = self._threads, None
@@ -142,22 +138,14 @@ class SourceReads:
         """`data` copied into the arena where there is one and it fits (its `Handoff`), else the bytes themselves."""
         return (self.arena.put(data) if self.arena is not None else None) or data
 
-    def _loop_for(self, url: str) -> tuple[GetLoop | None, str]:
-        """This process's loop for the store `url` is on, and the object's path; (None, "") where threads read it."""
+    def _loop_for(self, url: str) -> tuple[Transport | None, str]:
+        """The transport of the store `url` is on where it reads ahead itself, and the object's path; (None, "") where threads read it."""
         try:
             fs, path = open_fs(url)
         except Exception:  # noqa: BLE001 - the read on a thread says what is wrong with it
             return None, ""
-        getter = getter_for(fs)
-        if getter is None:
-            return None, ""
-        key = (os.getpid(), id(getter))
-        with _LOOPS_LOCK:
-            loop = _LOOPS.get(key)
-            if loop is None:
-                loop = _LOOPS[key] = GetLoop(getter, self.io_threads)
-            loop.connections = max(loop.connections, self.io_threads)  # a later job's reads in flight may be more
-        return loop, path
+        transport = transport_for(fs)
+        return (transport, path) if transport.reads_ahead else (None, "")
 
 
 def _reserving(arena: Arena, reserved: list[Handoff | None]) -> Any:

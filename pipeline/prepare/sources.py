@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigError, SourceError
 from ..io.fs import forget_listings, is_url, local_path, open_fs, store_errors
-from ..io.s3get import S3Getter, getter_for
+from ..io.transport import Transport
+from ..io.transports import transport_for
 from .formats import detect_folder
 from .formats_common import IMAGE_EXTENSIONS, ListingInfo, SourceItem, is_image_name
 from .formats_detection import list_coco, read_json_source
@@ -210,7 +211,7 @@ def _printable(name: str) -> str:
 class _Top:
     """A store folder's first level, listed by the fast S3 path: sub-folder and file names."""
 
-    lister: S3Getter
+    lister: Transport
     dirs: list[str]
     files: list[str]
 
@@ -223,11 +224,9 @@ def _listed_top(fs: Any, root: str) -> _Top | None:
     Names the fast path cannot place in a folder tree as s3fs would (an empty
     part, as in ``a//b.jpg``) leave the whole listing to s3fs.
     """
-    lister = getter_for(fs)
-    if lister is None:
-        return None
+    lister = transport_for(fs)
     root = root.rstrip("/")
-    listed = lister.list_objects(f"{root}/", delimiter="/")
+    listed = lister.list(f"{root}/", delimiter="/")
     if listed is None:
         return None
     keys, prefixes = listed
@@ -239,10 +238,10 @@ def _listed_top(fs: Any, root: str) -> _Top | None:
 
 
 def _walk_listed(
-    lister: S3Getter, root: str, base: str, label: str | None, url_of: Callable[[str], str]
+    lister: Transport, root: str, base: str, label: str | None, url_of: Callable[[str], str]
 ) -> tuple[list[SourceItem], int] | None:
     """The images under `base` and the files ignored, from one recursive LIST, in `_walk_fs`'s order; None: s3fs walks it."""
-    listed = lister.list_objects(f"{base}/")
+    listed = lister.list(f"{base}/")
     if listed is None:
         return None
     folders: dict[str, tuple[set[str], list[str]]] = {"": (set(), [])}  # folder (relative to base) -> sub-folders, files

@@ -1,9 +1,9 @@
 """Many GETs in flight on one thread (`pipeline.io.getloop`): the same answers as the blocking fast path gives.
 
 Against the local S3 server (moto on 127.0.0.1) and small loopback stores:
-the bytes are those `S3Getter.get` reads, a missing object is
-FileNotFoundError, every other answer (another status, a chunked body, a
-dropped connection) is None for the caller to read the ordinary way, kept-
+the bytes are those `S3Transport.fetch` reads, a missing object is
+FileNotFoundError, every other answer (another status, a dropped connection)
+is None for the caller to read the ordinary way, kept-
 alive connections are used again (and one the store closed meanwhile is
 replaced without losing the request), answers can be read straight into the
 caller's buffer, TLS works, and requests from many threads are all served,
@@ -33,7 +33,9 @@ from test_s3_reads import KeptAliveStore, OddStore, QuietStore, serving  # noqa:
 from pipeline.io import getloop  # noqa: E402
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
 from pipeline.io.getloop import GetLoop  # noqa: E402
-from pipeline.io.s3get import S3Getter  # noqa: E402
+from pipeline.io.s3config import S3Settings  # noqa: E402
+from pipeline.io.s3transport import S3Transport  # noqa: E402
+from pipeline.io.transport import FsspecTransport  # noqa: E402
 
 if TYPE_CHECKING:
     from s3_fixtures import Bucket, S3Server
@@ -60,23 +62,23 @@ def objects(s3_server: S3Server, s3_upload: Any, tmp_path: Path) -> Bucket:
     return bucket
 
 
-def store_getter(server: S3Server, bucket: Bucket) -> tuple[S3Getter, str]:
+def store_getter(server: S3Server, bucket: Bucket) -> tuple[S3Transport, str]:
     with storage_options_for([bucket.url], server.storage_options):
         fs, root = open_fs(bucket.url)
-        getter = S3Getter.for_filesystem(fs)  # not getter_for's: this process's cache of getters stays as it was
+        getter = S3Transport.for_filesystem(fs)  # not transport_for's: this process's cache of transports stays as it was
     assert getter is not None
     return getter, root
 
 
-def anonymous_getter(endpoint: str) -> S3Getter:
-    return S3Getter(None, None, endpoint, "us-east-1", anonymous=True)
+def anonymous_getter(endpoint: str) -> S3Transport:
+    return S3Transport(S3Settings(endpoint, "us-east-1", None), FsspecTransport(None))
 
 
 @contextlib.contextmanager
 def loop_serving(handler: type[http.server.BaseHTTPRequestHandler], connections: int) -> Iterator[GetLoop]:
     """A loop of `connections` to a loopback store answering with `handler`, while the block runs."""
     with serving(handler) as endpoint:
-        loop = GetLoop(anonymous_getter(endpoint), connections)
+        loop = GetLoop(anonymous_getter(endpoint).settings, connections)
         try:
             yield loop
         finally:
@@ -86,8 +88,8 @@ def loop_serving(handler: type[http.server.BaseHTTPRequestHandler], connections:
 def test_many_gets_in_flight_give_what_the_blocking_fast_path_gives(s3_server: S3Server, objects: Bucket) -> None:
     getter, root = store_getter(s3_server, objects)
     names = [f"{number:02d}.bin" for number in range(40)] + ["name with spaces+plus~.bin"]
-    expected = [getter.get(f"{root}/{name}", 1 << 26) for name in names]
-    loop = GetLoop(getter, connections=8)
+    expected = [getter.fetch(f"{root}/{name}", 1 << 26) for name in names]
+    loop = GetLoop(getter.settings, connections=8)
     try:
         s3_server.reset_reads()
         answers = [loop.get(f"{root}/{name}", 1 << 26) for name in names]
@@ -105,7 +107,7 @@ def test_requests_from_many_threads_are_all_served_without_waiting_for_a_timer(
 ) -> None:
     # Each burst finds the loop asleep or just finishing the last one: a wake-up lost in between leaves it asleep.
     getter, root = store_getter(s3_server, objects)
-    loop = GetLoop(getter, connections=4)
+    loop = GetLoop(getter.settings, connections=4)
     failures: list[BaseException] = []
 
     def burst(offset: int) -> None:
@@ -133,7 +135,7 @@ def test_a_request_made_while_the_loop_takes_its_wake_up_is_not_left_waiting(
 ) -> None:
     # The worst moment for a wake-up: a request arrives while the loop is reading the signal of the one before.
     getter, root = store_getter(s3_server, objects)
-    loop = GetLoop(getter, connections=4)
+    loop = GetLoop(getter.settings, connections=4)
     waker, landed = loop._waker_in, []
 
     class Interrupted:
@@ -163,7 +165,7 @@ def test_an_answer_is_read_straight_into_the_buffer_the_caller_gives(s3_server: 
         asked.append(size)
         return memoryview(buffer)[:size]
 
-    loop = GetLoop(getter, connections=2)
+    loop = GetLoop(getter.settings, connections=2)
     try:
         body = loop.get(f"{root}/12.bin", 1 << 26, into=into).result(WAIT_S)
         assert isinstance(body, memoryview) and body.obj is buffer and asked == [109_000]
@@ -221,12 +223,12 @@ class ChunkedOnce(KeptAliveStore):
         self.wfile.write(b"plain")
 
 
-def test_a_chunked_answer_is_none_and_its_connection_is_not_used_again() -> None:
+def test_a_chunked_answer_is_read_and_its_connection_used_again() -> None:
     ChunkedOnce.connections = ChunkedOnce.answered = 0
     with loop_serving(ChunkedOnce, connections=1) as loop:
-        assert loop.get("b/k1", 100).result(WAIT_S) is None  # the caller reads it the ordinary way
-        assert loop.get("b/k2", 100).result(WAIT_S) == b"plain"  # not the rest of the chunked answer
-        assert ChunkedOnce.connections == 2
+        assert loop.get("b/k1", 100).result(WAIT_S) == b"hello"
+        assert loop.get("b/k2", 100).result(WAIT_S) == b"plain"  # read after the chunked answer's end
+        assert ChunkedOnce.connections == 1
 
 
 class EchoStore(KeptAliveStore):
@@ -295,7 +297,7 @@ class Silent(QuietStore):
 def test_closing_the_loop_cancels_what_is_unanswered(monkeypatch: pytest.MonkeyPatch) -> None:
     Silent.release.clear()
     with serving(Silent) as endpoint:
-        loop = GetLoop(anonymous_getter(endpoint), connections=1)
+        loop = GetLoop(anonymous_getter(endpoint).settings, connections=1)
         answers = [loop.get(f"b/k{i}", 100) for i in range(3)]  # one sent, two queued
         loop.close()
         Silent.release.set()
@@ -310,7 +312,7 @@ def test_a_store_that_stops_answering_gives_none_after_the_timeout(monkeypatch: 
     monkeypatch.setattr(getloop, "IDLE_S", 0.1)
     Silent.release.clear()
     with serving(Silent) as endpoint:
-        loop = GetLoop(anonymous_getter(endpoint), connections=1)
+        loop = GetLoop(anonymous_getter(endpoint).settings, connections=1)
         try:
             assert loop.get("b/k", 100).result(WAIT_S) is None
         finally:
@@ -319,7 +321,7 @@ def test_a_store_that_stops_answering_gives_none_after_the_timeout(monkeypatch: 
 
 
 def test_an_unreachable_store_is_none(get_free_port: Any) -> None:
-    loop = GetLoop(anonymous_getter(f"http://127.0.0.1:{get_free_port()}"), 2)
+    loop = GetLoop(anonymous_getter(f"http://127.0.0.1:{get_free_port()}").settings, 2)
     try:
         assert loop.get("bucket/key", 100).result(WAIT_S) is None
     finally:
@@ -374,7 +376,7 @@ def test_a_tls_store_is_read_the_same_way(tmp_path: Path, monkeypatch: pytest.Mo
     BigEcho.connections = 0
     try:
         getter = anonymous_getter(f"https://127.0.0.1:{server.server_address[1]}")
-        loop = GetLoop(getter, connections=2)
+        loop = GetLoop(getter.settings, connections=2)
         try:
             answers = [loop.get(f"b/k{i}", 1 << 20) for i in range(6)]
             assert [bytes(answer.result(WAIT_S)) for answer in answers] == [
@@ -384,7 +386,7 @@ def test_a_tls_store_is_read_the_same_way(tmp_path: Path, monkeypatch: pytest.Mo
         finally:
             loop.close()
         untrusted = anonymous_getter(f"https://localhost:{server.server_address[1]}")
-        loop = GetLoop(untrusted, connections=1)  # the certificate does not name localhost: refused, so None
+        loop = GetLoop(untrusted.settings, connections=1)  # the certificate does not name localhost: refused, so None
         try:
             assert loop.get("b/k", 100).result(WAIT_S) is None
         finally:

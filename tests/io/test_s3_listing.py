@@ -10,7 +10,9 @@ import pytest
 pytest.importorskip("s3fs")
 
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
-from pipeline.io.s3get import S3Getter, getter_for, parse_listing  # noqa: E402
+from pipeline.io.s3transport import S3Transport, parse_listing  # noqa: E402
+from pipeline.io.transport import FsspecTransport  # noqa: E402
+from pipeline.io.transports import transport_for  # noqa: E402
 from pipeline.prepare import sources  # noqa: E402
 from pipeline.prepare.sources import ListingInfo, list_images  # noqa: E402
 
@@ -54,7 +56,7 @@ def _listing(url: str, options: dict[str, Any], threads: int = 4) -> tuple[list[
 
 def _by_s3fs(monkeypatch: pytest.MonkeyPatch, url: str, options: dict[str, Any], threads: int = 4) -> Any:
     with monkeypatch.context() as patched:
-        patched.setattr(sources, "getter_for", lambda fs: None)
+        patched.setattr(sources, "transport_for", lambda fs: FsspecTransport(fs))
         return _listing(url, options, threads)
 
 
@@ -69,14 +71,14 @@ def _fill(s3_server: S3Server, bucket: str, prefix: str, keys: list[str]) -> Non
 def _counting_lists(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many listings the fast path gave (a list the test reads afterwards)."""
     given = [0]
-    real = S3Getter.list_objects
+    real = S3Transport.list
 
-    def counted(self: S3Getter, path: str, delimiter: str | None = None) -> Any:
+    def counted(self: S3Transport, path: str, delimiter: str | None = None) -> Any:
         listed = real(self, path, delimiter)
         given[0] += listed is not None
         return listed
 
-    monkeypatch.setattr(S3Getter, "list_objects", counted)
+    monkeypatch.setattr(S3Transport, "list", counted)
     return given
 
 
@@ -90,7 +92,7 @@ def test_the_fast_listing_is_the_listing_s3fs_gives(
     url = f"s3://{bucket}/raw"
     options = s3_server.storage_options
     expected, expected_info = _by_s3fs(monkeypatch, url, options, threads)
-    monkeypatch.setattr("pipeline.io.s3get.LIST_PAGE_KEYS", page_keys)  # 2: every folder takes several pages
+    monkeypatch.setattr("pipeline.io.s3transport.LIST_PAGE_KEYS", page_keys)  # 2: every folder takes several pages
     fast_lists = _counting_lists(monkeypatch)
     items, info = _listing(url, options, threads)
     assert fast_lists[0] == 3  # the top, then cats and dogs each in one recursive listing
@@ -143,10 +145,10 @@ def test_a_missing_source_and_a_list_file_still_go_through_s3fs(
 
 def test_a_bucket_the_store_does_not_have_gives_no_listing(s3_server: S3Server) -> None:
     _fill(s3_server, "present", "raw", ["a.jpg"])
-    getter = getter_for(open_fs("s3://present/raw", s3_server.storage_options)[0])
-    assert getter is not None
-    assert getter.list_objects("present/raw/") == (["present/raw/a.jpg"], [])
-    assert getter.list_objects("no-such-bucket/raw/") is None  # 404: s3fs lists, and says so
+    getter = transport_for(open_fs("s3://present/raw", s3_server.storage_options)[0])
+    assert isinstance(getter, S3Transport)
+    assert getter.list("present/raw/") == (["present/raw/a.jpg"], [])
+    assert getter.list("no-such-bucket/raw/") is None  # 404: s3fs lists, and says so
 
 
 def test_parse_listing_decodes_url_encoded_names_and_follows_pages() -> None:
