@@ -36,7 +36,7 @@ pytest.importorskip("s3fs")
 from conftest import LOOPBACK, end_process, start_server  # noqa: E402
 from test_s3_reads import KeptAliveStore, serving  # noqa: E402
 
-from pipeline.io import getloop  # noqa: E402
+from pipeline.io import http1, s3request  # noqa: E402
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
 from pipeline.io.getloop import GetLoop  # noqa: E402
 from pipeline.io.s3config import S3Credentials, S3Settings  # noqa: E402
@@ -249,7 +249,7 @@ def resolving_to(monkeypatch: pytest.MonkeyPatch, port: int, slow: dict[str, thr
             slow[host].wait(WAIT_S)
         return (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (LOOPBACK, port))
 
-    monkeypatch.setattr(getloop, "_resolve", resolve)
+    monkeypatch.setattr(http1, "resolve", resolve)
     yield asked
 
 
@@ -317,7 +317,7 @@ class BadLength(KeptAliveStore):
     ids=["negative", "not-a-number", "over-the-cap", "negative-chunk", "garbled-chunk"],
 )  # fmt: skip
 def test_a_bad_length_is_refused_at_once(monkeypatch: pytest.MonkeyPatch, header: tuple[str, str], chunk: bytes) -> None:
-    monkeypatch.setattr(getloop, "TIMEOUT_S", 600.0)
+    monkeypatch.setattr(http1, "TIMEOUT_S", 600.0)
     BadLength.header, BadLength.chunk = header, chunk
     with serving(BadLength) as endpoint:
         loop = GetLoop(S3Settings(endpoint, "us-east-1", None), 1)
@@ -369,7 +369,7 @@ class Flaky(KeptAliveStore):
 
 @pytest.mark.parametrize("how", ["503", "500", "reset"])
 def test_transient_failures_are_retried_with_backoff_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    monkeypatch.setattr(getloop, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(s3request, "BACKOFF_S", 0.01)
     Flaky.how, Flaky.failures, Flaky.seen = how, 2, 0
     with serving(Flaky) as endpoint:
         loop = GetLoop(S3Settings(endpoint, "us-east-1", None), 1)
@@ -382,7 +382,7 @@ def test_transient_failures_are_retried_with_backoff_a_bounded_number_of_times(m
         loop = GetLoop(S3Settings(endpoint, "us-east-1", None), 1)
         try:
             assert loop.get("b/k", 100).result(WAIT_S) is None
-            assert Flaky.seen == 1 + getloop.RETRIES  # then no more
+            assert Flaky.seen == 1 + s3request.RETRIES  # then no more
         finally:
             loop.close()
 
@@ -411,7 +411,7 @@ class WithChecksum(KeptAliveStore):
 
 @pytest.mark.parametrize("header", ["x-amz-checksum-crc32", "x-amz-checksum-sha256", "content-md5"])
 def test_a_whole_object_is_taken_only_with_the_checksum_its_answer_gives(monkeypatch: pytest.MonkeyPatch, header: str) -> None:
-    monkeypatch.setattr(getloop, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(s3request, "BACKOFF_S", 0.01)
     WithChecksum.header = header
     with serving(WithChecksum) as endpoint:
         loop = GetLoop(S3Settings(endpoint, "us-east-1", None), 1)
