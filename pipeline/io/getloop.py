@@ -38,8 +38,8 @@ object through s3fs. On the way (`s3request.judge_answer`,
   transient failure, then left to s3fs; ranged reads carry no checksum;
 - host names are resolved on a small thread pool (`http1.resolve`), never
   on the loop: requests in flight go on while a slow DNS answer is awaited;
-- a connection with no progress for TIMEOUT_S gives its request None; one
-  idle for KEEP_IDLE_S is closed.
+- a connection with no progress for `http1.TIMEOUT_S` gives its request None; one
+  idle for `http1.KEEP_IDLE_S` is closed.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ import heapq
 import ipaddress
 import selectors
 import socket
-import ssl
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,7 +61,6 @@ from .s3request import AGAIN, RETRY, GetRequest, Verdict, judge_answer, judge_fa
 from .transport import Body, Into
 
 IDLE_S = 1.0  # the longest the loop sleeps with nothing to do (it is woken for new requests)
-KEEP_IDLE_S = 15.0  # a kept-alive connection unused this long is closed (stores close theirs after 20 s or so)
 DNS_TTL_S = 30.0  # how long a resolved address is reused
 DNS_THREADS = 2
 
@@ -78,9 +76,7 @@ class GetLoop:
     def __init__(self, settings: S3Settings, connections: int) -> None:
         self.settings = settings
         self.connections = max(1, connections)
-        self._tls: Any = None
-        if settings.scheme == "https":
-            self._tls = ssl.create_default_context(cafile=settings.tls_ca)
+        self._tls = http1.tls_context(settings)
         self._selector = selectors.DefaultSelector()
         self._waker_in, self._waker_out = socket.socketpair()
         self._waker_in.setblocking(False)
@@ -356,7 +352,7 @@ class GetLoop:
             self._drop(conn)
             if conn.request is not None:
                 conn.request.answer(None)
-        for conn in [conn for conn in self._idle if now - conn.progress_at > KEEP_IDLE_S]:
+        for conn in [conn for conn in self._idle if now - conn.progress_at > http1.KEEP_IDLE_S]:
             self._idle.remove(conn)
             self._drop(conn)
 

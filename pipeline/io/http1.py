@@ -22,10 +22,12 @@ import ssl
 import time
 from typing import Any
 
+from .s3config import S3Settings
 from .s3request import GetRequest, starts_at
 from .transport import Body
 
 TIMEOUT_S = 60.0  # a connection with no progress this long is given up (its request: None)
+KEEP_IDLE_S = 15.0  # a kept-alive connection unused this long is closed (stores close theirs after 20 s or so)
 HEAD_LIMIT = 64 << 10  # an answer's status line and headers
 ERROR_LIMIT = 1 << 20  # the body of an answer that is not the object (an error document) is read up to this
 RECV_BYTES = 1 << 16  # what is read at a time before the body's size is known
@@ -36,6 +38,11 @@ CONNECTING, HANDSHAKE, SENDING, READING = range(4)
 def resolve(host: str, port: int) -> Any:
     """The first address of `host` (off the loop thread: its resolver pool, or a blocking caller; tests replace it)."""
     return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+
+
+def tls_context(settings: S3Settings) -> Any:
+    """The TLS context for the settings' endpoint (its CA bundle where one is configured); None for plain http."""
+    return ssl.create_default_context(cafile=settings.tls_ca) if settings.scheme == "https" else None
 
 
 class Connection:

@@ -270,7 +270,7 @@ def test_connections_are_kept_alive_and_no_more_are_opened_than_allowed() -> Non
 
 
 def test_a_connection_left_idle_is_closed_and_the_next_request_opens_another(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(getloop, "KEEP_IDLE_S", 0.2)
+    monkeypatch.setattr(http1, "KEEP_IDLE_S", 0.2)
     monkeypatch.setattr(getloop, "IDLE_S", 0.05)
     EchoStore.connections = 0
     with loop_serving(EchoStore, connections=1) as loop:
