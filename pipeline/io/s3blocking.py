@@ -13,11 +13,12 @@ once with fresh credentials, transient failures retried with backoff (the
 caller's thread sleeps it out), a stale kept-alive connection tried again
 at once, a checksum checked. Idle connections are kept for the next read,
 of any thread, in a small locked pool (KEEP connections at most, each
-closed once idle for `http1.KEEP_IDLE_S`).
+closed once idle for `http1.KEEP_IDLE_S`; a forked child makes its own).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -42,6 +43,7 @@ class BlockingClient:
         self._tls = http1.tls_context(settings)
         self._lock = threading.Lock()
         self._idle: list[Connection] = []
+        self._pid = os.getpid()  # connections kept by another process (this one forked since) are not used here
         self._closed = False
 
     def get(self, path: str, end: int | None = None, start: int = 0, query: dict[str, str] | None = None) -> Body | None:
@@ -114,6 +116,8 @@ class BlockingClient:
         stale: list[Connection] = []
         found = None
         with self._lock:
+            if self._pid != os.getpid():
+                self._idle, self._pid = [], os.getpid()  # the parent's: left to it (a child's copies close with them)
             for at in range(len(self._idle) - 1, -1, -1):
                 conn = self._idle[at]
                 if now - conn.progress_at > http1.KEEP_IDLE_S:
