@@ -475,3 +475,12 @@ def test_a_blocking_read_is_sent_on_the_calling_thread_and_its_connection_kept(m
             assert other == [b"ok"] and "another-reader" in stepped_on  # another thread's read on its own thread
         finally:
             transport.close()
+
+
+def test_a_blocking_read_of_a_store_that_stops_answering_gives_none_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http1, "TIMEOUT_S", 0.5)
+    BadLength.header, BadLength.chunk = ("Content-Length", "5"), b"ab"  # 2 of its 5 bytes, then silence
+    with serving(BadLength) as endpoint, client("blocking", endpoint) as get:
+        started = time.monotonic()
+        assert get("b/k") is None  # not retried: no progress in TIMEOUT_S is given up, as the loop does
+        assert time.monotonic() - started < WAIT_S / 2
