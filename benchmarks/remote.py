@@ -25,9 +25,10 @@ plain ratios.
 
 Usage:
     python benchmarks/remote.py [--n 1200] [--loader-n 12000] [--rounds 2] [--latency-ms 20]
-                                [--server auto|rclone|moto] [--loader-only] [--json FILE]
+                                [--server auto|rclone|moto] [--loader-only | --serial-only] [--json FILE]
 
-`--loader-only` times the three loader rows only (no demo images, no prepare rows).
+`--loader-only` times the three loader rows only (no demo images, no prepare rows);
+`--serial-only` the serial prepare row and its local baseline only (the blocking reads' cost).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=int, default=20)
     parser.add_argument("--server", choices=("auto", "rclone", "moto"), default="auto")
     parser.add_argument("--loader-only", action="store_true", help="time the loader rows only")
+    parser.add_argument("--serial-only", action="store_true", help="time prepare local->local and s3->local serial only")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     os.environ.setdefault("NO_PROXY", "127.0.0.1")
@@ -168,27 +170,34 @@ def main() -> None:
         workers = common.available_processes()
         if not args.loader_only:
             make_demo_dataset(raw, args.n, min_side=DEMO_SIDES[0], max_side=DEMO_SIDES[1], workers=workers)
-        make_demo_dataset(loader_raw, args.loader_n, min_side=LOADER_SIDES[0], max_side=LOADER_SIDES[1], workers=workers)
         names = [name for name in ROW_NAMES if not (args.loader_only and name.startswith("prepare"))]
+        if args.serial_only:
+            names = ["prepare_local", "prepare_s3_serial"]
         rows = {name: Row(name) for name in names}
-        # the dataset the loader rows read (and a warm page cache), in shards of LOADER_SHARD_SAMPLES
-        time_prepare(loader_raw, shards, store, 0, LOADER_SHARD_SAMPLES)
+        if "loader_local" in rows:
+            make_demo_dataset(loader_raw, args.loader_n, min_side=LOADER_SIDES[0], max_side=LOADER_SIDES[1], workers=workers)
+            # the dataset the loader rows read (and a warm page cache), in shards of LOADER_SHARD_SAMPLES
+            time_prepare(loader_raw, shards, store, 0, LOADER_SHARD_SAMPLES)
+            upload(store, shards, "s3://bench/shards")
         if not args.loader_only:
             upload(store, raw, "s3://bench/raw")
-        upload(store, shards, "s3://bench/shards")
         out = os.path.join(work, "out")
         for round_ in range(max(2, args.rounds)):
-            if not args.loader_only:
+            if "prepare_local" in rows:
                 rows["prepare_local"].runs.append(time_prepare(raw, out, store, 32))
+            if "prepare_s3" in rows:
                 rows["prepare_s3"].runs.append(time_prepare("s3://bench/raw", out, store, 32))
+            if "prepare_s3_serial" in rows:
                 rows["prepare_s3_serial"].runs.append(time_prepare("s3://bench/raw", out, store, 0))
+            if "loader_local" not in rows:
+                continue
             rows["loader_local"].runs.extend(time_epochs(shards, store, None, 1))
             cache = os.path.join(work, f"cache-{round_}")
             first, second = time_epochs("s3://bench/shards", store, cache, 2)
             rows["loader_epoch1"].runs.append(first)
             rows["loader_epoch2"].runs.append(second)
             shutil.rmtree(cache, ignore_errors=True)  # each round fills a cache of its own; none piles up on disk
-        report(rows, args, store.kind, fresh_write_cost(work, common.directory_bytes(shards)))
+        report(rows, args, store.kind, fresh_write_cost(work, common.directory_bytes(shards)) if "loader_local" in rows else [])
     finally:
         store.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -243,7 +252,8 @@ def report(rows: dict[str, Row], args: argparse.Namespace, server: str, fresh_wr
         target = TARGETS.get(name)
         verdict = "" if target is None else (f"  target >= {target:.0%}: " + ("met" if value >= target else "NOT met"))
         print(f"  {name:<18} {value:6.1%} of its local baseline{verdict}   (store's CPU handed back: {handed_back[name]:.1%})")
-    print(
+    if fresh_write:
+        print(
         "  writing the shards' bytes into new files costs this process "
         + ", ".join(f"{cost:.2f}" for cost in fresh_write)
         + " ms of CPU per MB (epoch 1 does that filling its cache; the local baseline writes nothing)"

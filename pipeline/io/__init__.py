@@ -17,6 +17,9 @@ transport.py     Transport: the operations every stage asks of a store; FsspecTr
 transports.py    transport_for(fs): the transport for a filesystem, one per filesystem and process
 s3config.py      S3Settings: an s3fs filesystem's endpoint, addressing, regions learnt, refused buckets, credentials
 s3transport.py   S3Transport: reads and listings of plain S3 endpoints on gpufeed's own client, s3fs for the rest
-getloop.py       GetLoop: gpufeed's S3 client: one request builder, one parser, many GETs in flight on one thread
+getloop.py       GetLoop: the S3 client's event loop: reads ahead, many GETs in flight on one thread, retries, DNS off the loop
+s3blocking.py    BlockingClient: the S3 client's blocking reads, one GET at a time on the calling thread, connections kept
+s3request.py     GetRequest: one GET, its bytes (the one request builder), and what its answer means (retry, region, 403)
+http1.py         Connection: the HTTP/1.1 exchange on one connection: the one parser, lengths and size caps checked
 s3sign.py        AWS Signature Version 4 for the client's requests
 """

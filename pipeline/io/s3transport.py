@@ -1,12 +1,13 @@
-"""The S3 transport on gpufeed's own client (`getloop.GetLoop`): reads and listings, s3fs for the rest.
+"""The S3 transport on gpufeed's own client (`getloop`, `s3blocking`): reads and listings, s3fs for the rest.
 
 A source image is one request, and through s3fs (aiobotocore) that request
 costs 1.5-3 ms of CPU on the client: the endpoint rules, the event hooks,
 the user agent, the response parser. A 1 MP JPEG decodes and resizes in
 about 2 ms, so on a machine whose cores are all busy decoding, reading the
 file costs more than using it. `S3Transport` sends the same GETs at a
-fraction of that CPU on `GetLoop` (one thread, many in flight), a blocking
-read being one request on it, waited for. Listing goes the same way:
+fraction of that CPU: reads ahead on `GetLoop` (one thread, many in
+flight), a blocking read on the caller's own thread (`BlockingClient`,
+the same request builder and parser). Listing goes the same way:
 signed ListObjectsV2 requests whose XML is parsed here (`parse_listing`),
 where botocore spends 70-130 microseconds of CPU per key (a seventh of
 that here). Writes and removals, rare and large, go through s3fs.
@@ -21,16 +22,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from typing import Any
 from urllib.parse import unquote_plus
 
 from .getloop import GetLoop
+from .s3blocking import BlockingClient
 from .s3config import S3Settings
 from .transport import Body, FsspecTransport, Into, Transport
 
 LIST_PAGE_KEYS = 1000  # keys per ListObjectsV2 answer: the most S3 gives
-BLOCKING_CONNECTIONS = 32  # requests in flight for blocking reads (the cache's pieces, records) when nothing asked more
 
 
 class S3Transport(Transport):
@@ -46,7 +47,8 @@ class S3Transport(Transport):
     def __init__(self, settings: S3Settings, fallback: FsspecTransport) -> None:
         self.settings = settings
         self.fallback = fallback
-        self._loops: dict[str, GetLoop] = {}  # "blocking" (waited for), "ahead" (read_ahead's, its own count in flight)
+        self._loop: GetLoop | None = None  # reads ahead, started on first use
+        self._blocking = BlockingClient(settings)  # blocking reads and listings, on the caller's thread
         self._lock = threading.Lock()
 
     @classmethod
@@ -55,17 +57,14 @@ class S3Transport(Transport):
         settings = S3Settings.for_filesystem(fs)
         return None if settings is None else cls(settings, FsspecTransport(fs))
 
-    def loop(self, in_flight: int | None = None) -> GetLoop:
-        """The client, started on first use: the one blocking reads wait on, or with `in_flight` the one reads ahead
-        use, with at least that many connections (a later job's reads in flight may be more)."""
-        kind = "blocking" if in_flight is None else "ahead"
+    def loop(self, in_flight: int) -> GetLoop:
+        """The client reads ahead use, started on first use, with at least `in_flight` connections (a later job's
+        reads in flight may be more)."""
         with self._lock:
-            loop = self._loops.get(kind)
-            if loop is None:
-                loop = self._loops[kind] = GetLoop(self.settings, in_flight or BLOCKING_CONNECTIONS)
-            if in_flight is not None:
-                loop.connections = max(loop.connections, in_flight)
-            return loop
+            if self._loop is None:
+                self._loop = GetLoop(self.settings, in_flight)
+            self._loop.connections = max(self._loop.connections, in_flight)
+            return self._loop
 
     def read_range(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         fetched = self.fetch(path, end, start)
@@ -77,7 +76,7 @@ class S3Transport(Transport):
         Raises:
             FileNotFoundError: the store says there is no such object.
         """
-        return self._wait(self.loop().get(path, end, start=start))
+        return self._blocking.get(path, end, start)
 
     def read_ahead(self, path: str, end: int | None = None, into: Into | None = None, in_flight: int = 1) -> Future[Body | None]:
         return self.loop(max(1, in_flight)).get(path, end, into=into)
@@ -106,7 +105,7 @@ class S3Transport(Transport):
             if token:
                 params["continuation-token"] = token
             try:
-                body = self._wait(self.loop().get(f"{bucket}/", query=params))
+                body = self._blocking.get(f"{bucket}/", query=params)
             except FileNotFoundError:
                 return None
             if body is None:
@@ -128,16 +127,10 @@ class S3Transport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            loops, self._loops = list(self._loops.values()), {}
-        for loop in loops:
+            loop, self._loop = self._loop, None
+        self._blocking.close()
+        if loop is not None:
             loop.close()
-
-    @staticmethod
-    def _wait(future: Future[Body | None]) -> Body | None:
-        try:
-            return future.result()
-        except CancelledError:  # the client was closed meanwhile
-            return None
 
 
 def parse_listing(body: bytes) -> tuple[list[str], list[str], str | None]:

@@ -30,7 +30,7 @@ pytest.importorskip("s3fs")
 
 from test_s3_reads import KeptAliveStore, OddStore, QuietStore, serving  # noqa: E402
 
-from pipeline.io import getloop  # noqa: E402
+from pipeline.io import getloop, http1  # noqa: E402
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
 from pipeline.io.getloop import GetLoop  # noqa: E402
 from pipeline.io.s3config import S3Settings  # noqa: E402
@@ -270,7 +270,7 @@ def test_connections_are_kept_alive_and_no_more_are_opened_than_allowed() -> Non
 
 
 def test_a_connection_left_idle_is_closed_and_the_next_request_opens_another(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(getloop, "KEEP_IDLE_S", 0.2)
+    monkeypatch.setattr(http1, "KEEP_IDLE_S", 0.2)
     monkeypatch.setattr(getloop, "IDLE_S", 0.05)
     EchoStore.connections = 0
     with loop_serving(EchoStore, connections=1) as loop:
@@ -308,7 +308,7 @@ def test_closing_the_loop_cancels_what_is_unanswered(monkeypatch: pytest.MonkeyP
 
 
 def test_a_store_that_stops_answering_gives_none_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(getloop, "TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http1, "TIMEOUT_S", 0.5)
     monkeypatch.setattr(getloop, "IDLE_S", 0.1)
     Silent.release.clear()
     with serving(Silent) as endpoint:

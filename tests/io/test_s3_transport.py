@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +36,11 @@ pytest.importorskip("s3fs")
 from conftest import LOOPBACK, end_process, start_server  # noqa: E402
 from test_s3_reads import KeptAliveStore, serving  # noqa: E402
 
-from pipeline.io import getloop  # noqa: E402
+from pipeline.io import http1, s3request  # noqa: E402
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
 from pipeline.io.getloop import GetLoop  # noqa: E402
+from pipeline.io.http1 import Connection  # noqa: E402
+from pipeline.io.s3blocking import BlockingClient  # noqa: E402
 from pipeline.io.s3config import S3Credentials, S3Settings  # noqa: E402
 from pipeline.io.s3transport import S3Transport  # noqa: E402
 from pipeline.io.transport import FsspecTransport  # noqa: E402
@@ -60,6 +62,27 @@ def fast_transport(fs: Any) -> S3Transport:
 
 def transport_of(endpoint: str, credentials: S3Credentials | None = None, region: str = "us-east-1") -> S3Transport:
     return S3Transport(S3Settings(endpoint, region, credentials), FsspecTransport(None))
+
+
+WAYS = ["loop", "blocking"]  # reads ahead on the loop thread; a blocking read on the caller's
+
+
+@contextlib.contextmanager
+def client(way: str, endpoint: str) -> Iterator[Callable[..., Any]]:
+    """get(path, end=None): its answer, through the loop (`way` "loop") or on the calling thread ("blocking")."""
+    settings = S3Settings(endpoint, "us-east-1", None)
+    if way == "loop":
+        loop = GetLoop(settings, 1)
+        try:
+            yield lambda path, end=None: loop.get(path, end).result(WAIT_S)
+        finally:
+            loop.close()
+    else:
+        blocking = BlockingClient(settings)
+        try:
+            yield lambda path, end=None: blocking.get(path, end)
+        finally:
+            blocking.close()
 
 
 class Keys(S3Credentials):
@@ -249,7 +272,7 @@ def resolving_to(monkeypatch: pytest.MonkeyPatch, port: int, slow: dict[str, thr
             slow[host].wait(WAIT_S)
         return (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (LOOPBACK, port))
 
-    monkeypatch.setattr(getloop, "_resolve", resolve)
+    monkeypatch.setattr(http1, "resolve", resolve)
     yield asked
 
 
@@ -316,17 +339,14 @@ class BadLength(KeptAliveStore):
      (("Transfer-Encoding", "chunked"), b"-1\r\n"), (("Transfer-Encoding", "chunked"), b"zz\r\n")],
     ids=["negative", "not-a-number", "over-the-cap", "negative-chunk", "garbled-chunk"],
 )  # fmt: skip
-def test_a_bad_length_is_refused_at_once(monkeypatch: pytest.MonkeyPatch, header: tuple[str, str], chunk: bytes) -> None:
-    monkeypatch.setattr(getloop, "TIMEOUT_S", 600.0)
+@pytest.mark.parametrize("way", WAYS)
+def test_a_bad_length_is_refused_at_once(monkeypatch: pytest.MonkeyPatch, header: tuple[str, str], chunk: bytes, way: str) -> None:
+    monkeypatch.setattr(http1, "TIMEOUT_S", 600.0)
     BadLength.header, BadLength.chunk = header, chunk
-    with serving(BadLength) as endpoint:
-        loop = GetLoop(S3Settings(endpoint, "us-east-1", None), 1)
-        try:
-            started = time.monotonic()
-            assert loop.get("b/k").result(WAIT_S) is None
-            assert time.monotonic() - started < WAIT_S / 2  # not waited on (a generous bound)
-        finally:
-            loop.close()
+    with serving(BadLength) as endpoint, client(way, endpoint) as get:
+        started = time.monotonic()
+        assert get("b/k") is None
+        assert time.monotonic() - started < WAIT_S / 2  # not waited on (a generous bound)
 
 
 def test_a_slow_dns_answer_does_not_stall_the_other_requests(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,24 +387,19 @@ class Flaky(KeptAliveStore):
             self.answer(b"<Error><Code>SlowDown</Code></Error>", int(self.how))
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("how", ["503", "500", "reset"])
-def test_transient_failures_are_retried_with_backoff_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    monkeypatch.setattr(getloop, "BACKOFF_S", 0.01)
+def test_transient_failures_are_retried_with_backoff_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch, how: str, way: str) -> None:
+    monkeypatch.setattr(s3request, "BACKOFF_S", 0.01)
     Flaky.how, Flaky.failures, Flaky.seen = how, 2, 0
     with serving(Flaky) as endpoint:
-        loop = GetLoop(S3Settings(endpoint, "us-east-1", None), 1)
-        try:
-            assert loop.get("b/k", 100).result(WAIT_S) == b"object"
+        with client(way, endpoint) as get:
+            assert get("b/k", 100) == b"object"
             assert Flaky.seen == 3
-        finally:
-            loop.close()
         Flaky.failures, Flaky.seen = 100, 0
-        loop = GetLoop(S3Settings(endpoint, "us-east-1", None), 1)
-        try:
-            assert loop.get("b/k", 100).result(WAIT_S) is None
-            assert Flaky.seen == 1 + getloop.RETRIES  # then no more
-        finally:
-            loop.close()
+        with client(way, endpoint) as get:
+            assert get("b/k", 100) is None
+            assert Flaky.seen == 1 + s3request.RETRIES  # then no more
 
 
 class WithChecksum(KeptAliveStore):
@@ -409,19 +424,16 @@ class WithChecksum(KeptAliveStore):
         self.wfile.write(body)
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("header", ["x-amz-checksum-crc32", "x-amz-checksum-sha256", "content-md5"])
-def test_a_whole_object_is_taken_only_with_the_checksum_its_answer_gives(monkeypatch: pytest.MonkeyPatch, header: str) -> None:
-    monkeypatch.setattr(getloop, "BACKOFF_S", 0.01)
+def test_a_whole_object_is_taken_only_with_the_checksum_its_answer_gives(monkeypatch: pytest.MonkeyPatch, header: str, way: str) -> None:
+    monkeypatch.setattr(s3request, "BACKOFF_S", 0.01)
     WithChecksum.header = header
-    with serving(WithChecksum) as endpoint:
-        loop = GetLoop(S3Settings(endpoint, "us-east-1", None), 1)
-        try:
-            WithChecksum.right = True
-            assert loop.get("b/k").result(WAIT_S) == b"the object"
-            WithChecksum.right = False
-            assert loop.get("b/k").result(WAIT_S) is None  # tried again, then left to s3fs
-        finally:
-            loop.close()
+    with serving(WithChecksum) as endpoint, client(way, endpoint) as get:
+        WithChecksum.right = True
+        assert get("b/k") == b"the object"
+        WithChecksum.right = False
+        assert get("b/k") is None  # tried again, then left to s3fs
 
 
 def test_credentials_come_through_botocores_public_api(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -434,3 +446,41 @@ def test_credentials_come_through_botocores_public_api(monkeypatch: pytest.Monke
     assert S3Credentials("GIVEN", "secret", "token", None).get().token == "token"
     config.write_text("[other]\naws_access_key_id = ROTATED\naws_secret_access_key = secret\n")
     assert S3Credentials(None, None, None, "other").get(fresh=True).access_key == "ROTATED"
+
+
+def test_a_blocking_read_is_sent_on_the_calling_thread_and_its_connection_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    stepped_on: set[str] = set()
+    advance = Connection.advance
+
+    def recording(self: Connection, tls: Any) -> bool:
+        stepped_on.add(threading.current_thread().name)
+        return advance(self, tls)
+
+    monkeypatch.setattr(Connection, "advance", recording)
+    Recording.connections, Recording.seen = 0, []
+    with serving(Recording) as endpoint:
+        transport = transport_of(endpoint)
+        try:
+            caller = threading.current_thread().name
+            assert [transport.fetch(f"b/k{i}", 100) for i in range(3)] == [b"ok"] * 3
+            assert transport.list("b/") is None  # not a listing: left to s3fs, the same way
+            assert stepped_on == {caller}  # every socket step on the caller's thread
+            assert transport._loop is None  # no loop thread started for blocking reads
+            assert not [thread for thread in threading.enumerate() if thread.name == "gpufeed-get-loop"]
+            assert Recording.connections == 1  # one connection, kept for every read
+            other: list[Any] = []
+            worker = threading.Thread(target=lambda: other.append(transport.fetch("b/k", 100)), name="another-reader")
+            worker.start()
+            worker.join(WAIT_S)
+            assert other == [b"ok"] and "another-reader" in stepped_on  # another thread's read on its own thread
+        finally:
+            transport.close()
+
+
+def test_a_blocking_read_of_a_store_that_stops_answering_gives_none_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http1, "TIMEOUT_S", 0.5)
+    BadLength.header, BadLength.chunk = ("Content-Length", "5"), b"ab"  # 2 of its 5 bytes, then silence
+    with serving(BadLength) as endpoint, client("blocking", endpoint) as get:
+        started = time.monotonic()
+        assert get("b/k") is None  # not retried: no progress in TIMEOUT_S is given up, as the loop does
+        assert time.monotonic() - started < WAIT_S / 2
