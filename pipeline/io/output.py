@@ -115,12 +115,11 @@ class Output:
         source = self.local(rel)
         final = self._remote(rel)
         target = final if self.whole_uploads else f"{final}{temp_suffix()}"
-        options = {"chunksize": self.part_bytes} if self.part_bytes else {}
         lean_puts(self.fs)
         try:
             if target != final:
                 self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(source, target, **options)
+            transport_for(self.fs).upload(source, target, part_bytes=self.part_bytes)
             if target != final:
                 self.fs.mv(target, final)
         except Exception as exc:
@@ -137,8 +136,7 @@ class Output:
         remember it when the store will not."""
         try:
             if remove:
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm(remote)
+                transport_for(self.fs).remove([remote])
             abort_uploads(self.fs, remote)
         except store_errors():
             with _LEFT_BEHIND_LOCK:

@@ -119,8 +119,8 @@ class S3Transport(Transport):
             if token is None:
                 return keys, prefixes
 
-    def write(self, path: str, data: bytes) -> None:
-        self.fallback.write(path, data)
+    def upload(self, source: str, path: str, *, part_bytes: int | None = None) -> None:
+        self.fallback.upload(source, path, part_bytes=part_bytes)
 
     def remove(self, paths: Sequence[str]) -> None:
         self.fallback.remove(paths)

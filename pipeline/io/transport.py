@@ -1,8 +1,8 @@
 """The storage transport: what every stage asks of a store, one implementation per backend.
 
 A `Transport` reads a range of an object, reads whole objects many at a
-time (`read_ahead`), lists a prefix, writes an object (a single PUT on S3:
-nothing is visible until it is whole) and removes objects. Paths are
+time (`read_ahead`), lists a prefix, uploads a file (on S3 nothing is
+visible until it is whole) and removes objects. Paths are
 ``bucket/key`` as fsspec names them. Two implementations:
 
 - `FsspecTransport` (here): any fsspec filesystem (s3fs with any option,
@@ -62,8 +62,9 @@ class Transport(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def write(self, path: str, data: bytes) -> None:
-        """Put `data` at `path`, visible under its name only once whole."""
+    def upload(self, source: str, path: str, *, part_bytes: int | None = None) -> None:
+        """Put local file `source` at `path` (in parts of `part_bytes` where the store uploads in parts); on S3 the
+        object is visible under its name only once whole (`Output.publish` names a temp object on other stores)."""
 
     @abc.abstractmethod
     def remove(self, paths: Sequence[str]) -> None:
@@ -88,8 +89,8 @@ class FsspecTransport(Transport):
             return bytes(self.fs.cat_file(path))
         return bytes(self.fs.cat_file(path, start=start, end=end))
 
-    def write(self, path: str, data: bytes) -> None:
-        self.fs.pipe_file(path, data)
+    def upload(self, source: str, path: str, *, part_bytes: int | None = None) -> None:
+        self.fs.put_file(source, path, **({"chunksize": part_bytes} if part_bytes else {}))
 
     def remove(self, paths: Sequence[str]) -> None:
         for path in paths:
