@@ -282,3 +282,68 @@ class Row:
                 detail=best.detail,
             )
         return data
+
+
+# ---------------------------------------------------------------------------
+# The "installed" rows: gpufeed as a user installs it
+
+INSTALLED_PINS = ("torch==2.13.0", "pillow==13.0.0")  # CPU torch first; plain Pillow, as torchvision brings it
+INSTALLED_SKIPPED = "skipped (--installed-venv none)"
+
+
+@dataclasses.dataclass
+class Installed:
+    """The venv of the "installed" rows: the built wheel, torch and plain Pillow, nothing of the checkout."""
+
+    python: str
+    wheel: str  # the wheel's file name
+    build: str  # "release" (scripts/build_wheel.sh: auditwheel-repaired) or "plain" (`pip wheel .`)
+    pil: str  # the active PIL there, e.g. "Pillow 13.0.0"
+
+    def describe(self) -> str:
+        return f"{self.wheel} ({self.build} build) + {self.pil} in {os.path.dirname(os.path.dirname(self.python))}"
+
+
+def ensure_installed(repo: str, venv: str, build: str = "release") -> Installed:
+    """Build the wheel from `repo` now and install it into `venv` (made once with INSTALLED_PINS).
+
+    The wheel is rebuilt and reinstalled every run (a few seconds), so the row
+    measures the code of this checkout; torch and Pillow stay installed.
+
+    Args:
+        repo: the checkout.
+        venv: the venv's folder (made when absent).
+        build: "release": scripts/build_wheel.sh (pip wheel + auditwheel
+            repair, libjpeg bundled), or "plain": `pip wheel .` alone.
+
+    Raises:
+        RuntimeError: a step failed (its last line).
+    """
+    import subprocess
+    import sys
+    import tempfile
+
+    def run(command: list[str], **options: Any) -> str:
+        done = subprocess.run(command, capture_output=True, text=True, check=False, **options)
+        if done.returncode != 0:
+            lines = [line for line in (done.stderr or done.stdout).splitlines() if "is ignored" not in line]
+            raise RuntimeError(f"{' '.join(command[:4])}: {(lines or ['failed'])[-1]}")
+        return done.stdout
+
+    python = os.path.join(venv, "bin", "python")
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    if not os.path.exists(python):
+        run(["python3", "-m", "venv", venv])
+        run([*pip, INSTALLED_PINS[0]])
+    with tempfile.TemporaryDirectory() as scratch:
+        if build == "release":
+            wheel = run(["bash", os.path.join(repo, "scripts", "build_wheel.sh"), scratch], cwd=repo).split()[-1]
+        else:
+            run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", scratch, repo])
+            wheel = next(os.path.join(scratch, n) for n in os.listdir(scratch) if n.endswith(".whl"))
+        run([*pip, wheel, *INSTALLED_PINS[1:]])  # its dependencies, and plain Pillow over anything else
+        run([*pip, "--force-reinstall", "--no-deps", wheel])  # this checkout's code, even under the same version
+        name = os.path.basename(wheel)
+    probe = "import PIL, importlib.metadata as m; print(m.distribution('pillow').metadata['Name'], PIL.__version__)"
+    pil = run([python, "-c", probe], cwd=venv).strip()
+    return Installed(python, name, build, pil)

@@ -10,6 +10,12 @@ row, --workers 2, CPU device) over the same demo images, measured in one run:
   gpufeed verify=True  informational: threads, every shard hashed (sha256) as it streams
                        and checked against the manifest: the cost of verify=True next to
                        the threads row
+  installed (threads)  the gpufeed rows as a user installs gpufeed: the wheel built now
+  installed (processes) (scripts/build_wheel.sh), torch 2.13 and plain Pillow (what
+                       torchvision, ultralytics and timm install over Pillow-SIMD) in a
+                       venv of their own (--installed-venv, made on first use), run as a
+                       subprocess; the faster of the two is set against the headline row
+                       (>= 90 %) and against FFCV (>= 1.3x)
   webdataset           plain wds.WebDataset(...).decode("pil") + torchvision-style
                        RandomResizedCrop + ToTensor + torch DataLoader, same pixels
   imagefolder-raw      an ImageFolder-style Dataset over the raw (~1 MP) JPEGs: PIL
@@ -92,7 +98,9 @@ SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults, in every row
 RATIO = (3 / 4, 4 / 3)
 WARMUP_BATCHES = 6  # partial warm-up epoch: starts the workers, touches every code path
 STALL_CONSUMER = 0.8  # the simulated consumer's rate, as a share of the loader's
-TARGETS = {"vs_webdataset": 2.3, "vs_imagefolder": 9.0, "vs_ffcv": 1.2, "of_ceiling": 0.75}
+TARGETS = {"vs_webdataset": 2.3, "vs_imagefolder": 9.0, "vs_ffcv": 1.2, "of_ceiling": 0.75,
+           "installed_of_development": 0.9, "installed_vs_ffcv": 1.3}  # fmt: skip
+DEFAULT_INSTALLED_VENV = os.path.join(REPO, ".venv-installed")
 STALL_TARGET = 0.05
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # gpufeed's defaults, for the FFCV row with the same output
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -103,6 +111,8 @@ ROW_TITLES = {
     "gpufeed-process": "gpufeed make_loader (processes)",
     "gpufeed-uint8": "gpufeed dtype=uint8 (threads)",
     "gpufeed-verify": "gpufeed verify=True (threads)",
+    "installed-thread": "installed: wheel + plain Pillow (threads)",
+    "installed-process": "installed: wheel + plain Pillow (processes)",
     "webdataset": "plain WebDataset + DataLoader",
     "imagefolder": "ImageFolder over raw JPEGs + DataLoader",
     "ffcv": "FFCV Loader (.beton, 256 px JPEG), uint8",
@@ -583,6 +593,13 @@ def run_ffcv_subprocess(python: str, data: str, workers: int, output: str) -> Ru
     return Run(answer["images"], answer["seconds"], answer["detail"], answer["noise"])
 
 
+def run_installed_subprocess(installed: common.Installed, data: str, worker_type: str, workers: int) -> Run:
+    """A gpufeed row in the installed venv: this script, with that venv's python and its gpufeed."""
+    command = [installed.python, os.path.abspath(__file__), "--row", f"installed-{worker_type}", "--data", data]
+    answer = _run_json([*command, "--workers", str(workers)])
+    return Run(answer["images"], answer["seconds"], answer["detail"])
+
+
 def _run_json(command: list[str]) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH="")
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -717,10 +734,11 @@ def _ratio(rows: dict[str, Row], name: str, other: str) -> float | None:
 
 def speedups(rows: dict[str, Row], best: str) -> dict[str, float | None]:
     def rate(name: str) -> float | None:
-        run = rows[name].best
+        run = rows[name].best if name in rows else None
         return run.images_per_s if run is not None else None
 
     gpufeed = rate(best)
+    installed = max((r for r in (rate("installed-thread"), rate("installed-process")) if r), default=None)
 
     def ratio(name: str) -> float | None:
         other = rate(name)
@@ -734,6 +752,8 @@ def speedups(rows: dict[str, Row], best: str) -> dict[str, float | None]:
         "vs_ffcv_float": ratio("ffcv-float"),  # same output as gpufeed; informational, no target
         "uint8_vs_ffcv": _ratio(rows, "gpufeed-uint8", "ffcv"),  # both uint8; informational
         "verify_vs_threads": _ratio(rows, "gpufeed-verify", "gpufeed-thread"),  # verify=True's cost; informational
+        "installed_of_development": installed / gpufeed if installed and gpufeed else None,
+        "installed_vs_ffcv": installed / rate("ffcv") if installed and rate("ffcv") else None,
     }
 
 
@@ -776,6 +796,8 @@ def _print_header(header: dict[str, Any]) -> None:
         f"PIL: {local['pil']}, libjpeg-turbo {local['libjpeg_turbo']} | simplejpeg {local['simplejpeg']} | "
         f"webdataset {local['webdataset']} | torch {local['torch']} | transforms: {local['transform']}"
     )
+    if header.get("installed"):
+        print(f"installed rows: {header['installed']}")
     if ffcv is None:
         print("ffcv: not installed (no .venv-ffcv; run benchmarks/setup_ffcv.sh)")
     elif "error" in ffcv:
@@ -799,7 +821,7 @@ def _print_rows(header: dict[str, Any], rows: dict[str, Row], best: str) -> None
         flag = "  NOISY: a lower bound" if _noisy(run, header["noise_limit"]) else ""
         print(f"{title:42} {run.images_per_s:9.1f} {run.seconds:8.2f}  {runs}{flag}")
         detail = run.detail
-        if name.startswith("gpufeed") and detail.get("stats"):
+        if name.startswith(("gpufeed", "installed")) and detail.get("stats"):
             print(
                 f"{'':4}first batch after {detail['first_batch_s']:.2f} s; loader.stats: waited "
                 f"{detail['stats']['wait_s']:.2f} s, stall fraction {detail['stats']['stall_fraction']:.1%} "
@@ -833,7 +855,8 @@ def _print_summary(ratios: dict[str, float | None], stall: StallResult | None) -
     marks = []
     for key, goal in TARGETS.items():
         value = ratios[key]
-        shown = f">= {goal:.0%} of ceiling" if key == "of_ceiling" else f">= {goal}x {key[3:]}"
+        shown = {"of_ceiling": f">= {goal:.0%} of ceiling", "installed_of_development": f"installed >= {goal:.0%} of "
+                 "the headline row", "installed_vs_ffcv": f"installed >= {goal}x ffcv"}.get(key, f">= {goal}x {key[3:]}")  # fmt: skip
         state = "n/a" if value is None else ("met" if value >= goal else "MISSED")
         marks.append(f"{shown}: {state}")
     if stall is not None:
@@ -850,6 +873,11 @@ def _print_summary(ratios: dict[str, float | None], stall: StallResult | None) -
         f"loader speedup: {times(ratios['vs_webdataset'])} vs webdataset, {times(ratios['vs_imagefolder'])} vs "
         f"imagefolder-raw, {times(ratios['vs_ffcv'])} vs ffcv, {ceiling} of decode ceiling"
     )
+    if ratios["installed_of_development"] is not None:
+        print(
+            f"installed (wheel + plain Pillow): {ratios['installed_of_development']:.0%} of the headline row, "
+            f"{times(ratios['installed_vs_ffcv'])} vs ffcv"
+        )
     verify = ratios["verify_vs_threads"]
     if verify is not None:
         print(f"verify=True: {verify:.1%} of the threads row's images/s (every shard hashed as it streams)")
@@ -883,7 +911,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=3, help="extra runs at most for a noisy row (default 3)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    parser.add_argument("--row", choices=["ffcv", "versions"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--installed-venv",
+        default=DEFAULT_INSTALLED_VENV,
+        help="venv of the installed rows, made on first use; the wheel is rebuilt into it every run ('none': skip them)",
+    )
+    parser.add_argument(
+        "--wheel",
+        choices=["release", "plain"],
+        default="release",
+        help="the installed rows' wheel: scripts/build_wheel.sh's (default) or plain `pip wheel .`",
+    )
+    parser.add_argument(
+        "--row", choices=["ffcv", "versions", "installed-thread", "installed-process"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--ffcv-output", choices=["uint8", "float"], default="uint8", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.workers < 1 or args.n < 1 or args.retries < 0:
@@ -900,6 +941,14 @@ def run_single_row(args: argparse.Namespace) -> int:
         common.print_json_line(ffcv_versions())
         return 0
     data = os.path.abspath(args.data)
+    if args.row.startswith("installed-"):  # the installed venv: its own gpufeed, never the checkout's
+        import pipeline
+
+        if os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__))) == REPO:
+            raise SystemExit(f"the installed row imported the checkout's gpufeed ({pipeline.__file__})")
+        run = run_gpufeed(os.path.join(data, "prepared"), args.row.split("-")[1], args.workers)
+        common.print_json_line({"images": run.images, "seconds": run.seconds, "detail": run.detail})
+        return 0
     plain = os.path.join(data, "prepared-plain")
     common.print_json_line(run_ffcv_row(plain, beton_path(data, plain), args.workers, args.ffcv_output))
     return 0
@@ -967,6 +1016,23 @@ def write_json(path: str, report: dict[str, Any]) -> None:
         handle.write("\n")
 
 
+def prepare_installed(args: argparse.Namespace, rows: dict[str, Row]) -> common.Installed | None:
+    """The installed rows' venv with this checkout's wheel in it, or None (those rows then say why they are skipped)."""
+    wanted = [name for name in ("installed-thread", "installed-process") if name in rows]
+    if not wanted:
+        return None
+    reason = common.INSTALLED_SKIPPED
+    if args.installed_venv != "none":
+        print(f"installed rows: building the {args.wheel} wheel into {args.installed_venv}", file=sys.stderr)
+        try:
+            return common.ensure_installed(REPO, os.path.abspath(args.installed_venv), args.wheel)
+        except RuntimeError as exc:
+            reason = f"skipped (the installed venv: {exc})"
+    for name in wanted:
+        rows[name].skipped = reason
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.row:
@@ -995,6 +1061,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("ffcv", "ffcv-float"):
         if name in rows and (header["ffcv"] is None or "error" in header["ffcv"]):
             rows[name].skipped = FFCV_SKIPPED if header["ffcv"] is None else f"skipped ({header['ffcv']['error']})"
+    installed = prepare_installed(args, rows)
+    header["installed"] = installed.describe() if installed is not None else None
     workers = args.workers
     runners: dict[str, Callable[[], Run]] = {
         "gpufeed-thread": lambda: run_gpufeed(prepared, "thread", workers),
@@ -1005,6 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
         "imagefolder": lambda: run_dataloader(make_imagefolder_loader(raw, workers)),
         "ffcv": lambda: run_ffcv_subprocess(python, data, workers, "uint8"),
         "ffcv-float": lambda: run_ffcv_subprocess(python, data, workers, "float"),
+        "installed-thread": lambda: run_installed_subprocess(installed, data, "thread", workers),  # type: ignore[arg-type]
+        "installed-process": lambda: run_installed_subprocess(installed, data, "process", workers),  # type: ignore[arg-type]
         "ceiling": lambda: run_ceiling(blobs, workers),
         "simplejpeg": lambda: run_simplejpeg(blobs, workers),
     }

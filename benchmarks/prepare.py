@@ -12,6 +12,11 @@ warm) with the same number of processes:
   img2dataset  img2dataset's Resizer (keep_ratio, 256, JPEG q90) in the same
                pool + wds.ShardWriter loop, run as a subprocess with the
                baselines venv's python (benchmarks/setup_baselines.sh).
+  installed    the gpufeed row as a user installs gpufeed: the wheel built now
+               (scripts/build_wheel.sh), torch 2.13 and plain Pillow (what torchvision,
+               ultralytics and timm install over Pillow-SIMD) in a venv of its own
+               (--installed-venv, made on first use), run as a subprocess; it must
+               reach >= 90 % of the gpufeed row.
   floor        no I/O, no tar, bytes in memory: one process's per-image cost of
                the fastest decode + resize + encode path among the candidates
                (floor_candidates: simplejpeg or PIL decodes + PIL resize + save,
@@ -55,7 +60,8 @@ DATA_MARKER = ".benchmark-data.json"  # dot-name: gpufeed's listing skips it
 SIZE = 256  # shorter side
 QUALITY = 90  # JPEG quality
 DEMO_SIDES = (800, 1250)  # ~1 MP photo-like JPEGs
-TARGETS = {"vs_naive": 1.6, "vs_img2dataset": 2.5, "of_floor": 0.85}
+TARGETS = {"vs_naive": 1.6, "vs_img2dataset": 2.5, "of_floor": 0.85, "installed_of_development": 0.9}
+DEFAULT_INSTALLED_VENV = os.path.join(REPO, ".venv-installed")
 FLOOR_BATCH = 25  # images per turn when the floor candidates alternate
 SKIPPED = "skipped (run benchmarks/setup_baselines.sh)"
 
@@ -63,6 +69,7 @@ ROW_TITLES = {
     "gpufeed": "gpufeed prepare",
     "naive": "naive PIL loop + wds.ShardWriter",
     "img2dataset": "img2dataset Resizer + wds.ShardWriter",
+    "installed": "installed: wheel + plain Pillow",
     "floor": "floor",
 }
 
@@ -198,6 +205,13 @@ def run_img2dataset_subprocess(python: str, data: str, out: str, processes: int,
     if answer["images"] != expected:
         raise RuntimeError(f"img2dataset wrote {answer['images']} samples; expected {expected}")
     return Run(answer["images"], answer["seconds"], bytes=answer["bytes"])
+
+
+def run_installed_subprocess(installed: common.Installed, data: str, out: str, processes: int, expected: int) -> Run:
+    """The gpufeed row in the installed venv: this script, with that venv's python and its gpufeed."""
+    command = [installed.python, os.path.abspath(__file__), "--row", "installed", "--data", data, "--out", out]
+    answer = _run_json([*command, "--processes", str(processes), "--n", str(expected)])
+    return Run(answer["images"], answer["seconds"], answer["detail"], bytes=answer["bytes"])
 
 
 def _run_json(command: list[str]) -> dict[str, Any]:
@@ -487,7 +501,13 @@ def speedups(rows: dict[str, Row]) -> dict[str, float | None]:
         other = rate(name)
         return gpufeed / other if gpufeed and other else None
 
-    return {"vs_naive": ratio("naive"), "vs_img2dataset": ratio("img2dataset"), "of_floor": ratio("floor")}
+    installed = rate("installed")
+    return {
+        "vs_naive": ratio("naive"),
+        "vs_img2dataset": ratio("img2dataset"),
+        "of_floor": ratio("floor"),
+        "installed_of_development": installed / gpufeed if installed and gpufeed else None,
+    }
 
 
 def print_report(header: dict[str, Any], rows: dict[str, Row], ratios: dict[str, float | None]) -> None:
@@ -504,6 +524,8 @@ def print_report(header: dict[str, Any], rows: dict[str, Row], ratios: dict[str,
         f"PIL: {local['pil']}, libjpeg-turbo {local['libjpeg_turbo']} | simplejpeg {local['simplejpeg']} | "
         f"webdataset {local['webdataset']} | Python {local['python']}"
     )
+    if header.get("installed"):
+        print(f"installed row: {header['installed']}")
     if base is None:
         print("img2dataset: not installed (no baselines venv; run benchmarks/setup_baselines.sh)")
     elif "error" in base:
@@ -524,7 +546,7 @@ def print_report(header: dict[str, Any], rows: dict[str, Row], ratios: dict[str,
             continue
         runs = ", ".join(_run_text(run) for run in row.runs)
         print(f"{title:40} {best.images_per_s:9.1f} {best.seconds:8.2f}  {runs}")
-        if name == "gpufeed" and best.detail:
+        if name in ("gpufeed", "installed") and best.detail:
             d = best.detail
             print(
                 f"{'':4}phases: {d['until_first_chunk_s']:.2f} s to the first chunk, "
@@ -546,11 +568,15 @@ def print_report(header: dict[str, Any], rows: dict[str, Row], ratios: dict[str,
     marks = []
     for key, goal in TARGETS.items():
         value = ratios[key]
-        shown = f"{goal:.0%} of floor" if key == "of_floor" else f">= {goal}x {key[3:]}"
+        shown = {"of_floor": f"{goal:.0%} of floor", "installed_of_development": f"installed >= {goal:.0%} of gpufeed"}.get(
+            key, f">= {goal}x {key[3:]}"
+        )
         state = "n/a" if value is None else ("met" if value >= goal else "MISSED")
         marks.append(f"{shown}: {state}")
     print("targets: " + "; ".join(marks))
 
+    if ratios["installed_of_development"] is not None:
+        print(f"installed (wheel + plain Pillow): {ratios['installed_of_development']:.0%} of the gpufeed row")
     floor = "n/a" if ratios["of_floor"] is None else f"{ratios['of_floor']:.0%}"
     print(
         f"prepare speedup: {common.ratio_text(ratios['vs_naive'])} vs naive, "
@@ -598,7 +624,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=2, help="extra runs per row and round when noisy (default 2)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    parser.add_argument("--row", choices=["naive", "img2dataset", "versions"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--installed-venv",
+        default=DEFAULT_INSTALLED_VENV,
+        help="venv of the installed row, made on first use; the wheel is rebuilt into it every run ('none': skip it)",
+    )
+    parser.add_argument(
+        "--wheel",
+        choices=["release", "plain"],
+        default="release",
+        help="the installed row's wheel: scripts/build_wheel.sh's (default) or plain `pip wheel .`",
+    )
+    parser.add_argument("--row", choices=["naive", "img2dataset", "versions", "installed"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.processes < 1 or args.n < 1 or args.retries < 0:
         parser.error("--rounds, --processes and --n must be at least 1, --retries at least 0")
@@ -609,6 +646,14 @@ def run_single_row(args: argparse.Namespace) -> int:
     """`--row NAME`: one run, printed as a JSON line (how the baselines venv runs its row)."""
     if args.row == "versions":
         common.print_json_line(_versions_for_row())
+        return 0
+    if args.row == "installed":  # the installed venv: its own gpufeed, never the checkout's
+        import pipeline
+
+        if os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__))) == REPO:
+            raise SystemExit(f"the installed row imported the checkout's gpufeed ({pipeline.__file__})")
+        run = run_gpufeed(os.path.abspath(args.data), os.path.abspath(args.out), args.processes, args.n)
+        common.print_json_line({"images": run.images, "seconds": run.seconds, "detail": run.detail, "bytes": run.bytes})
         return 0
     run = run_pool_row(args.row, os.path.abspath(args.data), os.path.abspath(args.out), args.processes)
     common.print_json_line({"images": run.images, "seconds": run.seconds, "bytes": run.bytes})
@@ -661,9 +706,19 @@ def main(argv: list[str] | None = None) -> int:
         "versions": local_versions(),
         "baselines": baselines_versions(python),
     }
-    rows = {name: Row(name) for name in ("gpufeed", "naive", "img2dataset", "floor")}
+    rows = {name: Row(name) for name in ("gpufeed", "installed", "naive", "img2dataset", "floor")}
     if header["baselines"] is None or "error" in header["baselines"]:
         rows["img2dataset"].skipped = SKIPPED
+    installed = None
+    rows["installed"].skipped = common.INSTALLED_SKIPPED
+    if args.installed_venv != "none":
+        print(f"installed row: building the {args.wheel} wheel into {args.installed_venv}", file=sys.stderr)
+        try:
+            installed = common.ensure_installed(REPO, os.path.abspath(args.installed_venv), args.wheel)
+            rows["installed"].skipped = ""
+        except RuntimeError as exc:
+            rows["installed"].skipped = f"skipped (the installed venv: {exc})"
+    header["installed"] = installed.describe() if installed is not None else None
     floor_paths = paths
     if args.floor_sample:
         floor_paths = paths[:: max(1, len(paths) // args.floor_sample)][: args.floor_sample]
@@ -674,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
             python, data, os.path.join(args.out, "img2dataset"), args.processes, len(paths)
         ),
         "floor": lambda: run_floor(floor_paths, args.processes),
+        "installed": lambda: run_installed_subprocess(
+            installed, data, os.path.join(args.out, "installed"), args.processes, len(paths)  # type: ignore[arg-type]
+        ),
     }
     common.warm_page_cache(paths)
     for round_index in range(args.rounds):

@@ -3,8 +3,8 @@
 The decoders (`cpu_decode.py`, `region_decode.py`) end here: RGBX rows from
 libjpeg-turbo or simplejpeg, a Pillow image, or an HxWx3 array become the
 slot's pixels, planar 3xHxW or interleaved HxWx3, uint8 or float32 through
-an `Affine`. `resample_mode` finds, once per process, which of the C
-resampler's roundings equals the PIL in use; the C path is used only then.
+an `Affine`. `resample_mode` is the C resampler's arithmetic, the fastest
+whichever PIL is installed, within a stated tolerance of PIL's pixels.
 Each thread keeps its own region decoder and buffers (`_PER_THREAD`).
 """
 
@@ -48,52 +48,16 @@ def crop_randomness(
     return CropRandom(seed) if spec.train else None
 
 
-_MODE_UNKNOWN = -1
-_resample_mode: int | None = _MODE_UNKNOWN
-
-
 def resample_mode() -> int | None:
-    """How the PIL in use rounds a bilinear resize: native.PILLOW or PILLOW_SIMD, or None.
+    """The C resampler's arithmetic: native.PILLOW_SIMD's 16-bit weights, or None without the native library.
 
-    Found once per process by resizing a few random images with PIL and with
-    each of the C resampler's modes; the C path is used only where its pixels
-    equal PIL's exactly. None when the region library is missing or no mode
-    matches (then Pillow resizes).
+    The same whichever PIL is installed: plain Pillow, which torchvision,
+    ultralytics and timm install over Pillow-SIMD, must not make the loader
+    slower. Its agreement with the active PIL is stated in
+    `native.bindings` (MIN_PSNR_DB, BILINEAR_MAX_LEVELS); None means Pillow
+    resizes (no native library here).
     """
-    global _resample_mode
-    if _resample_mode == _MODE_UNKNOWN:
-        with _MODE_LOCK:
-            if _resample_mode == _MODE_UNKNOWN:
-                _resample_mode = _find_resample_mode()
-    return None if _resample_mode is None else int(_resample_mode)
-
-
-_MODE_LOCK = threading.Lock()
-
-
-def _find_resample_mode() -> int | None:
-    decoder = region_decoder()
-    if decoder is None:
-        return None
-    Image = pil_image()
-    rs = np.random.RandomState(7)
-    # (source size, box, output size): up, down, and a height shrinking much more than the width
-    cases = [((37, 29), (0.6, 1.3, 30.2, 27.9), (50, 41)), ((64, 90), (2.5, 3.1, 60.7, 88.2), (23, 19)),
-             ((40, 200), (0.0, 0.0, 40.0, 200.0), (40, 31))]  # fmt: skip
-    sources = [rs.randint(0, 256, (h, w, 4)).astype(np.uint8) for (w, h), _, _ in cases]
-    wanted = [
-        np.asarray(Image.frombuffer("RGBX", size, src, "raw", "RGBX", 0, 1).resize(out, Image.Resampling.BILINEAR, box))
-        for src, (size, box, out) in zip(sources, cases)
-    ]  # fmt: skip
-    for mode in (native.PILLOW_SIMD, native.PILLOW):
-        matches = True
-        for src, want, (size, box, out) in zip(sources, wanted, cases):
-            ours = np.zeros((out[1], out[0], 3), np.uint8)
-            decoder.resize_store(src.ctypes.data, size, box, ours, mode)
-            matches = matches and np.array_equal(ours, want[:, :, :3])
-        if matches:
-            return mode
-    return None
+    return native.PILLOW_SIMD if region_decoder() is not None else None
 
 
 def rgbx_into(
@@ -105,50 +69,25 @@ def rgbx_into(
     flip: bool,
     affine: Affine | None,
 ) -> None:
-    """Decoded RGBX pixels -> the slot: crop/resize `box` in Pillow's core, then one C pass to the slot's layout.
+    """Decoded RGBX pixels -> the slot: `box` resized, flipped and stored in the slot's layout.
 
-    Works on Pillow's image cores directly: the decoded buffer is mapped, not
-    copied, and the resized image is pasted into a per-thread buffer that C
-    reads, so the GIL is held only for the calls themselves.
+    One C call (no Python lock held) where the native library is here; else
+    Pillow resizes and NumPy stores.
     """
-    Image = pil_image()
     decoder = region_decoder()
-    mode = resample_mode()
-    if decoder is not None and mode is not None and pixels.flags.c_contiguous:  # resize and store in one C call
+    if decoder is not None:
+        pixels = np.ascontiguousarray(pixels)
         addresses = affine.addresses if affine is not None else None
-        decoder.resize_store(pixels.ctypes.data, (width, height), box, slot, mode, flip=flip, affine=addresses)
+        decoder.resize_store(
+            pixels.ctypes.data, (width, height), box, slot, native.PILLOW_SIMD, flip=flip, affine=addresses
+        )
         return
-    if decoder is None or not hasattr(Image.core, "map_buffer"):
-        image = Image.frombuffer("RGBX", (width, height), pixels, "raw", "RGBX", 0, 1)
-        _resize_box_into(slot, image, box, flip, affine)
-        return
-    source = Image.core.map_buffer(pixels, (width, height), "raw", 0, ("RGBX", 0, 1))
-    size = slot_size(slot)
-    if _exact_crop(box, size):
-        resized = source.crop(tuple(int(v) for v in box))
-    else:
-        resized = source.resize(size, Image.Resampling.BILINEAR, box)
-    address, target = _rgbx_target(size)
-    target.paste(resized, (0, 0, *size))
-    decoder.store(address, size[0], size[1], flip, slot, affine.addresses if affine is not None else None)
+    Image = pil_image()
+    image = Image.frombuffer("RGBX", (width, height), pixels, "raw", "RGBX", 0, 1)
+    _resize_box_into(slot, image, box, flip, affine)
 
 
 _PER_THREAD = threading.local()
-
-
-def _rgbx_target(size: tuple[int, int]) -> tuple[int, Any]:
-    """This thread's RGBX buffer of `size` and a Pillow core mapped onto it (made once per size)."""
-    targets = getattr(_PER_THREAD, "targets", None)
-    if targets is None:
-        targets = _PER_THREAD.targets = {}
-    found = targets.get(size)
-    if found is None:
-        if len(targets) >= 32:  # placed images (letterbox) come in many sizes: keep a few buffers, not one per size
-            targets.clear()
-        array = np.empty((size[1], size[0], 4), np.uint8)
-        core = pil_image().core.map_buffer(array, size, "raw", 0, ("RGBX", 0, 1))
-        found = targets[size] = (array.ctypes.data, core, array)
-    return found[0], found[1]
 
 
 def region_decoder() -> native.RegionDecoder | None:
@@ -216,7 +155,17 @@ def _resize_box_into(
                 region = region[:, ::-1]
             _finish_into(slot, region.transpose(2, 0, 1) if is_planar(slot) else region, affine)
             return
+        if region_decoder() is not None:  # the C resampler, as for decoded JPEGs (rgbx_into)
+            height, width = image.shape[:2]
+            rgbx = np.empty((height, width, 4), np.uint8)
+            rgbx[:, :, :3] = image
+            rgbx_into(slot, rgbx, width, height, box, flip, affine)
+            return
         image = Image.fromarray(image)
+    if not exact and region_decoder() is not None:
+        rgbx = np.frombuffer(image.tobytes("raw", "RGBX"), np.uint8)
+        rgbx_into(slot, rgbx, image.width, image.height, box, flip, affine)
+        return
     if exact:
         image = image.crop(tuple(int(v) for v in box))
     else:

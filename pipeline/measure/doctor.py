@@ -181,11 +181,11 @@ def probe_region_decoder() -> dict[str, Any]:
     info["installed"] = True
     try:
         native.RegionDecoder(lib).header(_tiny_jpeg())
-        from ..loader.cpu_decode import resample_mode
-
-        mode = resample_mode()
-        resize = {native.PILLOW: "Pillow's", native.PILLOW_SIMD: "Pillow-SIMD's"}.get(mode) if mode is not None else None
-        info["resize"] = f"in C, with {resize} arithmetic" if resize else "in PIL (no C mode matches its arithmetic)"
+        kernels = "AVX2" if platform.machine() == "x86_64" and probe_cpu().get("avx2") else "scalar"
+        info["resize"] = (
+            f"in C (16-bit weights, {kernels} kernels) whichever PIL is active, "
+            f"within one level of its pixels (PSNR >= {native.bindings.MIN_PSNR_DB['bilinear']:.0f} dB)"
+        )
         info["prepare"] = _probe_ycc_path()
         built = "installed" if where.origin == "extension" else "built on first use"
         info["version"] = (
@@ -278,10 +278,11 @@ def find_warnings(report: dict[str, Any]) -> list[str]:
     pil = report.get("pil", {})
     if not pil.get("installed"):
         return [f"PIL cannot be imported ({pil.get('error')}): gpufeed cannot decode images"]
-    if pil.get("flavour") != "Pillow-SIMD":
+    native_here = report.get("decoders", {}).get("region", {}).get("installed")
+    if pil.get("flavour") != "Pillow-SIMD" and not native_here:
         warnings.append(
-            "Pillow is active, not Pillow-SIMD: resizing and colour conversion are several times slower "
-            "(install Pillow-SIMD as the README describes)"
+            "Pillow is active, not Pillow-SIMD, and gpufeed's native library is missing: resizing and colour "
+            "conversion are several times slower (install the native library, or Pillow-SIMD as the README describes)"
         )
     elif pil.get("simd") == "none":
         warnings.append('Pillow-SIMD was compiled without SIMD instructions (build it with CC="cc -mavx2")')

@@ -71,8 +71,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gf_store_rgbx_f32.restype = None
     lib.gf_resize_store.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int,
     ]  # fmt: skip
     lib.gf_resize_store.restype = ctypes.c_int
     lib.gf_crop_many.argtypes = [
@@ -156,6 +156,14 @@ def channel_strides(array: Any) -> tuple[int, int, int]:
 
 
 PILLOW, PILLOW_SIMD = 0, 1  # resample arithmetic: GF_PILLOW, GF_PILLOW_SIMD in gpufeed.h
+FILTERS = {"bilinear": 0, "bicubic": 1, "lanczos": 2}  # GF_BILINEAR, GF_BICUBIC, GF_LANCZOS in gpufeed.h
+# How far gpufeed's resize (always the 16-bit arithmetic, the fastest) may sit from the active PIL's
+# `Image.resize`: the least PSNR per filter, and for bilinear the largest difference in levels. Pillow-SIMD
+# keeps the same weights (equal pixels but for its own pass order); plain Pillow keeps 22-bit weights, and
+# bicubic and Lanczos, whose overshoots both clip between the passes, part most on noise.
+# tests/native/test_kernel_agreement.py holds every resize path to these with each PIL active.
+MIN_PSNR_DB = {"bilinear": 50.0, "bicubic": 40.0, "lanczos": 40.0}
+BILINEAR_MAX_LEVELS = 1
 
 
 def _layout(out: Any, affine: tuple[int, int] | None) -> tuple[int, int, int, int | None, int | None]:
@@ -228,20 +236,22 @@ class RegionDecoder:
         *,
         flip: bool = False,
         affine: tuple[int, int] | None = None,
+        resample: str = "bilinear",
         simd: bool = True,
     ) -> None:
-        """`box` of the packed RGBX image (size = width, height) at `address`, resized bilinearly into `out`.
+        """`box` of the packed RGBX image (size = width, height) at `address`, resized into `out`.
 
-        The pixels equal PIL's `resize(out size, BILINEAR, box)` in `mode`
-        (PILLOW or PILLOW_SIMD arithmetic); `out` and `affine` as for
-        `store`. `simd=False` forces the scalar kernels (for tests).
+        The pixels equal PIL's `resize(out size, resample, box)` in `mode`
+        (PILLOW or PILLOW_SIMD arithmetic); `resample` is one of FILTERS;
+        `out` and `affine` as for `store`. `simd=False` forces the scalar
+        kernels (for tests).
         """
         stride_c, stride_y, stride_x, scale, shift = _layout(out, affine)
         width, height = _size(out)
         boxes = (ctypes.c_double * 4)(*box)
         status = self._lib.gf_resize_store(
-            address, size[0], size[1], boxes, width, height, mode, int(flip), out.ctypes.data, stride_c, stride_y,
-            stride_x, scale, shift, int(simd),
+            address, size[0], size[1], boxes, width, height, mode, FILTERS[resample], int(flip), out.ctypes.data,
+            stride_c, stride_y, stride_x, scale, shift, int(simd),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("cannot allocate the resize buffers")

@@ -45,7 +45,7 @@ void gf_store_rgbx(const unsigned char *src, int w, int h, int flip, unsigned ch
 void gf_store_rgbx_f32(const unsigned char *src, int w, int h, int flip, float *out, long stride_c, long stride_y,
                        long stride_x, const float *scale, const float *shift);
 int gf_resize_store(const unsigned char *src, int w, int h, const double *box, int out_w, int out_h, int mode,
-                    int flip, void *out, long stride_c, long stride_y, long stride_x, const float *scale,
+                    int filter, int flip, void *out, long stride_c, long stride_y, long stride_x, const float *scale,
                     const float *shift, int allow_simd);
 int gf_plane_resize(const unsigned char *src, long src_stride, int w, int h, const double *box, unsigned char *out,
                     long out_stride, int out_w, int out_h, int filter, int allow_simd);

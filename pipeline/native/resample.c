@@ -1,13 +1,14 @@
 /*
  * Crop, resize and store: a decoded RGBX region -> one sample of the batch.
  *
- * gf_resize_store resamples a box of an RGBX image bilinearly to the output
- * size with exactly the arithmetic of the PIL in use (Pillow's 22-bit
- * coefficients, or Pillow-SIMD's 16-bit ones: `mode`), so its pixels equal
- * `Image.resize(size, BILINEAR, box)` bit for bit. Each output row goes
- * straight from registers/L1 into the batch's layout (planar or interleaved,
- * uint8 or normalised float32, mirrored when asked): no intermediate image,
- * no paste, no second pass over memory. gf_crop_many plans, decodes and
+ * gf_resize_store resamples a box of an RGBX image to the output size
+ * (bilinear, bicubic or Lanczos) with either of PIL's arithmetics (Pillow's
+ * 22-bit coefficients, or Pillow-SIMD's 16-bit ones: `mode`), so its pixels
+ * equal that PIL's `Image.resize(size, filter, box)` bit for bit. gpufeed
+ * itself always runs the 16-bit one, the fastest, whichever PIL is active.
+ * Each output row goes straight from registers/L1 into the batch's layout
+ * (planar or interleaved, uint8 or normalised float32, mirrored when asked):
+ * no intermediate image, no paste, no second pass over memory. gf_crop_many plans, decodes and
  * resizes a whole batch piece in one call that holds no Python lock.
  *
  * x86-64 machines with AVX2 take the vector kernels (chosen at run time);
@@ -620,7 +621,7 @@ static int gf_horizontal_pass(const unsigned char *src, int w, int first_row, in
  * `t`. Returns 0, or -1 when out of memory.
  */
 static int gf_resize_into(const unsigned char *src, int w, int h, const double *box, int out_w, int out_h, int mode,
-                          const struct gf_target *t, int allow_simd) {
+                          int filter, const struct gf_target *t, int allow_simd) {
     struct gf_axis across = {0}, down = {0};
     struct gf_target unflipped = *t;
     unsigned char *temp = NULL, *row = NULL;
@@ -635,8 +636,8 @@ static int gf_resize_into(const unsigned char *src, int w, int h, const double *
         gf_store_done(t);
         return 0;
     }
-    if (gf_axis_make(&across, w, box[0], box[2], out_w, mode, GF_BILINEAR) != 0 ||
-        gf_axis_make(&down, h, box[1], box[3], out_h, mode, GF_BILINEAR) != 0) {
+    if (gf_axis_make(&across, w, box[0], box[2], out_w, mode, filter) != 0 ||
+        gf_axis_make(&down, h, box[1], box[3], out_h, mode, filter) != 0) {
         goto done;
     }
     if (mode == GF_PILLOW && h - out_h > 0 && h - out_h > (w - out_w) * 2) {
@@ -687,12 +688,18 @@ done:
     return result;
 }
 
-/* One image: exposed for tests, which compare it with PIL (allow_simd 0 forces the scalar kernels). */
+/*
+ * One image, with any of the three filters: the loader's decoded regions (bilinear) and prepare's RGB path
+ * (its resize filter). Tests compare it with PIL; allow_simd 0 forces the scalar kernels.
+ */
 int gf_resize_store(const unsigned char *src, int w, int h, const double *box, int out_w, int out_h, int mode,
-                    int flip, void *out, long stride_c, long stride_y, long stride_x, const float *scale,
+                    int filter, int flip, void *out, long stride_c, long stride_y, long stride_x, const float *scale,
                     const float *shift, int allow_simd) {
     struct gf_target t = {out, stride_c, stride_y, stride_x, flip, scale, shift};
-    return gf_resize_into(src, w, h, box, out_w, out_h, mode, &t, allow_simd);
+    if (filter != GF_BILINEAR && filter != GF_BICUBIC && filter != GF_LANCZOS) {
+        return -1;
+    }
+    return gf_resize_into(src, w, h, box, out_w, out_h, mode, filter, &t, allow_simd);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1156,7 +1163,7 @@ void gf_crop_many(int n, const unsigned char *const *data, const unsigned long *
         box[1] -= params[2];
         box[2] -= decoded[0];
         box[3] -= params[2];
-        if (gf_resize_into(buffer, decoded[1], params[4], box, s.out_w, s.out_h, mode, &t, 1) != 0) {
+        if (gf_resize_into(buffer, decoded[1], params[4], box, s.out_w, s.out_h, mode, GF_BILINEAR, &t, 1) != 0) {
             status[i] = GF_OUT_OF_MEMORY;
         }
     }

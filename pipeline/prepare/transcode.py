@@ -33,7 +33,6 @@ from ..errors import DecodeError
 from ..specs import PrepareSpec
 from .transforms import output_size, required_scale
 
-_FILTERS = {"bilinear": 0, "bicubic": 1, "lanczos": 2}  # GF_BILINEAR, GF_BICUBIC, GF_LANCZOS in resample.c
 _MODES = ("shorter", "longer", "center-crop", "none")
 # Stored axes that end up reversed once the image is upright (see gf_plane_orient).
 _REVERSED_X = (2, 3, 7, 8)
@@ -148,7 +147,7 @@ def transcode_jpeg(data: bytes, spec: PrepareSpec) -> Transcoded | None:
         out = _buffer(capacity)
         length = lib.gf_ycc_transcode(
             data, len(data), m, (ctypes.c_double * 4)(*box), (ctypes.c_double * 4)(*chroma_box), out_w, out_h,
-            _FILTERS[spec.resize.resample], orientation, spec.encode.quality, spec.encode.restart, out, capacity,
+            native.bindings.FILTERS[spec.resize.resample], orientation, spec.encode.quality, spec.encode.restart, out, capacity,
             message, len(message),
         )  # fmt: skip
         if length != 0:
