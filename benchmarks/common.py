@@ -337,7 +337,9 @@ def ensure_installed(repo: str, venv: str, build: str = "release") -> Installed:
         run([*pip, INSTALLED_PINS[0]])
     with tempfile.TemporaryDirectory() as scratch:
         if build == "release":
-            wheel = run(["bash", os.path.join(repo, "scripts", "build_wheel.sh"), scratch], cwd=repo).split()[-1]
+            builder = dict(os.environ, PYTHON=sys.executable)  # this venv has the build tools (the test extra)
+            wheel = run(["bash", os.path.join(repo, "scripts", "build_wheel.sh"), scratch], cwd=repo, env=builder)
+            wheel = wheel.split()[-1]
         else:
             run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", scratch, repo])
             wheel = next(os.path.join(scratch, n) for n in os.listdir(scratch) if n.endswith(".whl"))

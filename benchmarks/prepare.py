@@ -78,7 +78,7 @@ ROW_TITLES = {
 # The rows
 
 
-def run_gpufeed(data: str, out: str, processes: int, expected: int) -> Run:
+def run_gpufeed(data: str, out: str, processes: int, expected: int, mode: str = "shorter") -> Run:
     """The real job through the library API; the progress callback gives the phases."""
     from pipeline import EncodeSpec, PrepareSpec, ResizeSpec
 
@@ -86,7 +86,7 @@ def run_gpufeed(data: str, out: str, processes: int, expected: int) -> Run:
     spec = PrepareSpec(
         source=data,
         out=common.fresh_dir(out),
-        resize=ResizeSpec(size=SIZE, mode="shorter", resample="lanczos"),
+        resize=ResizeSpec(size=SIZE, mode=mode, resample="lanczos"),
         encode=EncodeSpec(format="jpeg", quality=QUALITY),
     )
     marks: list[tuple[float, int]] = []
@@ -207,10 +207,12 @@ def run_img2dataset_subprocess(python: str, data: str, out: str, processes: int,
     return Run(answer["images"], answer["seconds"], bytes=answer["bytes"])
 
 
-def run_installed_subprocess(installed: common.Installed, data: str, out: str, processes: int, expected: int) -> Run:
+def run_installed_subprocess(
+    installed: common.Installed, data: str, out: str, processes: int, expected: int, mode: str
+) -> Run:
     """The gpufeed row in the installed venv: this script, with that venv's python and its gpufeed."""
     command = [installed.python, os.path.abspath(__file__), "--row", "installed", "--data", data, "--out", out]
-    answer = _run_json([*command, "--processes", str(processes), "--n", str(expected)])
+    answer = _run_json([*command, "--processes", str(processes), "--n", str(expected), "--resize-mode", mode])
     return Run(answer["images"], answer["seconds"], answer["detail"], bytes=answer["bytes"])
 
 
@@ -635,6 +637,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="release",
         help="the installed row's wheel: scripts/build_wheel.sh's (default) or plain `pip wheel .`",
     )
+    parser.add_argument(
+        "--resize-mode",
+        choices=["shorter", "pad"],
+        default="shorter",
+        help="the gpufeed and installed rows' resize mode: pad takes prepare's RGB path (Pillow decodes, gpufeed's "
+        "resampler resizes, Pillow encodes) instead of the YCbCr one; the other rows always do shorter (default shorter)",
+    )
     parser.add_argument("--row", choices=["naive", "img2dataset", "versions", "installed"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.processes < 1 or args.n < 1 or args.retries < 0:
@@ -652,7 +661,7 @@ def run_single_row(args: argparse.Namespace) -> int:
 
         if os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__))) == REPO:
             raise SystemExit(f"the installed row imported the checkout's gpufeed ({pipeline.__file__})")
-        run = run_gpufeed(os.path.abspath(args.data), os.path.abspath(args.out), args.processes, args.n)
+        run = run_gpufeed(os.path.abspath(args.data), os.path.abspath(args.out), args.processes, args.n, args.resize_mode)
         common.print_json_line({"images": run.images, "seconds": run.seconds, "detail": run.detail, "bytes": run.bytes})
         return 0
     run = run_pool_row(args.row, os.path.abspath(args.data), os.path.abspath(args.out), args.processes)
@@ -723,14 +732,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.floor_sample:
         floor_paths = paths[:: max(1, len(paths) // args.floor_sample)][: args.floor_sample]
     runners: dict[str, Callable[[], Run]] = {
-        "gpufeed": lambda: run_gpufeed(data, os.path.join(args.out, "gpufeed"), args.processes, len(paths)),
+        "gpufeed": lambda: run_gpufeed(data, os.path.join(args.out, "gpufeed"), args.processes, len(paths), args.resize_mode),
         "naive": lambda: run_pool_row("naive", data, os.path.join(args.out, "naive"), args.processes),
         "img2dataset": lambda: run_img2dataset_subprocess(
             python, data, os.path.join(args.out, "img2dataset"), args.processes, len(paths)
         ),
         "floor": lambda: run_floor(floor_paths, args.processes),
         "installed": lambda: run_installed_subprocess(
-            installed, data, os.path.join(args.out, "installed"), args.processes, len(paths)  # type: ignore[arg-type]
+            installed, data, os.path.join(args.out, "installed"), args.processes, len(paths), args.resize_mode  # type: ignore[arg-type]
         ),
     }
     common.warm_page_cache(paths)

@@ -27,6 +27,13 @@ the same generated raw files, in one run:
               torch (bilinear resize pasted on a grey canvas, the boxes scaled
               and shifted, flip). No box leaves a letterboxed image, so both
               sides deliver every box.
+  recipes     informational rows: gpufeed with recipe="scale_jitter" (on the
+              letterbox copy) and recipe="iou_crop" (on the detection copy).
+  installed   every detection recipe's gpufeed row again as a user installs
+              gpufeed: the wheel built now (scripts/build_wheel.sh), torch 2.13
+              and plain Pillow (what torchvision, ultralytics and timm install)
+              in a venv of their own (--installed-venv, made on first use), run
+              as a subprocess; each must reach >= 90 % of its development row.
   captions    gpufeed: make_loader(task="captions") straight over the
               img2dataset-style shards (jpg + txt + json) by brace pattern;
               informational: the same after `prepare_dataset` from them.
@@ -57,6 +64,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -74,7 +82,7 @@ except ImportError:  # run as a script: benchmarks/ is sys.path[0]
 Run, Row = common.Run, common.Row
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA = os.path.join(REPO, "benchmarks", "results", "data")
+DEFAULT_DATA = os.path.join(REPO, "benchmarks", "results", "tasks-data")  # not under prepare.py's ImageFolder root
 DATA_MARKER = ".benchmark-data.json"
 
 SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults, in every row
@@ -84,12 +92,23 @@ STD = (0.229, 0.224, 0.225)
 CLASSES = 6
 LETTERBOX_FILL = 114  # YOLO's grey, gpufeed's default fill
 TARGETS = {"detection": 3.0, "detection_letterbox": 3.0, "captions": 2.5, "segmentation": 3.0}
+INSTALLED_TARGET = 0.9  # each detection recipe installed (wheel + plain Pillow) against the development row
+DEFAULT_INSTALLED_VENV = os.path.join(REPO, ".venv-installed")
+# The detection recipes, each run in this venv and in the installed one: row stem -> (prepared copy, recipe).
+RECIPES = {"detection": ("coco-prepared", "crop"), "letterbox": ("coco-letterbox-prepared", "letterbox"),
+           "scale-jitter": ("coco-letterbox-prepared", "scale_jitter"), "iou-crop": ("coco-prepared", "iou_crop")}  # fmt: skip
 
 ROWS = {  # name: (task, title); the baselines' titles say which transforms ran (set_baseline_titles)
     "detection-gpufeed": ("detection", "gpufeed make_loader, task=detection"),
     "detection-baseline": ("detection", "transforms.v2 + DataLoader, raw COCO"),
     "letterbox-gpufeed": ("detection", "gpufeed make_loader, detection, letterbox"),
     "letterbox-baseline": ("detection", "transforms.v2 letterbox + DataLoader, raw COCO"),
+    "scale-jitter-gpufeed": ("detection", "gpufeed make_loader, detection, scale_jitter"),
+    "iou-crop-gpufeed": ("detection", "gpufeed make_loader, detection, iou_crop"),
+    "detection-installed": ("detection", "installed (wheel + plain Pillow), task=detection"),
+    "letterbox-installed": ("detection", "installed (wheel + plain Pillow), letterbox"),
+    "scale-jitter-installed": ("detection", "installed (wheel + plain Pillow), scale_jitter"),
+    "iou-crop-installed": ("detection", "installed (wheel + plain Pillow), iou_crop"),
     "captions-gpufeed": ("captions", "gpufeed make_loader on the shards"),
     "captions-gpufeed-prepared": ("captions", "gpufeed make_loader after prepare"),
     "captions-webdataset": ("captions", "plain webdataset + DataLoader"),
@@ -249,6 +268,52 @@ def run_gpufeed(source: str, args: argparse.Namespace, task: str, recipe: str = 
     finally:
         loader.close()
     return run
+
+
+def run_installed(installed: common.Installed, args: argparse.Namespace, stem: str) -> Run:
+    """A detection recipe's gpufeed row in the installed venv: this script, with that venv's python and gpufeed."""
+    import subprocess
+
+    command = [installed.python, os.path.abspath(__file__), "--installed-row", stem]
+    for option in ("data", "n", "min_side", "max_side", "per_shard", "size", "crop", "batch", "workers", "warmup"):
+        command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""), check=False)
+    if done.returncode != 0:
+        raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[-1])
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    return Run(answer["images"], answer["seconds"], answer["detail"])
+
+
+def run_installed_row(args: argparse.Namespace) -> int:
+    """`--installed-row STEM`: what the installed venv's python runs; one JSON line on stdout."""
+    import pipeline
+
+    if os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__))) == REPO:
+        raise SystemExit(f"the installed row imported the checkout's gpufeed ({pipeline.__file__})")
+    paths, failed = ensure_data(args)
+    source, recipe = RECIPES[args.installed_row]
+    if source.split("-prepared")[0] in failed:
+        raise SystemExit(failed[source.split("-prepared")[0]])
+    run = run_gpufeed(paths[source], args, "detection", recipe=recipe)
+    common.print_json_line({"images": run.images, "seconds": run.seconds, "detail": run.detail})
+    return 0
+
+
+def prepare_installed(args: argparse.Namespace, rows: dict[str, Row]) -> common.Installed | None:
+    """The installed rows' venv with this checkout's wheel in it, or None (those rows then say why they are skipped)."""
+    wanted = [name for name in rows if name.endswith("-installed")]
+    if not wanted:
+        return None
+    reason = common.INSTALLED_SKIPPED
+    if args.installed_venv != "none":
+        print(f"installed rows: building the release wheel into {args.installed_venv}", file=sys.stderr)
+        try:
+            return common.ensure_installed(REPO, os.path.abspath(args.installed_venv))
+        except RuntimeError as exc:
+            reason = f"skipped (the installed venv: {exc})"
+    for name in wanted:
+        rows[name].skipped = reason
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -613,6 +678,9 @@ def speedups(rows: dict[str, Row]) -> dict[str, float | None]:
         ratios[task] = a / b if a and b else None
     a, b = rate("captions-gpufeed-prepared"), rate("captions-webdataset")
     ratios["captions_prepared"] = a / b if a and b else None
+    for stem in RECIPES:
+        a, b = rate(f"{stem}-installed"), rate(f"{stem}-gpufeed")
+        ratios[f"installed_{stem}"] = a / b if a and b else None
     return ratios
 
 
@@ -712,6 +780,14 @@ def print_report(header: dict[str, Any], rows: dict[str, Row], ratios: dict[str,
             state += " (NO BOXES from " + ", ".join(ROWS[name][1] for name in boxless[task]) + ")"
         marks.append(f"{task} >= {goal}x: {state}")
     print("targets: " + "; ".join(marks))
+    installed = [f"{stem} {ratios[f'installed_{stem}']:.0%}" for stem in RECIPES if ratios[f"installed_{stem}"] is not None]
+    if installed:
+        worst = min(ratios[f"installed_{stem}"] or 0.0 for stem in RECIPES if ratios[f"installed_{stem}"] is not None)
+        state = "met" if worst >= INSTALLED_TARGET else "MISSED"
+        print(f"installed (wheel + plain Pillow) of the development row, each detection recipe: {', '.join(installed)} "
+              f"(>= {INSTALLED_TARGET:.0%}: {state})")  # fmt: skip
+    if header.get("installed"):
+        print(f"installed rows: {header['installed']}")
     times = common.ratio_text
     print(f"(captions after prepare, informational: {times(ratios['captions_prepared'])} vs webdataset)")
     print(
@@ -747,6 +823,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=2, help="extra runs at most for a noisy row (default 2)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--installed-venv", default=DEFAULT_INSTALLED_VENV,
+                        help="venv of the installed rows, made on first use; the wheel is rebuilt into it every run "
+                        "('none': skip them)")  # fmt: skip
+    parser.add_argument("--installed-row", choices=list(RECIPES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.n, args.rounds, args.workers, args.batch, args.crop, args.size, args.per_shard) < 1 or args.retries < 0:
         parser.error("--n, --rounds, --workers, --batch, --crop, --size and --per-shard must be at least 1")
@@ -762,6 +842,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.installed_row:
+        return run_installed_row(args)
     paths, failed = ensure_data(args)
     use_v2 = torchvision_v2() is not None
     if not use_v2:
@@ -773,9 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup, "versions": versions(use_v2),
     }  # fmt: skip
     runners: dict[str, Callable[[], Run]] = {
-        "detection-gpufeed": lambda: run_gpufeed(paths["coco-prepared"], args, "detection"),
         "detection-baseline": lambda: run_detection_baseline(paths, args, use_v2),
-        "letterbox-gpufeed": lambda: run_gpufeed(paths["coco-letterbox-prepared"], args, "detection", recipe="letterbox"),
         "letterbox-baseline": lambda: run_detection_baseline(paths, args, use_v2, letterbox=True),
         "captions-gpufeed": lambda: run_gpufeed(paths["captions"], args, "captions"),
         "captions-gpufeed-prepared": lambda: run_gpufeed(paths["captions-prepared"], args, "captions"),
@@ -785,7 +865,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     selected = args.rows.split(",")
     rows = {name: Row(name) for name in ROWS if name in selected}
-    needs = {"detection-gpufeed": "coco", "letterbox-gpufeed": "coco", "captions-gpufeed-prepared": "captions", "segmentation-gpufeed": "segmentation"}
+    installed = prepare_installed(args, rows)
+    header["installed"] = installed.describe() if installed is not None else None
+    for stem, (source, recipe) in RECIPES.items():
+        runners[f"{stem}-gpufeed"] = functools.partial(run_gpufeed, paths[source], args, "detection", recipe=recipe)
+        runners[f"{stem}-installed"] = functools.partial(run_installed, installed, args, stem)  # type: ignore[arg-type]
+    needs = {"captions-gpufeed-prepared": "captions", "segmentation-gpufeed": "segmentation"}
+    needs |= {f"{stem}-{kind}": "coco" for stem in RECIPES for kind in ("gpufeed", "installed")}
     for name, source in needs.items():
         if name in rows and source in failed:
             rows[name].skipped = failed[source]

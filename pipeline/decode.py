@@ -112,6 +112,9 @@ class DecodedImage:
             pixels upright by; 1 when they were stored upright. What a
             sample's boxes and masks, given in the stored file's pixels,
             must go through to stay on the picture (`targets.orient_boxes`).
+        pixels: the decoder's HxWx4 RGBX array that `image` maps without a
+            copy (a padded decode of a JPEG stored upright), or None: what
+            gpufeed's native resampler reads instead of copying the image out.
     """
 
     image: Any
@@ -119,6 +122,7 @@ class DecodedImage:
     format: str
     warnings: list[str] = dataclasses.field(default_factory=list)
     orientation: int = 1
+    pixels: np.ndarray | None = None
 
 
 def open_image(data: bytes, *, max_pixels: int = 89_478_485, formats: tuple[str, ...] | None = None) -> Any:
@@ -221,9 +225,10 @@ def decode_image(
             raise DecodeError(f"corrupt or truncated {img.format or 'image'} data: {_describe(exc)}") from None
     if refused is not None:
         found[:0] = _refusal_warnings(data, refused)
+    mapped = array if array is not None and padded and orientation == 1 else None
     rgb = _apply_orientation(rgb, orientation)
     upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
-    return DecodedImage(rgb, upright, img.format or "unknown", found, orientation)
+    return DecodedImage(rgb, upright, img.format or "unknown", found, orientation, mapped)
 
 
 @contextlib.contextmanager

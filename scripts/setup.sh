@@ -4,6 +4,10 @@
 #   <- Pillow-SIMD built against the system's libjpeg-turbo, zlib, libwebp, libtiff, openjpeg
 #   (falls back to the Pillow wheel, loudly, where it cannot be built with them),
 #   and redis-server for the tests.
+# Another package that depends on `pillow` (torchvision, ultralytics, timm) installs plain Pillow over
+# Pillow-SIMD: gpufeed's JPEG paths keep their speed (its native code resizes, whichever PIL is active);
+# what PIL does itself (PNG/WebP decoding, prepare's variant warps) slows down. docs/install.md says how
+# to get Pillow-SIMD back; `rm .venv/.gpufeed-setup-stamp; bash scripts/setup.sh` does it for this venv.
 # A first run takes 2 to 5 minutes on 2 cores (about 2 when the machine is otherwise idle: torch 30 s,
 # the other packages 1 min, the Pillow-SIMD build 30 s; up to 1.5 min each on a busy one) and says what
 # it is doing at least every 10 s; each long step's output is in
@@ -187,7 +191,8 @@ simd_cc() {
 
 install_pillow_fallback() {
     shout "Pillow-SIMD could not be installed: $1" \
-        "Falling back to the Pillow wheel: everything works, but resizing is several times slower." \
+        "Falling back to the Pillow wheel: everything works; JPEG paths keep their speed in gpufeed's native code," \
+        "what PIL does itself (PNG/WebP decoding, prepare's variant warps) is slower." \
         "Fix the cause, then: rm $STAMP; bash scripts/setup.sh"
     pip uninstall -y -qq pillow-simd >/dev/null 2>&1 || true
     pip_install "installing the Pillow wheel" pillow --force-reinstall pillow

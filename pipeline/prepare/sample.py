@@ -257,7 +257,7 @@ def _render_variants(
     variants = range(spec.augment.variants) if spec.augment.variants else [None]
     for variant in variants:
         if variant is None:
-            image, op = resize_image(decoded.image, decoded.original_size, spec.resize)
+            image, op = resize_image(decoded.image, decoded.original_size, spec.resize, decoded.pixels)
             ops: list[dict[str, Any]] = [op]
             geometry = resize_geometry(decoded.original_size, spec.resize)
         else:

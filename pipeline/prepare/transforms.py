@@ -13,6 +13,7 @@ through exactly what its image went through (`sample_targets.py`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from typing import Any
@@ -123,13 +124,16 @@ def resize_op(resize: ResizeSpec) -> dict[str, Any]:
     return {"op": "resize", "mode": resize.mode, "size": resize.size}
 
 
-def resize_image(img: Any, original_size: tuple[int, int], resize: ResizeSpec) -> tuple[Any, dict[str, Any]]:
+def resize_image(
+    img: Any, original_size: tuple[int, int], resize: ResizeSpec, pixels: np.ndarray | None = None
+) -> tuple[Any, dict[str, Any]]:
     """Apply `resize.mode` to a decoded image.
 
     Args:
         img: upright RGB PIL image, possibly DCT-reduced from `original_size`.
         original_size: upright (width, height) of the source file.
         resize: the resize settings.
+        pixels: the RGBX array `img` maps, if any (`DecodedImage.pixels`).
 
     Returns:
         (image, op) where op records what was done, for provenance.
@@ -144,35 +148,61 @@ def resize_image(img: Any, original_size: tuple[int, int], resize: ResizeSpec) -
         left = (img.width - box_side) / 2
         top = (img.height - box_side) / 2
         box = (left, top, left + box_side, top + box_side)
-        return resized(img, (side, side), resize, box), op
+        return resized(img, (side, side), resize, box, pixels), op
     if img.size != (target_w, target_h):
-        img = resized(img, (target_w, target_h), resize)
+        img = resized(img, (target_w, target_h), resize, pixels=pixels)
     if resize.mode == "pad":
         img = _pad(img, resize.size)
     return img, op
 
 
 def resized(
-    img: Any, size: tuple[int, int], resize: ResizeSpec, box: tuple[float, float, float, float] | None = None
+    img: Any,
+    size: tuple[int, int],
+    resize: ResizeSpec,
+    box: tuple[float, float, float, float] | None = None,
+    pixels: np.ndarray | None = None,
 ) -> Any:
     """`img` (box of it, default all) resized to `size` with the job's filter: `Image.resize`'s result.
 
-    An RGB image goes through gpufeed's native resampler where it is here:
-    its fastest arithmetic whichever PIL is installed (within one level of
-    PIL's pixels; tests/native/test_kernel_agreement.py). Anything else,
-    or no native library, goes to Pillow.
+    Under plain Pillow, an RGB or RGBX image (the decoder's padded form)
+    goes through gpufeed's native resampler where it is here, 16-bit weights
+    and AVX2, within the tolerance native.bindings.MIN_PSNR_DB states
+    (tests/native/test_kernel_agreement.py). Pillow-SIMD resizes with that
+    same arithmetic, and its Lanczos kernels are a little faster than the
+    native ones: with it active, and for anything else or without the
+    native library, PIL resizes. `pixels`, the RGBX array `img` maps, saves
+    copying the image out; the result is then an RGBX image over its own
+    array (encode_image writes RGB).
     """
-    lib = native.library() if img.mode == "RGB" else None
+    lib = native.library() if img.mode in ("RGB", "RGBX") and not _pillow_simd_active() else None
     if lib is None:
         return img.resize(size, _filter(resize), box=box)
     from PIL import Image
 
-    rgbx = np.frombuffer(img.tobytes("raw", "RGBX"), np.uint8)
-    out = np.empty((size[1], size[0], 3), np.uint8)
+    if pixels is None or pixels.shape != (img.height, img.width, 4) or not pixels.flags.c_contiguous:
+        pixels = np.frombuffer(img.tobytes("raw", "RGBX"), np.uint8)
+    out = np.empty((size[1], size[0], 4), np.uint8)  # RGBX: the layout PIL maps without a copy
+    out[:, :, 3] = 255  # the padding byte, as Pillow fills it: the same bytes every run
     whole = (0.0, 0.0, float(img.width), float(img.height))
     decoder = native.RegionDecoder(lib)
-    decoder.resize_store(rgbx.ctypes.data, img.size, box or whole, out, native.PILLOW_SIMD, resample=resize.resample)
-    return Image.fromarray(out)
+    decoder.resize_store(
+        pixels.ctypes.data, img.size, box or whole, out[:, :, :3], native.PILLOW_SIMD, resample=resize.resample
+    )
+    return Image.frombuffer("RGBX", size, out, "raw", "RGBX", 0, 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _pillow_simd_active() -> bool:
+    """Whether the imported PIL is Pillow-SIMD's (its own resize is the fast one)."""
+    import importlib.metadata
+
+    import PIL
+
+    try:
+        return importlib.metadata.version("Pillow-SIMD") == PIL.__version__
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def _pad(img: Any, size: int) -> Any:

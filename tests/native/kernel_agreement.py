@@ -5,7 +5,8 @@ is installed. This measures, per path, the largest difference in levels and
 the PSNR against the PIL that is active in the interpreter running it:
 
   loader crop (bilinear)    RegionDecoder.resize_store, the loader's crop of a decoded RGBX region
-  prepare RGB (FILTER)      transforms.resized, prepare's RGB path (pad, variants, PNG/WebP/npy output)
+  prepare RGB (FILTER)      the kernel of transforms.resized under plain Pillow: prepare's RGB path (pad,
+                            variants, PNG/WebP/npy output); "prepare_resized_by" says which resize it ran
   prepare YCbCr (FILTER)    gf_plane_resize, prepare's JPEG-to-JPEG path, one 8-bit plane
 
 test_kernel_agreement.py runs it in the test process (the test venv's PIL,
@@ -93,13 +94,33 @@ def loader_crop(count: int = 120, seed: int = 3) -> dict[str, float | int]:
     return tally.result()
 
 
+def native_rgb(image: Image.Image, size: tuple[int, int], box: tuple[float, ...], resample: str) -> np.ndarray:
+    """The native kernel prepare's RGB path resizes with under plain Pillow (transforms.resized)."""
+    rgbx = np.frombuffer(image.tobytes("raw", "RGBX"), np.uint8)
+    out = np.empty((size[1], size[0], 3), np.uint8)
+    decoder = native.RegionDecoder(native.library())
+    decoder.resize_store(rgbx.ctypes.data, image.size, box, out, native.PILLOW_SIMD, resample=resample)
+    return out
+
+
 def prepare_rgb(resample: str, count: int = 60, seed: int = 5) -> dict[str, float | int]:
     tally = Tally()
-    spec = ResizeSpec(size=64, resample=resample)
     for pixels, box, size in images(count, seed, 3):
         image = Image.fromarray(pixels)
-        tally.add(np.asarray(resized(image, size, spec, box)), np.asarray(image.resize(size, FILTERS[resample], box)))
+        tally.add(native_rgb(image, size, box, resample), np.asarray(image.resize(size, FILTERS[resample], box)))
     return tally.result()
+
+
+def resized_path(count: int = 20, seed: int = 9) -> str:
+    """Which resize transforms.resized ran: "native", "pil", or "either" where both gave the same pixels."""
+    native_equal = pil_equal = True
+    spec = ResizeSpec(size=64, resample="lanczos")
+    for pixels, box, size in images(count, seed, 3):
+        image = Image.fromarray(pixels)
+        got = np.asarray(resized(image, size, spec, box).convert("RGB"))
+        native_equal &= np.array_equal(got, native_rgb(image, size, box, "lanczos"))
+        pil_equal &= np.array_equal(got, np.asarray(image.resize(size, Image.Resampling.LANCZOS, box)))
+    return "either" if native_equal and pil_equal else "native" if native_equal else "pil" if pil_equal else "neither"
 
 
 def prepare_planes(resample: str, count: int = 60, seed: int = 7) -> dict[str, float | int]:
@@ -124,7 +145,7 @@ def agreement() -> dict[str, object]:
     for name in FILTERS:
         paths[f"prepare RGB ({name})"] = prepare_rgb(name)
         paths[f"prepare YCbCr ({name})"] = prepare_planes(name)
-    return {"pil": active_pil(), "paths": paths}
+    return {"pil": active_pil(), "paths": paths, "prepare_resized_by": resized_path()}
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ def test_every_resize_path_within_tolerance_of_this_venvs_pil():
         f"prepare {kind} ({name})" for kind in ("RGB", "YCbCr") for name in MIN_PSNR_DB
     }
     assert within_tolerance(result) == []
+    # prepare's RGB path: Pillow-SIMD's own resize (the same arithmetic, its Lanczos a little faster), else ours
+    assert result["prepare_resized_by"] in (("pil", "either") if result["pil"] == "Pillow-SIMD" else ("native",))
     if result["pil"] == "Pillow-SIMD":  # the same 16-bit arithmetic: the loader's crops are its pixels exactly
         assert result["paths"]["loader crop (bilinear)"] == {"max_levels": 0, "psnr_db": float("inf")}
 
@@ -64,6 +66,7 @@ def test_every_resize_path_within_tolerance_of_plain_pillow():
     assert within_tolerance(result) == []
     # Plain Pillow's 22-bit weights really round otherwise: the test compares two arithmetics, not one with itself.
     assert result["paths"]["loader crop (bilinear)"]["max_levels"] == 1
+    assert result["prepare_resized_by"] == "native"  # never plain Pillow's slower resize
 
 
 def test_the_tolerance_check_catches_a_path_out_of_it():
