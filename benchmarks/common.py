@@ -341,7 +341,7 @@ def ensure_installed(repo: str, venv: str, build: str = "release") -> Installed:
             wheel = run(["bash", os.path.join(repo, "scripts", "build_wheel.sh"), scratch], cwd=repo, env=builder)
             wheel = wheel.split()[-1]
         else:
-            run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", scratch, repo])
+            run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", scratch, repo])  # as a user runs it
             wheel = next(os.path.join(scratch, n) for n in os.listdir(scratch) if n.endswith(".whl"))
         run([*pip, wheel, *INSTALLED_PINS[1:]])  # its dependencies, and plain Pillow over anything else
         run([*pip, "--force-reinstall", "--no-deps", wheel])  # this checkout's code, even under the same version
