@@ -341,7 +341,9 @@ class LoaderSpec(Spec):
         cache_size: the most the cache holds (`"500GiB"` or bytes); None: the
             dataset's size. Needs `cache_dir`.
         task: what the samples hold (`pipeline.targets.TASKS`); None: what the
-            dataset's manifest says (classification for a brace pattern).
+            dataset's manifest says (shards without one: captions where a
+            sample holds txt and no cls, as img2dataset's do, else
+            classification).
         fields: members to deliver besides the task's targets ("txt" or
             "caption", "json", "key", any member a sample holds).
         min_visible: a box keeps at least this fraction of its area after the
@@ -351,7 +353,8 @@ class LoaderSpec(Spec):
             "letterbox" (the whole image, ratio kept, padded), "scale_jitter"
             (letterbox times a random scale in `jitter`, cropped or padded),
             "iou_crop" (SSD's random IoU crop; needs boxes). In eval mode the
-            detection recipes letterbox.
+            detection recipes letterbox. None: "letterbox" for a detection
+            dataset (no box is cut away), "crop" for every other task.
         jitter: scale_jitter's range of scales.
         fill: the value (0-255) of output pixels the image does not cover.
     """
@@ -382,7 +385,7 @@ class LoaderSpec(Spec):
     task: str | None = None
     fields: tuple[str, ...] = ()
     min_visible: float = 0.25
-    recipe: str = "crop"
+    recipe: str | None = None
     jitter: tuple[float, float] = (0.1, 2.0)
     fill: int = 114
 
@@ -439,7 +442,7 @@ class LoaderSpec(Spec):
                 f"fields must be member names such as ('txt', 'json', 'key', 'boxes.npy'), got {self.fields!r}"
             )
         check_number("min_visible", self.min_visible, 0.0, 1.0)
-        if self.recipe not in RECIPES:
+        if self.recipe is not None and self.recipe not in RECIPES:
             raise ConfigError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if not _is_number_pair(self.jitter) or not 0 < self.jitter[0] <= self.jitter[1] <= 16:
             raise ConfigError(f"jitter must be (low, high) scales with 0 < low <= high <= 16, got {self.jitter!r}")

@@ -11,6 +11,7 @@ from ..errors import ConfigError, ManifestError
 from ..io.output import Output
 from ..io.tar import iter_tar_samples
 from ..manifest import MANIFEST_NAME, read_manifest, shard_location
+from ..targets import TEXT_MEMBER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class DatasetInfo:
             the manifest's params); None when not known (a brace pattern) or
             not resized (`--mode none`).
         task: what the samples hold (`pipeline.targets.TASKS`), from the
-            manifest; classification for a brace pattern.
+            manifest; for shards without one, `pattern_task`.
         fields: the members the manifest says its samples may hold besides image and json.
         ignore_index: a segmentation mask's value of no class, from the manifest.
     """
@@ -132,12 +133,24 @@ def expand_braces(pattern: str) -> list[str]:
 def _from_pattern(pattern: str) -> DatasetInfo:
     urls = expand_braces(pattern)
     refs = []
+    members: set[str] = set()  # the first sample's, which say the task (`pattern_task`)
     for url in urls:
         with open_shard(url) as handle:
-            refs.append(ShardRef(url, sum(1 for _ in iter_tar_samples(handle, url))))
+            count = 0
+            for _, sample in iter_tar_samples(handle, url):
+                if not members:
+                    members = set(sample)
+                count += 1
+            refs.append(ShardRef(url, count))
     if not refs:
         raise ConfigError(f"{pattern} matches no shards")
-    return DatasetInfo([refs], [], sum(r.samples for r in refs), os.path.dirname(urls[0]))
+    return DatasetInfo([refs], [], sum(r.samples for r in refs), os.path.dirname(urls[0]), task=pattern_task(members))
+
+
+def pattern_task(members: set[str]) -> str:
+    """The task of shards without a manifest, from a sample's members: an image with a caption (`txt`) and no
+    class (`cls`), as img2dataset writes them, is a captions dataset; anything else is classification."""
+    return "captions" if TEXT_MEMBER in members and "cls" not in members else "classification"
 
 
 def open_shard(url: str) -> Any:

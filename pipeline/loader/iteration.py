@@ -40,7 +40,7 @@ from .runs import Run, new_run, stop_run
 from .samples import LoaderDataset
 from .stats import LoaderStats
 from .streaming import ShardOpener
-from .tasks import TaskPlan, batch_size_of
+from .tasks import Batch, TaskPlan, batch_size_of
 from .workers import DecodePool
 
 log = logging.getLogger("gpufeed.loader")
@@ -123,7 +123,7 @@ class Loader:
         self._workers = _resolve_workers(spec.num_workers)
         decoder = default_decoder() if spec.decoder in ("auto", "nvjpeg") else spec.decoder
         self._crop = CropSpec(
-            spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder, recipe=spec.recipe,
+            spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder, recipe=spec.recipe or "crop",
             jitter=spec.jitter, fill=spec.fill,
         )  # fmt: skip
         self._ring_slots = spec.prefetch + 2
@@ -382,6 +382,9 @@ class Loader:
             self.stats.wait_s += time.perf_counter() - waited_from
             self.stats.batches += 1
             self.stats.samples += batch_size_of(batch)
+            if isinstance(batch, Batch) and batch.boxes_dropped:
+                self.stats.boxes_dropped += batch.boxes_dropped
+                self.stats.images_emptied += batch.images_emptied
             self._delivered += 1
             step_started = time.perf_counter()
             yield batch

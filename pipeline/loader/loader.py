@@ -143,7 +143,7 @@ def make_loader(
     task: str | None = None,
     fields: Sequence[str] = (),
     min_visible: float = 0.25,
-    recipe: str = "crop",
+    recipe: str | None = None,
     jitter: Sequence[float] = (0.1, 2.0),
     fill: int = 114,
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
@@ -233,15 +233,18 @@ def make_loader(
             outside the dataset (links included) is refused.
         task: what the samples hold: "classification", "multilabel",
             "detection", "segmentation" or "captions"; None: what the
-            manifest says (classification for a brace pattern). Any task
-            but classification, or any `fields`, makes the loader yield a
+            manifest says (shards without one: captions where a sample
+            holds txt and no cls, as img2dataset's do, else
+            classification). Any task but classification, or any
+            `fields`, makes the loader yield a
             `Batch` (`pipeline.loader.tasks`), which unpacks as
             `images, targets`; classification without fields yields
             `(images, labels)` tuples as always.
         fields: members to deliver besides the task's targets, a list per
-            batch in `batch.fields[name]`: "txt" (or "caption": also
-            `batch.captions`), "json" (parsed), "key" (`batch.keys`), or
-            any member the samples hold ("boxes.npy", "meta.cls", ...).
+            batch in `batch.fields[name]` under the name asked for: "txt"
+            or "caption" (also `batch.captions`), "json" (parsed), "key"
+            (`batch.keys`), or any member the samples hold ("boxes.npy",
+            "meta.cls", ...).
         min_visible: detection: a box keeps at least this fraction of its
             area after the crop, or it is dropped (`batch.boxes_dropped`).
         recipe: how each image becomes the `crop` x `crop` output: "crop"
@@ -253,7 +256,10 @@ def make_loader(
             large-scale jitter), "iou_crop" (SSD's random IoU crop around
             the boxes). In eval mode the detection recipes letterbox. Boxes
             and masks follow; the region decoder still decodes only what
-            each placement reads.
+            each placement reads. Default: "letterbox" for a detection
+            dataset (a crop cuts boxes away and leaves images with none:
+            `loader.stats.boxes_dropped`, `images_emptied` count them),
+            "crop" for every other task.
         jitter: scale_jitter's range of scales (low, high).
         fill: the value (0-255) of output pixels the image does not cover
             (a mask's are the ignore index).
@@ -336,6 +342,9 @@ def make_loader(
             f"verify=True checks shards against their manifest's sha256, and {os.fspath(source)} has none "
             "(a brace pattern): give the dataset's folder or manifest.json"
         )
+    if spec.recipe is None:  # a detector keeps its boxes: the letterbox, unless crops are asked for
+        detection = (spec.task or dataset.task) == "detection" and spec.decoder != "nvjpeg"
+        spec = dataclasses.replace(spec, recipe="letterbox" if detection else "crop")
     check_epoch_size(dataset, spec, (placement or distributed_placement())[1])
     warn_if_upsampling(dataset, spec)
     plan = _task_plan(spec, dataset, sample_transform, batch_transform)

@@ -24,6 +24,11 @@ class LoaderStats:
             many samples anyway).
         bad_shards: damaged shards met (missing, unreadable, cut short, or
             failing verify=True), once per epoch that read them.
+        boxes_dropped: detection: boxes the crops cut under `min_visible`
+            of their area, dropped from the delivered targets.
+        images_emptied: detection: delivered images that had boxes and were
+            left with none by their crop (what a crop recipe costs a
+            detector; the letterbox, the detection default, drops none).
     """
 
     batches: int = 0
@@ -33,6 +38,8 @@ class LoaderStats:
     skipped: int = 0
     replaced: int = 0
     bad_shards: int = 0
+    boxes_dropped: int = 0
+    images_emptied: int = 0
 
     @property
     def stall_fraction(self) -> float:
@@ -58,4 +65,9 @@ class LoaderStats:
             f"waited {self.wait_s:.2f} s for data, stall fraction {self.stall_fraction:.1%} "
             f"(share of the loop's time spent waiting for data), "
             f"{self.skipped} skipped, {self.replaced} replaced, {self.bad_shards} bad shards"
+            + (
+                f", {self.boxes_dropped} boxes dropped by crops ({self.images_emptied} images left without one)"
+                if self.boxes_dropped
+                else ""
+            )
         )

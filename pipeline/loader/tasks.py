@@ -63,6 +63,8 @@ class TaskPlan:
     Attributes:
         task: one of `pipeline.targets.TASKS`.
         fields: the extra members asked for (`fields=`), by member name; "key" for the keys.
+        field_names: member name -> the name `fields=` asked for it by (`fields=("caption",)`
+            reads member "txt" and delivers it as `batch.fields["caption"]`).
         classes: the dataset's class count (bounds box and multi-label indices), None without names.
         ignore_index: a mask's value of no class; also what a crop past a mask's edge gets.
         min_visible: a box keeps at least this fraction of its area after the crop, or is dropped.
@@ -79,6 +81,7 @@ class TaskPlan:
     min_visible: float = 0.25
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     masks: bool = False
+    field_names: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
 
     @property
     def keep(self) -> frozenset[str]:
@@ -122,9 +125,12 @@ def task_plan(
             ) from exc
     if chosen == "classification" and not names and sample_transform is None:
         return None
+    asked: dict[str, str] = {}
+    for name in fields:
+        asked.setdefault(FIELD_ALIASES.get(name, name), name)
     return TaskPlan(
         chosen, names, classes, DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, min_visible,
-        sample_transform, masks=chosen == "detection" and MASK_MEMBER in manifest_fields,
+        sample_transform, masks=chosen == "detection" and MASK_MEMBER in manifest_fields, field_names=asked,
     )  # fmt: skip
 
 
@@ -329,6 +335,7 @@ class Batch:
             where a sample has none).
         task: which of `pipeline.targets.TASKS` this is.
         boxes_dropped: boxes of this batch dropped by the crop (under `min_visible` of their area left).
+        images_emptied: images of this batch that had boxes and were left with none by the crop.
     """
 
     images: torch.Tensor
@@ -342,6 +349,7 @@ class Batch:
     captions: list[str] | None = None
     fields: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     boxes_dropped: int = 0
+    images_emptied: int = 0
 
     @property
     def targets(self) -> Any:
@@ -397,6 +405,7 @@ def make_batch(
         if any("iscrowd" in t for t in targets):
             batch.iscrowd = [torch.as_tensor(t.get("iscrowd", np.zeros(len(t["boxes"]), np.uint8))).to(device) for t in targets]
         batch.boxes_dropped = sum(int(t.get("boxes_dropped", 0)) for t in targets)
+        batch.images_emptied = sum(1 for t in targets if t.get("boxes_dropped") and not len(t["boxes"]))
         if plan.masks:
             batch.masks = torch.from_numpy(np.stack([np.asarray(t["mask"], dtype=np.int64) for t in targets])).to(device)
     elif plan.task == "segmentation":
@@ -406,7 +415,7 @@ def make_batch(
     for name in plan.fields:
         if name == "key":
             continue
-        batch.fields[name] = [t.get("fields", {}).get(name) for t in targets]
+        batch.fields[plan.field_names.get(name, name)] = [t.get("fields", {}).get(name) for t in targets]
     return batch
 
 

@@ -260,16 +260,22 @@ def _coco_box(annotation: dict[str, Any], names: dict[int, str], size: tuple[Any
 
 YOLO_YAML_NAMES = ("data.yaml", "dataset.yaml", "data.yml", "dataset.yml")
 YAML_MAX_BYTES = 1 << 20
+MAX_CLASSES = 65535  # a class index must leave a mask's ignore index free
 
 
 def yolo_names(root: str) -> list[str] | None:
     """A YOLO folder's class names: data.yaml's `names` (a list, or {id: name} with ids 0..K-1), else classes.txt.
 
+    data.yaml's `nc`, where given, is the class count: without `names` the
+    classes are named by their ids 0..nc-1 (as ultralytics names them), so
+    splits prepared apart agree on the count whatever ids their labels use.
+
     Returns:
         The names in id order, or None where the folder has neither file.
 
     Raises:
-        ConfigError: a data.yaml that is not YAML, or whose `names` is neither form.
+        ConfigError: a data.yaml that is not YAML, whose `names` is neither
+            form, or whose `nc` is not a count or disagrees with `names`.
     """
     for name in YOLO_YAML_NAMES:
         path = os.path.join(root, name)
@@ -290,10 +296,28 @@ def _yaml_names(path: str) -> list[str] | None:
 
         document = yaml.safe_load(data)
     except ImportError:
-        document = {"names": _names_by_hand(data.decode("utf-8", "replace"))}
+        text = data.decode("utf-8", "replace")
+        document = {"names": _names_by_hand(text), "nc": _nc_by_hand(text)}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML ({str(exc).splitlines()[0]})") from exc
-    names = document.get("names") if isinstance(document, dict) else None
+    if not isinstance(document, dict):
+        return None
+    names, count = _names_of(path, document.get("names")), document.get("nc")
+    if count is None:
+        return names
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_CLASSES:
+        raise ConfigError(f"{path}: 'nc' must be the number of classes, a whole number 1 to {MAX_CLASSES}, not {count!r}")
+    if names is None:  # ultralytics names them by their ids
+        return [str(i) for i in range(count)]
+    if len(names) != count:
+        raise ConfigError(
+            f"{path}: 'nc' is {count} but 'names' lists {len(names)} classes; make them agree (or drop 'nc')"
+        )
+    return names
+
+
+def _names_of(path: str, names: Any) -> list[str] | None:
+    """data.yaml's `names` in id order: a list, or {id: name} with ids 0..K-1; None where it has none."""
     if names is None:
         return None
     if isinstance(names, list) and all(isinstance(n, (str, int)) and not isinstance(n, bool) for n in names):
@@ -303,6 +327,15 @@ def _yaml_names(path: str) -> list[str] | None:
             raise ConfigError(f"{path}: the ids of 'names' must be 0 to {len(names) - 1}, not {sorted(names)[:10]}")
         return [str(names[i]) for i in range(len(names))]
     raise ConfigError(f"{path}: 'names' must be a list of class names or a mapping of class id to name")
+
+
+def _nc_by_hand(text: str) -> Any:
+    """`nc:` of a data.yaml without PyYAML: a whole number, the text as it is otherwise, None without one."""
+    match = re.search(r"^nc\s*:\s*([^#\n]*)", text, re.MULTILINE)
+    if match is None:
+        return None
+    value = match.group(1).strip()
+    return int(value) if value.isdigit() and len(value) < 10 else value
 
 
 def _names_by_hand(text: str) -> Any:
@@ -349,19 +382,37 @@ def list_yolo(root: str, info: ListingInfo, walk: Callable[[str, ListingInfo], I
     names = yolo_names(root)
     info.kind, info.task = "yolo", "detection"
     info.classes = list(names or [])
-    root_real = os.path.realpath(root)
+    homes = dataset_homes(root)
     for item in walk("images", info):
         stem = os.path.splitext(item.rel[len("images/") :])[0]
-        yield _yolo_item(item, os.path.join(root, "labels", f"{stem}.txt"), names, root_real)
+        yield _yolo_item(item, os.path.join(root, "labels", f"{stem}.txt"), names, homes)
 
 
-def _yolo_item(item: SourceItem, label_path: str, names: list[str] | None, root_real: str) -> SourceItem:
+def dataset_homes(root: str) -> tuple[str, ...]:
+    """Where a YOLO dataset's files may resolve to: the folder, and its images/ and labels/ wherever they lead.
+
+    A folder linked in whole (`labels -> /mnt/nas/ds/labels`) is how datasets
+    are shared, and is followed for images and labels alike; a single file
+    linking elsewhere is refused, for images and labels alike.
+    """
+    return tuple(dict.fromkeys(os.path.realpath(os.path.join(root, sub)) for sub in ("", "images", "labels")))
+
+
+def _outside(homes: tuple[str, ...], path: str) -> bool:
+    return not any(inside(home, path) for home in homes)
+
+
+def _yolo_item(item: SourceItem, label_path: str, names: list[str] | None, homes: tuple[str, ...]) -> SourceItem:
     if item.rejected:
         return item
+    local = local_path(item.url)
+    if local is not None and _outside(homes, local):
+        return SourceItem(item.url, item.rel, None, f"its image file {item.rel} leads outside the dataset folder")
     if not os.path.lexists(label_path):
         return SourceItem(item.url, item.rel, None, targets={"boxes": [], "box_labels": [], "normalized": True})
-    if not inside(root_real, label_path):
-        return SourceItem(item.url, item.rel, None, f"its label file {label_path} leads outside the dataset folder")
+    if _outside(homes, label_path):
+        where = f"labels/{item.rel[len('images/'):].rsplit('.', 1)[0]}.txt"
+        return SourceItem(item.url, item.rel, None, f"its label file {where} leads outside the dataset folder")
     data = read_small(label_path)
     if isinstance(data, str):
         return SourceItem(item.url, item.rel, None, data)

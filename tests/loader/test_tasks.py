@@ -210,8 +210,8 @@ def test_img2dataset_shards_give_their_captions_through_fields(tmp_path: Path) -
     pattern = img2dataset_shards(tmp_path)
     captions: dict[str, str] = {}
     for batch in make_loader(pattern, 3, device="cpu", crop=32, num_workers=1, train=False, fields=("txt", "json")):
-        images, labels = batch
-        assert labels.tolist() == [-1, -1, -1]
+        images, targets = batch  # jpg + txt without cls: a captions dataset, no task= needed
+        assert batch.task == "captions" and targets == batch.captions == batch["txt"]
         for key, text, meta in zip(batch.keys, batch["txt"], batch.fields["json"]):
             assert meta["key"] == key
             captions[key] = text
@@ -220,6 +220,32 @@ def test_img2dataset_shards_give_their_captions_through_fields(tmp_path: Path) -
     first = next(iter(as_task))
     assert first.captions == ["caption number 0 é", "caption number 1 é", "caption number 2 é"]
     assert first.targets == first.captions
+
+
+def test_a_field_is_delivered_under_the_name_asked_for(tmp_path: Path) -> None:
+    pattern = img2dataset_shards(tmp_path)
+    batch = next(iter(make_loader(pattern, 3, device="cpu", crop=32, num_workers=1, train=False, fields=("caption",))))
+    expected = ["caption number 0 é", "caption number 1 é", "caption number 2 é"]
+    assert list(batch.fields) == ["caption"] and batch.fields["caption"] == expected and batch["caption"] == expected
+    both = next(iter(make_loader(pattern, 3, device="cpu", crop=32, num_workers=1, train=False, fields=("txt", "caption"))))
+    assert list(both.fields) == ["txt"] and both["caption"] == expected  # one member, delivered once, by its first name
+
+
+def test_detection_loads_letterboxed_by_default_and_a_crop_recipe_counts_what_it_cuts(tmp_path: Path) -> None:
+    root = write_task_dataset(tmp_path / "det", "detection", 24)
+    stored = sum(len(loader(root).dataset[i].targets["boxes"]) for i in range(24))
+    default = loader(root, scale=(0.08, 0.2))  # the crop's scale, were it cropping: it is not
+    delivered = sum(len(b) for batch in default for b in batch.boxes)
+    assert default.spec.recipe == "letterbox" and delivered == stored
+    assert default.stats.boxes_dropped == 0 and default.stats.images_emptied == 0
+    cropped = loader(root, recipe="crop", scale=(0.08, 0.2))
+    for batch in cropped:
+        assert_boxes_on_their_colours(batch)
+    stats = cropped.stats
+    assert stats.boxes_dropped > 0 and 0 < stats.images_emptied <= stats.samples
+    assert "boxes dropped by crops" in str(stats) and stats.to_dict()["images_emptied"] == stats.images_emptied
+    # Other tasks keep the crop.
+    assert loader(write_task_dataset(tmp_path / "seg", "segmentation", 8)).spec.recipe == "crop"
 
 
 def test_classification_without_fields_still_yields_tuples(tmp_path: Path) -> None:

@@ -301,6 +301,50 @@ def test_a_yolo_label_file_linking_out_is_rejected(tmp_path):
     assert "outside the dataset folder" in items[0].rejected
 
 
+@pytest.mark.parametrize("linked", ["labels", "images"])
+def test_yolo_folders_linked_in_whole_are_followed_alike(tmp_path, linked):
+    # labels/ (or images/) kept elsewhere and linked in: every labelled image keeps its boxes, none rejected.
+    root = tmp_path / "d"
+    demo.make_yolo_dataset(root, 8, splits=())
+    os.rename(root / linked, tmp_path / f"shared-{linked}")
+    os.symlink(tmp_path / f"shared-{linked}", root / linked)
+    items, _ = _list(root)
+    assert len(items) == 8 and not [item.rejected for item in items if item.rejected]
+    labelled = {name[:6] for name in os.listdir(tmp_path / "shared-labels" if linked == "labels" else root / "labels")}
+    assert labelled and all(bool(item.targets["boxes"]) == (os.path.basename(item.rel)[:6] in labelled) for item in items)
+
+
+def test_a_yolo_image_file_linking_out_is_rejected_as_a_label_file_is(tmp_path):
+    demo.make_yolo_dataset(tmp_path / "d", 2, splits=())
+    os.rename(tmp_path / "d" / "images" / "000001.jpg", tmp_path / "elsewhere.jpg")
+    os.symlink(tmp_path / "elsewhere.jpg", tmp_path / "d" / "images" / "000001.jpg")
+    items, _ = _list(tmp_path / "d")
+    assert not items[0].rejected
+    assert items[1].rejected == "its image file images/000001.jpg leads outside the dataset folder"
+
+
+@pytest.mark.parametrize("pyyaml", [True, False])
+def test_yolo_nc_is_the_class_count(tmp_path, monkeypatch, pyyaml):
+    import sys
+
+    if not pyyaml:
+        monkeypatch.setitem(sys.modules, "yaml", None)
+    demo.make_yolo_dataset(tmp_path, 4, splits=())
+    # nc without names: classes 0..nc-1 whatever ids the labels use (splits prepared apart agree)
+    (tmp_path / "data.yaml").write_text("nc: 6\n")
+    items, info = _list(tmp_path)
+    assert info.classes == ["0", "1", "2", "3", "4", "5"] and not any(item.rejected for item in items)
+    (tmp_path / "data.yaml").write_text("nc: 3\nnames: [a, b, c, d, e, f]\n")
+    with pytest.raises(ConfigError, match="'nc' is 3 but 'names' lists 6 classes"):
+        _list(tmp_path)
+    (tmp_path / "data.yaml").write_text("nc: many\n")
+    with pytest.raises(ConfigError, match="'nc' must be the number of classes"):
+        _list(tmp_path)
+    (tmp_path / "data.yaml").write_text("nc: 2\n")  # a label of class 2 is past the count: its image is refused
+    items, _ = _list(tmp_path)
+    assert any("is not one of the 2 classes" in (item.rejected or "") for item in items)
+
+
 def test_a_yolo_data_yaml_with_bad_names_is_refused(tmp_path):
     demo.make_yolo_dataset(tmp_path, 1)
     (tmp_path / "data.yaml").write_text("names: {0: a, 2: b}\n")
