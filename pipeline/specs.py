@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, TypeVar
 
 from .errors import ConfigError
@@ -197,6 +198,11 @@ class PrepareSpec(Spec):
     picture after a crop (center-crop, a variant's random crop), or the box
     is dropped (and counted); it changes nothing for samples without boxes.
 
+    `split` picks one split of a YOLO dataset given by its data.yaml or its
+    folder (`train`, `val`, `test`, or an `images/<split>` folder's name);
+    splits are separate datasets, never merged, so a source with several
+    needs it (`gpufeed prepare` runs each into OUT/<split>).
+
     The whole spec is recorded as the manifest's `params`; two runs with equal
     specs over the same source produce byte-identical shards.
     """
@@ -212,8 +218,11 @@ class PrepareSpec(Spec):
     max_file_bytes: int = 512 * 1024 * 1024
     background: tuple[int, int, int] = (255, 255, 255)
     min_visible: float = 0.25
+    split: str | None = None
 
     def __post_init__(self) -> None:
+        if self.split is not None and (not isinstance(self.split, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.split)):
+            raise ConfigError(f"split must be a split's name (letters, digits, - and _), got {self.split!r}")
         for name in ("source", "out"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
@@ -263,6 +272,8 @@ class PrepareSpec(Spec):
         if data["min_visible"] == _DEFAULT_MIN_VISIBLE:
             # Only boxes feel it: at its default, a dataset prepared before it existed is the same job.
             data.pop("min_visible")
+        if data["split"] is None:  # likewise: a source without splits is the job it was before splits existed
+            data.pop("split")
         return data
 
 
@@ -287,6 +298,7 @@ PREPARE_OPTION_NAMES = {
     "seed": "--seed",
     "max_pixels": "--max-pixels",
     "min_visible": "--min-visible",
+    "split": "--split",
 }
 """How `gpufeed prepare` spells each PrepareSpec setting (dotted path -> SRC or option), for the CLI's messages.
 

@@ -357,6 +357,12 @@ def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
             show_default=True,
             help="Drop a box that keeps less than this fraction of its area after a crop (detection).",
         ),
+        click.option(
+            "--split",
+            default=None,
+            help="One split of a YOLO dataset (train, val, test): SRC its data.yaml or folder. Without it, "
+            "`prepare` writes each split into OUT/<split>; splits are never merged.",
+        ),
         click.option("--force", is_flag=True, help="Write even if the free-space check fails."),
         click.option("--overwrite", is_flag=True, help="Replace an OUT prepared with other settings."),
         storage_option(
@@ -476,7 +482,7 @@ def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpe
     with option_errors(_spec_names("")):
         return PrepareSpec(
             source=src, out=out, resize=resize, augment=augment, encode=encode, shards=shards,
-            seed=o["seed"], max_pixels=o["max_pixels"], min_visible=o["min_visible"],
+            seed=o["seed"], max_pixels=o["max_pixels"], min_visible=o["min_visible"], split=o["split"],
         )
 
 

@@ -6,6 +6,7 @@ Parsing and printing only: the work happens in `pipeline.prepare`, `pipeline.man
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -51,39 +52,53 @@ def prepare(
     quiet: bool,
     **options: Any,
 ) -> None:
-    """Prepare SRC (folder, CSV/JSONL list or URL) into WebDataset shards at OUT.
+    """Prepare SRC into WebDataset shards at OUT.
+
+    SRC is a folder (ImageFolder, COCO, YOLO, Pascal VOC, segmentation), a
+    CSV/JSONL list, a COCO JSON, a YOLO data.yaml, WebDataset shards, or a
+    URL of one. A YOLO dataset's splits are separate datasets: each goes
+    into OUT/<split> (train, val, test), or --split NAME prepares one.
 
     Run again, it does what is left: an interrupted run resumes, and missing or
     damaged shards of a finished one are written again.
     """
     from ..prepare.job import prepare_dataset
+    from ..prepare.yolo_splits import splits_of
 
     spec = spec_from_options(src, out, options)
     store = parse_storage_options(options["storage_option"])
-    from .progress import prepare_progress
+    from .progress import prepare_progress, print_prepare_summary
 
-    try:
-        with prepare_progress(enabled=not quiet) as callback:
-            result = prepare_dataset(
-                spec,
-                workers=workers,
-                force=force,
-                overwrite=overwrite,
-                strict=strict,
-                verify=verify,
-                progress=callback,
-                storage_options=store,
-            )
-    except JobConflictError as exc:  # it names the settings that differ: here, as their options
-        raise JobConflictError(with_prepare_option_names(str(exc))) from exc
-    for warning in result.warnings:
-        click.echo(f"gpufeed: warning: {with_flag_options(warning)}", err=True)
+    jobs = [spec] if spec.split is not None else [
+        dataclasses.replace(spec, split=name, out=f"{out.rstrip('/')}/{name}") for name in splits_of(src)
+    ] or [spec]  # fmt: skip
+    results = {}
+    for job in jobs:
+        if len(jobs) > 1 and not as_json:
+            click.echo(f"split {job.split}: {job.out}")
+        try:
+            with prepare_progress(enabled=not quiet) as callback:
+                result = prepare_dataset(
+                    job,
+                    workers=workers,
+                    force=force,
+                    overwrite=overwrite,
+                    strict=strict,
+                    verify=verify,
+                    progress=callback,
+                    storage_options=store,
+                )
+        except JobConflictError as exc:  # it names the settings that differ: here, as their options
+            raise JobConflictError(with_prepare_option_names(str(exc))) from exc
+        for warning in result.warnings:
+            click.echo(f"gpufeed: warning: {with_flag_options(warning)}", err=True)
+        if not as_json:
+            print_prepare_summary(result)
+        results[job.split] = result
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
-        return
-    from .progress import print_prepare_summary
-
-    print_prepare_summary(result)
+        only = results.get(spec.split) if len(jobs) == 1 else None
+        payload = only.to_dict() if only is not None else {"splits": {name: r.to_dict() for name, r in results.items()}}
+        click.echo(json.dumps(payload, indent=2))
 
 
 @click.command()

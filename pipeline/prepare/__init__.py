@@ -21,6 +21,7 @@
     formats.py     which layout a folder has (YOLO, VOC, segmentation); segmentation folders
     formats_detection.py  COCO JSON, YOLO labels and Pascal VOC XML -> listed samples with boxes
     formats_tar.py WebDataset shards (img2dataset's) as a source: samples by key, images by byte range
+    yolo_splits.py YOLO as ultralytics reads it: data.yaml's splits, split folders, image lists (never merged)
     formats_common.py  SourceItem, ListingInfo and the checks every format reader shares
     reads.py       how remote source files are read ahead, many at once, for the store's latency
     handoff.py     source bytes from the parent to its forked workers through shared memory, not a pipe

@@ -264,9 +264,15 @@ MAX_CLASSES = 65535  # a class index must leave a mask's ignore index free
 
 
 def yolo_names(root: str) -> list[str] | None:
-    """A YOLO folder's class names: data.yaml's `names` (a list, or {id: name} with ids 0..K-1), else classes.txt.
+    """A YOLO folder's class names (see `yolo_names_of`)."""
+    return yolo_names_of(root)
 
-    data.yaml's `nc`, where given, is the class count: without `names` the
+
+def yolo_names_of(root: str, yaml_path: str | None = None) -> list[str] | None:
+    """A YOLO dataset's class names: data.yaml's `names` (a list, or {id: name} with ids 0..K-1), else classes.txt.
+
+    `yaml_path` is the data.yaml to read (a YOLO source given by its yaml);
+    without it, the data.yaml in `root`. data.yaml's `nc`, where given, is the class count: without `names` the
     classes are named by their ids 0..nc-1 (as ultralytics names them), so
     splits prepared apart agree on the count whatever ids their labels use.
 
@@ -277,6 +283,8 @@ def yolo_names(root: str) -> list[str] | None:
         ConfigError: a data.yaml that is not YAML, whose `names` is neither
             form, or whose `nc` is not a count or disagrees with `names`.
     """
+    if yaml_path is not None:
+        return _yaml_names(yaml_path)
     for name in YOLO_YAML_NAMES:
         path = os.path.join(root, name)
         if os.path.isfile(path):
@@ -385,7 +393,7 @@ def list_yolo(root: str, info: ListingInfo, walk: Callable[[str, ListingInfo], I
     homes = dataset_homes(root)
     for item in walk("images", info):
         stem = os.path.splitext(item.rel[len("images/") :])[0]
-        yield _yolo_item(item, os.path.join(root, "labels", f"{stem}.txt"), names, homes)
+        yield yolo_item(item, os.path.join(root, "labels", f"{stem}.txt"), f"labels/{stem}.txt", names, homes)
 
 
 def dataset_homes(root: str) -> tuple[str, ...]:
@@ -398,25 +406,28 @@ def dataset_homes(root: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.realpath(os.path.join(root, sub)) for sub in ("", "images", "labels")))
 
 
-def _outside(homes: tuple[str, ...], path: str) -> bool:
+def outside(homes: tuple[str, ...], path: str) -> bool:
+    """Whether `path`, its links resolved, lies under none of `homes` (resolved folders)."""
     return not any(inside(home, path) for home in homes)
 
 
-def _yolo_item(item: SourceItem, label_path: str, names: list[str] | None, homes: tuple[str, ...]) -> SourceItem:
+def yolo_item(
+    item: SourceItem, label_path: str, label_rel: str, names: list[str] | None, homes: tuple[str, ...]
+) -> SourceItem:
+    """An image's item with the boxes of its label file (`label_rel`: how messages name it), or rejected with why."""
     if item.rejected:
         return item
     local = local_path(item.url)
-    if local is not None and _outside(homes, local):
+    if local is not None and outside(homes, local):
         return SourceItem(item.url, item.rel, None, f"its image file {item.rel} leads outside the dataset folder")
     if not os.path.lexists(label_path):
         return SourceItem(item.url, item.rel, None, targets={"boxes": [], "box_labels": [], "normalized": True})
-    if _outside(homes, label_path):
-        where = f"labels/{item.rel[len('images/'):].rsplit('.', 1)[0]}.txt"
+    where = label_rel
+    if outside(homes, label_path):
         return SourceItem(item.url, item.rel, None, f"its label file {where} leads outside the dataset folder")
     data = read_small(label_path)
     if isinstance(data, str):
         return SourceItem(item.url, item.rel, None, data)
-    where = f"labels/{item.rel[len('images/'):].rsplit('.', 1)[0]}.txt"
     boxes, labels = [], []
     for line_no, line in enumerate(data.decode("utf-8", "replace").splitlines(), start=1):
         fields = line.split()

@@ -175,7 +175,7 @@ def list_source(
     info = ListingInfo()
     seen = SeenTargets()
     try:
-        items = list_images(spec.source, info)
+        items = list_images(spec.source, info, split=spec.split)
         count, digest, labels = listing.write(seen.watch(items if check_source is None else _checked(items, check_source)))
         listed = Listed(listing, count, digest, seen.classes(info, labels), seen.task_info(info), info.ignored)
         if check_listed is not None:

@@ -34,8 +34,9 @@ from ..io.transport import Transport
 from ..io.transports import transport_for
 from .formats import detect_folder
 from .formats_common import IMAGE_EXTENSIONS, ListingInfo, SourceItem, is_image_name
-from .formats_detection import list_coco, read_json_source
+from .formats_detection import list_coco, read_json_source, yolo_names
 from .formats_tar import expand_braces, is_shard_pattern, list_shards
+from .yolo_splits import YoloLayout, is_split_folder, is_yaml, list_yolo_split, yolo_layout
 
 LIST_EXTENSIONS = (".csv", ".jsonl", ".ndjson")
 FILE_EXTENSIONS = (*LIST_EXTENSIONS, ".json", ".tar")  # a SRC ending so is a file: no folder listing is tried
@@ -48,17 +49,22 @@ NOT_IN_A_CLASS_FOLDER = (
 )
 
 
-def list_images(source: str, info: ListingInfo | None = None, *, threads: int = LIST_THREADS) -> Iterator[SourceItem]:
+def list_images(
+    source: str, info: ListingInfo | None = None, *, threads: int = LIST_THREADS, split: str | None = None
+) -> Iterator[SourceItem]:
     """Yield every image of `source` in a stable order.
 
     Args:
-        source: directory, CSV/JSONL list, COCO JSON, WebDataset .tar or
-            brace pattern of them, or fsspec URL of one.
+        source: directory, CSV/JSONL list, COCO JSON, YOLO data.yaml,
+            WebDataset .tar or brace pattern of them, or fsspec URL of one.
         info: filled in while listing (kind, task, class names, files ignored).
         threads: class folders of a remote folder listed at once (the top level is
             listed first, then each class folder on a thread); 1 lists them one after
             another. The listing is the same either way; a local folder is always
             listed in line.
+        split: a YOLO dataset's split (data.yaml's train/val/test, or an
+            images/<split> folder); None where the source has one dataset
+            (several splits are then refused: they are never merged).
 
     Yields:
         SourceItem for each file with an image extension (or each list row);
@@ -71,6 +77,12 @@ def list_images(source: str, info: ListingInfo | None = None, *, threads: int = 
     """
     info = info if info is not None else ListingInfo()
     local = local_path(source)
+    yolo = _yolo_split(local, source, info, split) if local is not None else None
+    if yolo is not None:
+        yield from yolo
+        return
+    if split is not None:
+        raise ConfigError(f"split={split!r} is for a YOLO dataset with splits (a data.yaml, images/<split>/), not {source}")
     if local is not None:
         if os.path.isdir(local):
             root = local.rstrip("/") or "/"
@@ -104,6 +116,25 @@ def list_images(source: str, info: ListingInfo | None = None, *, threads: int = 
         yield from _list_fs_dir(fs, root, info, threads)
     else:
         yield from _list_file(source, info)
+
+
+def _yolo_split(local: str, source: str, info: ListingInfo, split: str | None) -> Iterator[SourceItem] | None:
+    """One split of a YOLO dataset given by its data.yaml, its folder or a split folder; None for any other source."""
+    if os.path.isdir(local) and split is None:
+        root = is_split_folder(local)
+        if root is not None:  # ROOT/images/train as SRC: that split, with ROOT's labels and names
+            one = YoloLayout(root, None, {"": [os.path.normpath(local)]}, yolo_names(root))
+            return list_yolo_split(one, "", info, _folder_walker(info))
+    if not (os.path.isdir(local) or (os.path.isfile(local) and is_yaml(local))):
+        return None
+    layout = yolo_layout(local)
+    if layout is None:
+        return None
+    return list_yolo_split(layout, layout.choose(split, source), info, _folder_walker(info))
+
+
+def _folder_walker(info: ListingInfo) -> Callable[[str], Iterator[SourceItem]]:
+    return lambda folder: _walk_local_folder(os.path.dirname(folder), os.path.basename(folder), info)
 
 
 def _scan_sorted(path: str, info: ListingInfo) -> tuple[list[str], list[str]]:

@@ -714,3 +714,36 @@ def test_prepare_and_inspect_say_the_task_a_coco_source_makes(tmp_path: Path) ->
     summary = json.loads(shown.stdout)
     assert summary["task"] == "detection" and summary["fields"] == "boxes.npy, box_labels.npy, iscrowd.npy"
     assert "detection" in run("inspect", str(out)).stdout
+
+
+def test_prepare_writes_each_yolo_split_apart(tmp_path: Path) -> None:
+    from pipeline import demo
+
+    root = demo.make_yolo_dataset(tmp_path / "yolo", 12)
+    result = run("prepare", root, str(tmp_path / "out"), "--size", "64", "--quiet", "--json")
+    assert result.returncode == 0, result.stderr
+    splits = json.loads(result.stdout)["splits"]
+    assert sorted(splits) == ["train", "val"] and all(s["samples"] == 6 and s["rejected"] == 0 for s in splits.values())
+    keys = {}
+    for name in ("train", "val"):
+        manifest = json.loads((tmp_path / "out" / name / "manifest.json").read_text())
+        assert manifest["task"] == "detection" and manifest["classes"] == ["cat", "dog", "bird"]
+        assert manifest["params"]["split"] == name
+        keys[name] = {json.loads(m)["source"] for m in _shard_jsons(tmp_path / "out" / name)}
+    assert keys["train"].isdisjoint(keys["val"]) and all("/images/val/" in k for k in keys["val"])
+    one = run("prepare", f"{root}/data.yaml", str(tmp_path / "val"), "--split", "val", "--size", "64", "--quiet")
+    assert one.returncode == 0, one.stderr
+    assert json.loads((tmp_path / "val" / "manifest.json").read_text())["samples"] == 6
+    wrong = run("prepare", root, str(tmp_path / "x"), "--split", "nope", "--quiet")
+    assert wrong.returncode != 0 and "has no split 'nope'; its splits: train, val" in wrong.stderr
+    assert "Traceback" not in wrong.stderr
+
+
+def _shard_jsons(folder: Path) -> list[bytes]:
+    import tarfile
+
+    found = []
+    for shard in sorted(folder.glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            found += [tar.extractfile(m).read() for m in tar if m.name.endswith(".json")]  # type: ignore[union-attr]
+    return found

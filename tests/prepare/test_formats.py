@@ -16,9 +16,9 @@ from pipeline.prepare.listing import Listing, class_names
 from pipeline.prepare.sources import ListingInfo, SourceItem, list_images
 
 
-def _list(source) -> tuple[list[SourceItem], ListingInfo]:
+def _list(source, split: str | None = None) -> tuple[list[SourceItem], ListingInfo]:
     info = ListingInfo()
-    items = list(list_images(str(source), info))
+    items = list(list_images(str(source), info, split=split))
     return items, info
 
 
@@ -245,10 +245,11 @@ def test_a_folder_of_coco_annotations_names_the_json_to_give(tmp_path):
 @pytest.mark.parametrize("as_dict", [False, True])
 def test_yolo_lists_normalised_boxes_and_names(tmp_path, as_dict):
     root = demo.make_yolo_dataset(tmp_path, 12, classes=3, names_as_dict=as_dict)
-    items, info = _list(root)
+    items, info = _list(root, "train")
+    more, _ = _list(root, "val")
     assert (info.kind, info.task, info.classes) == ("yolo", "detection", ["cat", "dog", "bird"])
-    assert len(items) == 12
-    for item in items:
+    assert len(items) == len(more) == 6
+    for item in items + more:
         index = int(os.path.basename(item.rel)[:6])
         scene, boxes, names = _scene_boxes(index)
         split = ("train", "val")[index % 2]
@@ -343,6 +344,64 @@ def test_yolo_nc_is_the_class_count(tmp_path, monkeypatch, pyyaml):
     (tmp_path / "data.yaml").write_text("nc: 2\n")  # a label of class 2 is past the count: its image is refused
     items, _ = _list(tmp_path)
     assert any("is not one of the 2 classes" in (item.rejected or "") for item in items)
+
+
+def _keys(items) -> list[str]:
+    return [item.rel for item in items]
+
+
+def test_yolo_splits_are_never_merged(tmp_path):
+    root = demo.make_yolo_dataset(tmp_path / "d", 8)  # images/{train,val}, data.yaml with train: and val:
+    for source in (root, f"{root}/data.yaml"):
+        with pytest.raises(ConfigError, match="holds the splits train, val, which are separate datasets"):
+            _list(source)
+        train, info = _list(source, "train")
+        val, _ = _list(source, "val")
+        assert _keys(train) == [f"images/train/{i:06d}.jpg" for i in (0, 2, 4, 6)] and info.kind == "yolo"
+        assert _keys(val) == [f"images/val/{i:06d}.jpg" for i in (1, 3, 5, 7)]
+        assert any(item.targets["boxes"] for item in train + val) and not any(item.rejected for item in train + val)
+        with pytest.raises(ConfigError, match="has no split 'test'; its splits: train, val"):
+            _list(source, "test")
+    # The folder layout alone (no data.yaml) says the same.
+    os.remove(tmp_path / "d" / "data.yaml")
+    with pytest.raises(ConfigError, match="holds the splits train, val"):
+        _list(root)
+    assert _keys(_list(root, "val")[0]) == [f"images/val/{i:06d}.jpg" for i in (1, 3, 5, 7)]
+
+
+def test_a_yolo_split_folder_as_src_keeps_its_labels_and_names(tmp_path):
+    root = demo.make_yolo_dataset(tmp_path / "d", 8)
+    items, info = _list(f"{root}/images/train")
+    assert (info.kind, info.task, info.classes) == ("yolo", "detection", ["cat", "dog", "bird"])
+    assert _keys(items) == [f"images/train/{i:06d}.jpg" for i in (0, 2, 4, 6)]
+    assert items == _list(root, "train")[0]
+
+
+def test_a_data_yaml_split_may_be_a_list_file_or_several_folders(tmp_path):
+    root = tmp_path / "d"
+    demo.make_yolo_dataset(root, 8)
+    (root / "train.txt").write_text("./images/train/000000.jpg\n./images/train/000004.jpg\n# a comment\n")
+    (root / "data.yaml").write_text(
+        "path: .\ntrain: train.txt\nval: [images/val, images/train]\ntest: images/nowhere\nnames: [cat, dog, bird]\n"
+    )
+    with pytest.raises(SourceError, match="'test' names .*images/nowhere, which does not exist"):
+        _list(root / "data.yaml", "train")
+    (root / "data.yaml").write_text("path: .\ntrain: train.txt\nval: [images/val, images/train]\nnames: [cat, dog, bird]\n")
+    assert _keys(_list(root / "data.yaml", "train")[0]) == ["images/train/000000.jpg", "images/train/000004.jpg"]
+    both = _list(root / "data.yaml", "val")[0]
+    assert len(both) == 8 and not any(item.rejected for item in both)
+    # data.yaml's path: is where its entries start (relative to the yaml's folder)
+    (tmp_path / "elsewhere.yaml").write_text("path: d\ntrain: images/train\nnames: [cat, dog, bird]\n")
+    assert len(_list(tmp_path / "elsewhere.yaml")[0]) == 4  # one split: no split= needed
+    (tmp_path / "none.yaml").write_text("names: [cat]\n")
+    with pytest.raises(ConfigError, match="names no split"):
+        _list(tmp_path / "none.yaml")
+
+
+def test_split_is_refused_for_a_source_without_splits(tmp_path):
+    demo.make_demo_dataset(tmp_path / "raw", 4)
+    with pytest.raises(ConfigError, match="split='train' is for a YOLO dataset with splits"):
+        _list(tmp_path / "raw", "train")
 
 
 def test_a_yolo_data_yaml_with_bad_names_is_refused(tmp_path):
