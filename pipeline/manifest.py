@@ -103,7 +103,9 @@ class Manifest:
     where they are not `classes` indices: a detection dataset painted from
     COCO's shapes holds box class c as c + 1 and 0 as background, so its
     `mask_classes` is ["background", *classes] (None, and not written,
-    elsewhere).
+    elsewhere). `frames_unclear` counts the samples whose annotation
+    (COCO, VOC) declared an image size that was neither the stored nor the
+    upright one, so `params.label_frame` (default upright) decided.
     """
 
     samples: int
@@ -121,6 +123,7 @@ class Manifest:
     ignore_index: int | None = None
     boxes_dropped: int = 0
     mask_classes: list[str] | None = None
+    frames_unclear: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,6 +141,7 @@ class Manifest:
             "fields": self.fields,
             **({"ignore_index": self.ignore_index} if self.ignore_index is not None else {}),
             **({"boxes_dropped": self.boxes_dropped} if self.boxes_dropped else {}),
+            **({"frames_unclear": self.frames_unclear} if self.frames_unclear else {}),
             **({"mask_classes": self.mask_classes} if self.mask_classes is not None else {}),
         }
 
@@ -179,6 +183,7 @@ class Manifest:
                 fields=_fields(data.get("fields", [])),
                 ignore_index=None if data.get("ignore_index") is None else _count(data["ignore_index"], "ignore_index", 65535),
                 boxes_dropped=_count(data.get("boxes_dropped", 0), "boxes_dropped"),
+                frames_unclear=_count(data.get("frames_unclear", 0), "frames_unclear"),
                 mask_classes=_mask_classes(data.get("mask_classes")),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -198,6 +198,13 @@ class PrepareSpec(Spec):
     picture after a crop (center-crop, a variant's random crop), or the box
     is dropped (and counted); it changes nothing for samples without boxes.
 
+    `label_frame` is the frame of a COCO or VOC annotation whose declared
+    size cannot tell (no size, a square image, an EXIF orientation that keeps
+    the size): "upright" (the image after its EXIF rotation: ultralytics,
+    Detectron2 and EXIF-aware annotation tools) or "stored" (the raster as
+    stored). Where the declared size is the stored or the upright one, it
+    decides; YOLO labels are always upright.
+
     `split` picks one split of a YOLO dataset given by its data.yaml or its
     folder (`train`, `val`, `test`, or an `images/<split>` folder's name);
     splits are separate datasets, never merged, so a source with several
@@ -219,6 +226,7 @@ class PrepareSpec(Spec):
     background: tuple[int, int, int] = (255, 255, 255)
     min_visible: float = 0.25
     split: str | None = None
+    label_frame: str = "upright"
 
     def __post_init__(self) -> None:
         if self.split is not None and (not isinstance(self.split, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.split)):
@@ -237,6 +245,8 @@ class PrepareSpec(Spec):
         ):
             raise ConfigError("background must be three integers 0-255")
         check_number("min_visible", self.min_visible, 0.0, 1.0)
+        if self.label_frame not in ("upright", "stored"):
+            raise ConfigError(f"label_frame must be upright or stored, got {self.label_frame!r}")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -274,6 +284,8 @@ class PrepareSpec(Spec):
             data.pop("min_visible")
         if data["split"] is None:  # likewise: a source without splits is the job it was before splits existed
             data.pop("split")
+        if data["label_frame"] == "upright":
+            data.pop("label_frame")
         return data
 
 
@@ -299,6 +311,7 @@ PREPARE_OPTION_NAMES = {
     "max_pixels": "--max-pixels",
     "min_visible": "--min-visible",
     "split": "--split",
+    "label_frame": "--label-frame",
 }
 """How `gpufeed prepare` spells each PrepareSpec setting (dotted path -> SRC or option), for the CLI's messages.
 

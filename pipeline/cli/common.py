@@ -363,6 +363,14 @@ def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="One split of a YOLO dataset (train, val, test): SRC its data.yaml or folder. Without it, "
             "`prepare` writes each split into OUT/<split>; splits are never merged.",
         ),
+        click.option(
+            "--label-frame",
+            type=click.Choice(["upright", "stored"]),
+            default="upright",
+            show_default=True,
+            help="COCO/VOC boxes whose declared image size cannot tell: in the EXIF-rotated (upright) image, "
+            "or in the stored raster. YOLO labels are always upright.",
+        ),
         click.option("--force", is_flag=True, help="Write even if the free-space check fails."),
         click.option("--overwrite", is_flag=True, help="Replace an OUT prepared with other settings."),
         storage_option(
@@ -483,6 +491,7 @@ def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpe
         return PrepareSpec(
             source=src, out=out, resize=resize, augment=augment, encode=encode, shards=shards,
             seed=o["seed"], max_pixels=o["max_pixels"], min_visible=o["min_visible"], split=o["split"],
+            label_frame=o["label_frame"],
         )
 
 

@@ -26,7 +26,7 @@ def finish(
     """
     shards: list[ShardInfo] = []
     rejected_lines: list[bytes] = []
-    warned = dropped = 0
+    warned = dropped = unclear = 0
     if written is None or present is None:
         written, present = written_and_present(job)
     lost_shards: list[int] = []
@@ -40,6 +40,7 @@ def finish(
         rejected_lines += [json.dumps(entry).encode("ascii") + b"\n" for entry in record["rejected"]]
         warned += record.get("warned", 0)
         dropped += record.get("boxes_dropped", 0)
+        unclear += record.get("frames_unclear", 0)
     if lost_shards:
         numbers = sorted(set(lost_shards))
         raise StorageError(
@@ -75,6 +76,7 @@ def finish(
         fields=list(job.task.fields),
         ignore_index=job.task.ignore_index,
         boxes_dropped=dropped,
+        frames_unclear=unclear,
         mask_classes=job.task.mask_classes(job.classes),
     )
     write_manifest(job.output, manifest)

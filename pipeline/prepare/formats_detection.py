@@ -229,9 +229,25 @@ def _coco_item(
         crowd.append(int(annotation.get("iscrowd", 0) or 0))
         shapes.append(annotation.get("segmentation"))
     targets: dict[str, Any] = {"boxes": boxes, "box_labels": labels, "iscrowd": crowd, "columns": {"image_id": image_id}}
+    targets["frame"] = "declared"  # stored or upright pixels: the sample decides, knowing the file's orientation
+    declared = declared_size(*size)
+    if declared is not None:
+        targets["declared_size"] = declared
     if shaped:
         targets["segmentation"] = shapes
     return SourceItem(url, name, None, targets=targets)
+
+
+def declared_size(width: Any, height: Any) -> list[int] | None:
+    """An annotation's declared image size as two positive whole numbers of pixels, or None (absent, or not that)."""
+    values = []
+    for value in (width, height):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite_number(value):
+            return None
+        if value != int(value) or not 0 < value < 1 << 31:
+            return None
+        values.append(int(value))
+    return values
 
 
 def _coco_box(annotation: dict[str, Any], names: dict[int, str], size: tuple[Any, Any]) -> list[float] | str:
@@ -421,7 +437,7 @@ def yolo_item(
     if local is not None and outside(homes, local):
         return SourceItem(item.url, item.rel, None, f"its image file {item.rel} leads outside the dataset folder")
     if not os.path.lexists(label_path):
-        return SourceItem(item.url, item.rel, None, targets={"boxes": [], "box_labels": [], "normalized": True})
+        return SourceItem(item.url, item.rel, None, targets=_yolo_targets([], []))
     where = label_rel
     if outside(homes, label_path):
         return SourceItem(item.url, item.rel, None, f"its label file {where} leads outside the dataset folder")
@@ -440,7 +456,12 @@ def yolo_item(
         labels.append(names[int(fields[0])] if names is not None else str(int(fields[0])))
         if len(boxes) > MAX_BOXES:
             return SourceItem(item.url, item.rel, None, f"{where}: over the {MAX_BOXES} boxes one image may have")
-    return SourceItem(item.url, item.rel, None, targets={"boxes": boxes, "box_labels": labels, "normalized": True})
+    return SourceItem(item.url, item.rel, None, targets=_yolo_targets(boxes, labels))
+
+
+def _yolo_targets(boxes: list[list[float]], labels: list[str]) -> dict[str, Any]:
+    """YOLO's boxes: fractions of the upright image (ultralytics reads them after the EXIF rotation)."""
+    return {"boxes": boxes, "box_labels": labels, "normalized": True, "frame": "upright"}
 
 
 def _yolo_box(fields: list[str], names: list[str] | None) -> list[float] | str:
@@ -557,4 +578,14 @@ def parse_voc_xml(data: bytes) -> dict[str, Any] | str:
         difficult.append(1 if flag in ("1", "true") else 0)
         if len(boxes) > MAX_BOXES:
             return f"over the {MAX_BOXES} boxes one image may have"
-    return {"boxes": boxes, "box_labels": labels, "columns": {"difficult": difficult}}
+    found: dict[str, Any] = {"boxes": boxes, "box_labels": labels, "columns": {"difficult": difficult}, "frame": "declared"}
+    size = root.find("size")
+    declared = None
+    if size is not None:
+        try:
+            declared = declared_size(float(size.findtext("width") or "x"), float(size.findtext("height") or "x"))
+        except ValueError:
+            declared = None
+    if declared is not None:
+        found["declared_size"] = declared
+    return found

@@ -24,6 +24,7 @@ class PrepareProgress:
     stage: str = "prepare"
     warned: int = 0  # samples decoded with warnings
     boxes_dropped: int = 0  # boxes that fell (mostly) out of their pictures
+    frames_unclear: int = 0  # samples whose annotation's declared size matched neither frame
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,10 @@ class PrepareResult:
     the finished dataset's shards were hashed against the manifest before
     they were kept. `boxes_dropped` counts the boxes left out because less
     than `spec.min_visible` of their area stayed in their picture (over
-    every variant set); `task` is what the samples hold (`targets.TASKS`).
+    every variant set); `frames_unclear` the samples whose annotation's
+    declared image size was neither the stored nor the upright one (the
+    spec's `label_frame` decided, and a warning says so); `task` is what the
+    samples hold (`targets.TASKS`).
     """
 
     out: str
@@ -45,6 +48,7 @@ class PrepareResult:
     verified: bool = False
     boxes_dropped: int = 0
     task: str = "classification"
+    frames_unclear: int = 0
 
     @property
     def images_per_s(self) -> float:
@@ -94,13 +98,25 @@ def result_of(
         resumed_shards=resumed,
         workers=workers,
         already_complete=already_complete,
-        warnings=list(warnings),
+        warnings=[*warnings, *_frame_warnings(manifest)],
         decoded_with_warnings=manifest.decoded_with_warnings,
         repaired=dict(repaired or {}),
         verified=verified,
         boxes_dropped=manifest.boxes_dropped,
         task=manifest.task,
+        frames_unclear=manifest.frames_unclear,
     )
+
+
+def _frame_warnings(manifest: Manifest) -> list[str]:
+    """The warning that annotations declared image sizes that were neither the stored nor the upright one."""
+    if not manifest.frames_unclear:
+        return []
+    frame = manifest.params.get("label_frame", "upright")
+    return [
+        f"{manifest.frames_unclear} annotated image(s) of EXIF-rotated files declare a size that is neither the "
+        f"stored nor the upright one: their boxes were read as {frame} (label_frame); check the annotation tool's frame"
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,7 +87,13 @@ class WorkFolder:
         self.output.write_bytes_atomic(PLAN_REL, json.dumps(record, indent=1).encode("utf-8"))
 
     def write_shard_record(
-        self, shard: int, infos: list[ShardInfo], rejected: list[dict[str, str]], warned: int = 0, boxes_dropped: int = 0
+        self,
+        shard: int,
+        infos: list[ShardInfo],
+        rejected: list[dict[str, str]],
+        warned: int = 0,
+        boxes_dropped: int = 0,
+        frames_unclear: int = 0,
     ) -> dict[str, Any]:
         """Record a written shard: its files (one per variant set that got samples), its rejects, how many
         of its samples were decoded with warnings, and how many boxes its samples dropped (recorded only when
@@ -95,6 +101,8 @@ class WorkFolder:
         record = {"shard": shard, "shards": [info.to_dict() for info in infos], "rejected": rejected, "warned": warned}
         if boxes_dropped:
             record["boxes_dropped"] = boxes_dropped
+        if frames_unclear:  # samples whose annotation's declared size matched neither frame
+            record["frames_unclear"] = frames_unclear
         self.output.write_bytes_atomic(_shard_record_rel(shard), json.dumps(record).encode("utf-8"))
         return record
 

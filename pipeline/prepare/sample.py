@@ -42,6 +42,7 @@ from .coco_masks import rasterise
 from .encode import encode_image
 from .sample_targets import (
     SourceTargets,
+    label_frame,
     parse_targets,
     place_targets,
     read_mask,
@@ -82,7 +83,9 @@ class SampleOutcome:
 
     `warnings` lists what the decoders warned about in an accepted file (also
     in its samples' json as `decode_warnings`). `boxes_dropped` counts the
-    boxes that fell (mostly) out of its pictures, over every variant set.
+    boxes that fell (mostly) out of its pictures, over every variant set;
+    `frames_unclear` is 1 where its annotation's declared size matched
+    neither the stored nor the upright image (`sample_targets.label_frame`).
     """
 
     index: int
@@ -92,6 +95,7 @@ class SampleOutcome:
     reason: str = ""
     warnings: list[str] = dataclasses.field(default_factory=list)
     boxes_dropped: int = 0
+    frames_unclear: int = 0
 
 
 def read_item(item: SourceItem, spec: PrepareSpec) -> bytes | str:
@@ -152,6 +156,7 @@ def process_item(
     try:
         outcome.tars, outcome.warnings = _render(data, key, item, spec, label, placing)
         outcome.boxes_dropped = placing.dropped if placing is not None else 0
+        outcome.frames_unclear = int(placing.frame_unclear) if placing is not None else 0
     except TargetError as exc:
         outcome.reason = str(exc)
     except DecodeError as exc:
@@ -197,15 +202,19 @@ class _Targets:
 
     source: SourceTargets
     ignore_index: int
-    mask: Any = None  # np.ndarray, the stored size
-    stored: tuple[int, int] = (0, 0)
-    orientation: int = 1
+    mask: Any = None  # np.ndarray, of `stored` size
+    stored: tuple[int, int] = (0, 0)  # the size of the frame the targets are in
+    orientation: int = 1  # what turns that frame upright: the file's EXIF orientation, or 1 (upright already)
     dropped: int = 0
+    frame: str = "stored"
+    frame_unclear: bool = False  # the annotation's declared size matched neither frame
 
     def take_image(self, spec: PrepareSpec, original_size: tuple[int, int], orientation: int) -> None:
-        """Note what the decoder made of the image, and read the mask (it must have the stored size)."""
-        self.orientation = orientation
-        self.stored = stored_size(original_size, orientation)
+        """Note what the decoder made of the image, decide the targets' frame, and read the mask (of that frame)."""
+        stored = stored_size(original_size, orientation)
+        self.frame, self.frame_unclear = label_frame(self.source, stored, orientation, spec.label_frame)
+        upright = (original_size[0], original_size[1])
+        self.orientation, self.stored = (1, upright) if self.frame == "upright" else (orientation, stored)
         if self.source.mask is not None and self.mask is None:
             self.mask = read_mask(self.source.mask, spec, self.stored)
         elif self.source.segmentation is not None and self.mask is None:
@@ -225,6 +234,7 @@ class _Targets:
                 source, self.mask, self.stored, self.orientation, geometry, spec.min_visible, self.ignore_index
             )
             meta["geometry"] = {"orientation": self.orientation, "stored_size": list(self.stored), **geometry.to_dict()}
+            meta["label_frame"] = self.frame + (" (the declared size matched neither frame)" if self.frame_unclear else "")
         else:
             placed = SampleTargets(labels=source.labels, caption=source.caption)
         if source.boxes is not None:

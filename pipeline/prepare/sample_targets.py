@@ -1,7 +1,9 @@
 """A listed sample's targets, kept in step with its pixels: parsed, checked, and sent through its geometry.
 
 A source gives a sample's targets (`SourceItem.targets`) in the pixels of
-its image file as stored, before the EXIF transposition the decoder applies.
+its image file as stored, before the EXIF transposition the decoder applies,
+or after it (`label_frame`: YOLO's are upright; COCO's and VOC's are
+decided per image from the size the annotation declares).
 Here they are checked (`parse_targets`: finite boxes, names of the job's
 classes, a mask of the image's stored size), then sent through exactly what
 the image went through (`place_targets`): the EXIF orientation
@@ -72,6 +74,8 @@ class SourceTargets:
     segmentation: list[Any] | None = None  # COCO's shapes, one per box (`coco_masks.check_segmentation`)
     caption: str | None = None
     columns: dict[str, Any] | None = None
+    frame: str | None = None  # "upright", "stored", or "declared": decided per image by `declared_size`
+    declared_size: tuple[int, int] | None = None  # the (width, height) the annotation says its image has
 
     @property
     def geometric(self) -> bool:
@@ -116,6 +120,15 @@ def parse_targets(raw: Any, classes: dict[str, int]) -> SourceTargets:
         if parsed.segmentation is not None:
             raise TargetError("bad annotation: both a mask file and segmentation shapes: give one")
         parsed.mask = raw["mask"]
+    if raw.get("frame") is not None:
+        if raw["frame"] not in (*LABEL_FRAMES, "declared"):
+            raise TargetError(f"bad annotation: frame must be upright, stored or declared, not {raw['frame']!r}")
+        parsed.frame = raw["frame"]
+    if raw.get("declared_size") is not None:
+        size = raw["declared_size"]
+        if not (isinstance(size, list) and len(size) == 2 and all(_is_count(v) and v > 0 for v in size)):
+            raise TargetError(f"bad annotation: declared_size must be [width, height] in pixels, not {size!r}")
+        parsed.declared_size = (size[0], size[1])
     if raw.get("caption") is not None:
         parsed.caption = _caption(raw["caption"])
     if raw.get("columns") is not None:
@@ -123,6 +136,41 @@ def parse_targets(raw: Any, classes: dict[str, int]) -> SourceTargets:
             raise TargetError("bad annotation: columns must be an object (column name -> value)")
         parsed.columns = raw["columns"]
     return parsed
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+LABEL_FRAMES = ("upright", "stored")
+"""The pixels an annotation is in: the image after its EXIF rotation (what ultralytics, Detectron2 and
+EXIF-aware annotation tools use), or the file's stored raster (what a reader that ignores EXIF sees)."""
+
+
+def label_frame(source: SourceTargets, stored: tuple[int, int], orientation: int, default: str) -> tuple[str, bool]:
+    """The frame a sample's targets are in, and whether its annotation's declared size matched neither frame.
+
+    A frame the source states wins (YOLO: upright); a source that states
+    none gives stored pixels (the `SourceItem` contract). A "declared" frame
+    (COCO, VOC) is decided by the size the annotation declares (COCO's
+    width/height, VOC's <size>): the stored size, or the upright one (they
+    differ only for orientations 5 to 8). Where it cannot tell (no size, a
+    square image, an orientation that keeps the size) or matches neither
+    (counted), `default` (PrepareSpec.label_frame).
+    """
+    if source.frame != "declared":
+        return source.frame or "stored", False
+    if orientation == 1:
+        return "stored", False  # the two are the same pixels
+    upright = (stored[1], stored[0]) if orientation in (5, 6, 7, 8) else stored
+    declared = source.declared_size
+    if declared is None or (declared == stored and declared == upright):
+        return default, False
+    if declared == upright:
+        return "upright", False
+    if declared == stored:
+        return "stored", False
+    return default, True
 
 
 def _flag(value: Any, name: str) -> bool:

@@ -83,7 +83,7 @@ def write_shard(
     sets = set_prefixes(job.spec.augment.variants)
     writers = [TarShardWriter(job.output.local(prefix + shard_name(shard))) for _, prefix in sets]
     rejected: list[dict[str, str]] = []
-    warned_before, dropped_before = state.warned, state.boxes_dropped
+    warned_before, dropped_before, unclear_before = state.warned, state.boxes_dropped, state.frames_unclear
     window = max(2, pool.workers * 3)  # chunks in flight: keeps every worker busy, bounds memory
     with _AllWritersOpen(writers):
         in_flight: deque[tuple[PendingChunk, Chunk]] = deque()
@@ -101,8 +101,9 @@ def write_shard(
     # a record whose file is missing or of another size counts as unwritten (recorded_files_intact),
     # so a record that lands before its file, or without it, only makes a re-run write the shard again.
     recording = functools.partial(
-        job.folder.write_shard_record, shard, infos, rejected, state.warned - warned_before, state.boxes_dropped - dropped_before
-    )
+        job.folder.write_shard_record, shard, infos, rejected, state.warned - warned_before,
+        state.boxes_dropped - dropped_before, state.frames_unclear - unclear_before,
+    )  # fmt: skip
     record: dict[str, Any] = at_once(*uploads, recording)[-1]
     job.written.append(shard)
     return record
@@ -148,6 +149,7 @@ def _drain(
             continue
         state.warned += bool(outcome.warnings)
         state.boxes_dropped += outcome.boxes_dropped
+        state.frames_unclear += outcome.frames_unclear
         for writer, blob in zip(writers, outcome.tars):
             writer.write_sample_bytes(blob)
 

@@ -246,7 +246,9 @@ def hand_truth() -> np.ndarray:
 def test_shapes_follow_the_exif_orientation_and_resize(tmp_path: Path, orientation: int, mode: str) -> None:
     source = write_coco(tmp_path / "src", hand_annotations(), orientation)
     out = tmp_path / "out"
-    prepare_dataset(PrepareSpec(source, str(out), resize=ResizeSpec(size=16, mode=mode)), workers=0)
+    # The JSON declares the stored size; a half turn keeps the size, so only label_frame can say it is the stored one.
+    frame = "stored" if orientation == 3 else "upright"
+    prepare_dataset(PrepareSpec(source, str(out), resize=ResizeSpec(size=16, mode=mode), label_frame=frame), workers=0)
     [sample] = read_samples(out).values()
     upright = {1: lambda m: m, 6: lambda m: np.rot90(m, -1), 3: lambda m: m[::-1, ::-1]}[orientation](hand_truth())
     size = tuple(sample["json"]["size"])

@@ -152,7 +152,8 @@ def test_coco_categories_sort_by_id_and_images_resolve_beside_the_json(tmp_path)
     items, info = _list(path)
     assert info.classes == ["ant", "zebra"]
     assert items == [SourceItem(f"{tmp_path}/a.jpg", "a.jpg", None, targets={
-        "boxes": [[1.5, 2.0, 4.5, 6.0]], "box_labels": ["zebra"], "iscrowd": [0], "columns": {"image_id": 1}})]
+        "boxes": [[1.5, 2.0, 4.5, 6.0]], "box_labels": ["zebra"], "iscrowd": [0], "columns": {"image_id": 1},
+        "frame": "declared", "declared_size": [50, 40]})]
 
 
 @pytest.mark.parametrize(
@@ -435,7 +436,8 @@ def test_voc_lists_the_boxes_the_generator_drew(tmp_path):
     for index, item in enumerate(items):
         scene, boxes, names = _scene_boxes(index)
         assert item.rel == f"JPEGImages/{index:06d}.jpg"
-        assert item.targets == {"boxes": boxes, "box_labels": names, "columns": {"difficult": list(scene.crowd)}}
+        assert item.targets == {"boxes": boxes, "box_labels": names, "columns": {"difficult": list(scene.crowd)},
+                                "frame": "declared", "declared_size": [scene.width, scene.height]}  # fmt: skip
     _, labels = _spilled(tmp_path / "Annotations", items)
     assert class_names(info, labels) == sorted(labels)
 
