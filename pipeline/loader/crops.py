@@ -130,18 +130,22 @@ def random_resized_crop_box(
 
 
 def centre_crop_box(width: int, height: int, spec: CropSpec) -> tuple[float, float, float, float]:
-    """The box that 'resize shorter side to size/eval_fraction, centre-crop size' reads."""
+    """The box that transforms.v2's `Resize(size / eval_fraction)` then `CenterCrop(size)` reads.
+
+    v2's integer rules: the resized shorter side is exactly size /
+    eval_fraction (rounded), the longer one truncated; the crop's anchor is
+    rounded (`int(round((W' - size) / 2))`). The box is that crop mapped back
+    by each axis's own scale, so one resampling gives v2's geometry; an image
+    prepared at the eval size gets an exact, integer crop (no resampling).
+    C plans the same box (resample.c, gf_centre_crop).
+    """
     resized_short = round(spec.size / spec.eval_fraction)
-    side = spec.size * min(width, height) / resized_short
-    if min(width, height) == resized_short:
-        # Already prepared at the eval size: an exact, integer crop (no resampling).
-        return (
-            float(round((width - spec.size) / 2)),
-            float(round((height - spec.size) / 2)),
-            float(spec.size),
-            float(spec.size),
-        )
-    return (width - side) / 2, (height - side) / 2, side, side
+    if width <= height:
+        new_w, new_h = resized_short, int(resized_short * height / width)
+    else:
+        new_w, new_h = int(resized_short * width / height), resized_short
+    sx, sy = width / new_w, height / new_h
+    return round((new_w - spec.size) / 2) * sx, round((new_h - spec.size) / 2) * sy, spec.size * sx, spec.size * sy
 
 
 def flip_mask(seed: int, epoch: int, rank: int, index: int, count: int) -> np.ndarray:

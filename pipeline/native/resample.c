@@ -1028,20 +1028,27 @@ static void gf_random_crop(uint64_t seed, int width, int height, const struct gf
     crop[3] = (double)h;
 }
 
-/* Resize the shorter side to out / eval_fraction, centre-crop out; crops.centre_crop_box. */
+/*
+ * transforms.v2's Resize(out / eval_fraction) then CenterCrop(out) as one box (crops.centre_crop_box): the
+ * shorter side resized to exactly that, the longer truncated, the crop's anchor rounded half to even (as
+ * Python's round), mapped back by each axis's scale.
+ */
 static void gf_centre_crop(int width, int height, const struct gf_crop_spec *s, double *crop) {
-    long resized_short = (long)nearbyint(s->size / s->eval_fraction);
-    int shorter = width < height ? width : height;
-    double side = (double)s->size * shorter / resized_short;
-    if (shorter == resized_short) { /* already prepared at the eval size: an exact, integer crop */
-        crop[0] = nearbyint((width - s->size) / 2.0);
-        crop[1] = nearbyint((height - s->size) / 2.0);
-        crop[2] = crop[3] = s->size;
-        return;
+    double resized_short = nearbyint(s->size / s->eval_fraction);
+    double new_w, new_h, sx, sy;
+    if (width <= height) {
+        new_w = resized_short;
+        new_h = floor(resized_short * height / width);
+    } else {
+        new_w = floor(resized_short * width / height);
+        new_h = resized_short;
     }
-    crop[0] = (width - side) / 2;
-    crop[1] = (height - side) / 2;
-    crop[2] = crop[3] = side;
+    sx = width / new_w;
+    sy = height / new_h;
+    crop[0] = nearbyint((new_w - s->size) / 2.0) * sx;
+    crop[1] = nearbyint((new_h - s->size) / 2.0) * sy;
+    crop[2] = s->size * sx;
+    crop[3] = s->size * sy;
 }
 
 /*

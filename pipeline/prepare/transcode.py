@@ -27,11 +27,14 @@ import math
 import threading
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .. import native
 from ..decode import exif_orientation, open_image, pillow_warnings
 from ..errors import DecodeError
 from ..specs import PrepareSpec
-from .transforms import output_size, required_scale
+from ..targets import orient_boxes
+from .transforms import center_crop_box, output_size, required_scale
 
 _MODES = ("shorter", "longer", "center-crop", "none")
 # Stored axes that end up reversed once the image is upright (see gf_plane_orient).
@@ -101,11 +104,13 @@ def regions(
     resize = spec.resize
     out_w, out_h = output_size(resize, width, height)
     x0, y0, x1, y1 = 0.0, 0.0, float(width), float(height)
-    if resize.mode == "center-crop":
-        side = min(width, height)
-        x0, y0 = (width - side) / 2, (height - side) / 2
-        x1, y1 = x0 + side, y0 + side
-        out_w = out_h = min(out_w, out_h)
+    if resize.mode == "center-crop":  # v2's anchors are rounded on the upright picture: its box, turned back
+        turned = orientation in (5, 6, 7, 8)
+        upright = (height, width) if turned else (width, height)
+        box, out_w = center_crop_box(resize, *upright)
+        back = {6: 8, 8: 6}.get(orientation, orientation)  # the inverse turn (the others are their own)
+        x0, y0, x1, y1 = (float(v) for v in orient_boxes(np.array([box], np.float64), back, *upright)[0])
+        out_h = out_w
     reach_x = (x1 - x0) * (2 * ((out_w + 1) // 2)) / out_w
     reach_y = (y1 - y0) * (2 * ((out_h + 1) // 2)) / out_h
     cx0, cx1 = (x1 - reach_x, x1) if orientation in _REVERSED_X else (x0, x0 + reach_x)

@@ -46,14 +46,39 @@ def required_scale(resize: ResizeSpec, augment: AugmentSpec, width: int, height:
 
 
 def output_size(resize: ResizeSpec, width: int, height: int) -> tuple[int, int]:
-    """Size of the resized (uncropped, unpadded) picture for an original of width x height."""
+    """Size of the resized (uncropped, unpadded) picture for an original of width x height.
+
+    transforms.v2's integer rule: the side given is S exactly and the other
+    is truncated, as `v2.Resize(S)` (shorter, center-crop) and
+    `v2.Resize(None, max_size=S)` (longer, pad) compute it (641x479 at 224:
+    299x224).
+    """
     if resize.mode == "none":
         return width, height
-    reference = min(width, height) if resize.mode in ("shorter", "center-crop") else max(width, height)
-    scale = resize.size / reference
-    if scale >= 1 and not resize.upscale:
+    short, long = min(width, height), max(width, height)
+    by_shorter = resize.mode in ("shorter", "center-crop")
+    if (resize.size >= (short if by_shorter else long)) and not resize.upscale:
         return width, height
-    return max(1, round(width * scale)), max(1, round(height * scale))
+    if by_shorter:
+        new_short, new_long = resize.size, int(resize.size * long / short)
+    else:
+        new_short, new_long = int(resize.size * short / long), resize.size
+    new_short, new_long = max(1, new_short), max(1, new_long)
+    return (new_short, new_long) if width <= height else (new_long, new_short)
+
+
+def center_crop_box(resize: ResizeSpec, width: int, height: int) -> tuple[tuple[float, float, float, float], int]:
+    """The part of a width x height original that `--mode center-crop` keeps, and the output's side.
+
+    transforms.v2's `Resize(S)` then `CenterCrop(S)` as one box of the
+    original: the resize's integer size (`output_size`), the crop's anchor
+    rounded (`int(round((W' - S) / 2))`), mapped back by each axis's own scale.
+    """
+    new_w, new_h = output_size(resize, width, height)
+    side = min(new_w, new_h)
+    left, top = round((new_w - side) / 2), round((new_h - side) / 2)
+    sx, sy = width / new_w, height / new_h
+    return (left * sx, top * sy, (left + side) * sx, (top + side) * sy), side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +135,8 @@ def resize_geometry(original_size: tuple[int, int], resize: ResizeSpec) -> Geome
     width, height = original_size
     target_w, target_h = output_size(resize, width, height)
     if resize.mode == "center-crop":
-        side, crop = min(target_w, target_h), min(width, height)
-        scale = crop / side
-        matrix = (scale, 0.0, (width - crop) / 2, 0.0, scale, (height - crop) / 2)
+        (x0, y0, x1, y1), side = center_crop_box(resize, width, height)
+        matrix = ((x1 - x0) / side, 0.0, x0, 0.0, (y1 - y0) / side, y0)
         return Geometry(matrix, (side, side), canvas=(side, side))
     matrix = (width / target_w, 0.0, 0.0, 0.0, height / target_h, 0.0)
     offset, canvas = _pad_offset((target_w, target_h), resize)
@@ -142,13 +166,9 @@ def resize_image(
     target_w, target_h = output_size(resize, width, height)
     op = resize_op(resize)
     if resize.mode == "center-crop":
-        side = min(target_w, target_h)
-        # The square box in the decoded image's own coordinates.
-        box_side = min(img.width, img.height) * side / min(target_w, target_h)
-        left = (img.width - box_side) / 2
-        top = (img.height - box_side) / 2
-        box = (left, top, left + box_side, top + box_side)
-        return resized(img, (side, side), resize, box, pixels), op
+        (x0, y0, x1, y1), side = center_crop_box(resize, width, height)
+        sx, sy = img.width / width, img.height / height  # the decoded image's own coordinates
+        return resized(img, (side, side), resize, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), pixels), op
     if img.size != (target_w, target_h):
         img = resized(img, (target_w, target_h), resize, pixels=pixels)
     if resize.mode == "pad":

@@ -144,12 +144,13 @@ def sample_pixels(sample: dict[str, Any], fmt: str) -> np.ndarray:
 
 
 def expected_size(original: tuple[int, int]) -> tuple[int, int]:
-    """`--mode shorter --size SIZE`, never upscaled."""
+    """`--mode shorter --size SIZE`, never upscaled: the shorter side SIZE, the longer truncated (v2.Resize's rule)."""
     width, height = original
-    shorter = min(width, height)
+    shorter, longer = min(width, height), max(width, height)
     if shorter <= SIZE:
         return width, height
-    return max(1, round(width * SIZE / shorter)), max(1, round(height * SIZE / shorter))
+    other = max(1, int(SIZE * longer / shorter))
+    return (SIZE, other) if width <= height else (other, SIZE)
 
 
 def region_mean(array: np.ndarray, box: tuple[float, float, float, float]) -> np.ndarray:

@@ -128,12 +128,19 @@ def resize_plan(mode: str, size: int, width: int, height: int) -> tuple[tuple[fl
     """(crop box in the upright original (left, top, w, h), resized size, pad offset, canvas) of a resize mode."""
     if mode == "none":
         return (0, 0, width, height), (width, height), (0, 0), (width, height)
-    reference = min(width, height) if mode in ("shorter", "center-crop") else max(width, height)
-    scale = size / reference
-    tw, th = (width, height) if scale >= 1 else (max(1, round(width * scale)), max(1, round(height * scale)))
-    if mode == "center-crop":
-        side, crop = min(tw, th), min(width, height)
-        return ((width - crop) / 2, (height - crop) / 2, crop, crop), (side, side), (0, 0), (side, side)
+    # transforms.v2's integer rules: the side asked for is exactly `size`, the other truncated
+    short, long = min(width, height), max(width, height)
+    by_shorter = mode in ("shorter", "center-crop")
+    if size >= (short if by_shorter else long):
+        tw, th = width, height
+    else:
+        new_short, new_long = (size, int(size * long / short)) if by_shorter else (int(size * short / long), size)
+        tw, th = (new_short, new_long) if width <= height else (new_long, new_short)
+    if mode == "center-crop":  # v2's Resize then CenterCrop: the anchor rounded, mapped back by each axis's scale
+        side = min(tw, th)
+        sx, sy = width / tw, height / th
+        left, top = round((tw - side) / 2) * sx, round((th - side) / 2) * sy
+        return (left, top, side * sx, side * sy), (side, side), (0, 0), (side, side)
     if mode == "pad":
         return (0, 0, width, height), (tw, th), ((size - tw) // 2, (size - th) // 2), (size, size)
     return (0, 0, width, height), (tw, th), (0, 0), (tw, th)

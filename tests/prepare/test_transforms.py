@@ -45,11 +45,40 @@ def _expected_size(mode: str, width: int, height: int, size: int, upscale: bool)
         shorter = min(width, height)
         side = size if (upscale or shorter >= size) else shorter
         return side, side
-    reference = min(width, height) if mode == "shorter" else max(width, height)
-    if reference <= size and not upscale:
+    # transforms.v2's rule: the side asked for is exactly `size`, the other truncated (int(size * long / short))
+    short, long = min(width, height), max(width, height)
+    if (short if mode == "shorter" else long) <= size and not upscale:
         return width, height
-    scale = size / reference
-    return max(1, round(width * scale)), max(1, round(height * scale))  # a 1-px strip stays 1 px
+    if mode == "shorter":
+        new_short, new_long = size, int(size * long / short)
+    else:
+        new_short, new_long = int(size * short / long), size
+    new_short, new_long = max(1, new_short), max(1, new_long)  # a 1-px strip stays 1 px
+    return (new_short, new_long) if width <= height else (new_long, new_short)
+
+
+@pytest.mark.parametrize(
+    ("mode", "size", "expected"),
+    [("shorter", 224, (299, 224)), ("longer", 300, (300, 224)), ("center-crop", 224, (224, 224))],
+)
+def test_output_sizes_follow_transforms_v2_integer_rule(mode, size, expected):
+    # v2.Resize(224) makes 641x479 into 299x224 (int(224 * 641 / 479) = 299.76 truncated), not 300x224
+    img, _ = resize_image(_gradient(641, 479), (641, 479), ResizeSpec(size=size, mode=mode))
+    assert img.size == expected
+
+
+def test_center_crop_anchors_round_as_v2():
+    # v2: Resize(224) -> 299x224, then CenterCrop(224) at left int(round((299 - 224) / 2)) = 38 (not 37.5)
+    from pipeline.prepare.transforms import center_crop_box
+
+    box, side = center_crop_box(ResizeSpec(size=224, mode="center-crop"), 641, 479)
+    scale = 641 / 299
+    assert side == 224 and box == pytest.approx((38 * scale, 0.0, (38 + 224) * scale, 479.0))
+    # no resize (already the size): an integer crop, its anchor rounded half to even as Python's round
+    box, side = center_crop_box(ResizeSpec(size=224, mode="center-crop"), 225, 224)
+    assert side == 224 and box == (0.0, 0.0, 224.0, 224.0)
+    box, _ = center_crop_box(ResizeSpec(size=224, mode="center-crop"), 227, 224)
+    assert box == (2.0, 0.0, 226.0, 224.0)  # round(1.5) = 2
 
 
 SHAPES = {
