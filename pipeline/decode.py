@@ -316,6 +316,24 @@ def _describe(exc: BaseException) -> str:
     return text[:200]
 
 
+def decoded_scale(width: int, height: int, decoded_width: int, decoded_height: int) -> tuple[float, float]:
+    """How a decode of a width x height image into decoded_width x decoded_height maps its pixels: (sx, sy).
+
+    libjpeg's scaled IDCT (Pillow's `draft`, simplejpeg's `min_width`, the
+    region decoder) makes each 8x8 block M x M pixels: source x is scaled x
+    times 8/M exactly, while the scaled size is rounded up (ceil(W M / 8)).
+    So a decode whose size is that of some M/8 maps by M/8, not by the
+    ratio of the sizes (off by up to 0.9 px at the far edge); any other
+    decode by the ratio.
+    """
+    if (decoded_width, decoded_height) == (width, height):
+        return 1.0, 1.0
+    for m in range(1, 17):  # libjpeg-turbo's factors: 1/8 to 16/8
+        if -(-width * m // 8) == decoded_width and -(-height * m // 8) == decoded_height:
+            return m / 8, m / 8
+    return decoded_width / width, decoded_height / height
+
+
 def _decode_jpeg_scaled(
     data: bytes, width: int, height: int, scale: float, colorspace: str = "RGB"
 ) -> tuple[np.ndarray | None, str | None]:

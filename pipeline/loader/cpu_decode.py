@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import native
-from ..decode import open_image
+from ..decode import decoded_scale, open_image
 from ..errors import DecodeError
 from .crops import (
     Affine,
@@ -145,7 +145,7 @@ def _jpeg_into(
         array = simplejpeg.decode_jpeg(data, colorspace="RGBX", buffer=decode_buffer(width * height * 4), **kwargs)
     except ValueError:  # corrupt data, or only a warning
         return False
-    sx, sy = array.shape[1] / width, array.shape[0] / height
+    sx, sy = decoded_scale(width, height, array.shape[1], array.shape[0])  # M/8 exactly, not the sizes' ratio
     box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
     rgbx_into(slot, array, array.shape[1], array.shape[0], box, flip, affine)
     return True

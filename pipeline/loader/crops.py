@@ -210,8 +210,8 @@ def region_plan(
     # The smallest M/8 DCT scaling that keeps the crop at least as large as the output.
     eighths = min(8, max(1, math.ceil(8 * max(out_width / cw, out_height / ch) - 1e-9)))
     scaled_width, scaled_height = -(-width * eighths // 8), -(-height * eighths // 8)
-    sx, sy = scaled_width / width, scaled_height / height
-    box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
+    scale = eighths / 8  # libjpeg's scaled IDCT maps x to x * M/8 exactly; only the size is rounded up
+    box = (left * scale, top * scale, (left + cw) * scale, (top + ch) * scale)
     # Decode a margin around the box: the resampling filter reads past its edge.
     margin = 3 + math.ceil(max((box[2] - box[0]) / out_width, (box[3] - box[1]) / out_height))
     x0, y0 = max(0, math.floor(box[0]) - margin), max(0, math.floor(box[1]) - margin)

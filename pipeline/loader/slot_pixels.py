@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import native
-from ..decode import open_image, pil_image, to_rgb
+from ..decode import decoded_scale, open_image, pil_image, to_rgb
 from .crops import (
     Affine,
     CropRandom,
@@ -122,7 +122,7 @@ def pil_into(
             img.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
     img.load()
     img = to_rgb(img, (255, 255, 255), Image)
-    sx, sy = img.width / width, img.height / height
+    sx, sy = decoded_scale(width, height, img.width, img.height)  # a draft maps by M/8 exactly
     box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
     _resize_box_into(slot, img, box, flip, affine)
 

@@ -1074,8 +1074,7 @@ static unsigned long gf_plan(int width, int height, uint64_t seed, const struct 
     }
     scaled_w = (width * eighths + 7) / 8;
     scaled_h = (height * eighths + 7) / 8;
-    sx = (double)scaled_w / width;
-    sy = (double)scaled_h / height;
+    sx = sy = eighths / 8.0; /* the scaled IDCT maps x to x * M/8 exactly; only the size is rounded up */
     box[0] = crop[0] * sx;
     box[1] = crop[1] * sy;
     box[2] = (crop[0] + crop[2]) * sx;

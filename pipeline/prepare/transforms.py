@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import native
+from ..decode import decoded_scale
 from ..specs import AugmentSpec, ResizeSpec
 
 _FILTERS = {"lanczos": "LANCZOS", "bicubic": "BICUBIC", "bilinear": "BILINEAR"}
@@ -165,12 +166,13 @@ def resize_image(
     width, height = original_size
     target_w, target_h = output_size(resize, width, height)
     op = resize_op(resize)
+    sx, sy = decoded_scale(width, height, img.width, img.height)  # a DCT-scaled decode maps by M/8 exactly
     if resize.mode == "center-crop":
         (x0, y0, x1, y1), side = center_crop_box(resize, width, height)
-        sx, sy = img.width / width, img.height / height  # the decoded image's own coordinates
         return resized(img, (side, side), resize, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), pixels), op
     if img.size != (target_w, target_h):
-        img = resized(img, (target_w, target_h), resize, pixels=pixels)
+        whole = (0.0, 0.0, width * sx, height * sy)  # the original's extent in the decoded pixels
+        img = resized(img, (target_w, target_h), resize, whole, pixels)
     if resize.mode == "pad":
         img = _pad(img, resize.size)
     return img, op
@@ -364,14 +366,13 @@ def _affine_crop(
     from PIL import Image
 
     cx, cy, cw, ch = box
-    sx = img.width / original_size[0]
-    sy = img.height / original_size[1]
+    sx, sy = decoded_scale(*original_size, img.width, img.height)
     # Affine sampling does not anti-alias: first reduce so that the crop is at
     # most ~1.5x the output, with a proper filter.
     shrink = min(cw * sx / out_size[0], ch * sy / out_size[1]) / 1.5
     if shrink > 1:
         small = (max(1, round(img.width / shrink)), max(1, round(img.height / shrink)))
-        img = resized(img, small, resize)
+        img = resized(img, small, resize, (0.0, 0.0, original_size[0] * sx, original_size[1] * sy))
         sx, sy = img.width / original_size[0], img.height / original_size[1]
     out_w, out_h = out_size
     theta = math.radians(angle)
