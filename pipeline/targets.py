@@ -70,8 +70,52 @@ def task_members(task: str, fields: tuple[str, ...] | list[str] = ()) -> frozens
 
     "key" (the sample's key, always known) is not a member.
     """
-    named = {FIELD_ALIASES.get(name, name) for name in fields} - {"key"}
+    named = {FIELD_ALIASES.get(name, name) for name in fields} - {"key", GEOMETRY_FIELD}
+    if GEOMETRY_FIELD in fields:
+        named.add("json")  # where prepare recorded the sample's own geometry
     return frozenset(TASK_MEMBERS.get(task, ())) | named
+
+
+GEOMETRY_FIELD = "geometry"
+"""The field (`fields=("geometry",)`) that says where each output image came from: see `boxes_to_source`."""
+
+
+def boxes_to_source(boxes: np.ndarray, geometry: dict[str, Any], *, original: bool = True) -> np.ndarray:
+    """Boxes in a loader output's pixels (a model's predictions) mapped back to the image they came from.
+
+    Args:
+        boxes: (N, 4) XYXY in the `output_size` x `output_size` output.
+        geometry: the sample's `batch.fields["geometry"]`: `source_box` (the
+            part of the stored sample image the output shows, XYXY),
+            `output_box` (where it lies in the output, XYXY), `flip`, and
+            `prepare` (what prepare recorded: the stored sample's pixels
+            from the upright original), if any.
+        original: also undo prepare's resize, crop and padding, giving the
+            upright original's pixels (where there is a `prepare` record);
+            False stops at the stored sample's pixels.
+
+    Returns:
+        (N, 4) float64 XYXY boxes.
+    """
+    out = np.array(boxes, np.float64).reshape(-1, 4)
+    if geometry["flip"]:
+        out[:, [0, 2]] = geometry["output_size"] - out[:, [2, 0]]
+    (sx0, sy0, sx1, sy1), (ox0, oy0, ox1, oy1) = geometry["source_box"], geometry["output_box"]
+    scale_x, scale_y = (sx1 - sx0) / (ox1 - ox0), (sy1 - sy0) / (oy1 - oy0)
+    out[:, 0::2] = (out[:, 0::2] - ox0) * scale_x + sx0
+    out[:, 1::2] = (out[:, 1::2] - oy0) * scale_y + sy0
+    prepared = geometry.get("prepare")
+    if not original or not prepared:
+        return out
+    out[:, 0::2] -= prepared["offset"][0]
+    out[:, 1::2] -= prepared["offset"][1]
+    if prepared["flip"]:
+        out[:, [0, 2]] = prepared["size"][0] - out[:, [2, 0]]
+    a, b, c, d, e, f = prepared["matrix"]
+    corners = [(out[:, i], out[:, j]) for i, j in ((0, 1), (2, 1), (0, 3), (2, 3))]
+    xs = np.stack([a * u + b * v + c for u, v in corners])
+    ys = np.stack([d * u + e * v + f for u, v in corners])
+    return np.stack([xs.min(0), ys.min(0), xs.max(0), ys.max(0)], axis=1)
 
 
 DEFAULT_IGNORE_INDEX = 255  # a mask pixel of no class (VOC's border), left out of the loss

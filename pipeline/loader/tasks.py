@@ -39,6 +39,7 @@ from ..targets import (
     BOXES_MEMBER,
     DEFAULT_IGNORE_INDEX,
     FIELD_ALIASES,
+    GEOMETRY_FIELD,
     LABELS_MEMBER,
     MASK_MEMBER,
     TEXT_MEMBER,
@@ -213,9 +214,42 @@ def sample_targets(
     elif task == "captions":
         out["caption"] = read_caption(members)
     for name in plan.fields:
-        if name != "key":
+        if name == GEOMETRY_FIELD:
+            where = placed if task in ("detection", "segmentation") else None
+            out.setdefault("fields", {})[name] = _geometry(plan, extension, data, seed, members, crop, flip, where)
+        elif name != "key":
             out.setdefault("fields", {})[name] = field_value(name, members.get(name))
     return out
+
+
+def _geometry(
+    plan: TaskPlan,
+    extension: str,
+    data: bytes,
+    seed: int,
+    members: dict[str, bytes],
+    crop: CropSpec,
+    flip: bool,
+    placed: Placement | None,
+) -> dict[str, Any]:
+    """Where a sample's output came from (`targets.boxes_to_source` maps predictions back with it).
+
+    The placement is the one its pixels got: the C planner and `placement_of`
+    draw the same crop from the same seed (tests/native/test_resample.py).
+    """
+    (left, top, width, height), (x, y, w, h) = placed or placement_of(plan, extension, data, seed, members, crop)
+    record: dict[str, Any] = {
+        "source_box": [left, top, left + width, top + height],
+        "output_box": [x, y, x + w, y + h],
+        "flip": bool(flip),
+        "output_size": crop.size,
+        "sample_size": list(image_size(extension, data)),
+    }
+    meta = field_value("json", members.get("json")) if "json" in members else None
+    prepared = meta.get("geometry") if isinstance(meta, dict) else None
+    if isinstance(prepared, dict):
+        record["prepare"] = prepared
+    return record
 
 
 def stored_targets(members: dict[str, bytes], classes: int | None, size: tuple[int, int]) -> dict[str, Any]:

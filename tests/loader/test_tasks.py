@@ -492,3 +492,54 @@ def test_prepare_from_img2dataset_shards_keeps_every_caption(tmp_path: Path) -> 
     assert sorted(s["txt"].decode() for s in prepared) == source
     captions = [c for batch in loader(tmp_path / "out", train=False) for c in batch.captions]  # eval: every sample
     assert sorted(captions) == source
+
+
+def test_the_geometry_field_maps_predictions_back_to_the_original(tmp_path: Path) -> None:
+    # COCO boxes in the original upright pixels -> prepare (shorter side 96, the YCbCr path) -> letterbox with
+    # flips and scale_jitter crops -> the delivered boxes, mapped back with the geometry field, are the originals.
+    from pipeline import PrepareSpec, ResizeSpec, prepare_dataset
+    from pipeline.demo import make_coco_dataset
+    from pipeline.targets import boxes_to_source
+
+    annotations = make_coco_dataset(tmp_path / "coco", 12, min_side=150, max_side=260)
+    coco = json.loads(Path(annotations).read_text())
+    truth: dict[str, list[list[float]]] = {}
+    names = {image["id"]: image["file_name"] for image in coco["images"]}
+    for annotation in coco["annotations"]:
+        x, y, w, h = annotation["bbox"]
+        truth.setdefault(names[annotation["image_id"]], []).append([x, y, x + w, y + h])
+    prepare_dataset(PrepareSpec(annotations, str(tmp_path / "out"), resize=ResizeSpec(size=96)), workers=0)
+    checked = 0
+    for recipe in ("letterbox", "scale_jitter"):
+        for batch in loader(tmp_path / "out", recipe=recipe, fields=("geometry", "json"), crop=64, dtype="float32"):
+            for boxes, geometry, meta in zip(batch.boxes, batch.fields["geometry"], batch.fields["json"]):
+                assert geometry["output_size"] == 64 and "prepare" in geometry
+                back = boxes_to_source(boxes.numpy(), geometry)
+                source = np.array(truth.get(meta["source"].rsplit("/", 1)[-1], [[np.nan] * 4]))  # none: no box
+                for box in back:
+                    if recipe == "letterbox":  # nothing cut: each delivered box is one the annotator drew
+                        assert np.abs(source - box).max(axis=1).min() < 0.5, (box, source)
+                    else:  # a jitter window may cut a box: what is delivered lies within one the annotator drew
+                        inside = (box[:2] >= source[:, :2] - 0.5).all(axis=1) & (box[2:] <= source[:, 2:] + 0.5).all(axis=1)
+                        assert inside.any(), (box, source)
+                    checked += 1
+    assert checked > 20
+
+
+def test_the_geometry_field_replays_a_classification_crop(tmp_path: Path) -> None:
+    # The crop the C planner drew is the one the field says: cutting it out of the stored image gives the pixels.
+    from PIL import Image
+
+    root = write_task_dataset(tmp_path / "cls", "classification", 8, fmt="JPEG")
+    batch = next(iter(loader(root, fields=("geometry",), dtype="uint8", decoder="region")))
+    dataset = loader(root).dataset
+    by_key = {sample.key: sample for sample in (dataset[i] for i in range(len(dataset)))}
+    for index, geometry in enumerate(batch.fields["geometry"]):
+        sample = by_key[batch.keys[index]]
+        assert geometry["output_box"] == [0, 0, CROP, CROP] and geometry["sample_size"] == list(sample.image.size)
+        x0, y0, x1, y1 = geometry["source_box"]
+        replay = sample.image.convert("RGB").resize((CROP, CROP), Image.Resampling.BILINEAR, box=(x0, y0, x1, y1))
+        if geometry["flip"]:
+            replay = replay.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        got = batch.images[index].numpy().transpose(1, 2, 0).astype(int)
+        assert np.abs(got - np.asarray(replay).astype(int)).mean() < 3
