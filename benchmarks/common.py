@@ -291,6 +291,39 @@ INSTALLED_PINS = ("torch==2.13.0", "pillow==13.0.0")  # CPU torch first; plain P
 INSTALLED_SKIPPED = "skipped (--installed-venv none)"
 
 
+def add_installed_arguments(parser: Any, default_venv: str) -> None:
+    """--installed-venv and --wheel, the options of the installed rows (loader.py, prepare.py, tasks.py)."""
+    parser.add_argument(
+        "--installed-venv",
+        default=default_venv,
+        help="venv of the installed rows, made on first use; the wheel is rebuilt into it every run ('none': skip them)",
+    )
+    parser.add_argument(
+        "--wheel",
+        choices=["release", "plain"],
+        default="release",
+        help="the installed rows' wheel: scripts/build_wheel.sh's (default) or plain `pip wheel .`",
+    )
+
+
+def installed_for(args: Any, repo: str, rows: dict[str, Row], wanted: list[str]) -> Installed | None:
+    """The installed rows' venv with this checkout's wheel in it, or None (then each of `wanted` says why it is skipped)."""
+    import sys
+
+    if not wanted:
+        return None
+    reason = INSTALLED_SKIPPED
+    if args.installed_venv != "none":
+        print(f"installed rows: building the {args.wheel} wheel into {args.installed_venv}", file=sys.stderr)
+        try:
+            return ensure_installed(repo, os.path.abspath(args.installed_venv), args.wheel)
+        except RuntimeError as exc:
+            reason = f"skipped (the installed venv: {exc})"
+    for name in wanted:
+        rows[name].skipped = reason
+    return None
+
+
 @dataclasses.dataclass
 class Installed:
     """The venv of the "installed" rows: the built wheel, torch and plain Pillow, nothing of the checkout."""

@@ -911,17 +911,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=3, help="extra runs at most for a noisy row (default 3)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    parser.add_argument(
-        "--installed-venv",
-        default=DEFAULT_INSTALLED_VENV,
-        help="venv of the installed rows, made on first use; the wheel is rebuilt into it every run ('none': skip them)",
-    )
-    parser.add_argument(
-        "--wheel",
-        choices=["release", "plain"],
-        default="release",
-        help="the installed rows' wheel: scripts/build_wheel.sh's (default) or plain `pip wheel .`",
-    )
+    common.add_installed_arguments(parser, DEFAULT_INSTALLED_VENV)
     parser.add_argument(
         "--row", choices=["ffcv", "versions", "installed-thread", "installed-process"], help=argparse.SUPPRESS
     )
@@ -1016,23 +1006,6 @@ def write_json(path: str, report: dict[str, Any]) -> None:
         handle.write("\n")
 
 
-def prepare_installed(args: argparse.Namespace, rows: dict[str, Row]) -> common.Installed | None:
-    """The installed rows' venv with this checkout's wheel in it, or None (those rows then say why they are skipped)."""
-    wanted = [name for name in ("installed-thread", "installed-process") if name in rows]
-    if not wanted:
-        return None
-    reason = common.INSTALLED_SKIPPED
-    if args.installed_venv != "none":
-        print(f"installed rows: building the {args.wheel} wheel into {args.installed_venv}", file=sys.stderr)
-        try:
-            return common.ensure_installed(REPO, os.path.abspath(args.installed_venv), args.wheel)
-        except RuntimeError as exc:
-            reason = f"skipped (the installed venv: {exc})"
-    for name in wanted:
-        rows[name].skipped = reason
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.row:
@@ -1061,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("ffcv", "ffcv-float"):
         if name in rows and (header["ffcv"] is None or "error" in header["ffcv"]):
             rows[name].skipped = FFCV_SKIPPED if header["ffcv"] is None else f"skipped ({header['ffcv']['error']})"
-    installed = prepare_installed(args, rows)
+    installed = common.installed_for(args, REPO, rows, [n for n in ("installed-thread", "installed-process") if n in rows])
     header["installed"] = installed.describe() if installed is not None else None
     workers = args.workers
     runners: dict[str, Callable[[], Run]] = {

@@ -626,17 +626,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=2, help="extra runs per row and round when noisy (default 2)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    parser.add_argument(
-        "--installed-venv",
-        default=DEFAULT_INSTALLED_VENV,
-        help="venv of the installed row, made on first use; the wheel is rebuilt into it every run ('none': skip it)",
-    )
-    parser.add_argument(
-        "--wheel",
-        choices=["release", "plain"],
-        default="release",
-        help="the installed row's wheel: scripts/build_wheel.sh's (default) or plain `pip wheel .`",
-    )
+    common.add_installed_arguments(parser, DEFAULT_INSTALLED_VENV)
     parser.add_argument(
         "--resize-mode",
         choices=["shorter", "pad"],
@@ -718,15 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {name: Row(name) for name in ("gpufeed", "installed", "naive", "img2dataset", "floor")}
     if header["baselines"] is None or "error" in header["baselines"]:
         rows["img2dataset"].skipped = SKIPPED
-    installed = None
-    rows["installed"].skipped = common.INSTALLED_SKIPPED
-    if args.installed_venv != "none":
-        print(f"installed row: building the {args.wheel} wheel into {args.installed_venv}", file=sys.stderr)
-        try:
-            installed = common.ensure_installed(REPO, os.path.abspath(args.installed_venv), args.wheel)
-            rows["installed"].skipped = ""
-        except RuntimeError as exc:
-            rows["installed"].skipped = f"skipped (the installed venv: {exc})"
+    installed = common.installed_for(args, REPO, rows, ["installed"])
     header["installed"] = installed.describe() if installed is not None else None
     floor_paths = paths
     if args.floor_sample:

@@ -299,23 +299,6 @@ def run_installed_row(args: argparse.Namespace) -> int:
     return 0
 
 
-def prepare_installed(args: argparse.Namespace, rows: dict[str, Row]) -> common.Installed | None:
-    """The installed rows' venv with this checkout's wheel in it, or None (those rows then say why they are skipped)."""
-    wanted = [name for name in rows if name.endswith("-installed")]
-    if not wanted:
-        return None
-    reason = common.INSTALLED_SKIPPED
-    if args.installed_venv != "none":
-        print(f"installed rows: building the release wheel into {args.installed_venv}", file=sys.stderr)
-        try:
-            return common.ensure_installed(REPO, os.path.abspath(args.installed_venv))
-        except RuntimeError as exc:
-            reason = f"skipped (the installed venv: {exc})"
-    for name in wanted:
-        rows[name].skipped = reason
-    return None
-
-
 # ---------------------------------------------------------------------------
 # Baselines: what a user writes with torchvision.transforms.v2, or its equivalent
 
@@ -823,9 +806,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=2, help="extra runs at most for a noisy row (default 2)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    parser.add_argument("--installed-venv", default=DEFAULT_INSTALLED_VENV,
-                        help="venv of the installed rows, made on first use; the wheel is rebuilt into it every run "
-                        "('none': skip them)")  # fmt: skip
+    common.add_installed_arguments(parser, DEFAULT_INSTALLED_VENV)
     parser.add_argument("--installed-row", choices=list(RECIPES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.n, args.rounds, args.workers, args.batch, args.crop, args.size, args.per_shard) < 1 or args.retries < 0:
@@ -865,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     selected = args.rows.split(",")
     rows = {name: Row(name) for name in ROWS if name in selected}
-    installed = prepare_installed(args, rows)
+    installed = common.installed_for(args, REPO, rows, [name for name in rows if name.endswith("-installed")])
     header["installed"] = installed.describe() if installed is not None else None
     for stem, (source, recipe) in RECIPES.items():
         runners[f"{stem}-gpufeed"] = functools.partial(run_gpufeed, paths[source], args, "detection", recipe=recipe)

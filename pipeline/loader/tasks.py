@@ -215,35 +215,28 @@ def sample_targets(
         out["caption"] = read_caption(members)
     for name in plan.fields:
         if name == GEOMETRY_FIELD:
-            where = placed if task in ("detection", "segmentation") else None
-            out.setdefault("fields", {})[name] = _geometry(plan, extension, data, seed, members, crop, flip, where)
+            where = placed if task in ("detection", "segmentation") else placement_of(plan, extension, data, seed, members, crop)
+            out.setdefault("fields", {})[name] = _geometry(where, flip, crop.size, image_size(extension, data), members)
         elif name != "key":
             out.setdefault("fields", {})[name] = field_value(name, members.get(name))
     return out
 
 
 def _geometry(
-    plan: TaskPlan,
-    extension: str,
-    data: bytes,
-    seed: int,
-    members: dict[str, bytes],
-    crop: CropSpec,
-    flip: bool,
-    placed: Placement | None,
+    placed: Placement, flip: bool, size: int, sample_size: tuple[int, int], members: dict[str, bytes]
 ) -> dict[str, Any]:
     """Where a sample's output came from (`targets.boxes_to_source` maps predictions back with it).
 
-    The placement is the one its pixels got: the C planner and `placement_of`
+    `placed` is the placement its pixels got: the C planner and `placement_of`
     draw the same crop from the same seed (tests/native/test_resample.py).
     """
-    (left, top, width, height), (x, y, w, h) = placed or placement_of(plan, extension, data, seed, members, crop)
+    (left, top, width, height), (x, y, w, h) = placed
     record: dict[str, Any] = {
         "source_box": [left, top, left + width, top + height],
         "output_box": [x, y, x + w, y + h],
         "flip": bool(flip),
-        "output_size": crop.size,
-        "sample_size": list(image_size(extension, data)),
+        "output_size": size,
+        "sample_size": list(sample_size),
     }
     meta = field_value("json", members.get("json")) if "json" in members else None
     prepared = meta.get("geometry") if isinstance(meta, dict) else None
