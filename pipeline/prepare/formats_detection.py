@@ -18,7 +18,9 @@ Each yields one `SourceItem` per image with targets {"boxes", "box_labels",
 - YOLO: `labels/<split>/<stem>.txt` beside `images/<split>/<stem>.jpg`, one
   `class cx cy w h` line per box, normalised: boxes are listed normalised
   XYXY ("normalized": true), the image's size being unknown here. A polygon
-  line (YOLO segmentation: `class x1 y1 x2 y2 ...`) gives its bounds. The
+  line (YOLO segmentation: `class x1 y1 x2 y2 ...`) gives its bounds, and
+  its polygon (normalised, upright) is kept as the box's `segmentation`, painted
+  into the sample's mask as COCO's shapes are. The
   names come from data.yaml (`names:` a list or {id: name}) or classes.txt;
   without either, a box's label is its class id as text. An image without a
   label file has no boxes; a malformed line rejects the image (line number).
@@ -444,7 +446,7 @@ def yolo_item(
     data = read_small(label_path)
     if isinstance(data, str):
         return SourceItem(item.url, item.rel, None, data)
-    boxes, labels = [], []
+    boxes, labels, shapes = [], [], []
     for line_no, line in enumerate(data.decode("utf-8", "replace").splitlines(), start=1):
         fields = line.split()
         if not fields:
@@ -454,14 +456,19 @@ def yolo_item(
             return SourceItem(item.url, item.rel, None, f"{where}:{line_no}: {box}")
         boxes.append(box)
         labels.append(names[int(fields[0])] if names is not None else str(int(fields[0])))
+        shapes.append([[float(v) for v in fields[1:]]] if len(fields) > 5 else None)  # YOLO-seg: the polygon
         if len(boxes) > MAX_BOXES:
             return SourceItem(item.url, item.rel, None, f"{where}: over the {MAX_BOXES} boxes one image may have")
-    return SourceItem(item.url, item.rel, None, targets=_yolo_targets(boxes, labels))
+    return SourceItem(item.url, item.rel, None, targets=_yolo_targets(boxes, labels, shapes))
 
 
-def _yolo_targets(boxes: list[list[float]], labels: list[str]) -> dict[str, Any]:
-    """YOLO's boxes: fractions of the upright image (ultralytics reads them after the EXIF rotation)."""
-    return {"boxes": boxes, "box_labels": labels, "normalized": True, "frame": "upright"}
+def _yolo_targets(boxes: list[list[float]], labels: list[str], shapes: list[Any] | None = None) -> dict[str, Any]:
+    """YOLO's boxes (and YOLO-seg's polygons): fractions of the upright image (ultralytics reads them after
+    the EXIF rotation). Polygons are painted into the sample's mask as COCO's are (`coco_masks.py`)."""
+    found: dict[str, Any] = {"boxes": boxes, "box_labels": labels, "normalized": True, "frame": "upright"}
+    if shapes and any(shape is not None for shape in shapes):
+        found["segmentation"] = shapes
+    return found
 
 
 def _yolo_box(fields: list[str], names: list[str] | None) -> list[float] | str:

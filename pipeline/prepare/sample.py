@@ -32,6 +32,8 @@ import json
 import re
 from typing import Any
 
+import numpy as np
+
 from ..decode import DecodedImage, decode_image, exif_orientation, open_image, pil_image
 from ..errors import DecodeError
 from ..io.fs import read_source_bytes, redact_location
@@ -219,9 +221,11 @@ class _Targets:
             self.mask = read_mask(self.source.mask, spec, self.stored)
         elif self.source.segmentation is not None and self.mask is None:
             assert self.source.box_labels is not None  # parse_targets requires boxes with segmentation
-            self.mask = rasterise(
-                self.source.segmentation, self.source.box_labels, self.source.iscrowd, self.stored, self.ignore_index
-            )
+            shapes = self.source.segmentation
+            if self.source.normalized:  # YOLO-seg: polygons in fractions of the picture
+                scale = np.array(self.stored, np.float64)
+                shapes = [s if not isinstance(s, list) else [polygon * scale for polygon in s] for s in shapes]
+            self.mask = rasterise(shapes, self.source.box_labels, self.source.iscrowd, self.stored, self.ignore_index)
 
     def members(self, spec: PrepareSpec, geometry: Geometry, size: tuple[int, int], meta: dict[str, Any]) -> dict[str, bytes]:
         """The target members of one picture (of `size`, made through `geometry`); what they did goes in its `meta`."""

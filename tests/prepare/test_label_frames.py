@@ -107,3 +107,21 @@ def test_voc_declaring_the_upright_size_is_read_upright(tmp_path: Path) -> None:
     )
     box, image, _ = prepared_box(str(root), tmp_path / "out")
     assert_on_the_object(box, image)
+
+
+def test_yolo_seg_polygons_are_painted_upright_like_cocos(tmp_path: Path) -> None:
+    # A YOLO-seg line (class x1 y1 x2 y2 ...) keeps its polygon: painted into the sample's mask as COCO's shapes
+    # are (class + 1, 0 background), in the upright frame, on the red pixels.
+    root = tmp_path / "yolo"
+    write_photo(root / "images" / "a.jpg")
+    (root / "labels").mkdir()
+    x0, y0, x1, y1 = (v / s for v, s in zip(OBJECT, UPRIGHT * 2))
+    (root / "labels" / "a.txt").write_text(f"0 {x0} {y0} {x1} {y0} {x1} {y1} {x0} {y1}\n")
+    (root / "data.yaml").write_text("names: [object]\n")
+    box, image, found = prepared_box(str(root), tmp_path / "out")
+    assert_on_the_object(box, image)
+    assert found["manifest"]["mask_classes"] == ["background", "object"] and "mask.png" in found["manifest"]["fields"]
+    loader = make_loader(str(tmp_path / "out"), 1, device="cpu", crop=300, num_workers=1, train=False)
+    mask = next(iter(loader)).masks[0].numpy()
+    red = image[0] > 180  # the object's pixels in the letterboxed output
+    assert (mask[red] == 1).mean() > 0.97 and (mask[~red] != 1).mean() > 0.97
