@@ -52,13 +52,16 @@ BOXES_MEMBER = "boxes.npy"
 BOX_LABELS_MEMBER = "box_labels.npy"
 ISCROWD_MEMBER = "iscrowd.npy"
 MASK_MEMBER = "mask.png"
+INSTANCES_MEMBER = "instances.png"  # box n's own pixels as n + 1 (COCO's and YOLO-seg's shapes, one per box)
 TEXT_MEMBER = "txt"
-TARGET_MEMBERS = (LABELS_MEMBER, BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER, TEXT_MEMBER)
+TARGET_MEMBERS = (
+    LABELS_MEMBER, BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER, INSTANCES_MEMBER, TEXT_MEMBER,
+)  # fmt: skip
 
 TASK_MEMBERS = {
     "classification": (),
     "multilabel": (LABELS_MEMBER,),
-    "detection": (BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER),  # a mask where the dataset has one
+    "detection": (BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER, INSTANCES_MEMBER),  # where it has them
     "segmentation": (MASK_MEMBER,),
     "captions": (TEXT_MEMBER,),
 }
@@ -138,6 +141,7 @@ class SampleTargets:
         box_labels: int64 (N,) class index of each box.
         iscrowd: uint8 (N,) COCO crowd flags, when the source has them.
         mask: (H, W) uint8 or uint16 class index per pixel, the image's size.
+        instances: (H, W) uint8 or uint16: box n's own pixels are n + 1 (0: none).
         caption: a caption or text.
         columns: the source's other columns (kept in the sample's json).
     """
@@ -149,6 +153,7 @@ class SampleTargets:
     mask: np.ndarray | None = None
     caption: str | None = None
     columns: dict[str, Any] | None = None
+    instances: np.ndarray | None = None
 
 
 # -- members: write and read ---------------------------------------------------
@@ -191,6 +196,8 @@ def target_members(targets: SampleTargets) -> dict[str, bytes]:
             members[ISCROWD_MEMBER] = npy_bytes(np.asarray(targets.iscrowd, np.uint8).reshape(-1))
     if targets.mask is not None:
         members[MASK_MEMBER] = mask_png(targets.mask)
+    if targets.instances is not None:
+        members[INSTANCES_MEMBER] = mask_png(targets.instances)
     if targets.caption is not None:
         members[TEXT_MEMBER] = targets.caption.encode("utf-8")
     return members

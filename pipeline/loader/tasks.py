@@ -40,6 +40,7 @@ from ..targets import (
     DEFAULT_IGNORE_INDEX,
     FIELD_ALIASES,
     GEOMETRY_FIELD,
+    INSTANCES_MEMBER,
     LABELS_MEMBER,
     MASK_MEMBER,
     TEXT_MEMBER,
@@ -73,6 +74,9 @@ class TaskPlan:
         masks: detection: the dataset's samples have a `mask.png` (painted from
             COCO's shapes) and batches carry it as `Batch.masks`, cropped and
             flipped with the boxes.
+        instances: detection: the samples have an `instances.png` (each box's
+            own pixels, from COCO's or YOLO-seg's shapes), and each image's
+            target dict carries "masks", [N_i, H, W] uint8 (Mask R-CNN's form).
     """
 
     task: str
@@ -82,6 +86,7 @@ class TaskPlan:
     min_visible: float = 0.25
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     masks: bool = False
+    instances: bool = False
     field_names: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
 
     @property
@@ -132,6 +137,7 @@ def task_plan(
     return TaskPlan(
         chosen, names, classes, DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, min_visible,
         sample_transform, masks=chosen == "detection" and MASK_MEMBER in manifest_fields, field_names=asked,
+        instances=chosen == "detection" and INSTANCES_MEMBER in manifest_fields,
     )  # fmt: skip
 
 
@@ -204,6 +210,11 @@ def sample_targets(
         if plan.masks:  # a sample without one (prepared apart) has a mask of the ignore index: no loss from it
             mask = decode_mask(members[MASK_MEMBER], image_size(extension, data)) if MASK_MEMBER in members else None
             out["mask"] = _placed_mask(mask, placed, crop.size, flip, plan.ignore_index)
+        if plan.instances:  # one mask per kept box; a sample without a map has empty ones
+            found = decode_mask(members[INSTANCES_MEMBER], image_size(extension, data)) if INSTANCES_MEMBER in members else None
+            own = _placed_mask(found, placed, crop.size, flip, 0)
+            ids = (np.flatnonzero(keep) + 1).astype(own.dtype)
+            out["masks"] = (own[None, :, :] == ids[:, None, None]).astype(np.uint8)
     elif task == "segmentation":
         if MASK_MEMBER not in members:
             raise TargetError(f"no {MASK_MEMBER}")
@@ -215,8 +226,8 @@ def sample_targets(
         out["caption"] = read_caption(members)
     for name in plan.fields:
         if name == GEOMETRY_FIELD:
-            where = placed if task in ("detection", "segmentation") else placement_of(plan, extension, data, seed, members, crop)
-            out.setdefault("fields", {})[name] = _geometry(where, flip, crop.size, image_size(extension, data), members)
+            how = placed if task in ("detection", "segmentation") else placement_of(plan, extension, data, seed, members, crop)
+            out.setdefault("fields", {})[name] = _geometry(how, flip, crop.size, image_size(extension, data), members)
         elif name != "key":
             out.setdefault("fields", {})[name] = field_value(name, members.get(name))
     return out
@@ -361,6 +372,7 @@ class Batch:
             one value per sample (str, parsed json, an array, or bytes; None
             where a sample has none).
         task: which of `pipeline.targets.TASKS` this is.
+        instance_masks: detection with instance maps: per image, [N_i, H, W] uint8, one per box (also in `targets`).
         boxes_dropped: boxes of this batch dropped by the crop (under `min_visible` of their area left).
         images_emptied: images of this batch that had boxes and were left with none by the crop.
     """
@@ -377,6 +389,7 @@ class Batch:
     fields: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     boxes_dropped: int = 0
     images_emptied: int = 0
+    instance_masks: list[torch.Tensor] | None = None
 
     @property
     def targets(self) -> Any:
@@ -389,6 +402,9 @@ class Batch:
             if self.iscrowd is not None:
                 for entry, crowd in zip(dicts, self.iscrowd):
                     entry["iscrowd"] = crowd
+            if self.instance_masks is not None:
+                for entry, masks in zip(dicts, self.instance_masks):
+                    entry["masks"] = masks
             return dicts
         if self.task == "segmentation":
             return self.masks
@@ -435,6 +451,8 @@ def make_batch(
         batch.images_emptied = sum(1 for t in targets if t.get("boxes_dropped") and not len(t["boxes"]))
         if plan.masks:
             batch.masks = torch.from_numpy(np.stack([np.asarray(t["mask"], dtype=np.int64) for t in targets])).to(device)
+        if plan.instances:
+            batch.instance_masks = [torch.from_numpy(np.ascontiguousarray(t["masks"])).to(device) for t in targets]
     elif plan.task == "segmentation":
         batch.masks = torch.from_numpy(np.stack([np.asarray(t["mask"], dtype=np.int64) for t in targets])).to(device)
     elif plan.task == "captions":

@@ -39,6 +39,7 @@ rejects the sample.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -261,6 +262,25 @@ def rasterise(
         raise TargetError(f"bad annotation: class {ignore_index - 1} would paint the mask's ignore index {ignore_index}")
     highest = max(int(box_labels.max(initial=-1)) + 1, ignore_index if crowd is not None and crowd.any() else 0)
     mask = np.zeros((height, width), np.uint8 if highest <= 255 else np.uint16)
+    return _paint(mask, shapes, lambda number: _value(number, box_labels, crowd, ignore_index))
+
+
+def instance_map(shapes: list[Any], stored: tuple[int, int]) -> np.ndarray:
+    """Each annotation's own pixels, the image's stored size: box n's shape painted as n + 1, 0 elsewhere.
+
+    Where two shapes overlap the later one wins, as in `rasterise`; the
+    loader turns the map into one mask per kept box (Mask R-CNN's form).
+
+    Raises:
+        TargetError: as `rasterise`.
+    """
+    width, height = stored
+    mask = np.zeros((height, width), np.uint8 if len(shapes) < 255 else np.uint16)
+    return _paint(mask, shapes, lambda number: number + 1)
+
+
+def _paint(mask: np.ndarray, shapes: list[Any], value_of: Callable[[int], int]) -> np.ndarray:
+    height, width = mask.shape
     for number, shape in enumerate(shapes):
         if shape is None:
             continue
@@ -272,13 +292,13 @@ def rasterise(
                 region = decode_rle(shape["counts"], shape["size"])
             except ValueError as exc:
                 raise TargetError(f"bad annotation: segmentation {number}: a malformed RLE ({exc})") from None
-            mask[region] = _value(number, box_labels, crowd, ignore_index)
+            mask[region] = value_of(number)
             continue
         for points in shape:  # an annotation's polygons add up: each painted in turn, within its bounds
             placed = _fill_one(points, width, height)
             if placed is not None:
                 top, left, part = placed
-                mask[top : top + part.shape[0], left : left + part.shape[1]][part] = _value(number, box_labels, crowd, ignore_index)
+                mask[top : top + part.shape[0], left : left + part.shape[1]][part] = value_of(number)
     return mask
 
 

@@ -40,7 +40,7 @@ from ..io.fs import read_source_bytes, redact_location
 from ..io.tar import sample_tar_bytes
 from ..specs import PrepareSpec
 from ..targets import DEFAULT_IGNORE_INDEX, SampleTargets, TargetError, target_members
-from .coco_masks import rasterise
+from .coco_masks import instance_map, rasterise
 from .encode import encode_image
 from .sample_targets import (
     SourceTargets,
@@ -210,6 +210,7 @@ class _Targets:
     dropped: int = 0
     frame: str = "stored"
     frame_unclear: bool = False  # the annotation's declared size matched neither frame
+    instances: Any = None  # np.ndarray, of `stored` size: box n's own pixels as n + 1 (shapes only)
 
     def take_image(self, spec: PrepareSpec, original_size: tuple[int, int], orientation: int) -> None:
         """Note what the decoder made of the image, decide the targets' frame, and read the mask (of that frame)."""
@@ -226,6 +227,7 @@ class _Targets:
                 scale = np.array(self.stored, np.float64)
                 shapes = [s if not isinstance(s, list) else [polygon * scale for polygon in s] for s in shapes]
             self.mask = rasterise(shapes, self.source.box_labels, self.source.iscrowd, self.stored, self.ignore_index)
+            self.instances = instance_map(shapes, self.stored)
 
     def members(self, spec: PrepareSpec, geometry: Geometry, size: tuple[int, int], meta: dict[str, Any]) -> dict[str, bytes]:
         """The target members of one picture (of `size`, made through `geometry`); what they did goes in its `meta`."""
@@ -235,8 +237,9 @@ class _Targets:
             if geometry.canvas != tuple(size):  # the image and its targets must have gone the same way
                 raise ValueError(f"the picture is {size}, its geometry says {geometry.canvas}")
             placed, dropped = place_targets(
-                source, self.mask, self.stored, self.orientation, geometry, spec.min_visible, self.ignore_index
-            )
+                source, self.mask, self.stored, self.orientation, geometry, spec.min_visible, self.ignore_index,
+                self.instances,
+            )  # fmt: skip
             meta["geometry"] = {"orientation": self.orientation, "stored_size": list(self.stored), **geometry.to_dict()}
             meta["label_frame"] = self.frame + (" (the declared size matched neither frame)" if self.frame_unclear else "")
         else:

@@ -338,6 +338,7 @@ def place_targets(
     geometry: Geometry,
     min_visible: float,
     ignore_index: int = DEFAULT_IGNORE_INDEX,
+    instances: np.ndarray | None = None,
 ) -> tuple[SampleTargets, int]:
     """A sample's targets in the pixels of one output picture, and how many boxes were dropped.
 
@@ -349,6 +350,8 @@ def place_targets(
         geometry: what the output picture is of the upright original.
         min_visible: a box keeping less than this fraction of its area is dropped.
         ignore_index: the mask value of padding and of what lies outside a rotated crop.
+        instances: its instance map (`coco_masks.instance_map`), of the stored size, or None:
+            placed as the mask is (nearest), padding 0, renumbered for the boxes kept.
 
     Returns:
         (targets, boxes dropped).
@@ -361,6 +364,10 @@ def place_targets(
         assert source.box_labels is not None  # parse_targets requires them with boxes
         placed.box_labels = source.box_labels[keep]
         placed.iscrowd = source.iscrowd[keep] if source.iscrowd is not None else None
+        if instances is not None:  # box n of the kept ones is n + 1 again
+            renumber = np.zeros(len(keep) + 1, np.uint16 if len(keep) >= 255 else np.uint8)
+            renumber[np.flatnonzero(keep) + 1] = np.arange(1, int(keep.sum()) + 1)
+            placed.instances = renumber[_place_mask(instances.astype(np.uint16), orientation, geometry, 0)]
     if mask is not None:
         placed.mask = _place_mask(mask, orientation, geometry, ignore_index)
     return placed, dropped

@@ -11,6 +11,7 @@ from ..targets import (
     BOX_LABELS_MEMBER,
     BOXES_MEMBER,
     DEFAULT_IGNORE_INDEX,
+    INSTANCES_MEMBER,
     ISCROWD_MEMBER,
     LABELS_MEMBER,
     MASK_MEMBER,
@@ -59,7 +60,7 @@ _TARGET_FIELDS = (
     ("boxes", (BOXES_MEMBER, BOX_LABELS_MEMBER)),
     ("iscrowd", (ISCROWD_MEMBER,)),
     ("mask", (MASK_MEMBER,)),
-    ("segmentation", (MASK_MEMBER,)),  # COCO's shapes, painted into a mask (`coco_masks.py`)
+    ("segmentation", (MASK_MEMBER, INSTANCES_MEMBER)),  # COCO's and YOLO-seg's shapes, painted (`coco_masks.py`)
     ("caption", (TEXT_MEMBER,)),
 )
 # A listing that does not say its task: the first target it has decides.

@@ -92,8 +92,21 @@ def test_detection_batches_carry_masks_that_agree_with_their_boxes(prepared: Pat
     loader = make_loader(prepared, 4, device="cpu", crop=CROP, num_workers=2, dtype="uint8", seed=5, train=train)
     for batch in loader:
         images, targets = batch
-        assert [set(t) for t in targets] == [{"boxes", "labels", "iscrowd"}] * len(targets)  # masks stay out of the dicts
+        # the class mask stays out of the dicts; each box's own mask is in, as torchvision's Mask R-CNN reads it
+        assert [set(t) for t in targets] == [{"boxes", "labels", "iscrowd", "masks"}] * len(targets)
         checked += check_batch(batch)
+        for target, mask in zip(targets, batch.masks.numpy()):
+            own = target["masks"].numpy()
+            assert own.dtype == np.uint8 and own.shape == (len(target["boxes"]), CROP, CROP)
+            for (x0, y0, x1, y1), label, is_crowd, pixels in zip(target["boxes"].tolist(), target["labels"].tolist(),
+                                                                target["iscrowd"].tolist(), own):  # fmt: skip
+                rows, cols = np.nonzero(pixels)
+                if rows.size:  # within its box (a pixel of slack), and painted with its class in the class mask
+                    assert rows.min() >= np.floor(y0) - 1 and rows.max() <= np.ceil(y1) and cols.min() >= np.floor(x0) - 1
+                    assert cols.max() <= np.ceil(x1)
+                    assert (mask[pixels == 1] == (255 if is_crowd else label + 1)).all()
+                elif (x1 - x0) * (y1 - y0) > 16:
+                    raise AssertionError(f"box {(x0, y0, x1, y1)} has no pixels of its own")
     assert checked >= 20
 
 

@@ -122,6 +122,11 @@ def test_yolo_seg_polygons_are_painted_upright_like_cocos(tmp_path: Path) -> Non
     assert_on_the_object(box, image)
     assert found["manifest"]["mask_classes"] == ["background", "object"] and "mask.png" in found["manifest"]["fields"]
     loader = make_loader(str(tmp_path / "out"), 1, device="cpu", crop=300, num_workers=1, train=False)
-    mask = next(iter(loader)).masks[0].numpy()
+    batch = next(iter(loader))
+    mask = batch.masks[0].numpy()
     red = image[0] > 180  # the object's pixels in the letterboxed output
     assert (mask[red] == 1).mean() > 0.97 and (mask[~red] != 1).mean() > 0.97
+    # and per instance, in torchvision's Mask R-CNN form: one [H, W] uint8 mask per box
+    [own] = batch.targets[0]["masks"].numpy()
+    assert own.dtype == np.uint8 and own.shape == (300, 300)
+    assert (own[red] == 1).mean() > 0.97 and (own[~red] == 0).mean() > 0.97
