@@ -426,6 +426,11 @@ def _list_file(source: str, info: ListingInfo) -> Iterator[SourceItem]:
         if coco is not None:
             yield from list_coco(source, coco, info)
             return
+    elif lower.endswith((".yaml", ".yml")):
+        raise SourceError(
+            f"{source}: a YOLO data.yaml is read from a local folder (its splits name local folders and lists); "
+            "copy the dataset to a local folder, or give its images and labels as a CSV/JSONL list"
+        )
     elif not lower.endswith(LIST_EXTENSIONS):
         raise SourceError(
             f"{source} is a file but not a CSV or JSONL list, a COCO JSON or a WebDataset .tar; "
