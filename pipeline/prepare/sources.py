@@ -428,8 +428,8 @@ def _list_file(source: str, info: ListingInfo) -> Iterator[SourceItem]:
             return
     elif lower.endswith((".yaml", ".yml")):
         raise SourceError(
-            f"{source}: a YOLO data.yaml is read from a local folder (its splits name local folders and lists); "
-            "copy the dataset to a local folder, or give its images and labels as a CSV/JSONL list"
+            f"{source}: a YOLO data.yaml is read from a local folder (its splits name local folders and lists): "
+            "copy the dataset to a local folder and give its data.yaml there"
         )
     elif not lower.endswith(LIST_EXTENSIONS):
         raise SourceError(
