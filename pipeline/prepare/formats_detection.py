@@ -286,13 +286,15 @@ def yolo_names(root: str) -> list[str] | None:
     return yolo_names_of(root)
 
 
-def yolo_names_of(root: str, yaml_path: str | None = None) -> list[str] | None:
+def yolo_names_of(root: str, yaml_path: str | None = None, document: dict[str, Any] | None = None) -> list[str] | None:
     """A YOLO dataset's class names: data.yaml's `names` (a list, or {id: name} with ids 0..K-1), else classes.txt.
 
-    `yaml_path` is the data.yaml to read (a YOLO source given by its yaml);
-    without it, the data.yaml in `root`. data.yaml's `nc`, where given, is the class count: without `names` the
-    classes are named by their ids 0..nc-1 (as ultralytics names them), so
-    splits prepared apart agree on the count whatever ids their labels use.
+    `yaml_path` is the data.yaml to read (a YOLO source given by its yaml;
+    `document`, its mapping where the caller has read it already); without
+    it, the data.yaml in `root`. data.yaml's `nc`, where given, is the class
+    count: without `names` the classes are named by their ids 0..nc-1 (as
+    ultralytics names them), so splits prepared apart agree on the count
+    whatever ids their labels use.
 
     Returns:
         The names in id order, or None where the folder has neither file.
@@ -301,33 +303,39 @@ def yolo_names_of(root: str, yaml_path: str | None = None) -> list[str] | None:
         ConfigError: a data.yaml that is not YAML, whose `names` is neither
             form, or whose `nc` is not a count or disagrees with `names`.
     """
+    if yaml_path is None:
+        yaml_path = next((p for p in (os.path.join(root, n) for n in YOLO_YAML_NAMES) if os.path.isfile(p)), None)
     if yaml_path is not None:
-        return _yaml_names(yaml_path)
-    for name in YOLO_YAML_NAMES:
-        path = os.path.join(root, name)
-        if os.path.isfile(path):
-            return _yaml_names(path)
+        return _yaml_names(yaml_path, read_data_yaml(yaml_path) if document is None else document)
     for path in (os.path.join(root, "classes.txt"), os.path.join(root, "labels", "classes.txt")):
         if os.path.isfile(path):
             return _lines_of(path)
     return None
 
 
-def _yaml_names(path: str) -> list[str] | None:
+def read_data_yaml(path: str) -> dict[str, Any]:
+    """A data.yaml's top-level mapping ({} where it is none): PyYAML's, else the keys gpufeed reads, parsed by hand.
+
+    Raises:
+        ConfigError: the file cannot be read, or is not YAML.
+    """
     data = read_small(path, YAML_MAX_BYTES)
     if isinstance(data, str):
         raise ConfigError(data)
+    text = data.decode("utf-8", "replace")
     try:
         import yaml  # type: ignore[import-untyped]
-
-        document = yaml.safe_load(data)
     except ImportError:
-        text = data.decode("utf-8", "replace")
-        document = {"names": _names_by_hand(text), "nc": _nc_by_hand(text)}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML ({str(exc).splitlines()[0]})") from exc
-    if not isinstance(document, dict):
-        return None
+        return _data_yaml_by_hand(text)
+    try:
+        document = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{path} is not valid YAML ({first})") from exc
+    return document if isinstance(document, dict) else {}
+
+
+def _yaml_names(path: str, document: dict[str, Any]) -> list[str] | None:
     names, count = _names_of(path, document.get("names")), document.get("nc")
     if count is None:
         return names
@@ -364,29 +372,42 @@ def _nc_by_hand(text: str) -> Any:
     return int(value) if value.isdigit() and len(value) < 10 else value
 
 
-def _names_by_hand(text: str) -> Any:
-    """`names:` of a data.yaml without PyYAML: `names: [a, b]`, or a block of `- a` or `0: a` lines."""
+def _data_yaml_by_hand(text: str) -> dict[str, Any]:
+    """A data.yaml's `path`, `train`, `val`, `test`, `names` and `nc` without PyYAML.
+
+    A value is inline (`key: value`, `key: [a, b]`; `nc` a whole number), or
+    a block of indented `- a` lines (a list) or `0: a` lines (a mapping).
+    """
+    found: dict[str, Any] = {}
     lines = text.splitlines()
     for at, line in enumerate(lines):
-        match = re.match(r"names\s*:\s*(.*)$", line)
+        match = re.match(r"(path|train|val|test|names|nc)\s*:\s*(.*)$", line)
         if not match:
             continue
-        inline = match.group(1).split("#", 1)[0].strip()
+        key, inline = match.group(1), match.group(2).split("#", 1)[0].strip()
         if inline.startswith("["):
-            return [part.strip().strip("'\"") for part in inline.strip("[]").split(",") if part.strip()]
-        block: dict[int, str] = {}
-        items: list[str] = []
-        for entry in lines[at + 1 :]:
-            if entry and not entry[0].isspace():
-                break
-            entry = entry.split("#", 1)[0].strip()
-            pair = re.match(r"(\d+)\s*:\s*(.+)$", entry)
-            if pair:
-                block[int(pair.group(1))] = pair.group(2).strip().strip("'\"")
-            elif entry.startswith("-"):
-                items.append(entry[1:].strip().strip("'\""))
-        return block or items
-    return None
+            found[key] = [part.strip().strip("'\"") for part in inline.strip("[]").split(",") if part.strip()]
+        elif inline:
+            found[key] = int(inline) if key == "nc" and inline.isdigit() and len(inline) < 10 else inline.strip("'\"")
+        else:
+            found[key] = _block_by_hand(lines[at + 1 :])
+    return found
+
+
+def _block_by_hand(lines: list[str]) -> list[str] | dict[int, str]:
+    """The indented lines under a key: `- a` items (a list) or `0: a` pairs (a mapping)."""
+    pairs: dict[int, str] = {}
+    items: list[str] = []
+    for entry in lines:
+        if entry and not entry[0].isspace():
+            break
+        entry = entry.split("#", 1)[0].strip()
+        pair = re.match(r"(\d+)\s*:\s*(.+)$", entry)
+        if pair:
+            pairs[int(pair.group(1))] = pair.group(2).strip().strip("'\"")
+        elif entry.startswith("-"):
+            items.append(entry[1:].strip().strip("'\""))
+    return pairs or items
 
 
 def _lines_of(path: str) -> list[str]:

@@ -123,7 +123,7 @@ def _yolo_split(local: str, source: str, info: ListingInfo, split: str | None) -
     if os.path.isdir(local) and split is None:
         root = is_split_folder(local)
         if root is not None:  # ROOT/images/train as SRC: that split, with ROOT's labels and names
-            one = YoloLayout(root, None, {"": [os.path.normpath(local)]}, yolo_names(root))
+            one = YoloLayout(root, {"": [os.path.normpath(local)]}, yolo_names(root))
             return list_yolo_split(one, "", info, _folder_walker(info))
     if not (os.path.isdir(local) or (os.path.isfile(local) and is_yaml(local))):
         return None

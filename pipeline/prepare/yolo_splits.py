@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import ConfigError, SourceError
 from .formats_common import ListingInfo, SourceItem, is_image_name, read_small
-from .formats_detection import YAML_MAX_BYTES, YOLO_YAML_NAMES, dataset_homes, yolo_item, yolo_names_of
+from .formats_detection import YOLO_YAML_NAMES, dataset_homes, read_data_yaml, yolo_item, yolo_names_of
 
 SPLITS = ("train", "val", "valid", "test")
 """The split names a folder layout is read for (data.yaml may name any)."""
@@ -44,13 +43,11 @@ class YoloLayout:
 
     Attributes:
         root: the dataset's folder (data.yaml's `path`, or the folder given).
-        yaml: the data.yaml read, or None (a folder without one, or one without split keys).
         splits: split name -> the folders and list files its images come from (absolute paths).
         names: the class names (data.yaml's `names` / `nc`, else classes.txt), None without any.
     """
 
     root: str
-    yaml: str | None
     splits: dict[str, list[str]]
     names: list[str] | None
 
@@ -103,8 +100,10 @@ def yolo_layout(source: str) -> YoloLayout | None:
         return None
     for name in YOLO_YAML_NAMES:
         path = os.path.join(source, name)
-        if os.path.isfile(path) and _split_keys(_read_yaml(path)):
-            return _from_yaml(path)
+        if os.path.isfile(path):
+            document = read_data_yaml(path)
+            if _split_keys(document):
+                return _from_yaml(path, document)
     images, labels = os.path.join(source, "images"), os.path.join(source, "labels")
     if not (os.path.isdir(images) and os.path.isdir(labels)):
         return None
@@ -112,11 +111,11 @@ def yolo_layout(source: str) -> YoloLayout | None:
     if not found:
         return None
     names = yolo_names_of(source)
-    return YoloLayout(source, None, {name: [os.path.join(images, name)] for name in found}, names)
+    return YoloLayout(source, {name: [os.path.join(images, name)] for name in found}, names)
 
 
-def _from_yaml(path: str) -> YoloLayout:
-    document = _read_yaml(path)
+def _from_yaml(path: str, document: dict[str, Any] | None = None) -> YoloLayout:
+    document = read_data_yaml(path) if document is None else document
     here = os.path.dirname(os.path.abspath(path))
     given = document.get("path")
     root = here if not isinstance(given, str) or not given.strip() else os.path.normpath(os.path.join(here, given))
@@ -132,52 +131,12 @@ def _from_yaml(path: str) -> YoloLayout:
         splits[name] = places
     if not splits:
         raise ConfigError(f"{path} names no split: a data.yaml needs 'train', 'val' or 'test' (a folder or list of images)")
-    return YoloLayout(root, path, splits, yolo_names_of(root, path))
+    return YoloLayout(root, splits, yolo_names_of(root, path, document))
 
 
 def _split_keys(document: dict[str, Any]) -> dict[str, Any]:
     """data.yaml's split entries: train, val, test (ultralytics' keys), in that order, where given."""
     return {name: document[name] for name in ("train", "val", "test") if document.get(name) not in (None, "")}
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    data = read_small(path, YAML_MAX_BYTES)
-    if isinstance(data, str):
-        raise ConfigError(data)
-    text = data.decode("utf-8", "replace")
-    try:
-        import yaml  # type: ignore[import-untyped]
-    except ImportError:
-        return _top_level_by_hand(text)
-    try:
-        document = yaml.safe_load(text)
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise ConfigError(f"{path} is not valid YAML ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
-    return document if isinstance(document, dict) else {}
-
-
-def _top_level_by_hand(text: str) -> dict[str, Any]:
-    """data.yaml's `path`, `train`, `val`, `test` without PyYAML: `key: value`, `key: [a, b]` or a `- a` block."""
-    found: dict[str, Any] = {}
-    lines = text.splitlines()
-    for at, line in enumerate(lines):
-        match = re.match(r"(path|train|val|test)\s*:\s*(.*)$", line)
-        if not match:
-            continue
-        value = match.group(2).split("#", 1)[0].strip()
-        if value.startswith("["):
-            found[match.group(1)] = [part.strip().strip("'\"") for part in value.strip("[]").split(",") if part.strip()]
-        elif value:
-            found[match.group(1)] = value.strip("'\"")
-        else:
-            block = []
-            for entry in lines[at + 1 :]:
-                if entry and not entry[0].isspace():
-                    break
-                if entry.strip().startswith("-"):
-                    block.append(entry.strip()[1:].split("#", 1)[0].strip().strip("'\""))
-            found[match.group(1)] = block
-    return found
 
 
 def _list_file_images(path: str) -> Iterator[str]:
