@@ -22,6 +22,7 @@ pyproject.toml):
     specs.py      the frozen, validated settings objects (PrepareSpec, LoaderSpec, ...)
     stage.py      copy a prepared dataset to local disk, verified and resumable
     targets.py    what a sample holds besides its image (boxes, masks, labels, captions) and its geometry
+    polygons.py   instance polygons in a shard: their member, moved with their image, clipped to a window
     io/           storage: fsspec paths, the S3 transport, atomic output, the tar format, devices, the cache
     errors.py     the one exception tree
     units.py      sizes, durations, rates and counts: one parser and one formatter each

@@ -14,6 +14,8 @@ shard (every member readable by plain `webdataset`: it decodes `.npy`,
                            in a detection dataset painted from COCO's polygons/RLE, box class c
                            is c + 1, 0 background, the ignore index (255) a crowd: the manifest's
                            `mask_classes` = ["background", *classes] names them
+    <key>.instances.png    box n's own pixels as n + 1 (COCO's and YOLO-seg's shapes, one per box)
+    <key>.polygons.json    each box's polygons, where the source has them (`pipeline.polygons`)
     <key>.txt              a caption or text, UTF-8 (img2dataset's convention)
     <key>.json             what prepare recorded (source, sizes, ops) and the source's other
                            columns, under "columns"
@@ -44,6 +46,8 @@ from typing import Any
 import numpy as np
 
 from .errors import GpufeedError
+from .polygons import POLYGONS_MEMBER, Polygons
+from .polygons import encode as polygons_json
 
 TASKS = ("classification", "multilabel", "detection", "segmentation", "captions")
 
@@ -55,13 +59,14 @@ MASK_MEMBER = "mask.png"
 INSTANCES_MEMBER = "instances.png"  # box n's own pixels as n + 1 (COCO's and YOLO-seg's shapes, one per box)
 TEXT_MEMBER = "txt"
 TARGET_MEMBERS = (
-    LABELS_MEMBER, BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER, INSTANCES_MEMBER, TEXT_MEMBER,
+    LABELS_MEMBER, BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER, INSTANCES_MEMBER, POLYGONS_MEMBER,
+    TEXT_MEMBER,
 )  # fmt: skip
 
 TASK_MEMBERS = {
     "classification": (),
     "multilabel": (LABELS_MEMBER,),
-    "detection": (BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER, INSTANCES_MEMBER),  # where it has them
+    "detection": (BOXES_MEMBER, BOX_LABELS_MEMBER, ISCROWD_MEMBER, MASK_MEMBER, INSTANCES_MEMBER, POLYGONS_MEMBER),
     "segmentation": (MASK_MEMBER,),
     "captions": (TEXT_MEMBER,),
 }
@@ -142,6 +147,7 @@ class SampleTargets:
         iscrowd: uint8 (N,) COCO crowd flags, when the source has them.
         mask: (H, W) uint8 or uint16 class index per pixel, the image's size.
         instances: (H, W) uint8 or uint16: box n's own pixels are n + 1 (0: none).
+        polygons: per box, its polygons ((K, 2) float arrays of pixel points), where the source has them.
         caption: a caption or text.
         columns: the source's other columns (kept in the sample's json).
     """
@@ -154,6 +160,7 @@ class SampleTargets:
     caption: str | None = None
     columns: dict[str, Any] | None = None
     instances: np.ndarray | None = None
+    polygons: Polygons | None = None
 
 
 # -- members: write and read ---------------------------------------------------
@@ -198,6 +205,8 @@ def target_members(targets: SampleTargets) -> dict[str, bytes]:
         members[MASK_MEMBER] = mask_png(targets.mask)
     if targets.instances is not None:
         members[INSTANCES_MEMBER] = mask_png(targets.instances)
+    if targets.polygons is not None:
+        members[POLYGONS_MEMBER] = polygons_json(targets.polygons)
     if targets.caption is not None:
         members[TEXT_MEMBER] = targets.caption.encode("utf-8")
     return members

@@ -35,6 +35,8 @@ import torch
 
 from ..decode import open_image
 from ..errors import ConfigError, DecodeError
+from ..polygons import POLYGONS_MEMBER, Polygons, place_polygons
+from ..polygons import decode as decode_polygons
 from ..targets import (
     BOXES_MEMBER,
     DEFAULT_IGNORE_INDEX,
@@ -77,6 +79,10 @@ class TaskPlan:
         instances: detection: the samples have an `instances.png` (each box's
             own pixels, from COCO's or YOLO-seg's shapes), and each image's
             target dict carries "masks", [N_i, H, W] uint8 (Mask R-CNN's form).
+        polygons: detection: the samples have a `polygons.json` (YOLO-seg's and
+            COCO's polygons, `pipeline.polygons`), and each image's target
+            dict carries "polygons": per box, its polygons as float32 [K, 2]
+            tensors of output pixels, moved and clipped with the box.
     """
 
     task: str
@@ -87,6 +93,7 @@ class TaskPlan:
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     masks: bool = False
     instances: bool = False
+    polygons: bool = False
     field_names: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
 
     @property
@@ -138,6 +145,7 @@ def task_plan(
         chosen, names, classes, DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index, min_visible,
         sample_transform, masks=chosen == "detection" and MASK_MEMBER in manifest_fields, field_names=asked,
         instances=chosen == "detection" and INSTANCES_MEMBER in manifest_fields,
+        polygons=chosen == "detection" and POLYGONS_MEMBER in manifest_fields,
     )  # fmt: skip
 
 
@@ -215,6 +223,10 @@ def sample_targets(
             own = _placed_mask(found, placed, crop.size, flip, 0)
             ids = (np.flatnonzero(keep) + 1).astype(own.dtype)
             out["masks"] = (own[None, :, :] == ids[:, None, None]).astype(np.uint8)
+        if plan.polygons:  # each kept box's polygons; a sample without the member has none
+            found_polygons = _read_polygons(members, len(boxes))
+            kept_polygons = [parts for parts, kept in zip(found_polygons, keep) if kept]
+            out["polygons"] = place_polygons(kept_polygons, box, (dx, dy, dw, dh), crop.size, flip)
     elif task == "segmentation":
         if MASK_MEMBER not in members:
             raise TargetError(f"no {MASK_MEMBER}")
@@ -231,6 +243,21 @@ def sample_targets(
         elif name != "key":
             out.setdefault("fields", {})[name] = field_value(name, members.get(name))
     return out
+
+
+def _read_polygons(members: dict[str, bytes], boxes: int) -> Polygons:
+    """A sample's polygons, one entry per box (each empty without the member).
+
+    Raises:
+        TargetError: the member is not what the format says.
+    """
+    data = members.get(POLYGONS_MEMBER)
+    if data is None:
+        return [[] for _ in range(boxes)]
+    try:
+        return decode_polygons(data, boxes)
+    except ValueError as exc:
+        raise TargetError(str(exc)) from None
 
 
 def _geometry(
@@ -340,7 +367,7 @@ def run_sample_transform(
             f"not {new.shape} {new.dtype}"
         )
     pixels[...] = new.transpose(2, 0, 1)
-    for name in ("boxes", "box_labels", "iscrowd", "mask", "labels", "caption"):
+    for name in ("boxes", "box_labels", "iscrowd", "mask", "masks", "polygons", "labels", "caption"):
         if name in result and name in targets:
             targets[name] = result[name]
 
@@ -373,6 +400,9 @@ class Batch:
             where a sample has none).
         task: which of `pipeline.targets.TASKS` this is.
         instance_masks: detection with instance maps: per image, [N_i, H, W] uint8, one per box (also in `targets`).
+        polygons: detection with polygons: per image, per box, its polygons as float32 [K, 2]
+            tensors of output pixels (also in `targets`). They stay on the CPU: many
+            small arrays, rasterised or moved as a loss needs them.
         boxes_dropped: boxes of this batch dropped by the crop (under `min_visible` of their area left).
         images_emptied: images of this batch that had boxes and were left with none by the crop.
     """
@@ -390,6 +420,7 @@ class Batch:
     boxes_dropped: int = 0
     images_emptied: int = 0
     instance_masks: list[torch.Tensor] | None = None
+    polygons: list[list[list[torch.Tensor]]] | None = None
 
     @property
     def targets(self) -> Any:
@@ -398,13 +429,16 @@ class Batch:
         (segmentation); captions."""
         if self.task == "detection":
             assert self.boxes is not None and self.box_labels is not None
-            dicts = [{"boxes": b, "labels": lab} for b, lab in zip(self.boxes, self.box_labels)]
+            dicts: list[dict[str, Any]] = [{"boxes": b, "labels": lab} for b, lab in zip(self.boxes, self.box_labels)]
             if self.iscrowd is not None:
                 for entry, crowd in zip(dicts, self.iscrowd):
                     entry["iscrowd"] = crowd
             if self.instance_masks is not None:
                 for entry, masks in zip(dicts, self.instance_masks):
                     entry["masks"] = masks
+            if self.polygons is not None:
+                for entry, polygons in zip(dicts, self.polygons):
+                    entry["polygons"] = polygons
             return dicts
         if self.task == "segmentation":
             return self.masks
@@ -453,6 +487,11 @@ def make_batch(
             batch.masks = torch.from_numpy(np.stack([np.asarray(t["mask"], dtype=np.int64) for t in targets])).to(device)
         if plan.instances:
             batch.instance_masks = [torch.from_numpy(np.ascontiguousarray(t["masks"])).to(device) for t in targets]
+        if plan.polygons:
+            batch.polygons = [
+                [[torch.as_tensor(np.asarray(points, np.float32)).reshape(-1, 2) for points in parts] for parts in t["polygons"]]
+                for t in targets
+            ]
     elif plan.task == "segmentation":
         batch.masks = torch.from_numpy(np.stack([np.asarray(t["mask"], dtype=np.int64) for t in targets])).to(device)
     elif plan.task == "captions":

@@ -211,6 +211,7 @@ class _Targets:
     frame: str = "stored"
     frame_unclear: bool = False  # the annotation's declared size matched neither frame
     instances: Any = None  # np.ndarray, of `stored` size: box n's own pixels as n + 1 (shapes only)
+    polygons: Any = None  # per box, its polygons ((K, 2) arrays in `stored` pixels; [] for an RLE shape)
 
     def take_image(self, spec: PrepareSpec, original_size: tuple[int, int], orientation: int) -> None:
         """Note what the decoder made of the image, decide the targets' frame, and read the mask (of that frame)."""
@@ -228,6 +229,7 @@ class _Targets:
                 shapes = [s if not isinstance(s, list) else [polygon * scale for polygon in s] for s in shapes]
             self.mask = rasterise(shapes, self.source.box_labels, self.source.iscrowd, self.stored, self.ignore_index)
             self.instances = instance_map(shapes, self.stored)
+            self.polygons = [list(shape) if isinstance(shape, list) else [] for shape in shapes]
 
     def members(self, spec: PrepareSpec, geometry: Geometry, size: tuple[int, int], meta: dict[str, Any]) -> dict[str, bytes]:
         """The target members of one picture (of `size`, made through `geometry`); what they did goes in its `meta`."""
@@ -238,7 +240,7 @@ class _Targets:
                 raise ValueError(f"the picture is {size}, its geometry says {geometry.canvas}")
             placed, dropped = place_targets(
                 source, self.mask, self.stored, self.orientation, geometry, spec.min_visible, self.ignore_index,
-                self.instances,
+                self.instances, self.polygons,
             )  # fmt: skip
             meta["geometry"] = {"orientation": self.orientation, "stored_size": list(self.stored), **geometry.to_dict()}
             meta["label_frame"] = self.frame + (" (the declared size matched neither frame)" if self.frame_unclear else "")

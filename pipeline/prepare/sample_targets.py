@@ -31,6 +31,7 @@ import numpy as np
 from ..decode import open_image, pillow_warnings
 from ..errors import DecodeError
 from ..io.fs import local_path, open_fs, read_source_bytes, redact_location
+from ..polygons import Polygons, transform_polygons
 from ..specs import PrepareSpec
 from ..targets import (
     DEFAULT_IGNORE_INDEX,
@@ -339,6 +340,7 @@ def place_targets(
     min_visible: float,
     ignore_index: int = DEFAULT_IGNORE_INDEX,
     instances: np.ndarray | None = None,
+    polygons: Polygons | None = None,
 ) -> tuple[SampleTargets, int]:
     """A sample's targets in the pixels of one output picture, and how many boxes were dropped.
 
@@ -352,6 +354,8 @@ def place_targets(
         ignore_index: the mask value of padding and of what lies outside a rotated crop.
         instances: its instance map (`coco_masks.instance_map`), of the stored size, or None:
             placed as the mask is (nearest), padding 0, renumbered for the boxes kept.
+        polygons: per box, its polygons in the stored frame's pixels, or None: moved point
+            by point as the boxes, clipped to the output (`pipeline.polygons`), kept boxes' only.
 
     Returns:
         (targets, boxes dropped).
@@ -368,6 +372,12 @@ def place_targets(
             renumber = np.zeros(len(keep) + 1, np.uint16 if len(keep) >= 255 else np.uint8)
             renumber[np.flatnonzero(keep) + 1] = np.arange(1, int(keep.sum()) + 1)
             placed.instances = renumber[_place_mask(instances.astype(np.uint16), orientation, geometry, 0)]
+        if polygons is not None:
+            kept = [parts for parts, kept in zip(polygons, keep) if kept]
+            flip = geometry.size[0] if geometry.flip else None
+            (x, y), (width, height) = geometry.offset, geometry.size
+            window = (float(x), float(y), float(x + width), float(y + height))  # the sampled picture on the output
+            placed.polygons = transform_polygons(kept, stored, orientation, geometry.matrix, flip, geometry.offset, window)
     if mask is not None:
         placed.mask = _place_mask(mask, orientation, geometry, ignore_index)
     return placed, dropped

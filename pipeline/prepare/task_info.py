@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ..errors import SourceError
+from ..polygons import POLYGONS_MEMBER
 from ..targets import (
     BOX_LABELS_MEMBER,
     BOXES_MEMBER,
@@ -60,7 +61,7 @@ _TARGET_FIELDS = (
     ("boxes", (BOXES_MEMBER, BOX_LABELS_MEMBER)),
     ("iscrowd", (ISCROWD_MEMBER,)),
     ("mask", (MASK_MEMBER,)),
-    ("segmentation", (MASK_MEMBER, INSTANCES_MEMBER)),  # COCO's and YOLO-seg's shapes, painted (`coco_masks.py`)
+    ("segmentation", (MASK_MEMBER, INSTANCES_MEMBER, POLYGONS_MEMBER)),  # COCO's and YOLO-seg's shapes: painted, and polygons kept
     ("caption", (TEXT_MEMBER,)),
 )
 # A listing that does not say its task: the first target it has decides.

@@ -92,8 +92,9 @@ def test_detection_batches_carry_masks_that_agree_with_their_boxes(prepared: Pat
     loader = make_loader(prepared, 4, device="cpu", crop=CROP, num_workers=2, dtype="uint8", seed=5, train=train)
     for batch in loader:
         images, targets = batch
-        # the class mask stays out of the dicts; each box's own mask is in, as torchvision's Mask R-CNN reads it
-        assert [set(t) for t in targets] == [{"boxes", "labels", "iscrowd", "masks"}] * len(targets)
+        # the class mask stays out of the dicts; each box's own mask is in, as torchvision's Mask R-CNN reads it,
+        # and its polygons (which the model leaves alone)
+        assert [set(t) for t in targets] == [{"boxes", "labels", "iscrowd", "masks", "polygons"}] * len(targets)
         checked += check_batch(batch)
         for target, mask in zip(targets, batch.masks.numpy()):
             own = target["masks"].numpy()

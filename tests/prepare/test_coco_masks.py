@@ -165,7 +165,7 @@ def test_prepare_paints_each_images_mask_after_its_resize(tmp_path: Path, segmen
     prepare_dataset(PrepareSpec(source, str(out), resize=ResizeSpec(size=40, mode="shorter")), workers=0)
     manifest = read_manifest(out)
     assert manifest.task == "detection"
-    assert manifest.fields == ["boxes.npy", "box_labels.npy", "iscrowd.npy", "mask.png", "instances.png"]
+    assert manifest.fields == ["boxes.npy", "box_labels.npy", "iscrowd.npy", "mask.png", "instances.png", "polygons.json"]
     assert manifest.ignore_index == 255
     assert manifest.mask_classes == ["background", *manifest.classes]
     samples = read_samples(out)

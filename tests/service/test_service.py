@@ -438,7 +438,7 @@ def test_a_coco_detection_job_on_two_workers_matches_a_local_prepare(service: Se
     assert status["state"] == "succeeded", status
     manifest = assert_verified(out)
     assert manifest.task == "detection" and manifest.classes == ["cat", "dog", "bird"]
-    assert manifest.fields == ["boxes.npy", "box_labels.npy", "iscrowd.npy", "mask.png", "instances.png"]  # shapes painted too
+    assert manifest.fields == ["boxes.npy", "box_labels.npy", "iscrowd.npy", "mask.png", "instances.png", "polygons.json"]  # shapes painted and kept
     local = tmp_path / "local"
     spec = dict(service.record(job).payload["spec"])
     prepare_dataset(PrepareSpec.from_dict({**spec, "out": str(local)}), workers=0)
