@@ -291,7 +291,7 @@ def floor_candidates() -> dict[str, Callable[[bytes], tuple[int, int]]]:
 
     def gpufeed_functions(data: bytes) -> tuple[int, int]:
         decoded = decode_image(data, scale_for=lambda w, h: required_scale(resize_spec, augment_spec, w, h))
-        img, _ = resize_image(decoded.image, decoded.original_size, resize_spec)
+        img, _ = resize_image(decoded.image, decoded.original_size, resize_spec, orientation=decoded.orientation)
         encode_image(img, encode_spec)
         return img.size  # type: ignore[no-any-return]
 

@@ -334,6 +334,22 @@ def decoded_scale(width: int, height: int, decoded_width: int, decoded_height: i
     return decoded_width / width, decoded_height / height
 
 
+def decoded_extent(
+    width: int, height: int, decoded_width: int, decoded_height: int, orientation: int = 1
+) -> tuple[float, float, float, float]:
+    """Where the upright original lies in its upright decode: (x0, y0, sx, sy), pixel x at x0 + x * sx.
+
+    A DCT-scaled decode rounds its size up (`decoded_scale`): the stored
+    raster's last column and row hold the slack. An EXIF orientation that
+    reverses an upright axis (mirror, half and quarter turns) brings that
+    slack to the start of the axis, so the original begins past it there.
+    """
+    sx, sy = decoded_scale(width, height, decoded_width, decoded_height)
+    x0 = decoded_width - width * sx if orientation in (2, 3, 6, 7) else 0.0
+    y0 = decoded_height - height * sy if orientation in (3, 4, 7, 8) else 0.0
+    return x0, y0, sx, sy
+
+
 def _decode_jpeg_scaled(
     data: bytes, width: int, height: int, scale: float, colorspace: str = "RGB"
 ) -> tuple[np.ndarray | None, str | None]:

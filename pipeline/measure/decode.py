@@ -209,7 +209,7 @@ def prepare_in_memory(blobs: list[bytes], size: int, encode: EncodeSpec) -> list
             decoded = decode_image(data, scale_for=lambda w, h: required_scale(resize, AugmentSpec(), w, h))
         except DecodeError:
             continue
-        image, _ = resize_image(decoded.image, decoded.original_size, resize)
+        image, _ = resize_image(decoded.image, decoded.original_size, resize, orientation=decoded.orientation)
         out.append(encode_image(image, encode))
     return out
 

@@ -276,12 +276,14 @@ def _render_variants(
     variants = range(spec.augment.variants) if spec.augment.variants else [None]
     for variant in variants:
         if variant is None:
-            image, op = resize_image(decoded.image, decoded.original_size, spec.resize, decoded.pixels)
+            image, op = resize_image(decoded.image, decoded.original_size, spec.resize, decoded.pixels, decoded.orientation)
             ops: list[dict[str, Any]] = [op]
             geometry = resize_geometry(decoded.original_size, spec.resize)
         else:
             rng = variant_rng(spec.seed, key, variant)
-            image, ops, geometry = augment_sample(decoded.image, decoded.original_size, spec.resize, spec.augment, rng)
+            image, ops, geometry = augment_sample(
+                decoded.image, decoded.original_size, spec.resize, spec.augment, rng, decoded.orientation
+            )
         meta = _meta(key, item, spec, decoded.original_size, image.size, variant, ops, decoded.warnings)
         extra = targets.members(spec, geometry, image.size, meta) if targets is not None else {}
         members_per_set.append({**_members(spec, label, meta, encode_image(image, spec.encode)), **extra})

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import native
-from ..decode import decoded_scale
+from ..decode import decoded_extent
 from ..specs import AugmentSpec, ResizeSpec
 
 _FILTERS = {"lanczos": "LANCZOS", "bicubic": "BICUBIC", "bilinear": "BILINEAR"}
@@ -150,7 +150,7 @@ def resize_op(resize: ResizeSpec) -> dict[str, Any]:
 
 
 def resize_image(
-    img: Any, original_size: tuple[int, int], resize: ResizeSpec, pixels: np.ndarray | None = None
+    img: Any, original_size: tuple[int, int], resize: ResizeSpec, pixels: np.ndarray | None = None, orientation: int = 1
 ) -> tuple[Any, dict[str, Any]]:
     """Apply `resize.mode` to a decoded image.
 
@@ -159,6 +159,7 @@ def resize_image(
         original_size: upright (width, height) of the source file.
         resize: the resize settings.
         pixels: the RGBX array `img` maps, if any (`DecodedImage.pixels`).
+        orientation: the EXIF orientation the decoder turned it upright by (`decode.decoded_extent`).
 
     Returns:
         (image, op) where op records what was done, for provenance.
@@ -166,12 +167,13 @@ def resize_image(
     width, height = original_size
     target_w, target_h = output_size(resize, width, height)
     op = resize_op(resize)
-    sx, sy = decoded_scale(width, height, img.width, img.height)  # a DCT-scaled decode maps by M/8 exactly
+    # A DCT-scaled decode maps by M/8 exactly, from past its slack on an axis the orientation reversed.
+    ox, oy, sx, sy = decoded_extent(width, height, img.width, img.height, orientation)
     if resize.mode == "center-crop":
         (x0, y0, x1, y1), side = center_crop_box(resize, width, height)
-        return resized(img, (side, side), resize, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), pixels), op
+        return resized(img, (side, side), resize, (ox + x0 * sx, oy + y0 * sy, ox + x1 * sx, oy + y1 * sy), pixels), op
     if img.size != (target_w, target_h):
-        whole = (0.0, 0.0, width * sx, height * sy)  # the original's extent in the decoded pixels
+        whole = (ox, oy, ox + width * sx, oy + height * sy)  # the original's extent in the decoded pixels
         img = resized(img, (target_w, target_h), resize, whole, pixels)
     if resize.mode == "pad":
         img = _pad(img, resize.size)
@@ -269,8 +271,11 @@ def augment_sample(
     resize: ResizeSpec,
     augment: AugmentSpec,
     rng: np.random.Generator,
+    orientation: int = 1,
 ) -> tuple[Any, list[dict[str, Any]], Geometry]:
     """`augment_image`, and the geometry of the view (what its boxes and masks go through).
+
+    `orientation` is the EXIF orientation the decoder applied (`resize_image`).
 
     Returns:
         (image, ops, geometry); the image and ops are `augment_image`'s.
@@ -280,7 +285,7 @@ def augment_sample(
     angle = float(rng.uniform(-augment.rotate, augment.rotate)) if augment.rotate else 0.0
     cw, ch, cx, cy = _fit_rotated(rng, width, height, cw, ch, angle)
     out_w, out_h = _crop_output_size(resize, cw, ch)
-    img = _affine_crop(img, original_size, (cx, cy, cw, ch), angle, (out_w, out_h), resize)
+    img = _affine_crop(img, original_size, (cx, cy, cw, ch), angle, (out_w, out_h), resize, orientation)
     ops: list[dict[str, Any]] = [
         {
             "op": "random_resized_crop",
@@ -362,18 +367,19 @@ def _affine_crop(
     angle: float,
     out_size: tuple[int, int],
     resize: ResizeSpec,
+    orientation: int = 1,
 ) -> Any:
     from PIL import Image
 
     cx, cy, cw, ch = box
-    sx, sy = decoded_scale(*original_size, img.width, img.height)
+    ox, oy, sx, sy = decoded_extent(*original_size, img.width, img.height, orientation)
     # Affine sampling does not anti-alias: first reduce so that the crop is at
     # most ~1.5x the output, with a proper filter.
     shrink = min(cw * sx / out_size[0], ch * sy / out_size[1]) / 1.5
     if shrink > 1:
         small = (max(1, round(img.width / shrink)), max(1, round(img.height / shrink)))
-        img = resized(img, small, resize, (0.0, 0.0, original_size[0] * sx, original_size[1] * sy))
-        sx, sy = img.width / original_size[0], img.height / original_size[1]
+        img = resized(img, small, resize, (ox, oy, ox + original_size[0] * sx, oy + original_size[1] * sy))
+        ox, oy, sx, sy = 0.0, 0.0, img.width / original_size[0], img.height / original_size[1]
     out_w, out_h = out_size
     theta = math.radians(angle)
     cos, sin = math.cos(theta), math.sin(theta)
@@ -381,8 +387,8 @@ def _affine_crop(
     ax, ay = cw / out_w, ch / out_h
     a, b = cos * ax * sx, -sin * ay * sx
     d, e = sin * ax * sy, cos * ay * sy
-    c = cx * sx - a * out_w / 2 - b * out_h / 2
-    f = cy * sy - d * out_w / 2 - e * out_h / 2
+    c = ox + cx * sx - a * out_w / 2 - b * out_h / 2
+    f = oy + cy * sy - d * out_w / 2 - e * out_h / 2
     return img.transform((out_w, out_h), Image.Transform.AFFINE, (a, b, c, d, e, f), Image.Resampling.BICUBIC)
 
 

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from pipeline import PrepareSpec, ResizeSpec, make_loader, prepare_dataset
-from pipeline.decode import decoded_scale
+from pipeline.decode import decoded_extent, decoded_scale
 
 WIDTH, HEIGHT, EDGE = 643, 483, 520
 FLOOR_PX = 0.3  # how well a blurred step edge is located here (resampling, JPEG ringing); the error was 0.66
@@ -41,6 +41,51 @@ def test_decoded_scale_is_the_eighths_of_a_dct_scaled_size():
     assert decoded_scale(643, 483, 242, 182) == (3 / 8, 3 / 8)  # ceil(643 * 3/8) = 242, not 643 * 3/8
     assert decoded_scale(643, 483, 643, 483) == (1.0, 1.0)
     assert decoded_scale(640, 480, 300, 200) == (300 / 640, 200 / 480)  # no M/8 size: the ratio
+
+
+def test_the_slack_of_a_scaled_decode_comes_first_on_an_axis_its_orientation_reversed():
+    # 643x483 at 3/8 decodes 242x182: 0.875 px of slack past 643 * 3/8, 0.875 past 483 * 3/8
+    assert decoded_extent(643, 483, 242, 182, 1) == (0.0, 0.0, 3 / 8, 3 / 8)
+    assert decoded_extent(643, 483, 242, 182, 2) == (0.875, 0.0, 3 / 8, 3 / 8)  # mirrored: x reversed
+    assert decoded_extent(643, 483, 242, 182, 4) == (0.0, 0.875, 3 / 8, 3 / 8)  # flipped: y reversed
+    assert decoded_extent(643, 483, 242, 182, 3)[:2] == decoded_extent(643, 483, 242, 182, 7)[:2] == (0.875, 0.875)
+    assert decoded_extent(643, 483, 242, 182, 6)[:2] == (0.875, 0.0) and decoded_extent(643, 483, 242, 182, 8)[:2] == (0.0, 0.875)
+    assert decoded_extent(643, 483, 242, 182, 5)[:2] == (0.0, 0.0)
+    assert decoded_extent(640, 480, 300, 200, 3)[:2] == (0.0, 0.0)  # no M/8 size: the ratio, no slack
+
+
+@pytest.mark.parametrize("orientation", [1, 2])
+def test_an_augmented_view_of_a_mirrored_photo_keeps_the_edge_on_its_box(tmp_path: Path, orientation: int) -> None:
+    # A variant (no rotation, no flip, the whole picture) resamples a DCT-scaled decode turned upright:
+    # mirrored (EXIF 2), the decode's slack lies at the left, and the edge must still land where the
+    # variant's geometry puts it.
+    import json
+    import tarfile
+
+    from pipeline import AugmentSpec
+
+    (tmp_path / "src").mkdir()
+    pixels = np.full((HEIGHT, WIDTH, 3), 30, np.uint8)
+    pixels[:, :EDGE] = 220  # stored mirrored: upright, the bright part starts at WIDTH - EDGE
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(pixels if orientation == 2 else pixels[:, ::-1]).save(
+        tmp_path / "src" / "a.jpg", "JPEG", quality=98, subsampling=0, exif=exif
+    )
+    augment = AugmentSpec(variants=1, scale=(1.0, 1.0), ratio=(WIDTH / HEIGHT, WIDTH / HEIGHT), flip=False, jitter=0.0,
+                          rotate=0.0)  # fmt: skip
+    spec = PrepareSpec(str(tmp_path / "src"), str(tmp_path / "out"), resize=ResizeSpec(size=120, mode="shorter"),
+                       augment=augment)  # fmt: skip
+    prepare_dataset(spec, workers=0)
+    [shard] = sorted((tmp_path / "out" / "v0").glob("shard-*.tar"))  # the variant's set
+    with tarfile.open(shard) as tar:
+        members = {m.name.split(".", 1)[1]: tar.extractfile(m).read() for m in tar}  # type: ignore[union-attr]
+    image = np.asarray(Image.open(io.BytesIO(members["jpg"])).convert("L"), np.float64)
+    ops = json.loads(members["json"])["ops"]
+    crop = next(op for op in ops if op["op"] == "random_resized_crop")
+    (cx, _), (cw, _) = crop["center"], crop["size"]
+    expected = (WIDTH - EDGE - (cx - cw / 2)) * image.shape[1] / cw
+    assert abs(edge_at(image[image.shape[0] // 2]) - expected) < FLOOR_PX, (orientation, edge_at(image[image.shape[0] // 2]), expected)
 
 
 @pytest.mark.parametrize("mode", ["pad", "shorter", "center-crop"])

@@ -51,7 +51,7 @@ def jpeg(img: Image.Image, **options: object) -> bytes:
 
 def ordinary_bytes(data: bytes, job: PrepareSpec) -> bytes:
     decoded = decode_image(data, scale_for=lambda w, h: required_scale(job.resize, AugmentSpec(), w, h), padded=True)
-    image, _ = resize_image(decoded.image, decoded.original_size, job.resize)
+    image, _ = resize_image(decoded.image, decoded.original_size, job.resize, orientation=decoded.orientation)
     return encode_image(image, job.encode)
 
 
