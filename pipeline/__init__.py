@@ -16,6 +16,7 @@ pyproject.toml):
     measure/      bench disk|decode|loader, advise, estimate-memory, doctor, watch
     prepare/      the offline flow: raw images in, shards and a manifest out
     loader/       the online flow: shards in, batches on the training device out
+    augment/      detection augmentation (ultralytics' recipe) as one matrix per source image, and its CPU renderer
     demo.py       generated demo datasets (photo-like folders, detection, segmentation, captions)
     decode.py     the one gate for hostile image bytes: any image file -> upright RGB, or why not
     manifest.py   manifest.json, the contract between prepare, the loader and the service

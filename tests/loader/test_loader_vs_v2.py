@@ -202,7 +202,7 @@ def v2_ops(run: str, geometry: dict[str, Any]) -> tuple[list[list[Any]], bool]:
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Per run, each delivered sample beside v2's replay of it."""
-    python = venv_python("torchvision", TORCHVISION)
+    python = venv_python("vision", TORCHVISION)
     base = tmp_path_factory.mktemp("loader-v2")
     out = base / "out"
     spec = PrepareSpec(write_coco(base / "coco"), str(out), resize=ResizeSpec(mode="none"), min_visible=0.0)

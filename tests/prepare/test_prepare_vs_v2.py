@@ -112,7 +112,7 @@ def stored_boxes(boxes: list[list[float]], orientation: int, upright: tuple[int,
 
 @pytest.mark.parametrize("mode", ["shorter", "center-crop"])
 def test_prepared_boxes_and_masks_equal_v2(tmp_path: Path, mode: str) -> None:
-    python = venv_python("torchvision", TORCHVISION)
+    python = venv_python("vision", TORCHVISION)
     src = tmp_path / "coco"
     src.mkdir()
     (tmp_path / "masks").mkdir()
@@ -181,7 +181,7 @@ def pixels_v2(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str],
     are stored the way prepare stores them (Pillow's JPEG at the same
     quality) before they are compared.
     """
-    python = venv_python("torchvision", TORCHVISION)
+    python = venv_python("vision", TORCHVISION)
     base = tmp_path_factory.mktemp("pixels-v2")
     src = base / "coco"
     src.mkdir()

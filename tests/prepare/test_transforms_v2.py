@@ -1,7 +1,7 @@
 """gpufeed's resize sizes and centre crops against the real torchvision.transforms.v2.
 
 torchvision does not load beside this venv's CPU torch, so v2 runs in a
-cached venv of its own (`extra_venvs`: torch 2.14.1 + torchvision 0.29.1, a
+cached venv of its own (`extra_venvs.VISION`: torch 2.14.1 + torchvision 0.29.1 + ultralytics, a
 CUDA build that runs on the CPU, built once into gpufeed's user cache) and
 answers in JSON; the test compares gpufeed's geometry with it, box for box.
 """
@@ -12,13 +12,13 @@ import json
 import subprocess
 
 import pytest
-from extra_venvs import venv_python
+from extra_venvs import VISION, venv_python
 
 from pipeline.loader.crops import CropSpec, centre_crop_box
 from pipeline.prepare.transforms import center_crop_box, output_size
 from pipeline.specs import ResizeSpec
 
-TORCHVISION = ("torch==2.14.1", "torchvision==0.29.1")
+TORCHVISION = VISION  # torchvision 0.29.1 (with ultralytics, in one venv)
 SIZES = [(641, 479), (479, 641), (300, 200), (257, 256), (227, 224), (1000, 333), (333, 1000), (225, 224), (643, 483)]
 V2_SCRIPT = r"""
 import json, sys
@@ -43,7 +43,7 @@ print(json.dumps(answers))
 
 @pytest.fixture(scope="module")
 def v2_answers() -> list[dict]:
-    python = venv_python("torchvision", TORCHVISION)
+    python = venv_python("vision", TORCHVISION)
     cases = [[w, h, 224, 256] for w, h in SIZES]
     done = subprocess.run(
         [str(python), "-c", V2_SCRIPT], input=json.dumps(cases), capture_output=True, text=True, timeout=300, check=False

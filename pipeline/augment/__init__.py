@@ -1,0 +1,21 @@
+"""Detection augmentation as composable ops: every geometric step of one output image is one matrix per source image.
+
+Ultralytics trains YOLO with a recipe of full-image passes: each image
+resized, four pasted into a 2S x 2S canvas (mosaic), the canvas warped
+(random affine: scale, translate, rotation, shear, perspective), then
+flipped and colour-jittered. Here each geometric op is a map of points,
+and the ops of one output compose into one 3x3 matrix per source image
+(from its original pixels to the output's) and a window (the part of the
+output it shows): the pixels are resampled once, straight from the decoded
+source, and the boxes go through the same matrix. The draws follow
+ultralytics' order and formulas, so the same draws give the same boxes.
+
+The package map:
+
+    warp.py      3x3 matrices, boxes through them, ultralytics' box filter (`box_candidates`)
+    mosaic.py    `Mosaic`: four images around a random centre of a 2S x 2S canvas
+    affine.py    `RandomAffine`: ultralytics' RandomPerspective matrix (degrees, translate, scale, shear, perspective)
+    yolo.py      `YoloRecipe` (ultralytics' default hyperparameters) and `plan`: one output's sources, matrices, boxes
+    render.py    one planned output's pixels on the CPU: the native resampler where a matrix is axis-aligned
+    hsv.py       `HSV`: ultralytics' hue, saturation and value gains, per batch in torch
+"""

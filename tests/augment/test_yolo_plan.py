@@ -1,0 +1,90 @@
+"""The YOLO plan's pixels sit where its boxes say, on both ways of rendering; its draws and filters behave.
+
+Four step pictures (`step_edges`: a bright rectangle whose box is exact)
+go through mosaic plans drawn from seeded generators; each rectangle's
+edges, found in the rendered output, must lie where the planned box says,
+at the measurement's floor: on the native path (scale and shift) and on
+the general one (rotation, shear, a vertical flip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+from step_edges import edge_errors, halo, step_picture
+
+from pipeline.augment.affine import RandomAffine
+from pipeline.augment.render import _output_rect, render
+from pipeline.augment.warp import is_axis_aligned
+from pipeline.augment.yolo import YoloRecipe, plan
+
+SIZE = 192
+FLOOR_PX = 0.15  # each edge, resized natively (measured: 0.11 at most); a box half a pixel off its pixels fails
+GENERAL_FLOOR_PX = 0.3  # sampled bilinearly through the inverse, without a filter (measured: 0.2 at most)
+
+
+def pictures(seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    images, boxes = [], []
+    for k in range(4):
+        width, height = int(rng.integers(160, 420)), int(rng.integers(160, 420))
+        w, h = int(width * rng.uniform(0.3, 0.5)), int(height * rng.uniform(0.3, 0.5))
+        x0, y0 = (width - w) // 2, (height - h) // 2
+        images.append(step_picture(width, height, (x0, y0, x0 + w, y0 + h), seed * 10 + k))
+        boxes.append(np.array([[x0, y0, x0 + w, y0 + h]], np.float64))
+    return images, boxes
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        YoloRecipe(size=SIZE, hsv=None),
+        YoloRecipe(size=SIZE, hsv=None, mosaic=None),
+        YoloRecipe(size=SIZE, hsv=None, flipud=0.5),
+    ],
+    ids=["defaults", "mosaic off", "vertical flips (the general way)"],
+)
+def test_each_rectangle_renders_where_its_box_says(recipe: YoloRecipe) -> None:
+    errors: list[float] = []
+    general = 0
+    for seed in range(24):
+        images, boxes = pictures(seed)
+        made = plan(recipe, random.Random(seed), [(i.shape[1], i.shape[0]) for i in images], boxes,
+                    [np.array([k]) for k in range(4)])  # fmt: skip
+        out = render(made, images)
+        for box, tile in zip(made.boxes, made.source_of):
+            matrix = made.matrix(int(tile))
+            general += not (is_axis_aligned(matrix) and matrix[1, 1] > 0)
+            rect = _output_rect(made, int(tile))
+            assert rect is not None
+            zoom = abs(matrix[0, 0])
+            source = images[int(tile)]
+            found = edge_errors(out, tuple(box), rect, zoom, halo(source.shape[1], source.shape[0]) * zoom)
+            errors += [abs(v) for v in found.values()]
+    assert len(errors) >= 40, len(errors)
+    floor = GENERAL_FLOOR_PX if recipe.flipud else FLOOR_PX
+    assert max(errors) < floor and float(np.mean(errors)) < floor / 2, (max(errors), float(np.mean(errors)))
+    if recipe.flipud:
+        assert general > 5
+
+
+def test_a_plan_is_its_draws_and_its_boxes_stay_in_the_output() -> None:
+    images, boxes = pictures(3)
+    sizes = [(i.shape[1], i.shape[0]) for i in images]
+    labels = [np.array([k]) for k in range(4)]
+    recipe = YoloRecipe(size=SIZE, affine=RandomAffine(degrees=30, shear=10, perspective=0.001))
+    a, b = (plan(recipe, random.Random(7), sizes, boxes, labels) for _ in range(2))
+    assert np.array_equal(a.boxes, b.boxes) and np.array_equal(a.warp, b.warp) and a.hsv_gains == b.hsv_gains
+    for seed in range(50):
+        made = plan(recipe, random.Random(seed), sizes, boxes, labels)
+        assert ((made.boxes >= 0) & (made.boxes <= SIZE)).all()
+        assert ((made.boxes[:, 2] - made.boxes[:, 0] > 2) & (made.boxes[:, 3] - made.boxes[:, 1] > 2)).all()
+        assert sorted(made.labels.tolist()) == sorted(made.source_of.tolist())  # each box keeps its own class
+    with pytest.raises(ValueError, match="takes 4 images"):
+        plan(YoloRecipe(size=SIZE), random.Random(0), sizes[:2], boxes[:2], labels[:2])
+    with pytest.raises(ValueError, match="degrees"):
+        RandomAffine(degrees=-1)
+    assert dataclasses.replace(recipe, mosaic=None).sources == 1 and recipe.sources == 4

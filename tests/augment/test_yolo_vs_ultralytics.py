@@ -1,0 +1,265 @@
+"""gpufeed's YOLO plan and pixels against ultralytics' own Mosaic, RandomPerspective and RandomFlip, for the same draws.
+
+Ultralytics (8.4.190, in a cached venv of its own: it needs torch 2.14.1 and
+torchvision, and brings OpenCV and plain Pillow) runs its transforms on
+four pictures: each read and resized as its `load_image` does, the mosaic
+pasted, the canvas warped with `cv2.warpAffine`, the boxes through
+`apply_bboxes`, `clip` and `box_candidates`, then flipped. Its `random` is
+replaced by a list of unit draws, and gpufeed's `plan` takes the same list:
+the boxes must agree within 0.5 px (the same boxes survive), the pixels to
+30 dB PSNR or better (gpufeed resamples each source once; ultralytics
+resizes, then warps the canvas, and samples pixel centres half a pixel
+apart where the warp scales). The draws cover ultralytics' defaults
+(translate and scale), mosaic off, and rotation, shear and perspective.
+The venv's build is counted once per machine; without it the test skips,
+saying why. It runs without a network (`unshare -n` where the machine has
+it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from extra_venvs import VISION, venv_python
+from PIL import Image
+
+from pipeline.augment.affine import RandomAffine
+from pipeline.augment.mosaic import Mosaic
+from pipeline.augment.render import render
+from pipeline.augment.yolo import YoloRecipe, plan
+
+ULTRALYTICS = VISION
+SIZE = 160
+MIN_PSNR_DB = 30.0
+ULTRALYTICS_SCRIPT = r"""
+import json, random, sys
+import cv2
+import numpy as np
+from ultralytics.data.augment import Mosaic, RandomFlip, RandomPerspective
+from ultralytics.utils.instance import Instances
+
+cases = json.load(sys.stdin)
+answers = []
+for case in cases:
+    units = iter(case["units"])
+    random.uniform = lambda a, b: a + (b - a) * next(units)
+    random.random = lambda: next(units)
+    size = case["size"]
+    patches = []
+    for path, boxes, classes in zip(case["images"], case["boxes"], case["labels"]):
+        im = cv2.imread(path)
+        h0, w0 = im.shape[:2]
+        r = size / max(h0, w0)
+        if r != 1:
+            w, h = min(int(np.ceil(w0 * r)), size), min(int(np.ceil(h0 * r)), size)
+            im = cv2.resize(im, (w, h), interpolation=cv2.INTER_LINEAR)
+        b = np.array(boxes, np.float32).reshape(-1, 4) / np.array([w0, h0, w0, h0], np.float32)
+        patches.append({"img": im, "resized_shape": im.shape[:2], "ori_shape": (h0, w0), "im_file": path,
+                        "cls": np.array(classes, np.float32).reshape(-1, 1),
+                        "instances": Instances(b, np.zeros((0, 1000, 2), np.float32), None, bbox_format="xyxy",
+                                               normalized=True)})
+    labels = patches[0]
+    mosaic_on = next(units) <= case["mosaic_p"]
+    if mosaic_on:
+        dataset = type("Dataset", (), {"cache": None, "get_image_and_label": lambda self, i: patches[i]})()
+        mosaic = Mosaic(dataset, imgsz=size, p=1.0)
+        mosaic.get_indexes = lambda: [1, 2, 3]  # the partners are given, not drawn from a buffer
+        params = mosaic.get_params(labels)
+        labels = mosaic.apply_image(labels, params)
+        labels = mosaic.apply_instances(labels, params)
+        labels.pop("mix_labels", None)
+    else:
+        labels["instances"].convert_bbox(format="xyxy")
+        labels["instances"].denormalize(labels["img"].shape[1], labels["img"].shape[0])
+    a = case["affine"]
+    labels = RandomPerspective(degrees=a["degrees"], translate=a["translate"], scale=a["scale"], shear=a["shear"],
+                               perspective=a["perspective"], size=(size, size))(labels)
+    labels = RandomFlip(direction="vertical", p=case["flipud"])(labels)
+    labels = RandomFlip(direction="horizontal", p=case["fliplr"])(labels)
+    instances = labels["instances"]
+    instances.convert_bbox(format="xyxy")
+    if instances.normalized:
+        instances.denormalize(size, size)
+    np.save(case["out"], labels["img"][:, :, ::-1])
+    answers.append({"boxes": instances.bboxes.tolist(), "labels": labels["cls"].reshape(-1).tolist()})
+print(json.dumps(answers))
+"""
+
+
+class Units:
+    """The draws ultralytics' `random.uniform` and `random.random` were given, in order."""
+
+    def __init__(self, units: list[float]) -> None:
+        self.units = iter(units)
+
+    def uniform(self, a: float, b: float) -> float:
+        return a + (b - a) * next(self.units)
+
+    def random(self) -> float:
+        return next(self.units)
+
+
+def picture(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
+    """A smooth photo-like picture with sharp rectangles (its boxes' objects)."""
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([(x * 255 / width), (y * 255 / height), ((x + y) * 127 / (width + height)) + 64], axis=2)
+    return base.clip(0, 255).astype(np.uint8)
+
+
+def write_case(folder: Path, number: int, rng: np.random.Generator) -> dict:
+    images, boxes, labels, pictures = [], [], [], []
+    for k in range(4):
+        width, height = int(rng.integers(90, 400)), int(rng.integers(90, 400))
+        pixels = picture(rng, width, height)
+        own = []
+        for _ in range(int(rng.integers(1, 5))):
+            w, h = rng.uniform(0.1, 0.5) * width, rng.uniform(0.1, 0.5) * height
+            x0, y0 = rng.uniform(0, width - w), rng.uniform(0, height - h)
+            own.append([x0, y0, x0 + w, y0 + h])
+            pixels[int(y0) : int(y0 + h), int(x0) : int(x0 + w)] = rng.integers(0, 256, 3)
+        path = folder / f"{number}-{k}.png"
+        Image.fromarray(pixels).save(path)
+        images.append(str(path))
+        boxes.append(own)
+        labels.append([int(v) for v in rng.integers(0, 5, len(own))])
+        pictures.append(pixels)
+    return {"images": images, "boxes": boxes, "labels": labels, "pictures": pictures}
+
+
+RECIPES = {
+    "defaults": YoloRecipe(size=SIZE),
+    "mosaic off": YoloRecipe(size=SIZE, mosaic=None),
+    "rotation, shear, perspective": YoloRecipe(
+        size=SIZE, affine=RandomAffine(degrees=20, translate=0.2, scale=0.5, shear=5, perspective=0.0005), flipud=0.3
+    ),
+}
+
+
+def run_ultralytics(cases: list[dict]) -> list[dict]:
+    python = venv_python("vision", ULTRALYTICS)
+    config = Path(cases[0]["out"]).parent / "yolo-config"
+    env = {**os.environ, "YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": str(config)}
+    command = [str(python), "-c", ULTRALYTICS_SCRIPT]
+    if shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True, check=False).returncode == 0:
+        command = ["unshare", "-n", *command]  # no network: nothing may be fetched
+    payload = [{k: v for k, v in case.items() if k != "pictures"} for case in cases]
+    done = subprocess.run(command, input=json.dumps(payload), capture_output=True, text=True, env=env, timeout=600,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    return 10 * np.log10(255**2 / max(mse, 1e-9))
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_plan_gives_ultralytics_boxes_and_pixels_for_the_same_draws(tmp_path: Path, name: str) -> None:
+    recipe = RECIPES[name]
+    rng = np.random.default_rng(sorted(RECIPES).index(name))
+    cases = []
+    for number in range(12):
+        case = write_case(tmp_path, number, rng)
+        affine = recipe.affine
+        case.update(units=rng.uniform(0, 1, 16).tolist(), size=SIZE, out=str(tmp_path / f"{number}-ultralytics.npy"),
+                    mosaic_p=recipe.mosaic.p if recipe.mosaic is not None else -1.0, fliplr=recipe.fliplr,
+                    flipud=recipe.flipud, affine=dataclass_dict(affine))  # fmt: skip
+        cases.append(case)
+    answers = run_ultralytics(cases)
+    figures: list[float] = []
+    errors: list[float] = []
+    for case, answer in zip(cases, answers):
+        units = Units(case["units"])
+        originals = [(p.shape[1], p.shape[0]) for p in case["pictures"]]
+        boxes = [np.array(b, np.float64) for b in case["boxes"]]
+        labels = [np.array(v, np.int64) for v in case["labels"]]
+        if recipe.mosaic is None:
+            units.random()  # ultralytics' Mosaic(p=0) still draws whether to mosaic
+        made = plan(dataclass_replace(recipe, hsv=None), units, originals, boxes, labels)
+        want = np.array(answer["boxes"], np.float64).reshape(-1, 4)
+        order_want = np.lexsort(np.round(want, 1).T[::-1])  # float32 rounding: ultralytics' 0 may be -8e-6
+        order_got = np.lexsort(np.round(made.boxes.astype(np.float64), 1).T[::-1])
+        assert len(made.boxes) == len(want), (name, case["units"][:3], made.boxes, want)
+        if len(want):
+            errors.append(float(np.abs(made.boxes[order_got] - want[order_want]).max()))
+        assert not len(want) or errors[-1] < 0.5, (name, made.boxes, want)
+        assert sorted(made.labels.tolist()) == sorted(int(v) for v in answer["labels"])
+        ours = render(made, case["pictures"]).transpose(1, 2, 0)
+        theirs = np.load(case["out"])
+        figures.append(psnr(ours, theirs))
+    assert min(figures) >= MIN_PSNR_DB, (name, [round(f, 1) for f in figures])
+
+
+def dataclass_dict(value: object) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(value)  # type: ignore[call-overload]
+
+
+def dataclass_replace(value: YoloRecipe, **changes: object) -> YoloRecipe:
+    import dataclasses
+
+    return dataclasses.replace(value, **changes)  # type: ignore[arg-type]
+
+
+def test_mosaic_tiles_meet_at_the_centre_and_cover_the_canvas_where_their_images_reach() -> None:
+    tiles = Mosaic().tiles(Units([0.5, 0.5]), 100, [(100, 50), (80, 100), (100, 100), (60, 60)])
+    # centre (100, 100): the top-left image ends there, the bottom-right begins there
+    assert tiles[0].window[2:] == (100, 100) and tiles[3].window[:2] == (100, 100)
+    for tile in tiles:
+        x0, y0, x1, y1 = tile.window
+        assert 0 <= x0 < x1 <= 200 and 0 <= y0 < y1 <= 200
+
+
+HSV_SCRIPT = r"""
+import json, sys
+import numpy as np
+from ultralytics.data.augment import RandomHSV
+
+case = json.load(sys.stdin)
+image = np.load(case["image"])  # RGB
+out = []
+for units in case["units"]:
+    np.random.uniform = lambda a, b, n, units=units: a + (b - a) * np.array(units)
+    labels = {"img": np.ascontiguousarray(image[:, :, ::-1])}  # ultralytics works in BGR
+    RandomHSV(*case["gains"])(labels)
+    out.append(labels["img"][:, :, ::-1])
+np.save(case["out"], np.stack(out))
+"""
+
+
+def test_hsv_on_a_batch_equals_ultralytics_per_image(tmp_path: Path) -> None:
+    import torch
+
+    from pipeline.augment.hsv import HSV, apply_hsv
+
+    rng = np.random.default_rng(5)
+    image = picture(rng, 96, 64)
+    image[10:40, 20:70] = [250, 250, 250]  # white, grey and saturated patches
+    image[40:60, 0:30] = [128, 128, 128]
+    image[0:10, :] = rng.integers(0, 256, (10, 96, 3))
+    np.save(tmp_path / "image.npy", image)
+    hsv = HSV()
+    units = rng.uniform(0, 1, (6, 3)).tolist()
+    python = venv_python("vision", ULTRALYTICS)
+    env = {**os.environ, "YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": str(tmp_path / "yolo-config")}
+    case = {"image": str(tmp_path / "image.npy"), "units": units, "gains": [hsv.hue, hsv.saturation, hsv.value],
+            "out": str(tmp_path / "hsv.npy")}  # fmt: skip
+    done = subprocess.run([str(python), "-c", HSV_SCRIPT], input=json.dumps(case), capture_output=True, text=True,
+                          env=env, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = np.load(tmp_path / "hsv.npy")
+    gains = torch.tensor([hsv.draw(Units(u)) for u in units], dtype=torch.float32)
+    batch = torch.from_numpy(np.repeat(image.transpose(2, 0, 1)[None], len(units), axis=0))
+    ours = apply_hsv(batch, gains).numpy().transpose(0, 2, 3, 1)
+    difference = np.abs(ours.astype(int) - theirs.astype(int))
+    # OpenCV's 8-bit HSV rounds through tables; a level or two apart at most, and equal almost everywhere
+    assert difference.max() <= 3 and (difference == 0).mean() > 0.9, (difference.max(), (difference == 0).mean())
+    assert all(psnr(o, t) > 45 for o, t in zip(ours, theirs))
