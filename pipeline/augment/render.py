@@ -16,16 +16,20 @@ import math
 import numpy as np
 
 from .. import native
-from .warp import is_axis_aligned
+from .warp import is_axis_aligned, scaling
 from .yolo import Plan
 
 TINY = 4  # a window this narrow or narrower goes the general way (a planar view of 3 columns reads as HWC)
 
 
-def render(plan: Plan, images: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
-    """The output [3, S, S] uint8 of `plan` from its tiles' originals (H, W, 3 or 4 uint8 RGB[X], in tile order).
+def render(
+    plan: Plan, images: list[np.ndarray], out: np.ndarray | None = None, scales: list[tuple[float, float]] | None = None
+) -> np.ndarray:
+    """The output [3, S, S] uint8 of `plan` from its tiles' pictures (H, W, 3 or 4 uint8 RGB[X], in tile order).
 
-    `out`, if given, is written in place (a loader's slot) and returned.
+    `scales`: each picture's pixels per pixel of its original (a DCT-scaled
+    decode's M/8), default 1. `out`, if given, is written in place (a
+    loader's slot) and returned.
     """
     size = plan.size
     if out is None:
@@ -33,12 +37,14 @@ def render(plan: Plan, images: list[np.ndarray], out: np.ndarray | None = None) 
     out[...] = plan.fill
     lib = native.library()
     for index, tile in enumerate(plan.tiles):
-        matrix = plan.matrix(index)
+        sx, sy = scales[index] if scales is not None else (1.0, 1.0)
+        to_canvas = tile.matrix @ scaling(1 / sx, 1 / sy)  # the picture's pixels -> the canvas
+        matrix = plan.warp @ to_canvas
         image = images[index]
         if lib is not None and is_axis_aligned(matrix) and matrix[1, 1] > 0:
             if _resize_into(lib, plan, index, matrix, image, out):
                 continue
-        _warp_into(plan, index, image, out)
+        _warp_into(plan, index, to_canvas, image, out)
     return out
 
 
@@ -91,19 +97,19 @@ def _rgbx(image: np.ndarray) -> np.ndarray:
     return packed
 
 
-def _warp_into(plan: Plan, index: int, image: np.ndarray, out: np.ndarray) -> None:
+def _warp_into(plan: Plan, index: int, to_canvas: np.ndarray, image: np.ndarray, out: np.ndarray) -> None:
     """The general way: the original reduced to its mosaic size, then each output pixel's centre sampled
     bilinearly through the inverse map, where it falls in the tile's window."""
     from PIL import Image
 
     tile = plan.tiles[index]
     height, width = image.shape[:2]
-    sx, sy = tile.matrix[0, 0], tile.matrix[1, 1]
+    sx, sy = to_canvas[0, 0], to_canvas[1, 1]
     small = (max(1, round(width * sx)), max(1, round(height * sy)))
     source = np.asarray(Image.fromarray(np.ascontiguousarray(image[:, :, :3])).resize(small, Image.Resampling.BILINEAR))
     # the reduced image -> canvas: the tile's shift; then the canvas -> output
-    to_canvas = np.array([[1.0, 0, tile.matrix[0, 2]], [0, 1.0, tile.matrix[1, 2]], [0, 0, 1.0]])
-    inverse = np.linalg.inv(plan.warp @ to_canvas)
+    shift = np.array([[1.0, 0, to_canvas[0, 2]], [0, 1.0, to_canvas[1, 2]], [0, 0, 1.0]])
+    inverse = np.linalg.inv(plan.warp @ shift)
     back = np.linalg.inv(plan.warp)
     v, u = np.mgrid[0 : plan.size, 0 : plan.size]
     centres = np.stack([u.ravel() + 0.5, v.ravel() + 0.5, np.ones(u.size)])

@@ -1,5 +1,6 @@
 """The native code, called through ctypes: the loader's region JPEG decoder
-(`jpegregion.c`, `resample.c`) and prepare's YCbCr JPEG path (`ycc.c`).
+(`jpegregion.c`, `resample.c`), prepare's YCbCr JPEG path (`ycc.c`) and the
+augmentation's HSV gains (`colour.c`).
 
 `pip install` builds it as the optional extension module
 `pipeline.native._libgpufeed` (build.py), which needs a C compiler and
@@ -26,6 +27,7 @@ doctor` (which calls `library_info()`) reports where the library came from.
     jpegregion.c   decode only the region of a JPEG a crop reads, at the DCT scale it needs
     resample.c     the resampling filters into a batch slot
     ycc.c          prepare's JPEG-to-JPEG resize in YCbCr, without RGB
+    colour.c       ultralytics' HSV gains on a planar uint8 image, in OpenCV's 8-bit arithmetic
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SOURCES = tuple(HERE / name for name in ("jpegregion.c", "resample.c", "ycc.c"))
+SOURCES = tuple(HERE / name for name in ("jpegregion.c", "resample.c", "ycc.c", "colour.c"))
 HEADERS = (HERE / "gpufeed.h", HERE / "jpegcommon.h")
 MODULE_SOURCE = HERE / "_libgpufeed.c"  # the extension module's shell (PyInit_, the source digest)
 EXTENSION = "pipeline.native._libgpufeed"

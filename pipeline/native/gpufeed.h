@@ -67,4 +67,8 @@ int gf_ycc_basis_check(void);
 /* _libgpufeed.c, only in the library that `pip install` builds: the digest of the sources it was built from. */
 const char *gf_source_digest(void);
 
+/* colour.c: photometric augmentation. */
+void gf_hsv(unsigned char *pixels, long plane, long count, const unsigned char *lut_h, const unsigned char *lut_s,
+            const unsigned char *lut_v);
+
 #endif

@@ -88,3 +88,20 @@ def test_a_plan_is_its_draws_and_its_boxes_stay_in_the_output() -> None:
     with pytest.raises(ValueError, match="degrees"):
         RandomAffine(degrees=-1)
     assert dataclasses.replace(recipe, mosaic=None).sources == 1 and recipe.sources == 4
+
+
+def test_a_reduced_decode_renders_as_its_original_does() -> None:
+    # A DCT-scaled decode (here a quarter-size picture) is rendered through its scale, not as the original.
+    from PIL import Image
+    from step_edges import psnr
+
+    images, boxes = pictures(11)
+    made = plan(YoloRecipe(size=SIZE, hsv=None), random.Random(2), [(i.shape[1], i.shape[0]) for i in images], boxes,
+                [np.array([k]) for k in range(4)])  # fmt: skip
+    reduced, scales = [], []
+    for image in images:
+        small = (-(-image.shape[1] // 2), -(-image.shape[0] // 2))
+        reduced.append(np.asarray(Image.fromarray(image).resize(small, Image.Resampling.BOX)))
+        scales.append((small[0] / image.shape[1], small[1] / image.shape[0]))
+    assert psnr(render(made, reduced, scales=scales), render(made, images)) > 30
+    assert psnr(render(made, reduced), render(made, images)) < 20  # taken for originals, they would be wrong
