@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import random
 import subprocess
@@ -92,11 +91,10 @@ print(json.dumps({"cpu": cpu, "wall": wall, "boxes": boxes, "shape": list(labels
 
 
 def gpufeed_side(images: list[str], boxes: list[list[list[float]]], size: int, outputs: int, no_mosaic: bool) -> dict:
-    import simplejpeg
     import torch
 
     from pipeline.augment.hsv import hsv_in_place
-    from pipeline.augment.render import render
+    from pipeline.augment.render import render, render_jpegs
     from pipeline.augment.yolo import YoloRecipe, plan
 
     torch.set_num_threads(1)
@@ -105,13 +103,13 @@ def gpufeed_side(images: list[str], boxes: list[list[list[float]]], size: int, o
     recipe = YoloRecipe(size=size, mosaic=None) if no_mosaic else YoloRecipe(size=size)
     rng = random.Random(0)
 
-    def load(i: int) -> tuple[np.ndarray, tuple[int, int], tuple[float, float], int]:
-        data = Path(images[i]).read_bytes()
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        need = size * (1 + recipe.affine.scale) / max(width, height)  # the largest the output can show it
-        kwargs = {"min_width": math.ceil(width * need), "min_height": math.ceil(height * need)} if need < 1 else {}
-        pixels = simplejpeg.decode_jpeg(data, colorspace="RGBX", **kwargs)
-        return pixels, (width, height), (pixels.shape[1] / width, pixels.shape[0] / height), i
+    from pipeline import native
+
+    decoder = native.RegionDecoder(native.library())  # type: ignore[arg-type]
+
+    def load(i: int) -> tuple[bytes, tuple[int, int], int]:
+        data = Path(images[i]).read_bytes()  # the file only: each output decodes the parts it shows
+        return data, decoder.header(data), i
 
     buffer = [load(i) for i in range(min(64, len(images)))]  # recent images, as ultralytics keeps them
     start_cpu, start = time.process_time(), time.perf_counter()
@@ -122,11 +120,11 @@ def gpufeed_side(images: list[str], boxes: list[list[list[float]]], size: int, o
         own = load(n % len(images))
         buffer[n % len(buffer)] = own
         chosen = [own] + [buffer[rng.randrange(len(buffer))] for _ in range(recipe.sources - 1)]
-        index = [c[3] for c in chosen]
+        index = [c[2] for c in chosen]
         made = plan(recipe, rng, [c[1] for c in chosen], [np.array(boxes[i]).reshape(-1, 4) for i in index],
                     [np.zeros(len(boxes[i]), np.int64) for i in index])  # fmt: skip
         slot = batch[n % 16]
-        render(made, [c[0] for c in chosen], out=slot, scales=[c[2] for c in chosen])
+        render_jpegs(made, [c[0] for c in chosen], out=slot, decoder=decoder)
         if made.hsv_gains is not None:
             before = time.process_time()
             hsv_in_place(slot, made.hsv_gains)  # a CPU device's worker; on a GPU `apply_hsv` takes the batch
@@ -149,6 +147,33 @@ def photos(folder: str, count: int) -> tuple[list[str], list[list[list[float]]]]
     return images, [by_image.get(image["id"], []) for image in coco["images"]]
 
 
+def prepared_photos(folder: str, size: int) -> tuple[list[str], list[list[list[float]]]]:
+    """The photos as `gpufeed prepare --mode longer --size S` stores them (offline, untimed): JPEGs whose
+    longer side is S, and their boxes in those pixels; written out as files for the timed loop to read."""
+    import io
+    import tarfile
+
+    from pipeline import PrepareSpec, ResizeSpec, prepare_dataset
+
+    source = str(Path(folder) / "annotations" / "instances_train.json")
+    out = Path(folder) / "prepared"
+    prepare_dataset(PrepareSpec(source, str(out), resize=ResizeSpec(size=size, mode="longer")), workers=1)
+    images, boxes = [], []
+    for shard in sorted(out.glob("shard-*.tar")):
+        members: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                key, _, ext = member.name.partition(".")
+                members.setdefault(key, {})[ext] = tar.extractfile(member).read()  # type: ignore[union-attr]
+        for key, parts in sorted(members.items()):
+            path = out / f"{key}.jpg"
+            path.write_bytes(parts["jpg"])
+            images.append(str(path))
+            found = np.load(io.BytesIO(parts["boxes.npy"])) if "boxes.npy" in parts else np.zeros((0, 4))
+            boxes.append(found.astype(float).tolist())
+    return images, boxes
+
+
 def ultralytics_python(given: str | None) -> str | None:
     if given:
         return given
@@ -167,7 +192,8 @@ def main() -> int:
     python = ultralytics_python(args.ultralytics_python)
     with tempfile.TemporaryDirectory() as folder:
         images, boxes = photos(folder, args.images)
-        ours = gpufeed_side(images, boxes, args.imgsz, args.outputs, args.no_mosaic)
+        prepared, prepared_boxes = prepared_photos(folder, args.imgsz)
+        ours = gpufeed_side(prepared, prepared_boxes, args.imgsz, args.outputs, args.no_mosaic)
         theirs = None
         if python is None:
             print("ultralytics: no venv with it (run the test suite once, or give --ultralytics-python)")

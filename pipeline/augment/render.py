@@ -11,6 +11,7 @@ its mosaic size first (as ultralytics resizes before it warps).
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
@@ -79,13 +80,24 @@ def _resize_into(lib: object, plan: Plan, index: int, matrix: np.ndarray, image:
     pixels = _rgbx(image)
     decoder = native.RegionDecoder(lib)  # type: ignore[arg-type]
     decoder.resize_store(pixels.ctypes.data, (width, height), box, out[:, j0:j1, i0:i1], native.PILLOW_SIMD, flip=sx < 0)
-    if (i0, j0, i1, j1) != (u0, v0, u1, v1):  # the rim: pixels whose centre is in the window, part of them past the edge
-        v, u = np.mgrid[v0:v1, u0:u1]
-        rim = ~((u >= i0) & (u < i1) & (v >= j0) & (v < j1))
-        xs = np.clip(((u[rim] + 0.5 - tx) / sx).astype(np.int64), 0, width - 1)
-        ys = np.clip(((v[rim] + 0.5 - ty) / sy).astype(np.int64), 0, height - 1)
-        out[:, v[rim], u[rim]] = image[ys, xs, :3].T
+    for v, u in _rim((u0, v0, u1, v1), (i0, j0, i1, j1)):  # pixels whose centre is in the window, part past the edge
+        xs = np.clip(((u + 0.5 - tx) / sx).astype(np.int64), 0, width - 1)
+        ys = np.clip(((v + 0.5 - ty) / sy).astype(np.int64), 0, height - 1)
+        out[:, v, u] = image[ys, xs, :3].T
     return True
+
+
+def _rim(outer: tuple[int, int, int, int], inner: tuple[int, int, int, int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (rows, columns) of the pixels of `outer` outside `inner` (both u0, v0, u1, v1, end exclusive), as
+    up to four strips: the rows above and below, then the columns left and right beside `inner`."""
+    u0, v0, u1, v1 = outer
+    i0, j0, i1, j1 = inner
+    strips = []
+    for rows, columns in (((v0, j0), (u0, u1)), ((j1, v1), (u0, u1)), ((j0, j1), (u0, i0)), ((j0, j1), (i1, u1))):
+        if rows[1] > rows[0] and columns[1] > columns[0]:
+            v, u = np.mgrid[rows[0] : rows[1], columns[0] : columns[1]]
+            strips.append((v.ravel(), u.ravel()))
+    return strips
 
 
 def _rgbx(image: np.ndarray) -> np.ndarray:
@@ -130,3 +142,102 @@ def _warp_into(plan: Plan, index: int, to_canvas: np.ndarray, image: np.ndarray,
     bottom = source[jy, ix] * (1 - fx) + source[jy, jx] * fx
     values = np.round(top * (1 - fy) + bottom * fy).clip(0, 255).astype(np.uint8)
     out[:, v.ravel()[inside], u.ravel()[inside]] = values.T
+
+
+def render_jpegs(
+    plan: Plan, jpegs: list[bytes], out: np.ndarray | None = None, decoder: native.RegionDecoder | None = None
+) -> np.ndarray:
+    """`render` straight from the tiles' JPEG files: each decodes only the part its tile shows, at the
+    smallest DCT scale (M/8) that keeps that part at least as large as its place in the output.
+
+    A mosaic shows about a quarter of each of its four pictures, and a picture reduced to its place
+    needs few of its DCT coefficients: this decodes a fraction of what four whole pictures take. A tile
+    whose matrix is not axis-aligned (rotation, shear, perspective, a vertical flip) is decoded whole
+    and rendered the general way. Without the native library, `render` over Pillow's decodes.
+
+    Raises:
+        native.RegionError: libjpeg refused a file (the caller's damage policy decides).
+    """
+    size = plan.size
+    if out is None:
+        out = np.empty((3, size, size), np.uint8)
+    lib = native.library()
+    if lib is None:
+        from PIL import Image
+
+        pictures = [np.asarray(Image.open(io.BytesIO(data)).convert("RGB")) for data in jpegs]
+        return render(plan, pictures, out)
+    decoder = decoder or native.RegionDecoder(lib)
+    out[...] = plan.fill
+    for index, tile in enumerate(plan.tiles):
+        matrix = plan.matrix(index)
+        data = jpegs[index]
+        width, height = decoder.header(data)
+        if is_axis_aligned(matrix) and matrix[1, 1] > 0 and _region_into(decoder, plan, index, matrix, data, (width, height), out):
+            continue
+        zoom = math.sqrt(abs(matrix[0, 0] * matrix[1, 1] - matrix[0, 1] * matrix[1, 0]))  # output px per source px
+        eighths = min(8, max(1, math.ceil(8 * zoom * 1.5 - 1e-9)))  # a margin for what a tilt enlarges
+        rows, first, decoded_width, decoded_height = _decode(decoder, data, (width, height), eighths, None)
+        picture = rows.reshape(decoded_height, decoded_width, 4)
+        _warp_into(plan, index, plan.tiles[index].matrix @ scaling(8 / eighths, 8 / eighths), picture, out)
+    return out
+
+
+def _decode(
+    decoder: native.RegionDecoder,
+    data: bytes,
+    size: tuple[int, int],
+    eighths: int,
+    rows: tuple[int, int] | None,
+    columns: tuple[int, int] | None = None,
+) -> tuple[np.ndarray, int, int, int]:
+    """RGBX rows of the image scaled by eighths/8: (pixels, first column, decoded width, rows decoded)."""
+    scaled_width, scaled_height = -(-size[0] * eighths // 8), -(-size[1] * eighths // 8)
+    y0, y1 = rows if rows is not None else (0, scaled_height)
+    x0, x1 = columns if columns is not None else (0, scaled_width)
+    buffer = np.empty(scaled_width * (y1 - y0) * 4 + 64, np.uint8)
+    first, decoded_width = decoder.decode(data, eighths, (x0, y0, x1 - x0, y1 - y0), buffer.ctypes.data, buffer.size)
+    return buffer[: decoded_width * (y1 - y0) * 4], first, decoded_width, y1 - y0
+
+
+def _region_into(
+    decoder: native.RegionDecoder,
+    plan: Plan,
+    index: int,
+    matrix: np.ndarray,
+    data: bytes,
+    size: tuple[int, int],
+    out: np.ndarray,
+) -> bool:
+    """The tile's pixels from a region decode: the rows and iMCU columns its output part reads."""
+    rect = _output_rect(plan, index)
+    if rect is None:
+        return True
+    width, height = size
+    sx, tx, sy, ty = matrix[0, 0], matrix[0, 2], matrix[1, 1], matrix[1, 2]
+    left_edge, right_edge = sorted((tx, sx * width + tx))
+    u0, v0, u1, v1 = rect
+    i0, i1 = max(u0, math.ceil(left_edge - 1e-9)), min(u1, math.floor(right_edge + 1e-9))
+    j0, j1 = max(v0, math.ceil(ty - 1e-9)), min(v1, math.floor(sy * height + ty + 1e-9))
+    if i1 - i0 <= TINY or j1 - j0 <= TINY:
+        return False
+    x_a, x_b = sorted(((i0 - tx) / sx, (i1 - tx) / sx))
+    box = (max(0.0, x_a), max(0.0, (j0 - ty) / sy), min(float(width), x_b), min(float(height), (j1 - ty) / sy))
+    # the smallest M/8 that keeps the box at least as large as its output part, as the loader's crops choose
+    eighths = min(8, max(1, math.ceil(8 * max((i1 - i0) / (box[2] - box[0]), (j1 - j0) / (box[3] - box[1])) - 1e-9)))
+    scale = eighths / 8
+    scaled_width, scaled_height = -(-width * eighths // 8), -(-height * eighths // 8)
+    scaled = (box[0] * scale, box[1] * scale, box[2] * scale, box[3] * scale)
+    margin = 3 + math.ceil(max((scaled[2] - scaled[0]) / (i1 - i0), (scaled[3] - scaled[1]) / (j1 - j0)))
+    x0, y0 = max(0, math.floor(scaled[0]) - margin), max(0, math.floor(scaled[1]) - margin)
+    x1, y1 = min(scaled_width, math.ceil(scaled[2]) + margin), min(scaled_height, math.ceil(scaled[3]) + margin)
+    rows, first, decoded_width, count = _decode(decoder, data, size, eighths, (y0, y1), (x0, x1))
+    relative = (scaled[0] - first, scaled[1] - y0, scaled[2] - first, scaled[3] - y0)
+    decoder.resize_store(rows.ctypes.data, (decoded_width, count), relative, out[:, j0:j1, i0:i1], native.PILLOW_SIMD,
+                         flip=sx < 0)  # fmt: skip
+    picture = rows.reshape(count, decoded_width, 4)
+    for v, u in _rim((u0, v0, u1, v1), (i0, j0, i1, j1)):  # the rim, nearest, from the decoded rows
+        xs = np.clip(((u + 0.5 - tx) / sx * scale - first).astype(np.int64), 0, decoded_width - 1)
+        ys = np.clip(((v + 0.5 - ty) / sy * scale - y0).astype(np.int64), 0, count - 1)
+        out[:, v, u] = picture[ys, xs, :3].T
+    return True

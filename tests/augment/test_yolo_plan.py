@@ -105,3 +105,31 @@ def test_a_reduced_decode_renders_as_its_original_does() -> None:
         scales.append((small[0] / image.shape[1], small[1] / image.shape[0]))
     assert psnr(render(made, reduced, scales=scales), render(made, images)) > 30
     assert psnr(render(made, reduced), render(made, images)) < 20  # taken for originals, they would be wrong
+
+
+@pytest.mark.parametrize("affine", [RandomAffine(), RandomAffine(degrees=25, shear=5)], ids=["default", "rotated"])
+def test_rendering_from_the_jpegs_decodes_only_what_each_tile_shows_and_gives_the_same_pixels(affine: RandomAffine) -> None:
+    # render_jpegs: each tile's region decoded at its DCT scale; render: the whole pictures, decoded at full size.
+    import io
+
+    from PIL import Image
+    from step_edges import psnr
+
+    from pipeline import native
+    from pipeline.augment.render import render_jpegs
+
+    if native.library() is None:
+        pytest.skip("the native library is not built here")
+    figures = []
+    for seed in range(6):
+        images, boxes = pictures(20 + seed)
+        jpegs = []
+        for image in images:
+            buffer = io.BytesIO()
+            Image.fromarray(image).save(buffer, "JPEG", quality=95)
+            jpegs.append(buffer.getvalue())
+        decoded = [np.asarray(Image.open(io.BytesIO(data)).convert("RGB")) for data in jpegs]
+        made = plan(YoloRecipe(size=SIZE, hsv=None, affine=affine), random.Random(seed),
+                    [(i.shape[1], i.shape[0]) for i in images], boxes, [np.array([k]) for k in range(4)])  # fmt: skip
+        figures.append(psnr(render_jpegs(made, jpegs), render(made, decoded)))
+    assert min(figures) > 35, [round(f, 1) for f in figures]
