@@ -16,7 +16,7 @@ from .errors import ConfigError
 from .targets import TASKS
 from .units import parse_bytes
 
-RECIPES = ("crop", "letterbox", "scale_jitter", "iou_crop")  # how the loader makes each image its output
+RECIPES = ("crop", "letterbox", "scale_jitter", "iou_crop", "yolo")  # how the loader makes each image its output
 
 RESIZE_MODES = ("shorter", "longer", "center-crop", "pad", "none")
 FORMATS = ("jpeg", "webp", "png", "npy")
@@ -377,8 +377,10 @@ class LoaderSpec(Spec):
             crop in train, centre crop in eval) or a detection recipe:
             "letterbox" (the whole image, ratio kept, padded), "scale_jitter"
             (letterbox times a random scale in `jitter`, cropped or padded),
-            "iou_crop" (SSD's random IoU crop; needs boxes). In eval mode the
-            detection recipes letterbox. None: "letterbox" for a detection
+            "iou_crop" (SSD's random IoU crop; needs boxes), "yolo"
+            (ultralytics' default training recipe: a mosaic of four images,
+            random scale and shift, flips, HSV gains; `pipeline.augment`).
+            In eval mode the detection recipes letterbox. None: "letterbox" for a detection
             dataset (no box is cut away), "crop" for every other task.
         jitter: scale_jitter's range of scales.
         fill: the value (0-255) of output pixels the image does not cover.

@@ -18,6 +18,7 @@
     device.py         the device side: flip, float, normalise; the CPU finish; CUDA side-stream prefetch
     crops.py          the crop plan: each sample's random-resized or centre crop box, from its seed and size
     placement.py      detection recipes: letterbox, scale jitter, IoU crop (which part of an image goes where)
+    mosaic_piece.py   the "yolo" recipe's piece: each output a mosaic of its sample and three partners (pipeline.augment)
     tasks.py          targets on their way to a batch (boxes, masks, labels, captions, fields) and `Batch`
     cpu_decode.py     decode on the CPU straight into batch slots: decode_into, decode_many, the decoder chosen
     region_decode.py  the region decoder (libjpeg-turbo in pipeline.native) over a piece's JPEGs, one C call

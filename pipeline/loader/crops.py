@@ -40,6 +40,7 @@ class CropSpec:
             "scale_jitter", "iou_crop".
         jitter: scale_jitter's range of scales (of the letterboxed size).
         fill: the value of the output's pixels the image does not cover.
+        flip: random horizontal flips (the "yolo" recipe draws its own in its plan).
     """
 
     size: int = 224
@@ -52,6 +53,7 @@ class CropSpec:
     recipe: str = "crop"
     jitter: tuple[float, float] = (0.1, 2.0)
     fill: int = 114
+    flip: bool = True
 
 
 class Affine:

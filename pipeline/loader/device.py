@@ -331,7 +331,7 @@ class DeviceFinish:
         return self._affine_cache
 
     def _flip_mask(self, epoch: int, index: int, count: int) -> np.ndarray | None:
-        if not (self.spec.train and self.spec.flip) or self.flips_in_workers:
+        if not (self.spec.train and self.spec.flip) or self.flips_in_workers or self.spec.recipe == "yolo":
             return None
         return flip_mask(self.spec.seed, epoch, self.rank, index, count)
 

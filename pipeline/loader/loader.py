@@ -364,16 +364,23 @@ def _task_plan(
         raise ConfigError(f"recipe={spec.recipe!r} places images on the CPU: decoder='nvjpeg' only crops; use a CPU decoder")
     if spec.recipe == "iou_crop" and (spec.task or dataset.task) != "detection":
         raise ConfigError("recipe='iou_crop' crops around each sample's boxes: it needs a detection dataset (task='detection')")
+    if spec.recipe == "yolo" and (spec.task or dataset.task) != "detection":
+        raise ConfigError("recipe='yolo' makes mosaics of boxes: it needs a detection dataset (task='detection')")
+    if spec.recipe == "yolo" and "geometry" in spec.fields:
+        raise ConfigError("recipe='yolo' makes each output of four images: fields=('geometry',) has no one source to give")
     if sample_transform is not None and spec.decoder == "nvjpeg":
         raise ConfigError(
             "sample_transform runs on each decoded sample in the decode workers, and decoder='nvjpeg' decodes "
             "on the GPU: use batch_transform there, or a CPU decoder"
         )
     classes = len(dataset.classes) or None
-    return task_plan(
+    plan = task_plan(
         spec.task, spec.fields, dataset.task, classes, dataset.ignore_index, spec.min_visible, sample_transform,
         spec.worker_type, dataset.fields,
     )  # fmt: skip
+    if spec.recipe == "yolo" and spec.train and plan is not None:  # its mosaics carry boxes and labels, not yet masks
+        plan = dataclasses.replace(plan, masks=False, instances=False, polygons=False)
+    return plan
 
 
 def _field_names(fields: Sequence[str]) -> tuple[str, ...]:

@@ -19,7 +19,9 @@ from ..targets import TargetError
 from .cpu_decode import decode_many
 from .crops import Affine, CropSpec
 from .damage import Extras, Item
+from .mosaic_piece import write_slot, yolo_recipe, yolo_sample
 from .placement import Placement
+from .slot_pixels import region_decoder
 from .tasks import TaskPlan, placement_of, run_sample_transform, sample_targets
 
 _SHARED_RING: np.ndarray | None = None  # set before forking process workers
@@ -126,8 +128,11 @@ def decode_task_chunk(
 ) -> PieceResult:
     """`decode_chunk`, then each decoded sample's targets (`sample_task`): a sample whose targets are damaged fails.
 
-    With a detection recipe each sample's placement is worked out once, for its pixels and its targets.
+    With a detection recipe each sample's placement is worked out once, for its pixels and its targets;
+    the YOLO recipe's mosaics go their own way (`mosaic_piece.py`).
     """
+    if crop.recipe == "yolo" and crop.train:
+        return _yolo_chunk(work, ring, slot, start, items, crop, finish)
     placements: list[Placement | None] | None = None
     unplaced: list[tuple[int, str]] = []
     if crop.recipe != "crop":
@@ -155,4 +160,36 @@ def decode_task_chunk(
             done[position] = sample_task(work.plan, pixels, item, extras, key, flip, crop, placement)
         except (TargetError, DecodeError) as exc:
             failures.append((position, str(exc)))
+    return PieceResult(sorted(failures), done)
+
+
+def _yolo_chunk(
+    work: TaskWork,
+    ring: np.ndarray | None,
+    slot: int,
+    start: int,
+    items: list[tuple[str, bytes, int]],
+    crop: CropSpec,
+    finish: CpuFinish | None,
+) -> PieceResult:
+    """The YOLO recipe's piece: each position's mosaic of the piece's samples, rendered into its slot."""
+    target = ring if ring is not None else _SHARED_RING
+    recipe = yolo_recipe(crop, crop.flip)
+    decoder = region_decoder() if crop.decoder == "region" else None
+    failures: list[tuple[int, str]] = []
+    done: dict[int, dict[str, Any]] = {}
+    extras = [extra or {} for extra in work.extras]
+    for offset in range(len(items)):
+        position = start + offset
+        pixels = np.empty((3, crop.size, crop.size), np.uint8)
+        try:
+            done[position] = yolo_sample(work.plan, recipe, items, extras, offset, work.keys[offset], pixels, decoder)
+        except (TargetError, DecodeError) as exc:
+            failures.append((position, str(exc)))
+            continue
+        if finish is not None:
+            write_slot(pixels, finish.out[position], finish.affine)
+        else:
+            assert target is not None
+            write_slot(pixels, target[slot, position], None)
     return PieceResult(sorted(failures), done)

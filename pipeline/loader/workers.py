@@ -30,9 +30,11 @@ from .crops import CropSpec, flip_mask
 from .damage import Damage, Donor, Extras, Item, Report, replace_failures
 from .epoch import Record
 from .executors import InlineExecutor, ProcessExecutor, failed_samples
+from .mosaic_piece import write_slot, yolo_recipe, yolo_sample
 from .pacing import Backlog, RunSlots
 from .pieces import CpuFinish, TaskWork, decode_chunk, decode_task_chunk, sample_task
 from .placement import Placement
+from .slot_pixels import region_decoder
 from .tasks import TaskPlan, placement_of
 
 
@@ -98,7 +100,7 @@ class DecodePool:
     ) -> None:
         self.workers = workers
         self.plan = plan
-        self._flips_on = spec.train and spec.flip
+        self._flips_on = spec.train and spec.flip and spec.recipe != "yolo"  # the yolo recipe flips in its plan
         self.inline = workers == 0  # decode in the thread that asks for the batch
         self.strict = spec.on_error == "raise"
         self._seed, self._rank = spec.seed, rank
@@ -207,7 +209,7 @@ class DecodePool:
     ) -> Callable[[int, Item, Extras], bool]:
         """For a task: a stand-in decodes only when its targets do too, and they take the position's."""
         plan = self.plan
-        if plan is None:
+        if plan is None or (self._crop.recipe == "yolo" and self._crop.train):  # the mosaic's decode sets its targets
             return decode_at
         ring = self.ring.numpy()
 
@@ -228,6 +230,8 @@ class DecodePool:
         """Decode one item into a position of the batch, where the workers would have: True when it decoded."""
         finish = batch.finish
         ring = self.ring.numpy()
+        if self._crop.recipe == "yolo" and self._crop.train and self.plan is not None:
+            return self._mosaic_stand_in(batch)
 
         def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
             placements: list[Placement | None] | None = None
@@ -240,6 +244,25 @@ class DecodePool:
                 return not decode_many([ring[batch.slot, position]], [item], self._crop, placements=placements)
             slot, flip = finish.out[position], finish.flip(position)
             return not decode_many([slot], [item], self._crop, flips=[flip], affine=finish.affine, placements=placements)
+
+        return decode_at
+
+    def _mosaic_stand_in(self, batch: HostBatch) -> Callable[[int, Item, Extras], bool]:
+        """The YOLO recipe's stand-in: a mosaic of the stand-in alone (its own partners), pixels and targets."""
+        assert self.plan is not None
+        plan, crop, finish, ring = self.plan, self._crop, batch.finish, self.ring.numpy()
+        recipe = yolo_recipe(crop, crop.flip)
+
+        def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
+            pixels = np.empty((3, crop.size, crop.size), np.uint8)
+            try:
+                targets = yolo_sample(plan, recipe, [item], [extras or {}], 0, batch.keys[position], pixels, region_decoder())
+            except (TargetError, DecodeError):
+                return False
+            write_slot(pixels, finish.out[position] if finish is not None else ring[batch.slot, position],
+                       finish.affine if finish is not None else None)  # fmt: skip
+            batch.targets[position] = targets
+            return True
 
         return decode_at
 

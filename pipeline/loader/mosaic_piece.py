@@ -1,0 +1,108 @@
+"""The YOLO recipe's decode piece: each output a mosaic of its sample and three partners, rendered once per source.
+
+With `recipe="yolo"` in train mode, each position of a decode piece draws,
+from its own seed, three partners among the piece's samples (ultralytics
+draws them from the images it read last), plans its output
+(`pipeline.augment.yolo.plan`: mosaic, random affine, flips, HSV gains),
+renders it (`render_jpegs`: each source's JPEG decoded only where its tile
+shows it) into its slot, applies the HSV gains (native code) and takes the
+plan's boxes as its targets. A sample or partner whose file or targets are
+damaged fails the position, which the damage policy replaces.
+
+The flips are the plan's (`fliplr`), so the device mirrors nothing; the
+partners are the piece's, so a batch's mosaics depend on how many workers
+split it (the same worker count gives the same epoch).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import native
+from ..augment.hsv import hsv_in_place
+from ..augment.render import render, render_jpegs
+from ..augment.yolo import YoloRecipe, plan
+from ..decode import open_image
+from ..errors import DecodeError
+from ..targets import read_boxes
+from .cpu_decode import image_size
+from .crops import Affine, CropSpec, is_planar
+from .damage import Extras
+from .tasks import TaskPlan, field_value, run_sample_transform
+
+DEFAULT_RECIPE = YoloRecipe()
+
+
+def yolo_recipe(crop: CropSpec, flip: bool) -> YoloRecipe:
+    """Ultralytics' default recipe at the loader's output size and fill; no horizontal flips with flip=False."""
+    return YoloRecipe(size=crop.size, fill=crop.fill, fliplr=DEFAULT_RECIPE.fliplr if flip else 0.0)
+
+
+def yolo_sample(
+    plan_of: TaskPlan,
+    recipe: YoloRecipe,
+    items: Sequence[tuple[str, bytes, int]],
+    extras: Sequence[Extras],
+    position: int,
+    key: str,
+    out: np.ndarray,
+    decoder: Any = None,
+) -> dict[str, Any]:
+    """Position `position`'s output rendered into `out` (uint8 [3, S, S]) and its targets.
+
+    Raises:
+        TargetError, DecodeError: its sample or a partner is damaged.
+    """
+    extension, data, seed = items[position]
+    rng = random.Random(seed)
+    chosen = [position] + [rng.randrange(len(items)) for _ in range(recipe.sources - 1)]
+    sizes, boxes, labels = [], [], []
+    for index in chosen:
+        found, found_labels, _ = read_boxes(extras[index] or {}, plan_of.classes)
+        boxes.append(found.astype(np.float64))
+        labels.append(found_labels)
+        sizes.append(image_size(items[index][0], items[index][1]))
+    made = plan(recipe, rng, sizes, boxes, labels)
+    files = [items[index] for index in chosen[: len(made.tiles)]]
+    try:
+        if decoder is not None and all(ext in ("jpg", "jpeg") for ext, _, _ in files):
+            render_jpegs(made, [file_data for _, file_data, _ in files], out=out, decoder=decoder)
+        else:
+            pictures = [np.asarray(_rgb(ext, file_data)) for ext, file_data, _ in files]
+            render(made, pictures, out=out)
+    except native.RegionError as exc:
+        raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
+    if made.hsv_gains is not None:
+        hsv_in_place(out, made.hsv_gains)
+    total = sum(len(b) for b in boxes[: len(made.tiles)])
+    targets: dict[str, Any] = {"boxes": made.boxes, "box_labels": made.labels, "boxes_dropped": total - len(made.boxes)}
+    for name in plan_of.fields:
+        if name != "key":
+            targets.setdefault("fields", {})[name] = field_value(name, (extras[position] or {}).get(name))
+    if plan_of.sample_transform is not None:
+        run_sample_transform(plan_of, out, key, targets)
+    return targets
+
+
+def _rgb(extension: str, data: bytes) -> Any:
+    try:
+        image = open_image(data)
+        return image.convert("RGB")
+    except DecodeError:
+        raise
+    except Exception as exc:  # PIL raises many types for broken data
+        raise DecodeError(f"cannot decode .{extension} sample: {str(exc)[:160] or type(exc).__name__}") from None
+
+
+def write_slot(pixels: np.ndarray, slot: np.ndarray, affine: Affine | None) -> None:
+    """A rendered uint8 [3, S, S] output into its slot: the ring's uint8, or the CPU finish's (float, any layout)."""
+    view = pixels if is_planar(slot) else pixels.transpose(1, 2, 0)
+    if affine is None:
+        slot[...] = view
+        return
+    shape = (3, 1, 1) if is_planar(slot) else (3,)
+    slot[...] = view * affine.scale.reshape(shape) + affine.shift.reshape(shape)

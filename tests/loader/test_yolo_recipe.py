@@ -1,0 +1,95 @@
+"""make_loader(recipe="yolo"): ultralytics' training recipe, each output a mosaic rendered once per source.
+
+A YOLO dataset of step pictures (`step_edges`: a bright rectangle whose
+label is its exact box) is prepared without a resize and loaded with the
+recipe: every delivered box must sit on its rectangle's edges in the
+delivered pixels (mosaic, random scale and shift, flips, HSV gains, all in
+one render per source), the same with threads and processes, the same
+again for the same seed; eval mode letterboxes; the recipe is refused where
+it cannot apply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from step_edges import edge_errors, halo, step_picture
+
+from pipeline import ConfigError, PrepareSpec, ResizeSpec, make_loader, prepare_dataset
+from pipeline.demo import make_demo_dataset
+
+CROP = 192
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("yolo") / "source"
+    (root / "images").mkdir(parents=True)
+    (root / "labels").mkdir()
+    rng = np.random.default_rng(0)
+    for number in range(24):
+        width, height = int(rng.integers(200, 420)), int(rng.integers(200, 420))
+        w, h = int(width * rng.uniform(0.3, 0.45)), int(height * rng.uniform(0.3, 0.45))
+        x0, y0 = (width - w) // 2, (height - h) // 2
+        Image.fromarray(step_picture(width, height, (x0, y0, x0 + w, y0 + h), number)).save(
+            root / "images" / f"{number:03d}.jpg", quality=95
+        )
+        cx, cy = (x0 + w / 2) / width, (y0 + h / 2) / height
+        (root / "labels" / f"{number:03d}.txt").write_text(f"{number % 3} {cx} {cy} {w / width} {h / height}\n")
+    (root / "data.yaml").write_text("names: [a, b, c]\n")
+    out = root.parent / "out"
+    prepare_dataset(PrepareSpec(str(root), str(out), resize=ResizeSpec(mode="none")), workers=0)
+    return out
+
+
+def batches(prepared: Path, **options: object) -> list[tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]]:
+    loader = make_loader(str(prepared), 8, device="cpu", crop=CROP, num_workers=2, dtype="uint8", recipe="yolo",
+                         seed=3, **options)  # fmt: skip
+    return [(b.images.numpy(), [x.numpy() for x in b.boxes], [x.numpy() for x in b.box_labels]) for b in loader]
+
+
+def test_every_box_sits_on_its_rectangles_edges_in_the_mosaic(prepared: Path) -> None:
+    errors: list[float] = []
+    boxes = 0
+    for images, batch_boxes, labels in batches(prepared):
+        assert images.shape[1:] == (3, CROP, CROP)
+        for image, found, classes in zip(images, batch_boxes, labels):
+            assert ((found >= 0) & (found <= CROP)).all() and set(classes.tolist()) <= {0, 1, 2}
+            for box in found:
+                boxes += 1
+                # zoom: at most 1.5x the longer side at CROP; the halo is 12 % of the picture's longer side
+                found_edges = edge_errors(image, tuple(box), (0, 0, CROP, CROP), 1.0, halo(400, 400) * CROP / 420 * 0.5)
+                errors += [abs(v) for v in found_edges.values()]
+    assert boxes >= 40 and len(errors) >= 30, (boxes, len(errors))
+    assert float(np.mean(errors)) < 0.15 and max(errors) < 0.35, (float(np.mean(errors)), max(errors))
+
+
+def test_threads_and_processes_give_the_same_mosaics_and_the_same_seed_the_same_epoch(prepared: Path) -> None:
+    threads = batches(prepared)
+    for other in (batches(prepared, worker_type="process"), batches(prepared)):
+        for (images, boxes, labels), (images2, boxes2, labels2) in zip(threads, other):
+            assert np.array_equal(images, images2)
+            assert all(np.array_equal(a, b) for a, b in zip(boxes, boxes2))
+            assert all(np.array_equal(a, b) for a, b in zip(labels, labels2))
+
+
+def test_eval_mode_letterboxes_as_the_letterbox_recipe(prepared: Path) -> None:
+    evaluated = batches(prepared, train=False)
+    letterboxed = make_loader(str(prepared), 8, device="cpu", crop=CROP, num_workers=2, dtype="uint8",
+                              recipe="letterbox", seed=3, train=False)  # fmt: skip
+    for (images, boxes, _), batch in zip(evaluated, letterboxed):
+        assert np.array_equal(images, batch.images.numpy())
+        assert all(np.array_equal(a, b.numpy()) for a, b in zip(boxes, batch.boxes))
+
+
+def test_the_recipe_is_refused_where_it_cannot_apply(prepared: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="geometry"):
+        make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="yolo", fields=("geometry",))
+    make_demo_dataset(tmp_path / "cls", 8, min_side=64, max_side=96, workers=1)
+    prepare_dataset(PrepareSpec(str(tmp_path / "cls"), str(tmp_path / "out"), resize=ResizeSpec(mode="none")),
+                    workers=0)  # fmt: skip
+    with pytest.raises(ConfigError, match="detection"):
+        make_loader(str(tmp_path / "out"), 4, device="cpu", crop=64, recipe="yolo")
