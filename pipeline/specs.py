@@ -384,6 +384,11 @@ class LoaderSpec(Spec):
             dataset (no box is cut away), "crop" for every other task.
         jitter: scale_jitter's range of scales.
         fill: the value (0-255) of output pixels the image does not cover.
+        epochs: how many epochs the training runs (None: not said); with
+            `close_mosaic`, when the mosaic stops.
+        close_mosaic: recipe="yolo": the last N of `epochs` train without
+            the mosaic (ultralytics' `close_mosaic`; `Loader.close_mosaic()`
+            turns it off from the current epoch on).
     """
 
     batch_size: int
@@ -415,6 +420,8 @@ class LoaderSpec(Spec):
     recipe: str | None = None
     jitter: tuple[float, float] = (0.1, 2.0)
     fill: int = 114
+    epochs: int | None = None
+    close_mosaic: int = 0
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, 1 << 16)
@@ -474,6 +481,13 @@ class LoaderSpec(Spec):
         if not _is_number_pair(self.jitter) or not 0 < self.jitter[0] <= self.jitter[1] <= 16:
             raise ConfigError(f"jitter must be (low, high) scales with 0 < low <= high <= 16, got {self.jitter!r}")
         check_int("fill", self.fill, 0, 255)
+        if self.epochs is not None:
+            check_int("epochs", self.epochs, 1)
+        check_int("close_mosaic", self.close_mosaic, 0)
+        if self.close_mosaic and self.recipe != "yolo":
+            raise ConfigError(f"close_mosaic turns off recipe='yolo''s mosaic: it has none with recipe={self.recipe!r}")
+        if self.close_mosaic and self.epochs is None:
+            raise ConfigError("close_mosaic=N turns the mosaic off for the last N epochs: give epochs= as well")
 
     def _check_cache(self) -> None:
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):

@@ -41,6 +41,7 @@ class CropSpec:
         jitter: scale_jitter's range of scales (of the letterboxed size).
         fill: the value of the output's pixels the image does not cover.
         flip: random horizontal flips (the "yolo" recipe draws its own in its plan).
+        mosaic: the "yolo" recipe's mosaic (off in its `close_mosaic` epochs).
     """
 
     size: int = 224
@@ -54,6 +55,7 @@ class CropSpec:
     jitter: tuple[float, float] = (0.1, 2.0)
     fill: int = 114
     flip: bool = True
+    mosaic: bool = True
 
 
 class Affine:

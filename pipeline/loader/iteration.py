@@ -128,6 +128,7 @@ class Loader:
         )  # fmt: skip
         self._ring_slots = spec.prefetch + 2
         self._pool: DecodePool | None = None
+        self._mosaic_closed_at: int | None = None  # the epoch close_mosaic() was called in
         self._finish = self._new_finish()
         self._next_run: Run | None = None
         self._runs: set[Run] = set()  # started and not yet stopped
@@ -196,6 +197,17 @@ class Loader:
             self._elastic = None
         self.epoch = epoch
         self._epoch_set += 1
+
+    def close_mosaic(self) -> None:
+        """recipe="yolo": no mosaic from the current epoch on (ultralytics' trainer calls this `close_mosaic`
+        epochs before the end). Batches already decoding ahead keep theirs; `close_mosaic=` with
+        `epochs=` in `make_loader` turns it off on time instead."""
+        if self.spec.recipe != "yolo":
+            raise ConfigError(f"close_mosaic() turns off recipe='yolo''s mosaic: it has none with recipe={self.spec.recipe!r}")
+        self._mosaic_closed_at = self.epoch
+        if self._pool is not None:
+            current = self._pool.mosaic_off_from
+            self._pool.mosaic_off_from = self.epoch if current is None else min(current, self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank stands: restore with `load_state_dict` to continue exactly here.
@@ -291,6 +303,8 @@ class Loader:
             self.spec, self._workers, self._ring_slots, self._crop, self._workers_placement[0], pin,
             self._finish.cpu_finish, self.plan,
         )
+        if self._mosaic_closed_at is not None:
+            self._pool.mosaic_off_from = min(self._mosaic_closed_at, self._pool.mosaic_off_from or self._mosaic_closed_at)
         self._closed = False
 
     def _report(self, damage: Damage) -> None:

@@ -146,6 +146,8 @@ def make_loader(
     recipe: str | None = None,
     jitter: Sequence[float] = (0.1, 2.0),
     fill: int = 114,
+    epochs: int | None = None,
+    close_mosaic: int = 0,
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     batch_transform: Callable[[Any], Any] | None = None,
     **unknown: NoReturn,
@@ -263,6 +265,10 @@ def make_loader(
         jitter: scale_jitter's range of scales (low, high).
         fill: the value (0-255) of output pixels the image does not cover
             (a mask's are the ignore index).
+        epochs: how many epochs the training runs, where a setting counts
+            back from the end (`close_mosaic`).
+        close_mosaic: recipe="yolo": the last N of `epochs` train without the
+            mosaic, as ultralytics' `close_mosaic` (its default is 10).
         sample_transform: a callable on each decoded sample, in the decode
             workers: it gets {"image": uint8 (H, W, 3) array, "key", and the
             sample's targets: "boxes", "box_labels", "mask", "labels",
@@ -325,6 +331,8 @@ def make_loader(
         recipe=recipe,
         jitter=_as_tuple(jitter),
         fill=fill,
+        epochs=epochs,
+        close_mosaic=close_mosaic,
     )
     resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":

@@ -38,8 +38,10 @@ DEFAULT_RECIPE = YoloRecipe()
 
 
 def yolo_recipe(crop: CropSpec, flip: bool) -> YoloRecipe:
-    """Ultralytics' default recipe at the loader's output size and fill; no horizontal flips with flip=False."""
-    return YoloRecipe(size=crop.size, fill=crop.fill, fliplr=DEFAULT_RECIPE.fliplr if flip else 0.0)
+    """Ultralytics' default recipe at the loader's output size and fill; no horizontal flips with flip=False,
+    no mosaic where `crop.mosaic` is off."""
+    fliplr = DEFAULT_RECIPE.fliplr if flip else 0.0
+    return YoloRecipe(size=crop.size, fill=crop.fill, fliplr=fliplr, mosaic=DEFAULT_RECIPE.mosaic if crop.mosaic else None)
 
 
 def yolo_sample(

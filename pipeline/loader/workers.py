@@ -105,6 +105,9 @@ class DecodePool:
         self.strict = spec.on_error == "raise"
         self._seed, self._rank = spec.seed, rank
         self._crop = crop
+        self.mosaic_off_from: int | None = None  # recipe="yolo": the first epoch without the mosaic
+        if spec.close_mosaic and spec.epochs is not None:
+            self.mosaic_off_from = max(0, spec.epochs - spec.close_mosaic)
         self._threads = spec.worker_type == "thread"
         self._gpu_decode = spec.decoder == "nvjpeg"
         self._cpu_finish = cpu_finish
@@ -127,6 +130,12 @@ class DecodePool:
         """A new run's view of the ring's free slots."""
         return RunSlots(self._free)
 
+    def crop_for(self, epoch: int) -> CropSpec:
+        """What each sample of `epoch` becomes: the crop, less the mosaic from `mosaic_off_from` on."""
+        if self.mosaic_off_from is not None and epoch >= self.mosaic_off_from:
+            return dataclasses.replace(self._crop, mosaic=False)
+        return self._crop
+
     def _sample_seed(self, epoch: int, ordinal: int) -> int:
         return (self._seed * 0x9E3779B97F4A7C15 ^ (epoch << 40) ^ (self._rank << 32) ^ ordinal) & (2**64 - 1)
 
@@ -143,6 +152,7 @@ class DecodePool:
         flips = self._task_flips(epoch, index, len(items)) if self.plan is not None else None
         pending = []
         pixels = not self._gpu_decode
+        crop = self.crop_for(epoch)
         for start in range(0, len(items) if pixels or self.plan is not None else 0, per_worker):
             stop = start + per_worker
             decode: Callable[..., Any] = decode_chunk
@@ -153,7 +163,7 @@ class DecodePool:
             if backlog is not None:
                 backlog.add(1)
                 decode = functools.partial(_run_piece, backlog, decode)
-            pending.append(self._executor.submit(decode, ring, slot, start, items[start:stop], self._crop, finish))
+            pending.append(self._executor.submit(decode, ring, slot, start, items[start:stop], crop, finish))
         labels = np.array([r.label for r in chunk], dtype=np.int64)
         batch = HostBatch(epoch, index, slot, len(chunk), labels, pending, keys, items, finished, finish)
         batch.extras, batch.flips = extras, flips
@@ -250,7 +260,7 @@ class DecodePool:
     def _mosaic_stand_in(self, batch: HostBatch) -> Callable[[int, Item, Extras], bool]:
         """The YOLO recipe's stand-in: a mosaic of the stand-in alone (its own partners), pixels and targets."""
         assert self.plan is not None
-        plan, crop, finish, ring = self.plan, self._crop, batch.finish, self.ring.numpy()
+        plan, crop, finish, ring = self.plan, self.crop_for(batch.epoch), batch.finish, self.ring.numpy()
         recipe = yolo_recipe(crop, crop.flip)
 
         def decode_at(position: int, item: Item, extras: Extras = None) -> bool:

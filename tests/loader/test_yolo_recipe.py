@@ -93,3 +93,25 @@ def test_the_recipe_is_refused_where_it_cannot_apply(prepared: Path, tmp_path: P
                     workers=0)  # fmt: skip
     with pytest.raises(ConfigError, match="detection"):
         make_loader(str(tmp_path / "out"), 4, device="cpu", crop=64, recipe="yolo")
+
+
+def test_close_mosaic_trains_the_last_epochs_on_single_images(prepared: Path) -> None:
+    def most_boxes(epoch: list[tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]]) -> int:
+        return max(len(found) for _, boxes, _ in epoch for found in boxes)
+
+    loader = make_loader(str(prepared), 8, device="cpu", crop=CROP, num_workers=2, dtype="uint8", recipe="yolo",
+                         seed=3, epochs=3, close_mosaic=2)  # fmt: skip
+    epochs = [[(b.images.numpy(), [x.numpy() for x in b.boxes], None) for b in loader] for _ in range(3)]
+    assert most_boxes(epochs[0]) >= 2  # a mosaic shows its partners' rectangles too
+    assert most_boxes(epochs[1]) == most_boxes(epochs[2]) == 1  # each picture holds one rectangle
+    inline = make_loader(str(prepared), 8, device="cpu", crop=CROP, num_workers=0, dtype="uint8", recipe="yolo",
+                         seed=3)  # fmt: skip
+    first = [[x.numpy() for x in b.boxes] for b in inline]
+    inline.close_mosaic()
+    second = [[x.numpy() for x in b.boxes] for b in inline]
+    assert max(len(found) for boxes in first for found in boxes) >= 2
+    assert max(len(found) for boxes in second for found in boxes) == 1
+    with pytest.raises(ConfigError, match="epochs="):
+        make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="yolo", close_mosaic=2)
+    with pytest.raises(ConfigError, match="close_mosaic"):
+        make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="letterbox", epochs=3, close_mosaic=2)
