@@ -13,6 +13,7 @@ The package map (the layers, highest first, are import-linter contracts in
 pyproject.toml):
 
     cli/          the `gpufeed` command: parsing and printing only
+    integrations/ other libraries' training loops fed by gpufeed (ultralytics' own YOLO trainer)
     measure/      bench disk|decode|loader, advise, estimate-memory, doctor, watch
     prepare/      the offline flow: raw images in, shards and a manifest out
     loader/       the online flow: shards in, batches on the training device out

@@ -25,9 +25,11 @@ import pytest
 from pipeline.native.build import cache_root
 
 BUILD_TIMEOUT_S = 900
-VISION = ("torch==2.14.1", "torchvision==0.29.1", "ultralytics==8.4.190")
+VISION = ("torch==2.14.1", "torchvision==0.29.1", "ultralytics==8.4.190", "simplejpeg==1.9.0", "click==8.5.1",
+          "rich==15.0.0")  # fmt: skip
 """The real torchvision (transforms.v2) and ultralytics, in one venv ("vision"): ultralytics needs that torch
-anyway, and one 5.5 GB CUDA build of torch (which runs on the CPU) is enough. It brings OpenCV and plain Pillow."""
+anyway, and one 5.5 GB CUDA build of torch (which runs on the CPU) is enough. It brings OpenCV and plain Pillow.
+With gpufeed's own dependencies too, gpufeed runs there from the checkout (PYTHONPATH), beside ultralytics."""
 
 
 def venv_python(name: str, pins: Sequence[str]) -> Path:

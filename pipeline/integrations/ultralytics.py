@@ -1,0 +1,69 @@
+"""Ultralytics' own detection trainer, fed by gpufeed's loaders.
+
+    from ultralytics import YOLO
+    from pipeline.integrations.ultralytics import DetectionTrainer
+
+    YOLO("yolov8n.yaml").train(data="data.yaml", trainer=DetectionTrainer, epochs=100, imgsz=640, batch=16)
+
+`DetectionTrainer` is ultralytics' `DetectionTrainer` with one change: its
+`get_dataloader` returns gpufeed loaders (`yolo_batches.YoloLoader`) over
+the data.yaml's splits, prepared once into gpufeed's cache
+(`yolo_batches.split_shards`) and found there on later runs. Training
+batches are `make_loader(recipe="yolo")`'s: ultralytics' default
+augmentation (mosaic, random affine, flips, HSV), each output rendered once
+per source image, `close_mosaic` honoured; validation batches are
+letterboxed to `imgsz` with each image's exact `ratio_pad`, and the final
+validation of best.pt reads them too. The model, loss, optimiser,
+validator, metrics, checkpoints and callbacks are ultralytics' own.
+
+Hyperparameters the recipe does not have yet (a mosaic probability other
+than 0 or 1, degrees, shear, perspective, flipud, mixup, cutmix,
+copy_paste, HSV or translate/scale other than the defaults) are refused
+with a message, never ignored; `batch=-1` (ultralytics' auto batch, which
+builds its own dataset) likewise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+from .yolo_batches import YoloLoader, recipe_switches, split_shards, yolo_loader
+
+try:
+    from ultralytics.models.yolo.detect import DetectionTrainer as _UltralyticsTrainer
+except ImportError as exc:  # pragma: no cover - the [yolo] extra is not installed
+    raise ImportError(
+        "pipeline.integrations.ultralytics subclasses ultralytics' trainer: pip install 'gpufeed[yolo]'"
+    ) from exc
+
+
+class DetectionTrainer(_UltralyticsTrainer):
+    """Ultralytics' detection trainer whose train and val loaders are gpufeed's (see the module's docstring)."""
+
+    def get_dataloader(self, dataset_path: str, batch_size: int = 16, rank: int = 0, mode: str = "train") -> YoloLoader:
+        train = mode == "train"
+        imgsz = int(self.args.imgsz)
+        shards = split_shards(self.args.data, _split_of(self.data, dataset_path, mode), imgsz, self.data["path"])
+        mosaic, flip = recipe_switches(vars(self.args)) if train else (True, True)
+        epochs = int(self.args.epochs)
+        close_mosaic = epochs if not mosaic else min(int(self.args.close_mosaic or 0), epochs)
+        return yolo_loader(
+            shards, batch_size, train, imgsz, device=self.device, workers=int(self.args.workers) or "auto",
+            seed=int(self.args.seed), epochs=epochs, close_mosaic=close_mosaic, flip=flip,
+            epoch_of=(lambda: int(getattr(self, "epoch", 0))) if train else None,
+        )  # fmt: skip
+
+    def build_dataset(self, img_path: str, mode: str = "train", batch: int | None = None) -> Any:
+        raise ConfigError(
+            "gpufeed's DetectionTrainer reads prepared shards, not ultralytics' dataset: batch=-1 (auto batch) "
+            "measures with ultralytics' own; give batch= a number"
+        )
+
+
+def _split_of(data: dict[str, Any], dataset_path: str, mode: str) -> str:
+    """Which split of the data.yaml `dataset_path` is (ultralytics passes the split's resolved path)."""
+    for name in ("train", "val", "test", "minival"):
+        if name in data and str(data[name]) == str(dataset_path):
+            return name
+    return "train" if mode == "train" else "val"

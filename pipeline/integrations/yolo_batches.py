@@ -1,0 +1,296 @@
+"""A YOLO data.yaml's splits as prepared shards, and gpufeed's batches in ultralytics' batch contract.
+
+`split_shards` prepares one split of a data.yaml (`gpufeed prepare
+data.yaml OUT --split NAME`, each image resized so its longer side is
+`imgsz`, as ultralytics' `load_image` does) into gpufeed's cache once, and
+finds it there afterwards; a change to the dataset's files (names, sizes,
+times) or to `imgsz` prepares anew. `YoloLoader` wraps a gpufeed loader
+over those shards so that ultralytics' trainer and validator take it for
+their own: each batch a dict with `img` (uint8 B x 3 x S x S), `cls`
+(float32 [N, 1]), `bboxes` (float32 [N, 4], normalised XYWH of the output),
+`batch_idx` (float32 [N], ascending), `im_file`, `ori_shape`,
+`resized_shape` and `ratio_pad` (((gain, gain), (pad_x, pad_y)): the
+output's pixels from the original's, exact, from each sample's geometry);
+`len()`, `batch_size`, `num_workers`, `drop_last`, `dataset` (with
+`labels`, read from the shards' box members without decoding an image),
+`sampler.set_epoch`, `reset()` and `close()`. `recipe_switches` checks
+ultralytics' hyperparameters against what `recipe="yolo"` draws.
+
+Nothing here imports ultralytics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..io.tar import iter_tar_samples
+from ..loader import Loader, make_loader
+from ..loader.tasks import Batch
+from ..native.build import cache_root
+from ..prepare import prepare_dataset
+from ..specs import PrepareSpec, ResizeSpec
+from ..targets import GEOMETRY_FIELD, boxes_to_source, read_boxes
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "GPUFEED_YOLO_SHARDS"
+"""Where `split_shards` keeps prepared splits (default: gpufeed's user cache, under yolo/)."""
+
+
+def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root: str | os.PathLike[str],
+                 cache: str | os.PathLike[str] | None = None) -> Path:  # fmt: skip
+    """The prepared shards of split `split` of `data_yaml` at `imgsz`: prepared now when absent or out of date.
+
+    Args:
+        data_yaml: the dataset's data.yaml (ultralytics' layout).
+        split: "train", "val" or "test" (a key of the yaml).
+        imgsz: the training size: each image's longer side becomes it.
+        root: the dataset's folder (the yaml's `path`): its files' names,
+            sizes and times say whether the shards are out of date.
+        cache: where prepared splits are kept (default $GPUFEED_YOLO_SHARDS,
+            else gpufeed's user cache).
+
+    Returns:
+        The folder holding the split's manifest.json and shards.
+    """
+    digest = hashlib.sha256()
+    digest.update(f"{os.path.abspath(data_yaml)}\n{Path(data_yaml).read_bytes().hex()}\n{imgsz}\n".encode())
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            if name.endswith(".cache"):  # ultralytics' own label caches
+                continue
+            status = os.stat(os.path.join(folder, name))
+            digest.update(f"{os.path.relpath(os.path.join(folder, name), root)}\0{status.st_size}\0{status.st_mtime_ns}\n".encode())
+    base = Path(cache or os.environ.get(CACHE_ENV) or cache_root() / "yolo")
+    out = base / f"{Path(data_yaml).stem}-{imgsz}-{digest.hexdigest()[:16]}" / split
+    if (out / "manifest.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{split}-", dir=out.parent))
+    log.warning("gpufeed: preparing split %r of %s at %d px into %s (once; later runs reuse it)",
+                split, data_yaml, imgsz, out)  # fmt: skip
+    try:
+        shutil.rmtree(partial)
+        result = prepare_dataset(PrepareSpec(
+            source=os.fspath(data_yaml), out=os.fspath(partial), split=split,
+            resize=ResizeSpec(size=imgsz, mode="longer", upscale=True),
+        ))  # fmt: skip
+        try:
+            os.replace(partial, out)
+        except OSError:  # another process (a DDP rank) finished the same split first
+            if not (out / "manifest.json").exists():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    if result.rejected:
+        log.warning("gpufeed: %d images of split %r were rejected (%s)", result.rejected, split, out / "rejected.jsonl")
+    return out
+
+
+RECIPE_DEFAULTS = {
+    "hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "degrees": 0.0, "translate": 0.1, "scale": 0.5, "shear": 0.0,
+    "perspective": 0.0, "flipud": 0.0, "mixup": 0.0, "cutmix": 0.0, "copy_paste": 0.0,
+}  # fmt: skip
+"""Ultralytics' default hyperparameters, which `recipe="yolo"` draws with (mosaic and fliplr: on or off)."""
+
+
+def recipe_switches(hyperparameters: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(mosaic, horizontal flips) of ultralytics' training hyperparameters, which must otherwise be its defaults.
+
+    Raises:
+        ConfigError: a hyperparameter `recipe="yolo"` does not draw with (named, with its default).
+    """
+    differing = [f"{name}={hyperparameters[name]} (the recipe has {default})"
+                 for name, default in RECIPE_DEFAULTS.items()
+                 if name in hyperparameters and abs(float(hyperparameters[name]) - default) > 1e-9]  # fmt: skip
+    mosaic, fliplr = float(hyperparameters.get("mosaic", 1.0)), float(hyperparameters.get("fliplr", 0.5))
+    if mosaic not in (0.0, 1.0):
+        differing.append(f"mosaic={mosaic} (the recipe has 1.0 or 0.0)")
+    if fliplr not in (0.0, 0.5):
+        differing.append(f"fliplr={fliplr} (the recipe has 0.5 or 0.0)")
+    if differing:
+        raise ConfigError(
+            "gpufeed's recipe='yolo' draws ultralytics' default augmentation; it does not take "
+            + ", ".join(differing) + ": leave them at their defaults, or train with ultralytics' own trainer"
+        )
+    return mosaic == 1.0, fliplr == 0.5
+
+
+class ShardLabels:
+    """The `dataset` ultralytics reads beside a loader: its length, and each sample's labels from the shards."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._labels: list[dict[str, Any]] | None = None
+
+    def __len__(self) -> int:
+        return self._loader.dataset.samples
+
+    @property
+    def labels(self) -> list[dict[str, Any]]:
+        """Per sample, as ultralytics' dataset: `cls` float32 [n, 1], `bboxes` normalised XYWH [n, 4], `im_file`.
+
+        Read once, from the box members and json of the shards; no image is decoded."""
+        if self._labels is None:
+            classes = len(self._loader.dataset.classes) or None
+            found: list[dict[str, Any]] = []
+            for shard in self._loader.dataset.sets[0]:
+                for key, members in iter_tar_samples(shard.url):
+                    boxes, labels, _ = read_boxes(members, classes)
+                    info = json.loads(members["json"]) if "json" in members else {}
+                    width, height = info.get("size") or (1, 1)
+                    found.append({
+                        "im_file": info.get("source", key), "shape": (height, width),
+                        "cls": labels.astype(np.float32).reshape(-1, 1),
+                        "bboxes": _xywh(boxes, width, height), "normalized": True, "bbox_format": "xywh",
+                    })  # fmt: skip
+            self._labels = found
+        return self._labels
+
+    @property
+    def im_files(self) -> list[str]:
+        return [label["im_file"] for label in self.labels]
+
+
+class _Sampler:
+    """What ultralytics asks of a loader's sampler: its length and `set_epoch` (DDP)."""
+
+    def __init__(self, loader: YoloLoader) -> None:
+        self._loader = loader
+
+    def __len__(self) -> int:
+        return len(self._loader.dataset)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self)))
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.loader.set_epoch(epoch)
+
+
+class YoloLoader:
+    """A gpufeed loader that ultralytics' trainer and validator take for their own (see the module's docstring).
+
+    Args:
+        loader: a loader over a detection dataset, uint8, with fields=("geometry", "json") in eval mode.
+        epoch_of: the trainer's current epoch, read as each epoch starts (a resumed training's too).
+    """
+
+    def __init__(self, loader: Loader, epoch_of: Callable[[], int] | None = None) -> None:
+        self.loader = loader
+        self.dataset = ShardLabels(loader)
+        self.sampler = _Sampler(self)
+        self.batch_size = loader.batch_size
+        self.num_workers = loader.spec.num_workers
+        self.drop_last = bool(loader.spec.drop_last)
+        self._epoch_of = epoch_of
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._epoch_of is not None and self.loader.spec.train and self._epoch_of() != self.loader.epoch:
+            self.loader.set_epoch(self._epoch_of())
+        size = self.loader.spec.crop
+        for batch in self.loader:
+            assert isinstance(batch, Batch)  # a detection dataset's
+            yield to_ultralytics(batch, size)
+
+    def reset(self) -> None:
+        """Ultralytics' call as its close_mosaic epochs start: the loader turned the mosaic off on time already."""
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, imgsz: int, *, device: Any = "cpu",
+                workers: int | str = "auto", seed: int = 0, epochs: int | None = None, close_mosaic: int = 0,
+                flip: bool = True, epoch_of: Callable[[], int] | None = None) -> YoloLoader:  # fmt: skip
+    """A `YoloLoader` over prepared shards: ultralytics' training recipe (`recipe="yolo"`) or letterboxed validation.
+
+    Args:
+        shards: a prepared detection dataset (`split_shards`).
+        batch_size: images per batch.
+        train: the training recipe (mosaic, affine, flips, HSV), shuffled; False: letterboxed, in order, every sample.
+        imgsz: the output side.
+        device: where batches are delivered.
+        workers: decode workers.
+        seed: every random choice.
+        epochs: the training's epochs (with `close_mosaic`).
+        close_mosaic: the last N epochs train without the mosaic.
+        flip: the recipe's random horizontal flips (ultralytics' fliplr 0.5; False: 0).
+        epoch_of: the trainer's epoch, read as each epoch starts.
+    """
+    if imgsz % 32:
+        raise ConfigError(f"imgsz must be a multiple of 32 (the model's stride), got {imgsz}")
+    if train:
+        loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
+                             recipe="yolo", seed=seed, epochs=epochs, close_mosaic=close_mosaic if epochs else 0,
+                             flip=flip)  # fmt: skip
+    else:
+        loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
+                             recipe="letterbox", train=False, drop_last=False, fields=(GEOMETRY_FIELD, "json"))  # fmt: skip
+    return YoloLoader(loader, epoch_of)
+
+
+def to_ultralytics(batch: Batch, size: int) -> dict[str, Any]:
+    """A gpufeed detection batch as ultralytics' collate gives one (its keys and dtypes; see the module's docstring)."""
+    assert batch.boxes is not None and batch.box_labels is not None
+    counts = [len(boxes) for boxes in batch.boxes]
+    boxes = torch.cat([b.to("cpu", torch.float32) for b in batch.boxes]) if counts else torch.zeros((0, 4))
+    labels = torch.cat([b.to("cpu") for b in batch.box_labels]) if counts else torch.zeros((0,))
+    xywh = torch.stack([(boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2,
+                        boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]], 1) / size  # fmt: skip
+    images = len(batch.keys)
+    geometries, infos = batch.fields.get(GEOMETRY_FIELD), batch.fields.get("json")
+    shapes, pads, files = [], [], []
+    for index in range(images):
+        geometry = geometries[index] if geometries is not None else None
+        info = infos[index] if infos is not None and isinstance(infos[index], dict) else {}
+        shape, ratio_pad, source = _original(geometry, info, size)
+        shapes.append(shape)
+        pads.append(ratio_pad)
+        files.append(source or f"{batch.keys[index]}.jpg")
+    return {
+        "img": batch.images,
+        "cls": labels.to(torch.float32).reshape(-1, 1),
+        "bboxes": xywh.reshape(-1, 4),
+        "batch_idx": torch.repeat_interleave(torch.arange(images, dtype=torch.float32), torch.tensor(counts, dtype=torch.long)),
+        "im_file": tuple(files),
+        "ori_shape": tuple(shapes),
+        "resized_shape": tuple((size, size) for _ in range(images)),
+        "ratio_pad": tuple(pads),
+    }
+
+
+def _original(geometry: dict[str, Any] | None, info: dict[str, Any], size: int) -> tuple[tuple[int, int], Any, str | None]:
+    """(ori_shape (h, w), ratio_pad, the source file) of one output; without a geometry, the output itself."""
+    if geometry is None or not geometry.get("prepare"):
+        return (size, size), ((1.0, 1.0), (0.0, 0.0)), None
+    # the output's corners in the upright original's pixels: original = (output - pad) / gain on each axis
+    x0, y0, x1, y1 = boxes_to_source(np.array([[0.0, 0.0, size, size]]), geometry)[0]
+    gain_x, gain_y = size / (x1 - x0), size / (y1 - y0)
+    width, height = info.get("original_size") or (x1 - x0, y1 - y0)
+    ratio_pad = ((float(gain_y), float(gain_x)), (float(-x0 * gain_x) + 0.0, float(-y0 * gain_y) + 0.0))
+    return (int(height), int(width)), ratio_pad, info.get("source")
+
+
+def _xywh(boxes: np.ndarray, width: float, height: float) -> np.ndarray:
+    out = np.empty((len(boxes), 4), np.float32)
+    out[:, 0] = (boxes[:, 0] + boxes[:, 2]) / 2 / width
+    out[:, 1] = (boxes[:, 1] + boxes[:, 3]) / 2 / height
+    out[:, 2] = (boxes[:, 2] - boxes[:, 0]) / width
+    out[:, 3] = (boxes[:, 3] - boxes[:, 1]) / height
+    return out

@@ -1,0 +1,116 @@
+"""A data.yaml's splits prepared once into the cache, and batches in ultralytics' contract (no ultralytics here).
+
+The validation batches' boxes, taken back to the original photo with their
+`ratio_pad` as ultralytics' `scale_boxes` does ((box - pad) / gain), must
+land on the label files' boxes; `cls`, `bboxes` and `batch_idx` must have
+the shapes and order ultralytics' loss reads; the dataset's `labels` must be
+the label files' without decoding; a split is prepared once, and again after
+its files change; hyperparameters the recipe does not draw are refused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipeline import ConfigError
+from pipeline.demo import make_yolo_dataset
+from pipeline.integrations.yolo_batches import recipe_switches, split_shards, yolo_loader
+
+SIZE = 128
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = Path(make_yolo_dataset(tmp_path_factory.mktemp("yolo") / "data", 24, min_side=90, max_side=300))
+    yaml = (root / "data.yaml").read_text().replace("path: .", f"path: {root}")
+    (root / "data.yaml").write_text(yaml)
+    return root
+
+
+def label_boxes(root: Path, source: str) -> np.ndarray:
+    """The label file's boxes of image `source`, in its pixels (XYXY)."""
+    width, height = Image.open(source).size
+    path = root / "labels" / Path(source).parent.name / (Path(source).stem + ".txt")
+    rows = [[float(v) for v in line.split()[1:]] for line in path.read_text().splitlines()] if path.exists() else []
+    boxes = np.array(rows, np.float64).reshape(-1, 4) * [width, height, width, height]
+    return np.stack([boxes[:, 0] - boxes[:, 2] / 2, boxes[:, 1] - boxes[:, 3] / 2,
+                     boxes[:, 0] + boxes[:, 2] / 2, boxes[:, 1] + boxes[:, 3] / 2], 1)  # fmt: skip
+
+
+def test_validation_boxes_go_back_to_the_label_files_through_ratio_pad(dataset: Path, tmp_path: Path) -> None:
+    shards = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)
+    loader = yolo_loader(shards, 5, False, SIZE, workers=2)
+    seen = 0
+    for batch in loader:
+        images = batch["img"]
+        assert images.dtype == torch.uint8 and tuple(images.shape[1:]) == (3, SIZE, SIZE)
+        assert batch["cls"].shape[1:] == (1,) and batch["bboxes"].shape[1:] == (4,)
+        assert (np.diff(batch["batch_idx"].numpy()) >= 0).all()  # grouped, ascending: ultralytics' loss needs it
+        for index, source in enumerate(batch["im_file"]):
+            (gain_y, gain_x), (pad_x, pad_y) = batch["ratio_pad"][index]
+            mine = batch["bboxes"][batch["batch_idx"] == index].numpy().astype(np.float64) * SIZE
+            xyxy = np.concatenate([mine[:, :2] - mine[:, 2:] / 2, mine[:, :2] + mine[:, 2:] / 2], 1)
+            back = (xyxy - [pad_x, pad_y, pad_x, pad_y]) / [gain_x, gain_y, gain_x, gain_y]
+            expected = label_boxes(dataset, source)
+            assert batch["ori_shape"][index] == Image.open(source).size[::-1]
+            assert len(back) == len(expected)
+            order = np.lexsort(back.T[::-1])
+            errors = np.abs(back[order] - expected[np.lexsort(expected.T[::-1])])
+            assert errors.size == 0 or errors.max() < 0.01, errors
+            seen += 1
+    assert seen == len(loader.dataset) == 12 and len(loader) == 3
+
+
+def test_training_batches_have_the_mosaics_in_ultralytics_shapes(dataset: Path, tmp_path: Path) -> None:
+    shards = split_shards(dataset / "data.yaml", "train", SIZE, dataset, cache=tmp_path)
+    loader = yolo_loader(shards, 4, True, SIZE, workers=2, epochs=3, close_mosaic=1, epoch_of=lambda: 2)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 3 and loader.loader.epoch == 3  # the trainer's epoch 2 ran
+    for batch in batches:
+        boxes = batch["bboxes"].numpy()
+        assert ((boxes >= 0) & (boxes <= 1)).all() and batch["cls"].shape == (len(boxes), 1)
+        assert len(batch["batch_idx"]) == len(boxes) and batch["img"].shape == (4, 3, SIZE, SIZE)
+    # epoch 2 of 3 with close_mosaic=1: single images, at most the boxes one picture has
+    most = max(len(label_boxes(dataset, label["im_file"])) for label in loader.dataset.labels)
+    assert max(int((b["batch_idx"] == i).sum()) for b in batches for i in range(4)) <= most
+
+
+def test_the_datasets_labels_are_the_label_files(dataset: Path, tmp_path: Path) -> None:
+    shards = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)
+    labels = yolo_loader(shards, 4, False, SIZE, workers=1).dataset.labels
+    assert len(labels) == 12
+    for label in labels:
+        height, width = label["shape"]
+        expected = label_boxes(dataset, label["im_file"])
+        original = Image.open(label["im_file"]).size
+        centres = label["bboxes"][:, :2] * [original[0], original[1]]
+        assert label["cls"].shape == (len(expected), 1) and max(width, height) == SIZE
+        if len(expected):
+            assert np.abs(np.sort(centres, 0) - np.sort((expected[:, :2] + expected[:, 2:]) / 2, 0)).max() < 0.01
+
+
+def test_a_split_is_prepared_once_and_again_when_its_files_change(dataset: Path, tmp_path: Path) -> None:
+    first = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)
+    stamp = (first / "manifest.json").stat().st_mtime_ns
+    assert split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path) == first
+    assert (first / "manifest.json").stat().st_mtime_ns == stamp
+    assert split_shards(dataset / "data.yaml", "val", 96, dataset, cache=tmp_path) != first
+    label = next((dataset / "labels" / "val").iterdir())
+    os.utime(label, ns=(stamp, stamp + 10**9))
+    changed = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)
+    assert changed != first and (changed / "manifest.json").exists()
+    assert not [p for p in changed.parent.iterdir() if p.name.startswith(".")]  # no partial folder left
+
+
+def test_hyperparameters_the_recipe_does_not_draw_are_refused() -> None:
+    assert recipe_switches({"mosaic": 1.0, "fliplr": 0.5, "hsv_h": 0.015, "scale": 0.5}) == (True, True)
+    assert recipe_switches({"mosaic": 0.0, "fliplr": 0.0}) == (False, False)
+    for bad in ({"degrees": 10.0}, {"mixup": 0.1}, {"mosaic": 0.5}, {"fliplr": 0.3}, {"scale": 0.9}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            recipe_switches(bad)
