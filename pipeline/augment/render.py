@@ -123,11 +123,18 @@ def _warp_into(plan: Plan, index: int, to_canvas: np.ndarray, image: np.ndarray,
     shift = np.array([[1.0, 0, to_canvas[0, 2]], [0, 1.0, to_canvas[1, 2]], [0, 0, 1.0]])
     inverse = np.linalg.inv(plan.warp @ shift)
     back = np.linalg.inv(plan.warp)
-    v, u = np.mgrid[0 : plan.size, 0 : plan.size]
+    x0, y0, x1, y1 = tile.window
+    # only the output pixels within the window's bounding box in the output can have their centres in it
+    corners = plan.warp @ np.array([[x0, x1, x0, x1], [y0, y0, y1, y1], [1.0, 1.0, 1.0, 1.0]])
+    us, vs = corners[0] / corners[2], corners[1] / corners[2]
+    u_lo, u_hi = max(0, math.floor(us.min()) - 1), min(plan.size, math.ceil(us.max()) + 1)
+    v_lo, v_hi = max(0, math.floor(vs.min()) - 1), min(plan.size, math.ceil(vs.max()) + 1)
+    if u_hi <= u_lo or v_hi <= v_lo:
+        return
+    v, u = np.mgrid[v_lo:v_hi, u_lo:u_hi]
     centres = np.stack([u.ravel() + 0.5, v.ravel() + 0.5, np.ones(u.size)])
     canvas = back @ centres
     cx, cy = canvas[0] / canvas[2], canvas[1] / canvas[2]
-    x0, y0, x1, y1 = tile.window
     inside = (cx >= x0) & (cx < x1) & (cy >= y0) & (cy < y1)
     if not inside.any():
         return
@@ -145,7 +152,11 @@ def _warp_into(plan: Plan, index: int, to_canvas: np.ndarray, image: np.ndarray,
 
 
 def render_jpegs(
-    plan: Plan, jpegs: list[bytes], out: np.ndarray | None = None, decoder: native.RegionDecoder | None = None
+    plan: Plan,
+    jpegs: list[bytes],
+    out: np.ndarray | None = None,
+    decoder: native.RegionDecoder | None = None,
+    decoded: list[np.ndarray | None] | None = None,
 ) -> np.ndarray:
     """`render` straight from the tiles' JPEG files: each decodes only the part its tile shows, at the
     smallest DCT scale (M/8) that keeps that part at least as large as its place in the output.
@@ -154,6 +165,10 @@ def render_jpegs(
     needs few of its DCT coefficients: this decodes a fraction of what four whole pictures take. A tile
     whose matrix is not axis-aligned (rotation, shear, perspective, a vertical flip) is decoded whole
     and rendered the general way. Without the native library, `render` over Pillow's decodes.
+
+    `decoded[i]`, where given, is tile i's JPEG already decoded whole (`decode_whole`: RGBX, full
+    scale): it is read instead of decoding again (a picture that several outputs share, as a mosaic's
+    partners do, is decoded once).
 
     Raises:
         native.RegionError: libjpeg refused a file (the caller's damage policy decides).
@@ -172,8 +187,13 @@ def render_jpegs(
     for index, tile in enumerate(plan.tiles):
         matrix = plan.matrix(index)
         data = jpegs[index]
-        width, height = decoder.header(data)
-        if is_axis_aligned(matrix) and matrix[1, 1] > 0 and _region_into(decoder, plan, index, matrix, data, (width, height), out):
+        whole = decoded[index] if decoded is not None else None
+        width, height = (whole.shape[1], whole.shape[0]) if whole is not None else decoder.header(data)
+        if is_axis_aligned(matrix) and matrix[1, 1] > 0 and _region_into(decoder, plan, index, matrix, data,
+                                                                          (width, height), out, whole):  # fmt: skip
+            continue
+        if whole is not None:
+            _warp_into(plan, index, plan.tiles[index].matrix, whole, out)
             continue
         zoom = math.sqrt(abs(matrix[0, 0] * matrix[1, 1] - matrix[0, 1] * matrix[1, 0]))  # output px per source px
         eighths = min(8, max(1, math.ceil(8 * zoom * 1.5 - 1e-9)))  # a margin for what a tilt enlarges
@@ -181,6 +201,17 @@ def render_jpegs(
         picture = rows.reshape(decoded_height, decoded_width, 4)
         _warp_into(plan, index, plan.tiles[index].matrix @ scaling(8 / eighths, 8 / eighths), picture, out)
     return out
+
+
+def decode_whole(decoder: native.RegionDecoder, data: bytes) -> np.ndarray:
+    """A JPEG decoded whole at full scale: (H, W, 4) uint8 RGBX, as `render_jpegs(decoded=...)` reads it.
+
+    Raises:
+        native.RegionError: libjpeg refused the file.
+    """
+    width, height = decoder.header(data)
+    rows, _, decoded_width, decoded_height = _decode(decoder, data, (width, height), 8, None)
+    return rows.reshape(decoded_height, decoded_width, 4)
 
 
 def _decode(
@@ -208,8 +239,10 @@ def _region_into(
     data: bytes,
     size: tuple[int, int],
     out: np.ndarray,
+    whole: np.ndarray | None = None,
 ) -> bool:
-    """The tile's pixels from a region decode: the rows and iMCU columns its output part reads."""
+    """The tile's pixels from a region decode: the rows and iMCU columns its output part reads (from `whole`,
+    the picture decoded already, where given)."""
     rect = _output_rect(plan, index)
     if rect is None:
         return True
@@ -225,13 +258,17 @@ def _region_into(
     box = (max(0.0, x_a), max(0.0, (j0 - ty) / sy), min(float(width), x_b), min(float(height), (j1 - ty) / sy))
     # the smallest M/8 that keeps the box at least as large as its output part, as the loader's crops choose
     eighths = min(8, max(1, math.ceil(8 * max((i1 - i0) / (box[2] - box[0]), (j1 - j0) / (box[3] - box[1])) - 1e-9)))
+    eighths = 8 if whole is not None else eighths
     scale = eighths / 8
     scaled_width, scaled_height = -(-width * eighths // 8), -(-height * eighths // 8)
     scaled = (box[0] * scale, box[1] * scale, box[2] * scale, box[3] * scale)
     margin = 3 + math.ceil(max((scaled[2] - scaled[0]) / (i1 - i0), (scaled[3] - scaled[1]) / (j1 - j0)))
     x0, y0 = max(0, math.floor(scaled[0]) - margin), max(0, math.floor(scaled[1]) - margin)
     x1, y1 = min(scaled_width, math.ceil(scaled[2]) + margin), min(scaled_height, math.ceil(scaled[3]) + margin)
-    rows, first, decoded_width, count = _decode(decoder, data, size, eighths, (y0, y1), (x0, x1))
+    if whole is not None:  # its rows y0..y1, whole: contiguous, as the resampler reads them
+        rows, first, decoded_width, count = whole[y0:y1].reshape(-1), 0, width, y1 - y0
+    else:
+        rows, first, decoded_width, count = _decode(decoder, data, size, eighths, (y0, y1), (x0, x1))
     relative = (scaled[0] - first, scaled[1] - y0, scaled[2] - first, scaled[3] - y0)
     decoder.resize_store(rows.ctypes.data, (decoded_width, count), relative, out[:, j0:j1, i0:i1], native.PILLOW_SIMD,
                          flip=sx < 0)  # fmt: skip

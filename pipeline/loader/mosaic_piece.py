@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import native
 from ..augment.hsv import hsv_in_place
-from ..augment.render import render, render_jpegs
+from ..augment.render import decode_whole, render, render_jpegs
 from ..augment.yolo import YoloRecipe, plan
 from ..decode import open_image
 from ..errors import DecodeError
@@ -53,8 +53,13 @@ def yolo_sample(
     key: str,
     out: np.ndarray,
     decoder: Any = None,
+    decoded: dict[int, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Position `position`'s output rendered into `out` (uint8 [3, S, S]) and its targets.
+
+    `decoded` keeps the piece's pictures decoded whole, by position, from one output to the next: a
+    picture is decoded once however many mosaics of the piece show it (ultralytics' buffer of recent
+    images, kept decoded, does the same).
 
     Raises:
         TargetError, DecodeError: its sample or a partner is damaged.
@@ -72,10 +77,15 @@ def yolo_sample(
     files = [items[index] for index in chosen[: len(made.tiles)]]
     try:
         if decoder is not None and all(ext in ("jpg", "jpeg") for ext, _, _ in files):
-            render_jpegs(made, [file_data for _, file_data, _ in files], out=out, decoder=decoder)
+            wholes: list[np.ndarray | None] | None = None
+            if decoded is not None:
+                for index in chosen[: len(made.tiles)]:
+                    if index not in decoded:
+                        decoded[index] = decode_whole(decoder, items[index][1])
+                wholes = [decoded[index] for index in chosen[: len(made.tiles)]]
+            render_jpegs(made, [file_data for _, file_data, _ in files], out=out, decoder=decoder, decoded=wholes)
         else:
-            pictures = [np.asarray(_rgb(ext, file_data)) for ext, file_data, _ in files]
-            render(made, pictures, out=out)
+            render(made, [np.asarray(_rgb(ext, file_data)) for ext, file_data, _ in files], out=out)
     except native.RegionError as exc:
         raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
     if made.hsv_gains is not None:

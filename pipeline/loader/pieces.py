@@ -179,11 +179,13 @@ def _yolo_chunk(
     failures: list[tuple[int, str]] = []
     done: dict[int, dict[str, Any]] = {}
     extras = [extra or {} for extra in work.extras]
+    decoded: dict[int, np.ndarray] = {}  # the piece's pictures, each decoded once for all the mosaics showing it
     for offset in range(len(items)):
         position = start + offset
         pixels = np.empty((3, crop.size, crop.size), np.uint8)
         try:
-            done[position] = yolo_sample(work.plan, recipe, items, extras, offset, work.keys[offset], pixels, decoder)
+            done[position] = yolo_sample(work.plan, recipe, items, extras, offset, work.keys[offset], pixels, decoder,
+                                         decoded)  # fmt: skip
         except (TargetError, DecodeError) as exc:
             failures.append((position, str(exc)))
             continue

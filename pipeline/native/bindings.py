@@ -98,7 +98,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_int,
     ]  # fmt: skip
     lib.gf_ycc_transcode.restype = ctypes.c_long
-    lib.gf_hsv.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
+    lib.gf_hsv.argtypes = [
+        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+    ]  # fmt: skip
     lib.gf_hsv.restype = None
 
 

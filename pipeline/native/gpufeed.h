@@ -69,6 +69,6 @@ const char *gf_source_digest(void);
 
 /* colour.c: photometric augmentation. */
 void gf_hsv(unsigned char *pixels, long plane, long count, const unsigned char *lut_h, const unsigned char *lut_s,
-            const unsigned char *lut_v);
+            const unsigned char *lut_v, int allow_simd);
 
 #endif

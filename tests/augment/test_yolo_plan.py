@@ -116,7 +116,7 @@ def test_rendering_from_the_jpegs_decodes_only_what_each_tile_shows_and_gives_th
     from step_edges import psnr
 
     from pipeline import native
-    from pipeline.augment.render import render_jpegs
+    from pipeline.augment.render import decode_whole, render_jpegs
 
     if native.library() is None:
         pytest.skip("the native library is not built here")
@@ -132,4 +132,9 @@ def test_rendering_from_the_jpegs_decodes_only_what_each_tile_shows_and_gives_th
         made = plan(YoloRecipe(size=SIZE, hsv=None, affine=affine), random.Random(seed),
                     [(i.shape[1], i.shape[0]) for i in images], boxes, [np.array([k]) for k in range(4)])  # fmt: skip
         figures.append(psnr(render_jpegs(made, jpegs), render(made, decoded)))
+        # the loader's way for pictures several mosaics share: each decoded whole once, then read (no decode)
+        decoder = native.RegionDecoder(native.library())
+        wholes = [decode_whole(decoder, data) for data in jpegs]
+        shared = render_jpegs(made, [b"not read" for _ in jpegs], decoder=decoder, decoded=list(wholes))
+        assert psnr(shared, render(made, decoded)) > 45  # the same full-size pictures, the same resampler
     assert min(figures) > 35, [round(f, 1) for f in figures]

@@ -1,0 +1,43 @@
+"""colour.c's HSV gains: the AVX2 loop (eight pixels at once, tables through gathers) equals the scalar loop.
+
+Every one of the 2^24 RGB colours, under gains that shift the hue both
+ways, saturate and desaturate, brighten past 255 and darken, must come out
+of both loops the same, bit for bit (the scalar loop is the one the tests
+against ultralytics' RandomHSV hold to its arithmetic); an image whose pixel
+count is not a multiple of eight ends in the scalar loop, as the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline import native
+from pipeline.augment.hsv import hsv_in_place
+
+GAINS = [(0.01, 0.5, -0.3), (-0.015, -0.7, 0.4), (0.0, 0.0, 0.0), (0.5, 1.0, 1.0), (-0.2, -1.0, -1.0)]
+
+
+@pytest.fixture(scope="module")
+def every_colour() -> np.ndarray:
+    colours = np.arange(1 << 24, dtype=np.uint32)
+    return np.stack([(colours >> 16) & 255, (colours >> 8) & 255, colours & 255]).astype(np.uint8).reshape(3, 4096, 4096)
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native library cannot be built here")
+@pytest.mark.parametrize("gains", GAINS, ids=str)
+def test_the_simd_loop_equals_the_scalar_loop_on_every_colour(every_colour: np.ndarray, gains: tuple) -> None:
+    fast, scalar = every_colour.copy(), every_colour.copy()
+    hsv_in_place(fast, gains)
+    hsv_in_place(scalar, gains, simd=False)
+    assert np.array_equal(fast, scalar), int((fast != scalar).sum())
+    assert not np.array_equal(fast, every_colour) or gains == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native library cannot be built here")
+def test_an_odd_sized_image_ends_in_the_scalar_loop_alike() -> None:
+    image = np.random.default_rng(1).integers(0, 256, (3, 37, 29), dtype=np.uint8)
+    fast, scalar = image.copy(), image.copy()
+    hsv_in_place(fast, GAINS[0])
+    hsv_in_place(scalar, GAINS[0], simd=False)
+    assert np.array_equal(fast, scalar)
