@@ -17,6 +17,11 @@ from .targets import TASKS
 from .units import parse_bytes
 
 RECIPES = ("crop", "letterbox", "scale_jitter", "iou_crop", "yolo")  # how the loader makes each image its output
+YOLO_HYP = {  # recipe="yolo"'s hyperparameters by ultralytics' names: (default, largest)
+    "mosaic": (1.0, 1.0), "degrees": (0.0, 180.0), "translate": (0.1, 0.9), "scale": (0.5, 0.95), "shear": (0.0, 90.0),
+    "perspective": (0.0, 0.001), "flipud": (0.0, 1.0), "fliplr": (0.5, 1.0), "hsv_h": (0.015, 1.0),
+    "hsv_s": (0.7, 1.0), "hsv_v": (0.4, 1.0),
+}  # fmt: skip
 
 RESIZE_MODES = ("shorter", "longer", "center-crop", "pad", "none")
 FORMATS = ("jpeg", "webp", "png", "npy")
@@ -389,6 +394,9 @@ class LoaderSpec(Spec):
         close_mosaic: recipe="yolo": the last N of `epochs` train without
             the mosaic (ultralytics' `close_mosaic`; `Loader.close_mosaic()`
             turns it off from the current epoch on).
+        hyp: recipe="yolo"'s hyperparameters, by ultralytics' names, as
+            (name, value) pairs (`YOLO_HYP` holds each one's default and
+            largest value); the ones not given keep ultralytics' defaults.
     """
 
     batch_size: int
@@ -422,6 +430,7 @@ class LoaderSpec(Spec):
     fill: int = 114
     epochs: int | None = None
     close_mosaic: int = 0
+    hyp: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, 1 << 16)
@@ -488,6 +497,19 @@ class LoaderSpec(Spec):
             raise ConfigError(f"close_mosaic turns off recipe='yolo''s mosaic: it has none with recipe={self.recipe!r}")
         if self.close_mosaic and self.epochs is None:
             raise ConfigError("close_mosaic=N turns the mosaic off for the last N epochs: give epochs= as well")
+        self._check_hyp()
+
+    def _check_hyp(self) -> None:
+        if not isinstance(self.hyp, tuple) or not all(isinstance(pair, (tuple, list)) and len(pair) == 2
+                                                      for pair in self.hyp):  # fmt: skip
+            raise ConfigError(f"hyp must be a mapping of hyperparameter names to numbers, got {self.hyp!r}")
+        if self.hyp and self.recipe != "yolo":
+            raise ConfigError(f"hyp= sets recipe='yolo''s hyperparameters: recipe={self.recipe!r} has none")
+        for name, value in self.hyp:
+            if name not in YOLO_HYP:
+                known = ", ".join(YOLO_HYP)
+                raise ConfigError(f"hyp: {name!r} is not a hyperparameter of recipe='yolo' (it has {known})")
+            check_number(f"hyp[{name!r}]", value, 0.0, YOLO_HYP[name][1])
 
     def _check_cache(self) -> None:
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):

@@ -16,11 +16,11 @@ letterboxed to `imgsz` with each image's exact `ratio_pad`, and the final
 validation of best.pt reads them too. The model, loss, optimiser,
 validator, metrics, checkpoints and callbacks are ultralytics' own.
 
-Hyperparameters the recipe does not have yet (a mosaic probability other
-than 0 or 1, degrees, shear, perspective, flipud, mixup, cutmix,
-copy_paste, HSV or translate/scale other than the defaults) are refused
-with a message, never ignored; `batch=-1` (ultralytics' auto batch, which
-builds its own dataset) likewise.
+The recipe draws with the run's hyperparameters (mosaic, degrees,
+translate, scale, shear, perspective, flipud, fliplr, hsv_h/s/v); the
+ones it does not draw yet (mixup, cutmix, copy_paste, bgr) are refused
+with a message when on, never ignored; `batch=-1` (ultralytics' auto
+batch, which builds its own dataset) likewise.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from .yolo_batches import YoloLoader, recipe_switches, split_shards, yolo_loader
+from .yolo_batches import YoloLoader, recipe_hyp, split_shards, yolo_loader
 
 try:
     from ultralytics.models.yolo.detect import DetectionTrainer as _UltralyticsTrainer
@@ -45,12 +45,11 @@ class DetectionTrainer(_UltralyticsTrainer):
         train = mode == "train"
         imgsz = int(self.args.imgsz)
         shards = split_shards(self.args.data, _split_of(self.data, dataset_path, mode), imgsz, self.data["path"])
-        mosaic, flip = recipe_switches(vars(self.args)) if train else (True, True)
+        hyp = recipe_hyp(vars(self.args)) if train else None
         epochs = int(self.args.epochs)
-        close_mosaic = epochs if not mosaic else min(int(self.args.close_mosaic or 0), epochs)
         return yolo_loader(
             shards, batch_size, train, imgsz, device=self.device, workers=int(self.args.workers) or "auto",
-            seed=int(self.args.seed), epochs=epochs, close_mosaic=close_mosaic, flip=flip,
+            seed=int(self.args.seed), epochs=epochs, close_mosaic=min(int(self.args.close_mosaic or 0), epochs), hyp=hyp,
             epoch_of=(lambda: int(getattr(self, "epoch", 0))) if train else None,
         )  # fmt: skip
 

@@ -13,8 +13,8 @@ their own: each batch a dict with `img` (uint8 B x 3 x S x S), `cls`
 output's pixels from the original's, exact, from each sample's geometry);
 `len()`, `batch_size`, `num_workers`, `drop_last`, `dataset` (with
 `labels`, read from the shards' box members without decoding an image),
-`sampler.set_epoch`, `reset()` and `close()`. `recipe_switches` checks
-ultralytics' hyperparameters against what `recipe="yolo"` draws.
+`sampler.set_epoch`, `reset()` and `close()`. `recipe_hyp` takes
+ultralytics' hyperparameters that `recipe="yolo"` draws with.
 
 Nothing here imports ultralytics.
 """
@@ -40,7 +40,7 @@ from ..loader import Loader, make_loader
 from ..loader.tasks import Batch
 from ..native.build import cache_root
 from ..prepare import prepare_dataset
-from ..specs import PrepareSpec, ResizeSpec
+from ..specs import YOLO_HYP, PrepareSpec, ResizeSpec
 from ..targets import GEOMETRY_FIELD, boxes_to_source, read_boxes
 
 log = logging.getLogger(__name__)
@@ -99,33 +99,24 @@ def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root
     return out
 
 
-RECIPE_DEFAULTS = {
-    "hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "degrees": 0.0, "translate": 0.1, "scale": 0.5, "shear": 0.0,
-    "perspective": 0.0, "flipud": 0.0, "mixup": 0.0, "cutmix": 0.0, "copy_paste": 0.0,
-}  # fmt: skip
-"""Ultralytics' default hyperparameters, which `recipe="yolo"` draws with (mosaic and fliplr: on or off)."""
+NOT_DRAWN = {"mixup": 0.0, "cutmix": 0.0, "copy_paste": 0.0, "bgr": 0.0}
+"""Ultralytics' hyperparameters that `recipe="yolo"` does not draw yet, with the value it takes (theirs: off)."""
 
 
-def recipe_switches(hyperparameters: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(mosaic, horizontal flips) of ultralytics' training hyperparameters, which must otherwise be its defaults.
+def recipe_hyp(hyperparameters: Mapping[str, Any]) -> dict[str, float]:
+    """The hyperparameters of ultralytics' (its `args`) that `recipe="yolo"` draws with (`LoaderSpec.hyp`).
 
     Raises:
-        ConfigError: a hyperparameter `recipe="yolo"` does not draw with (named, with its default).
+        ConfigError: one it does not draw yet is on (named), or one is out of its range.
     """
-    differing = [f"{name}={hyperparameters[name]} (the recipe has {default})"
-                 for name, default in RECIPE_DEFAULTS.items()
-                 if name in hyperparameters and abs(float(hyperparameters[name]) - default) > 1e-9]  # fmt: skip
-    mosaic, fliplr = float(hyperparameters.get("mosaic", 1.0)), float(hyperparameters.get("fliplr", 0.5))
-    if mosaic not in (0.0, 1.0):
-        differing.append(f"mosaic={mosaic} (the recipe has 1.0 or 0.0)")
-    if fliplr not in (0.0, 0.5):
-        differing.append(f"fliplr={fliplr} (the recipe has 0.5 or 0.0)")
-    if differing:
+    on = [f"{name}={hyperparameters[name]}" for name, off in NOT_DRAWN.items()
+          if float(hyperparameters.get(name) or 0.0) != off]  # fmt: skip
+    if on:
         raise ConfigError(
-            "gpufeed's recipe='yolo' draws ultralytics' default augmentation; it does not take "
-            + ", ".join(differing) + ": leave them at their defaults, or train with ultralytics' own trainer"
+            f"gpufeed's recipe='yolo' does not draw {', '.join(on)} yet: set them to 0, or train with ultralytics' "
+            "own trainer"
         )
-    return mosaic == 1.0, fliplr == 0.5
+    return {name: float(hyperparameters[name]) for name in YOLO_HYP if hyperparameters.get(name) is not None}
 
 
 class ShardLabels:
@@ -217,7 +208,7 @@ class YoloLoader:
 
 def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, imgsz: int, *, device: Any = "cpu",
                 workers: int | str = "auto", seed: int = 0, epochs: int | None = None, close_mosaic: int = 0,
-                flip: bool = True, epoch_of: Callable[[], int] | None = None) -> YoloLoader:  # fmt: skip
+                hyp: Mapping[str, float] | None = None, epoch_of: Callable[[], int] | None = None) -> YoloLoader:  # fmt: skip
     """A `YoloLoader` over prepared shards: ultralytics' training recipe (`recipe="yolo"`) or letterboxed validation.
 
     Args:
@@ -230,7 +221,7 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
         seed: every random choice.
         epochs: the training's epochs (with `close_mosaic`).
         close_mosaic: the last N epochs train without the mosaic.
-        flip: the recipe's random horizontal flips (ultralytics' fliplr 0.5; False: 0).
+        hyp: the recipe's hyperparameters by ultralytics' names (`make_loader(hyp=)`).
         epoch_of: the trainer's epoch, read as each epoch starts.
     """
     if imgsz % 32:
@@ -238,7 +229,7 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
     if train:
         loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
                              recipe="yolo", seed=seed, epochs=epochs, close_mosaic=close_mosaic if epochs else 0,
-                             flip=flip)  # fmt: skip
+                             hyp=hyp)  # fmt: skip
     else:
         loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
                              recipe="letterbox", train=False, drop_last=False, fields=(GEOMETRY_FIELD, "json"))  # fmt: skip

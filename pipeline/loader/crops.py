@@ -42,6 +42,7 @@ class CropSpec:
         fill: the value of the output's pixels the image does not cover.
         flip: random horizontal flips (the "yolo" recipe draws its own in its plan).
         mosaic: the "yolo" recipe's mosaic (off in its `close_mosaic` epochs).
+        hyp: the "yolo" recipe's hyperparameters (`LoaderSpec.hyp`).
     """
 
     size: int = 224
@@ -56,6 +57,7 @@ class CropSpec:
     fill: int = 114
     flip: bool = True
     mosaic: bool = True
+    hyp: tuple[tuple[str, float], ...] = ()
 
 
 class Affine:

@@ -124,7 +124,7 @@ class Loader:
         decoder = default_decoder() if spec.decoder in ("auto", "nvjpeg") else spec.decoder
         self._crop = CropSpec(
             spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder, recipe=spec.recipe or "crop",
-            jitter=spec.jitter, fill=spec.fill, flip=spec.flip,
+            jitter=spec.jitter, fill=spec.fill, flip=spec.flip, hyp=spec.hyp,
         )  # fmt: skip
         self._ring_slots = spec.prefetch + 2
         self._pool: DecodePool | None = None

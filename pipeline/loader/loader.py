@@ -148,6 +148,7 @@ def make_loader(
     fill: int = 114,
     epochs: int | None = None,
     close_mosaic: int = 0,
+    hyp: Mapping[str, float] | None = None,
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     batch_transform: Callable[[Any], Any] | None = None,
     **unknown: NoReturn,
@@ -269,6 +270,10 @@ def make_loader(
             back from the end (`close_mosaic`).
         close_mosaic: recipe="yolo": the last N of `epochs` train without the
             mosaic, as ultralytics' `close_mosaic` (its default is 10).
+        hyp: recipe="yolo"'s hyperparameters by ultralytics' names
+            ({"degrees": 10, "mosaic": 0.5, "hsv_v": 0.3, ...}: mosaic,
+            degrees, translate, scale, shear, perspective, flipud, fliplr,
+            hsv_h, hsv_s, hsv_v); the others keep ultralytics' defaults.
         sample_transform: a callable on each decoded sample, in the decode
             workers: it gets {"image": uint8 (H, W, 3) array, "key", and the
             sample's targets: "boxes", "box_labels", "mask", "labels",
@@ -333,6 +338,7 @@ def make_loader(
         fill=fill,
         epochs=epochs,
         close_mosaic=close_mosaic,
+        hyp=_hyp_pairs(hyp),
     )
     resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":
@@ -389,6 +395,14 @@ def _task_plan(
     if spec.recipe == "yolo" and spec.train and plan is not None:  # its mosaics carry boxes and labels, not yet masks
         plan = dataclasses.replace(plan, masks=False, instances=False, polygons=False)
     return plan
+
+
+def _hyp_pairs(hyp: Mapping[str, float] | None) -> tuple[tuple[str, float], ...]:
+    if hyp is None:
+        return ()
+    if not isinstance(hyp, Mapping):
+        raise ConfigError(f"hyp must be a mapping of hyperparameter names to numbers, got {type(hyp).__name__}")
+    return tuple(sorted((str(name), value) for name, value in hyp.items()))
 
 
 def _field_names(fields: Sequence[str]) -> tuple[str, ...]:

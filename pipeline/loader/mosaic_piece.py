@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from .. import native
-from ..augment.hsv import hsv_in_place
+from ..augment.affine import RandomAffine
+from ..augment.hsv import HSV, hsv_in_place
+from ..augment.mosaic import Mosaic
 from ..augment.render import decode_whole, render, render_jpegs
 from ..augment.yolo import YoloRecipe, plan
 from ..decode import open_image
@@ -38,10 +40,24 @@ DEFAULT_RECIPE = YoloRecipe()
 
 
 def yolo_recipe(crop: CropSpec, flip: bool) -> YoloRecipe:
-    """Ultralytics' default recipe at the loader's output size and fill; no horizontal flips with flip=False,
-    no mosaic where `crop.mosaic` is off."""
-    fliplr = DEFAULT_RECIPE.fliplr if flip else 0.0
-    return YoloRecipe(size=crop.size, fill=crop.fill, fliplr=fliplr, mosaic=DEFAULT_RECIPE.mosaic if crop.mosaic else None)
+    """Ultralytics' recipe with the loader's hyperparameters (`crop.hyp`, else its defaults) at the loader's
+    output size and fill; no horizontal flips with flip=False, no mosaic where `crop.mosaic` is off."""
+    hyp = {name: float(value) for name, value in crop.hyp}
+    defaults = DEFAULT_RECIPE
+    mosaic = hyp.get("mosaic", 1.0)
+    affine = RandomAffine(
+        degrees=hyp.get("degrees", defaults.affine.degrees), translate=hyp.get("translate", defaults.affine.translate),
+        scale=hyp.get("scale", defaults.affine.scale), shear=hyp.get("shear", defaults.affine.shear),
+        perspective=hyp.get("perspective", defaults.affine.perspective),
+    )  # fmt: skip
+    assert defaults.hsv is not None
+    gains = (hyp.get("hsv_h", defaults.hsv.hue), hyp.get("hsv_s", defaults.hsv.saturation),
+             hyp.get("hsv_v", defaults.hsv.value))  # fmt: skip
+    return YoloRecipe(
+        size=crop.size, fill=crop.fill, mosaic=Mosaic(p=mosaic) if crop.mosaic and mosaic > 0 else None, affine=affine,
+        fliplr=hyp.get("fliplr", defaults.fliplr) if flip else 0.0, flipud=hyp.get("flipud", defaults.flipud),
+        hsv=HSV(*gains) if any(gains) else None,
+    )  # fmt: skip
 
 
 def yolo_sample(

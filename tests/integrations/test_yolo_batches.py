@@ -5,7 +5,8 @@ The validation batches' boxes, taken back to the original photo with their
 land on the label files' boxes; `cls`, `bboxes` and `batch_idx` must have
 the shapes and order ultralytics' loss reads; the dataset's `labels` must be
 the label files' without decoding; a split is prepared once, and again after
-its files change; hyperparameters the recipe does not draw are refused.
+its files change; ultralytics' hyperparameters become the recipe's, and those it
+does not draw yet are refused.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from PIL import Image
 
 from pipeline import ConfigError
 from pipeline.demo import make_yolo_dataset
-from pipeline.integrations.yolo_batches import recipe_switches, split_shards, yolo_loader
+from pipeline.integrations.yolo_batches import recipe_hyp, split_shards, yolo_loader
 
 SIZE = 128
 
@@ -108,9 +109,9 @@ def test_a_split_is_prepared_once_and_again_when_its_files_change(dataset: Path,
     assert not [p for p in changed.parent.iterdir() if p.name.startswith(".")]  # no partial folder left
 
 
-def test_hyperparameters_the_recipe_does_not_draw_are_refused() -> None:
-    assert recipe_switches({"mosaic": 1.0, "fliplr": 0.5, "hsv_h": 0.015, "scale": 0.5}) == (True, True)
-    assert recipe_switches({"mosaic": 0.0, "fliplr": 0.0}) == (False, False)
-    for bad in ({"degrees": 10.0}, {"mixup": 0.1}, {"mosaic": 0.5}, {"fliplr": 0.3}, {"scale": 0.9}):
-        with pytest.raises(ConfigError, match=next(iter(bad))):
-            recipe_switches(bad)
+def test_ultralytics_hyperparameters_become_the_recipes_and_what_it_does_not_draw_is_refused() -> None:
+    args = {"mosaic": 0.5, "fliplr": 0.0, "degrees": 10.0, "hsv_h": 0.015, "mixup": 0.0, "lr0": 0.01, "cutmix": None}
+    assert recipe_hyp(args) == {"mosaic": 0.5, "fliplr": 0.0, "degrees": 10.0, "hsv_h": 0.015}
+    for on in ({"mixup": 0.1}, {"copy_paste": 0.5}, {"cutmix": 0.2}):
+        with pytest.raises(ConfigError, match=next(iter(on))):
+            recipe_hyp(on)

@@ -115,3 +115,22 @@ def test_close_mosaic_trains_the_last_epochs_on_single_images(prepared: Path) ->
         make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="yolo", close_mosaic=2)
     with pytest.raises(ConfigError, match="close_mosaic"):
         make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="letterbox", epochs=3, close_mosaic=2)
+
+
+def test_hyperparameters_by_ultralytics_names_change_the_recipe(prepared: Path) -> None:
+    single = batches(prepared, hyp={"mosaic": 0.0})
+    assert max(len(found) for _, boxes, _ in single for found in boxes) == 1  # no partners: one rectangle each
+    plain = batches(prepared, hyp={"mosaic": 0.0, "translate": 0.0, "scale": 0.0, "fliplr": 0.0, "hsv_h": 0.0,
+                                   "hsv_s": 0.0, "hsv_v": 0.0})  # fmt: skip
+    for images, boxes, _ in plain:  # each picture fitted in the output, centred, its colours untouched
+        for image, found in zip(images, boxes):
+            x0, y0, x1, y1 = found[0]
+            assert abs((x0 + x1) / 2 - CROP / 2) < 2 and abs((y0 + y1) / 2 - CROP / 2) < 2
+    rotated = batches(prepared, hyp={"degrees": 30.0})
+    assert any(not np.array_equal(a[0], b[0]) for a, b in zip(rotated, batches(prepared)))
+    for bad, message in (({"mixup": 0.1}, "not a hyperparameter"), ({"degrees": -1.0}, "degrees"),
+                         ({"hsv_h": 2.0}, "hsv_h")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="yolo", hyp=bad)
+    with pytest.raises(ConfigError, match="recipe='yolo'"):
+        make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="letterbox", hyp={"degrees": 5.0})
