@@ -17,5 +17,6 @@ The package map:
     affine.py    `RandomAffine`: ultralytics' RandomPerspective matrix (degrees, translate, scale, shear, perspective)
     yolo.py      `YoloRecipe` (ultralytics' default hyperparameters) and `plan`: one output's sources, matrices, boxes
     render.py    one planned output's pixels on the CPU: the native resampler where a matrix is axis-aligned
-    hsv.py       `HSV`: ultralytics' hue, saturation and value gains, per batch in torch
+    hsv.py       `HSV`: ultralytics' hue, saturation and value gains, per batch in torch, per image in native code
+    mixup.py     ultralytics' MixUp on a batch: outputs blended with others of the batch, their boxes together
 """

@@ -43,6 +43,9 @@ class CropSpec:
         flip: random horizontal flips (the "yolo" recipe draws its own in its plan).
         mosaic: the "yolo" recipe's mosaic (off in its `close_mosaic` epochs).
         hyp: the "yolo" recipe's hyperparameters (`LoaderSpec.hyp`).
+        hsv_in_workers: the "yolo" recipe's HSV gains applied by the decode
+            workers (native code); False: drawn there, applied to the batch
+            on the device (a GPU's, where the workers' CPU time is scarcer).
     """
 
     size: int = 224
@@ -58,6 +61,7 @@ class CropSpec:
     flip: bool = True
     mosaic: bool = True
     hyp: tuple[tuple[str, float], ...] = ()
+    hsv_in_workers: bool = True
 
 
 class Affine:

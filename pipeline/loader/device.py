@@ -11,6 +11,8 @@ identical; with thread workers the decode threads even write each image
 already mirrored and normalised into the batch's output tensor
 (`cpu_finish`), and the batch is only handed out here. With
 decoder="nvjpeg" the JPEGs are decoded on the GPU here (`gpu_decode.py`).
+The "yolo" recipe's batch ops run here too: its HSV gains where the workers
+left them to the device (on CUDA), and its MixUp.
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..augment.hsv import apply_hsv
+from ..augment.mixup import mixup_batch
 from ..specs import LoaderSpec
 from .crops import Affine, CropSpec, flip_mask
 from .damage import Extras, Item, Report
 from .executors import failed_samples
+from .mosaic_piece import HSV_GAINS
 from .pacing import RunSlots
 from .pieces import CpuFinish
 from .runs import Run, Upcoming
-from .tasks import TaskPlan, make_batch, tensors_in
+from .tasks import Batch, TaskPlan, make_batch, tensors_in
 from .workers import DecodePool, HostBatch
+
+MIXUP_STREAM = 0x6D69787570  # the MixUp draws' own stream of each batch's seed
 
 BatchOnDevice = tuple[torch.Tensor, torch.Tensor, Any]  # images, labels, and the side stream's event (None off CUDA)
 
@@ -208,6 +215,8 @@ class DeviceFinish:
             if self.plan is not None:
                 targets = [host.targets[position] for position in range(host.count)]
                 delivered = make_batch(self.plan, images, labels, host.keys, targets)
+                if self.spec.recipe == "yolo":
+                    delivered = self._yolo_mixup(delivered, host)
             if self.batch_transform is not None:
                 delivered = self.batch_transform(delivered)
             if side is not None:
@@ -232,7 +241,7 @@ class DeviceFinish:
         host_images, host_labels = pool.collect(batch, report, upcoming.later())
         flips = self._flips(epoch, batch)
         if side is None:
-            images = self._finish_on_device(host_images, flips)
+            images = self._finish_on_device(host_images, flips, batch)
             free.put(batch.slot)
             return images, host_labels, None
         with torch.cuda.stream(side):
@@ -242,7 +251,7 @@ class DeviceFinish:
             labels = host_labels.to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(side)
-            images = self._finish_on_device(pixels, flips)
+            images = self._finish_on_device(pixels, flips, batch)
             done = torch.cuda.Event()
             done.record(side)
         copied.synchronize()  # the pinned slot may be refilled once its copy has landed
@@ -290,7 +299,9 @@ class DeviceFinish:
 
     # -- flip, float, normalise ---------------------------------------------
 
-    def _finish_on_device(self, pixels: torch.Tensor, flips: torch.Tensor | None) -> torch.Tensor:
+    def _finish_on_device(
+        self, pixels: torch.Tensor, flips: torch.Tensor | None, host: HostBatch | None = None
+    ) -> torch.Tensor:
         """NCHW pixels already on the device -> flipped, normalised NCHW `dtype` (channels_last).
 
         The pixels are uint8 from the decode workers, or float in 0-255 from
@@ -301,7 +312,29 @@ class DeviceFinish:
         if flips is not None and bool(flips.any()):
             chosen = flips.nonzero().flatten().to(self.device)
             pixels[chosen] = pixels[chosen].flip(3)
+        if host is not None and self.plan is not None and self.spec.recipe == "yolo":
+            pixels = self._yolo_hsv(pixels, host)
         return self._scale_shift(pixels)
+
+    def _yolo_hsv(self, pixels: torch.Tensor, host: HostBatch) -> torch.Tensor:
+        """recipe="yolo" with the HSV gains left to the device: each output that drew gains gets them (uint8)."""
+        gains = [(host.targets[position] or {}).get(HSV_GAINS) for position in range(host.count)]
+        chosen = [position for position, gain in enumerate(gains) if gain is not None]
+        if not chosen:
+            return pixels
+        table = torch.tensor([gains[position] for position in chosen], dtype=torch.float32)
+        index = torch.tensor(chosen, device=pixels.device)
+        pixels[index] = apply_hsv(pixels[index], table)
+        return pixels
+
+    def _yolo_mixup(self, batch: Batch, host: HostBatch) -> Batch:
+        """recipe="yolo" with `mixup` in its hyperparameters: the batch's MixUp (`pipeline.augment.mixup`)."""
+        p = dict(self.spec.hyp).get("mixup", 0.0)
+        if not (self.spec.train and p > 0 and batch.boxes is not None and batch.box_labels is not None):
+            return batch
+        rng = np.random.default_rng([self.spec.seed, host.epoch, self.rank, host.index, MIXUP_STREAM])
+        batch.images, batch.boxes, batch.box_labels = mixup_batch(batch.images, batch.boxes, batch.box_labels, p, rng)
+        return batch
 
     def _scale_shift(self, nchw: torch.Tensor) -> torch.Tensor:
         scale, shift = self._affine()

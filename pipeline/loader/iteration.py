@@ -125,6 +125,7 @@ class Loader:
         self._crop = CropSpec(
             spec.crop, spec.train, spec.scale, spec.ratio, spec.eval_fraction, decoder, recipe=spec.recipe or "crop",
             jitter=spec.jitter, fill=spec.fill, flip=spec.flip, hyp=spec.hyp,
+            hsv_in_workers=device.type != "cuda" or (plan is not None and plan.sample_transform is not None),
         )  # fmt: skip
         self._ring_slots = spec.prefetch + 2
         self._pool: DecodePool | None = None

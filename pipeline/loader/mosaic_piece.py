@@ -37,6 +37,7 @@ from .damage import Extras
 from .tasks import TaskPlan, field_value, run_sample_transform
 
 DEFAULT_RECIPE = YoloRecipe()
+HSV_GAINS = "hsv_gains"  # a target's key: the gains the device applies to the batch (`hsv_in_workers=False`)
 
 
 def yolo_recipe(crop: CropSpec, flip: bool) -> YoloRecipe:
@@ -70,12 +71,14 @@ def yolo_sample(
     out: np.ndarray,
     decoder: Any = None,
     decoded: dict[int, np.ndarray] | None = None,
+    hsv_in_workers: bool = True,
 ) -> dict[str, Any]:
     """Position `position`'s output rendered into `out` (uint8 [3, S, S]) and its targets.
 
     `decoded` keeps the piece's pictures decoded whole, by position, from one output to the next: a
     picture is decoded once however many mosaics of the piece show it (ultralytics' buffer of recent
-    images, kept decoded, does the same).
+    images, kept decoded, does the same). `hsv_in_workers=False` leaves the HSV gains to the device:
+    they go with the targets (`HSV_GAINS`).
 
     Raises:
         TargetError, DecodeError: its sample or a partner is damaged.
@@ -104,10 +107,12 @@ def yolo_sample(
             render(made, [np.asarray(_rgb(ext, file_data)) for ext, file_data, _ in files], out=out)
     except native.RegionError as exc:
         raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
-    if made.hsv_gains is not None:
-        hsv_in_place(out, made.hsv_gains)
     total = sum(len(b) for b in boxes[: len(made.tiles)])
     targets: dict[str, Any] = {"boxes": made.boxes, "box_labels": made.labels, "boxes_dropped": total - len(made.boxes)}
+    if made.hsv_gains is not None and hsv_in_workers:
+        hsv_in_place(out, made.hsv_gains)
+    elif made.hsv_gains is not None:
+        targets[HSV_GAINS] = made.hsv_gains  # the device applies them to the batch
     for name in plan_of.fields:
         if name != "key":
             targets.setdefault("fields", {})[name] = field_value(name, (extras[position] or {}).get(name))

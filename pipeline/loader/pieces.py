@@ -185,7 +185,7 @@ def _yolo_chunk(
         pixels = np.empty((3, crop.size, crop.size), np.uint8)
         try:
             done[position] = yolo_sample(work.plan, recipe, items, extras, offset, work.keys[offset], pixels, decoder,
-                                         decoded)  # fmt: skip
+                                         decoded, crop.hsv_in_workers)  # fmt: skip
         except (TargetError, DecodeError) as exc:
             failures.append((position, str(exc)))
             continue

@@ -266,7 +266,8 @@ class DecodePool:
         def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
             pixels = np.empty((3, crop.size, crop.size), np.uint8)
             try:
-                targets = yolo_sample(plan, recipe, [item], [extras or {}], 0, batch.keys[position], pixels, region_decoder())
+                targets = yolo_sample(plan, recipe, [item], [extras or {}], 0, batch.keys[position], pixels, region_decoder(),
+                                      None, crop.hsv_in_workers)  # fmt: skip
             except (TargetError, DecodeError):
                 return False
             write_slot(pixels, finish.out[position] if finish is not None else ring[batch.slot, position],

@@ -128,9 +128,48 @@ def test_hyperparameters_by_ultralytics_names_change_the_recipe(prepared: Path) 
             assert abs((x0 + x1) / 2 - CROP / 2) < 2 and abs((y0 + y1) / 2 - CROP / 2) < 2
     rotated = batches(prepared, hyp={"degrees": 30.0})
     assert any(not np.array_equal(a[0], b[0]) for a, b in zip(rotated, batches(prepared)))
-    for bad, message in (({"mixup": 0.1}, "not a hyperparameter"), ({"degrees": -1.0}, "degrees"),
+    for bad, message in (({"cutmix": 0.1}, "not a hyperparameter"), ({"degrees": -1.0}, "degrees"),
                          ({"hsv_h": 2.0}, "hsv_h")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="yolo", hyp=bad)
     with pytest.raises(ConfigError, match="recipe='yolo'"):
         make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="letterbox", hyp={"degrees": 5.0})
+
+
+def test_mixup_blends_outputs_of_the_batch_and_joins_their_boxes(prepared: Path) -> None:
+    plain, mixed = batches(prepared), batches(prepared, hyp={"mixup": 1.0})
+    for (images, boxes, labels), (mixed_images, mixed_boxes, mixed_labels) in zip(plain, mixed):
+        for i in range(len(images)):
+            # the same mosaics underneath (MixUp draws from its own stream): own boxes first, then a partner's
+            own = len(boxes[i])
+            assert np.array_equal(mixed_boxes[i][:own], boxes[i])
+            partners = [j for j in range(len(images)) if j != i and np.array_equal(mixed_boxes[i][own:], boxes[j])]
+            blend = mixed_images[i].astype(np.float64)
+
+            def between(j: int) -> bool:  # the blend lies between the two, pixel by pixel (truncated: 1 level under)
+                low = np.minimum(images[i], images[j]).astype(np.float64) - 1
+                return bool(((blend >= low) & (blend <= np.maximum(images[i], images[j]))).all())
+
+            found = [j for j in partners if between(j)]
+            assert found, (i, partners)
+            assert np.array_equal(mixed_labels[i], np.concatenate([labels[i], labels[found[0]]]))
+            assert not np.array_equal(mixed_images[i], images[i])
+
+
+def test_hsv_left_to_the_device_gives_the_workers_pixels(prepared: Path) -> None:
+    import dataclasses
+
+    def epoch(on_device: bool) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+        loader = make_loader(str(prepared), 8, device="cpu", crop=CROP, num_workers=2, dtype="uint8", recipe="yolo",
+                             seed=3, worker_type="process")  # fmt: skip
+        if on_device:  # what a CUDA device gets: the gains go with the targets, the batch gets them on the device
+            loader._crop = dataclasses.replace(loader._crop, hsv_in_workers=False)
+        return [(b.images.numpy(), [x.numpy() for x in b.boxes]) for b in loader]
+
+    in_workers, on_device = epoch(False), epoch(True)
+    unchanged = batches(prepared, hyp={"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0})
+    for (a, boxes_a), (b, boxes_b), (c, _, _) in zip(in_workers, on_device, unchanged):
+        assert all(np.array_equal(x, y) for x, y in zip(boxes_a, boxes_b))
+        difference = np.abs(a.astype(int) - b.astype(int))
+        assert difference.max() <= 1 and (difference == 0).mean() > 0.9  # native code vs torch: OpenCV's steps
+        assert np.abs(b.astype(int) - c.astype(int)).mean() > 1  # and the gains were applied

@@ -1,0 +1,43 @@
+"""MixUp on a batch: each chosen image blended with another of the batch by r ~ Beta(32, 32), boxes together."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeline.augment.mixup import mixup_batch
+
+
+def batch(count: int = 6) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (count, 3, 16, 16), dtype=torch.uint8, generator=generator)
+    boxes = [torch.tensor([[i, i, i + 4.0, i + 5.0]] * (i % 3 + 1)) for i in range(count)]
+    labels = [torch.full((i % 3 + 1,), i) for i in range(count)]
+    return images, boxes, labels
+
+
+def test_every_image_mixed_is_a_blend_of_two_of_the_batch_and_holds_both_their_boxes() -> None:
+    images, boxes, labels = batch()
+    mixed, mixed_boxes, mixed_labels = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3))
+    for i in range(len(images)):
+        partner = int(mixed_labels[i][-1])  # the labels tell which image joined
+        assert partner != i and torch.equal(mixed_labels[i], torch.cat([labels[i], labels[partner]]))
+        assert torch.equal(mixed_boxes[i], torch.cat([boxes[i], boxes[partner]]))
+        own, other = images[i].double(), images[partner].double()
+        # r from the blend itself (truncation takes half a level on average)
+        blend = mixed[i].double() + 0.5
+        r = float(((blend - other) * (own - other)).sum() / ((own - other) ** 2).sum())
+        assert 0.25 < r < 0.75
+        assert (blend - (own * r + other * (1 - r))).abs().max() <= 0.6
+    assert torch.equal(images, batch()[0])  # the inputs are left as they were
+
+
+def test_nothing_is_mixed_at_probability_zero_or_alone_and_floats_blend_linearly() -> None:
+    images, boxes, labels = batch()
+    assert mixup_batch(images, boxes, labels, 0.0, np.random.default_rng(0))[0] is images
+    alone = images[:1]
+    assert mixup_batch(alone, boxes[:1], labels[:1], 1.0, np.random.default_rng(0))[0] is alone
+    floats = images.float() / 255 - 0.5
+    mixed, _, mixed_labels = mixup_batch(floats, boxes, labels, 1.0, np.random.default_rng(3))
+    uint8, _, _ = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3))
+    assert ((mixed + 0.5) * 255 - uint8.float()).abs().max() < 1.0  # the same draws, without the truncation
