@@ -111,6 +111,12 @@ def recipe_hyp(hyperparameters: Mapping[str, Any]) -> dict[str, float]:
     """
     on = [f"{name}={hyperparameters[name]}" for name, off in NOT_DRAWN.items()
           if float(hyperparameters.get(name) or 0.0) != off]  # fmt: skip
+    if hyperparameters.get("fraction") not in (None, 1, 1.0):
+        on.append(f"fraction={hyperparameters['fraction']} (prepare the part to train on as its own split)")
+    if hyperparameters.get("classes") is not None:
+        on.append(f"classes={hyperparameters['classes']} (a class filter)")
+    if hyperparameters.get("rect"):
+        on.append("rect=True (rectangular training batches)")
     if on:
         raise ConfigError(
             f"gpufeed's recipe='yolo' does not draw {', '.join(on)} yet: set them to 0, or train with ultralytics' "
@@ -122,8 +128,9 @@ def recipe_hyp(hyperparameters: Mapping[str, Any]) -> dict[str, float]:
 class ShardLabels:
     """The `dataset` ultralytics reads beside a loader: its length, and each sample's labels from the shards."""
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader: Loader, single_class: bool = False) -> None:
         self._loader = loader
+        self._single_class = single_class
         self._labels: list[dict[str, Any]] | None = None
 
     def __len__(self) -> int:
@@ -144,7 +151,7 @@ class ShardLabels:
                     width, height = info.get("size") or (1, 1)
                     found.append({
                         "im_file": info.get("source", key), "shape": (height, width),
-                        "cls": labels.astype(np.float32).reshape(-1, 1),
+                        "cls": (labels * (not self._single_class)).astype(np.float32).reshape(-1, 1),
                         "bboxes": _xywh(boxes, width, height), "normalized": True, "bbox_format": "xywh",
                     })  # fmt: skip
             self._labels = found
@@ -177,11 +184,13 @@ class YoloLoader:
     Args:
         loader: a loader over a detection dataset, uint8, with fields=("geometry", "json") in eval mode.
         epoch_of: the trainer's current epoch, read as each epoch starts (a resumed training's too).
+        single_class: every box of class 0 (ultralytics' `single_cls`).
     """
 
-    def __init__(self, loader: Loader, epoch_of: Callable[[], int] | None = None) -> None:
+    def __init__(self, loader: Loader, epoch_of: Callable[[], int] | None = None, single_class: bool = False) -> None:
+        self.single_class = single_class
         self.loader = loader
-        self.dataset = ShardLabels(loader)
+        self.dataset = ShardLabels(loader, single_class)
         self.sampler = _Sampler(self)
         self.batch_size = loader.batch_size
         self.num_workers = loader.spec.num_workers
@@ -197,7 +206,10 @@ class YoloLoader:
         size = self.loader.spec.crop
         for batch in self.loader:
             assert isinstance(batch, Batch)  # a detection dataset's
-            yield to_ultralytics(batch, size)
+            made = to_ultralytics(batch, size)
+            if self.single_class:
+                made["cls"] = torch.zeros_like(made["cls"])
+            yield made
 
     def reset(self) -> None:
         """Ultralytics' call as its close_mosaic epochs start: the loader turned the mosaic off on time already."""
@@ -208,7 +220,8 @@ class YoloLoader:
 
 def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, imgsz: int, *, device: Any = "cpu",
                 workers: int | str = "auto", seed: int = 0, epochs: int | None = None, close_mosaic: int = 0,
-                hyp: Mapping[str, float] | None = None, epoch_of: Callable[[], int] | None = None) -> YoloLoader:  # fmt: skip
+                hyp: Mapping[str, float] | None = None, epoch_of: Callable[[], int] | None = None,
+                single_class: bool = False) -> YoloLoader:  # fmt: skip
     """A `YoloLoader` over prepared shards: ultralytics' training recipe (`recipe="yolo"`) or letterboxed validation.
 
     Args:
@@ -223,6 +236,7 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
         close_mosaic: the last N epochs train without the mosaic.
         hyp: the recipe's hyperparameters by ultralytics' names (`make_loader(hyp=)`).
         epoch_of: the trainer's epoch, read as each epoch starts.
+        single_class: every box of class 0 (ultralytics' `single_cls`).
     """
     if imgsz % 32:
         raise ConfigError(f"imgsz must be a multiple of 32 (the model's stride), got {imgsz}")
@@ -233,7 +247,7 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
     else:
         loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
                              recipe="letterbox", train=False, drop_last=False, fields=(GEOMETRY_FIELD, "json"))  # fmt: skip
-    return YoloLoader(loader, epoch_of)
+    return YoloLoader(loader, epoch_of, single_class)
 
 
 def to_ultralytics(batch: Batch, size: int) -> dict[str, Any]:

@@ -112,6 +112,17 @@ def test_a_split_is_prepared_once_and_again_when_its_files_change(dataset: Path,
 def test_ultralytics_hyperparameters_become_the_recipes_and_what_it_does_not_draw_is_refused() -> None:
     args = {"mosaic": 0.5, "fliplr": 0.0, "degrees": 10.0, "hsv_h": 0.015, "mixup": 0.1, "lr0": 0.01, "cutmix": None}
     assert recipe_hyp(args) == {"mosaic": 0.5, "fliplr": 0.0, "degrees": 10.0, "hsv_h": 0.015, "mixup": 0.1}
-    for on in ({"copy_paste": 0.5}, {"cutmix": 0.2}, {"bgr": 0.1}):
+    for on in ({"copy_paste": 0.5}, {"cutmix": 0.2}, {"bgr": 0.1}, {"fraction": 0.5}, {"classes": [0]}, {"rect": True}):
         with pytest.raises(ConfigError, match=next(iter(on))):
             recipe_hyp(on)
+    assert recipe_hyp({"fraction": 1.0, "classes": None, "rect": False}) == {}
+
+
+def test_single_class_training_sees_every_box_as_class_0(dataset: Path, tmp_path: Path) -> None:
+    shards = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)
+    several = yolo_loader(shards, 6, False, SIZE, workers=1)
+    single = yolo_loader(shards, 6, False, SIZE, workers=1, single_class=True)
+    assert any(len(set(label["cls"].ravel().tolist())) > 1 for label in several.dataset.labels)
+    assert all(not label["cls"].any() for label in single.dataset.labels)
+    for a, b in zip(several, single):
+        assert torch.equal(a["bboxes"], b["bboxes"]) and not b["cls"].any() and a["cls"].any()
