@@ -13,9 +13,10 @@ mosaic's three partners come from a buffer of the 64 photos read last
                `load_image`'s resize (longer side imgsz), Mosaic,
                RandomPerspective (cv2.warpAffine of the 2S x 2S canvas),
                RandomHSV, RandomFlip, then to a CHW tensor as its Format does.
-  gpufeed      `pipeline.augment`: each photo decoded once at the DCT scale
-               its output needs (simplejpeg), then per output `plan` (one
-               matrix per source) and `render` (one native resize per source,
+  gpufeed      `pipeline.augment` on the photos as prepare stores them (longer
+               side imgsz, prepared untimed): per output `plan` (one matrix
+               per source) and `render_jpegs` (each tile's part of its JPEG
+               decoded at its DCT scale, one native resize per source,
                straight into the CHW output), and the HSV gains in native code
                (`hsv_in_place`, as a CPU device's worker does it).
                --no-mosaic compares the recipe with mosaic off on both sides.
