@@ -20,7 +20,7 @@ RECIPES = ("crop", "letterbox", "scale_jitter", "iou_crop", "yolo")  # how the l
 YOLO_HYP = {  # recipe="yolo"'s hyperparameters by ultralytics' names: (default, largest)
     "mosaic": (1.0, 1.0), "degrees": (0.0, 180.0), "translate": (0.1, 0.9), "scale": (0.5, 0.95), "shear": (0.0, 90.0),
     "perspective": (0.0, 0.001), "flipud": (0.0, 1.0), "fliplr": (0.5, 1.0), "hsv_h": (0.015, 1.0),
-    "hsv_s": (0.7, 1.0), "hsv_v": (0.4, 1.0), "mixup": (0.0, 1.0),
+    "hsv_s": (0.7, 1.0), "hsv_v": (0.4, 1.0), "mixup": (0.0, 1.0), "cutmix": (0.0, 1.0),
 }  # fmt: skip
 
 RESIZE_MODES = ("shorter", "longer", "center-crop", "pad", "none")

@@ -1,4 +1,4 @@
-"""Ultralytics' MixUp on a batch: an output blended with another output, their boxes together.
+"""Ultralytics' MixUp and CutMix on a batch: an output blended with another, or a patch of another pasted in.
 
 Ultralytics blends a training image, with probability `mixup`, with a
 second one made by the same recipe (its own mosaic and affine), by a ratio
@@ -9,6 +9,13 @@ sources), drawn for each mixed image; every blend reads the outputs as they
 were before any was mixed. The images may be uint8 (truncated as
 ultralytics) or floats (normalised: the blend is linear, so it commutes
 with the normalisation).
+
+CutMix (`cutmix_batch`), as ultralytics' 8.4: three candidate rectangles,
+each (1 - lam)^0.5 of the image's sides with lam ~ Beta(1, 1) around a
+random centre; one that covers none of the image's own boxes is drawn
+(none: no cut), the other image's pixels there are pasted in, and the
+other's boxes that have at least 10 % of their area in it join, clipped
+to it.
 """
 
 from __future__ import annotations
@@ -47,3 +54,70 @@ def mixup_batch(
         mixed_boxes[i] = torch.cat([boxes[i], boxes[j]])
         mixed_labels[i] = torch.cat([labels[i], labels[j]])
     return mixed, mixed_boxes, mixed_labels
+
+
+def _ioa(areas: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+    """Intersection of each area (A, 4) with each box (B, 4) over the box's own area: (A, B)."""
+    if not len(boxes):
+        return np.zeros((len(areas), 0))
+    x0 = np.maximum(areas[:, None, 0], boxes[None, :, 0])
+    y0 = np.maximum(areas[:, None, 1], boxes[None, :, 1])
+    x1 = np.minimum(areas[:, None, 2], boxes[None, :, 2])
+    y1 = np.minimum(areas[:, None, 3], boxes[None, :, 3])
+    inter = (x1 - x0).clip(0) * (y1 - y0).clip(0)
+    own = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    return inter / (own[None, :] + 1e-7)
+
+
+def _cut_area(rng: np.random.Generator, width: int, height: int) -> tuple[int, int, int, int]:
+    cut = np.sqrt(1.0 - rng.beta(1.0, 1.0))
+    cut_w, cut_h = int(width * cut), int(height * cut)
+    cx, cy = int(rng.integers(width)), int(rng.integers(height))
+    return (int(np.clip(cx - cut_w // 2, 0, width)), int(np.clip(cy - cut_h // 2, 0, height)),
+            int(np.clip(cx + cut_w // 2, 0, width)), int(np.clip(cy + cut_h // 2, 0, height)))  # fmt: skip
+
+
+def cutmix_batch(
+    images: torch.Tensor,
+    boxes: list[torch.Tensor],
+    labels: list[torch.Tensor],
+    p: float,
+    rng: np.random.Generator,
+    sources: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The batch with each image, with probability `p`, given a patch of a drawn other one and its boxes there.
+
+    Args:
+        images, boxes, labels, p, rng: as `mixup_batch` (p is ultralytics' `cutmix`).
+        sources: where the patches come from (default the batch itself): the batch as it was before
+            MixUp, so that a patch is another output as the recipe made it (ultralytics cuts from a fresh one).
+
+    Returns:
+        (images, boxes, labels): new tensors where an image was cut into, the given ones elsewhere.
+    """
+    count, height, width = images.shape[0], images.shape[2], images.shape[3]
+    if count < 2 or p <= 0:
+        return images, boxes, labels
+    source_images, source_boxes, source_labels = sources if sources is not None else (images, boxes, labels)
+    out, out_boxes, out_labels = None, list(boxes), list(labels)
+    for i in range(count):
+        if rng.uniform() >= p:
+            continue
+        j = (i + 1 + int(rng.integers(count - 1))) % count
+        areas = np.array([_cut_area(rng, width, height) for _ in range(3)], np.float32)
+        free = np.nonzero(_ioa(areas, boxes[i].cpu().numpy()).sum(axis=1) <= 0)[0]
+        if not len(free):
+            continue
+        x0, y0, x1, y1 = (int(v) for v in areas[int(rng.choice(free))])
+        theirs = source_boxes[j].cpu().numpy()
+        keep = np.nonzero(_ioa(np.array([[x0, y0, x1, y1]], np.float32), theirs)[0] >= 0.1)[0]
+        if out is None:
+            out = images.clone()
+        out[i, :, y0:y1, x0:x1] = source_images[j, :, y0:y1, x0:x1]
+        kept = source_boxes[j][torch.as_tensor(keep, dtype=torch.long, device=source_boxes[j].device)]
+        limits = torch.tensor([x0, y0, x0, y0], dtype=kept.dtype, device=kept.device)
+        upper = torch.tensor([x1, y1, x1, y1], dtype=kept.dtype, device=kept.device)
+        out_boxes[i] = torch.cat([boxes[i], torch.minimum(torch.maximum(kept, limits), upper)])
+        out_labels[i] = torch.cat([labels[i], source_labels[j][torch.as_tensor(keep, dtype=torch.long,
+                                                                               device=source_labels[j].device)]])  # fmt: skip
+    return (out if out is not None else images), out_boxes, out_labels

@@ -17,8 +17,8 @@ validation of best.pt reads them too. The model, loss, optimiser,
 validator, metrics, checkpoints and callbacks are ultralytics' own.
 
 The recipe draws with the run's hyperparameters (mosaic, degrees,
-translate, scale, shear, perspective, flipud, fliplr, hsv_h/s/v, mixup);
-the ones it does not draw yet (cutmix, copy_paste, bgr) are refused
+translate, scale, shear, perspective, flipud, fliplr, hsv_h/s/v, mixup,
+cutmix); the ones it does not draw yet (copy_paste, bgr) are refused
 with a message when on, never ignored; `batch=-1` (ultralytics' auto
 batch, which builds its own dataset) likewise.
 """

@@ -99,7 +99,7 @@ def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root
     return out
 
 
-NOT_DRAWN = {"cutmix": 0.0, "copy_paste": 0.0, "bgr": 0.0}
+NOT_DRAWN = {"copy_paste": 0.0, "bgr": 0.0}
 """Ultralytics' hyperparameters that `recipe="yolo"` does not draw yet, with the value it takes (theirs: off)."""
 
 

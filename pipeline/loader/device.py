@@ -12,7 +12,7 @@ already mirrored and normalised into the batch's output tensor
 (`cpu_finish`), and the batch is only handed out here. With
 decoder="nvjpeg" the JPEGs are decoded on the GPU here (`gpu_decode.py`).
 The "yolo" recipe's batch ops run here too: its HSV gains where the workers
-left them to the device (on CUDA), and its MixUp.
+left them to the device (on CUDA), its MixUp and CutMix.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..augment.hsv import apply_hsv
-from ..augment.mixup import mixup_batch
+from ..augment.mixup import cutmix_batch, mixup_batch
 from ..specs import LoaderSpec
 from .crops import Affine, CropSpec, flip_mask
 from .damage import Extras, Item, Report
@@ -328,12 +328,16 @@ class DeviceFinish:
         return pixels
 
     def _yolo_mixup(self, batch: Batch, host: HostBatch) -> Batch:
-        """recipe="yolo" with `mixup` in its hyperparameters: the batch's MixUp (`pipeline.augment.mixup`)."""
-        p = dict(self.spec.hyp).get("mixup", 0.0)
-        if not (self.spec.train and p > 0 and batch.boxes is not None and batch.box_labels is not None):
+        """recipe="yolo" with `mixup` or `cutmix` in its hyperparameters: the batch's MixUp, then its CutMix
+        (`pipeline.augment.mixup`), both from the batch as the recipe made it."""
+        hyp = dict(self.spec.hyp)
+        mixup, cutmix = hyp.get("mixup", 0.0), hyp.get("cutmix", 0.0)
+        if not (self.spec.train and (mixup > 0 or cutmix > 0) and batch.boxes is not None and batch.box_labels is not None):
             return batch
         rng = np.random.default_rng([self.spec.seed, host.epoch, self.rank, host.index, MIXUP_STREAM])
-        batch.images, batch.boxes, batch.box_labels = mixup_batch(batch.images, batch.boxes, batch.box_labels, p, rng)
+        made = (batch.images, batch.boxes, batch.box_labels)
+        mixed = mixup_batch(*made, mixup, rng)
+        batch.images, batch.boxes, batch.box_labels = cutmix_batch(*mixed, cutmix, rng, sources=made)
         return batch
 
     def _scale_shift(self, nchw: torch.Tensor) -> torch.Tensor:

@@ -41,3 +41,31 @@ def test_nothing_is_mixed_at_probability_zero_or_alone_and_floats_blend_linearly
     mixed, _, mixed_labels = mixup_batch(floats, boxes, labels, 1.0, np.random.default_rng(3))
     uint8, _, _ = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3))
     assert ((mixed + 0.5) * 255 - uint8.float()).abs().max() < 1.0  # the same draws, without the truncation
+
+
+def test_cutmix_pastes_a_rectangle_clear_of_the_images_boxes_with_the_others_boxes_there() -> None:
+    from pipeline.augment.mixup import cutmix_batch
+
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randint(0, 256, (8, 3, 64, 64), dtype=torch.uint8, generator=generator)
+    boxes = [torch.tensor([[4.0 * i, 4.0, 4.0 * i + 12, 20.0], [30.0, 36.0, 60.0, 62.0]]) for i in range(8)]
+    labels = [torch.tensor([i, 10 + i]) for i in range(8)]
+    cut, cut_boxes, cut_labels = cutmix_batch(images, boxes, labels, 1.0, np.random.default_rng(4))
+    changed = 0
+    for i in range(8):
+        differs = (cut[i] != images[i]).any(0)
+        if not differs.any():
+            assert torch.equal(cut_boxes[i], boxes[i]) and torch.equal(cut_labels[i], labels[i])
+            continue
+        changed += 1
+        ys, xs = differs.nonzero(as_tuple=True)
+        y0, y1, x0, x1 = int(ys.min()), int(ys.max()) + 1, int(xs.min()), int(xs.max()) + 1
+        j = next(j for j in range(8) if j != i and torch.equal(cut[i, :, y0:y1, x0:x1], images[j, :, y0:y1, x0:x1]))
+        for box in boxes[i]:  # the rectangle covers none of the image's own boxes
+            assert box[2] <= x0 or box[0] >= x1 or box[3] <= y0 or box[1] >= y1
+        assert torch.equal(cut_boxes[i][:2], boxes[i]) and torch.equal(cut_labels[i][:2], labels[i])
+        joined = cut_boxes[i][2:]
+        assert set(cut_labels[i][2:].tolist()) <= set(labels[j].tolist())  # the other's, clipped to the cut
+        assert ((joined[:, 0] >= x0 - 1) & (joined[:, 2] <= x1 + 1) & (joined[:, 1] >= y0 - 1) & (joined[:, 3] <= y1 + 1)).all()
+    assert changed >= 2
+    assert torch.equal(cutmix_batch(images, boxes, labels, 0.0, np.random.default_rng(4))[0], images)

@@ -9,7 +9,7 @@ validation each epoch and the final validation of best.pt. Its train and
 val loaders must be gpufeed's, the splits prepared once into the cache (a
 second run, with rotation and a mosaic half the time, prepares nothing),
 the losses finite, results.csv two rows; a hyperparameter the recipe does
-not draw yet (cutmix) stops the run with a message.
+not draw yet (copy_paste) stops the run with a message.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_ultralytics_trains_and_validates_on_gpufeeds_loaders_offline(data: Path
             value = float(next(v for k, v in row.items() if k.strip() == name))
             assert math.isfinite(value) and value > 0, (name, value)
     assert done.stderr.count("gpufeed: preparing split") == 2  # train and val, once each
-    again = train(data, project, shards, degrees=10.0, mosaic=0.5, mixup=0.3)  # the recipe takes the run's
+    again = train(data, project, shards, degrees=10.0, mosaic=0.5, mixup=0.3, cutmix=0.3)  # the recipe takes the run's
     assert again.returncode == 0, again.stderr[-4000:]
     assert "gpufeed: preparing split" not in again.stderr  # found in the cache
 
@@ -96,6 +96,6 @@ def test_ultralytics_trains_and_validates_on_gpufeeds_loaders_offline(data: Path
 def test_a_hyperparameter_the_recipe_does_not_draw_stops_the_run(data: Path, tmp_path: Path) -> None:
     project = tmp_path / "runs"
     project.mkdir()
-    done = train(data, project, tmp_path / "shards", cutmix=0.2)
+    done = train(data, project, tmp_path / "shards", copy_paste=0.2)
     assert done.returncode != 0
-    assert "does not draw cutmix=0.2" in done.stderr, done.stderr[-3000:]
+    assert "does not draw copy_paste=0.2" in done.stderr, done.stderr[-3000:]

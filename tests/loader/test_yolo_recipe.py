@@ -128,7 +128,7 @@ def test_hyperparameters_by_ultralytics_names_change_the_recipe(prepared: Path) 
             assert abs((x0 + x1) / 2 - CROP / 2) < 2 and abs((y0 + y1) / 2 - CROP / 2) < 2
     rotated = batches(prepared, hyp={"degrees": 30.0})
     assert any(not np.array_equal(a[0], b[0]) for a, b in zip(rotated, batches(prepared)))
-    for bad, message in (({"cutmix": 0.1}, "not a hyperparameter"), ({"degrees": -1.0}, "degrees"),
+    for bad, message in (({"copy_paste": 0.1}, "not a hyperparameter"), ({"degrees": -1.0}, "degrees"),
                          ({"hsv_h": 2.0}, "hsv_h")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="yolo", hyp=bad)
@@ -173,3 +173,15 @@ def test_hsv_left_to_the_device_gives_the_workers_pixels(prepared: Path) -> None
         difference = np.abs(a.astype(int) - b.astype(int))
         assert difference.max() <= 1 and (difference == 0).mean() > 0.9  # native code vs torch: OpenCV's steps
         assert np.abs(b.astype(int) - c.astype(int)).mean() > 1  # and the gains were applied
+
+
+def test_cutmix_keeps_each_outputs_boxes_and_adds_the_pasted_ones(prepared: Path) -> None:
+    plain, cut = batches(prepared), batches(prepared, hyp={"cutmix": 1.0})
+    added = 0
+    for (images, boxes, _), (cut_images, cut_boxes, _) in zip(plain, cut):
+        for i in range(len(images)):
+            assert np.array_equal(cut_boxes[i][: len(boxes[i])], boxes[i])
+            added += len(cut_boxes[i]) - len(boxes[i])
+            if len(cut_boxes[i]) > len(boxes[i]):
+                assert not np.array_equal(cut_images[i], images[i])
+    assert added > 0
