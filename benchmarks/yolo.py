@@ -16,7 +16,7 @@ ultralytics installs:
                splits prepared once beforehand (`split_shards`, untimed: that
                is the point), thread workers, batches as ultralytics' dicts:
                train `recipe="yolo"` (HSV in the workers: a CPU device), val
-               letterboxed square batches.
+               letterboxed, each batch cut to the rectangle its images need.
 
 Each row runs in its own process: one warm-up epoch (workers started, page
 cache warm), then --epochs timed epochs; CPU time is the whole process
@@ -84,7 +84,7 @@ from pipeline.integrations.yolo_batches import split_shards, yolo_loader
 train = job["split"] == "train"
 shards = split_shards(job["data"], job["split"], job["imgsz"], job["root"], cache=job["cache"])
 loader = yolo_loader(shards, job["batch"], train, job["imgsz"], workers=job["workers"], epochs=job["epochs"] + 1,
-                     close_mosaic=job["epochs"] + 1 if job["no_mosaic"] else 0)
+                     close_mosaic=job["epochs"] + 1 if job["no_mosaic"] else 0, rect=True)
 print(json.dumps(timed(loader, job["epochs"])))
 """
 

@@ -51,6 +51,7 @@ class DetectionTrainer(_UltralyticsTrainer):
             shards, batch_size, train, imgsz, device=self.device, workers=int(self.args.workers) or "auto",
             seed=int(self.args.seed), epochs=epochs, close_mosaic=min(int(self.args.close_mosaic or 0), epochs), hyp=hyp,
             epoch_of=(lambda: int(getattr(self, "epoch", 0))) if train else None, single_class=bool(self.args.single_cls),
+            rect=not train, stride=max(int(getattr(self, "stride", 32) or 32), 32),
         )  # fmt: skip
 
     def build_dataset(self, img_path: str, mode: str = "train", batch: int | None = None) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -185,10 +186,13 @@ class YoloLoader:
         loader: a loader over a detection dataset, uint8, with fields=("geometry", "json") in eval mode.
         epoch_of: the trainer's current epoch, read as each epoch starts (a resumed training's too).
         single_class: every box of class 0 (ultralytics' `single_cls`).
+        rect: eval batches cut to the rectangle their images need, sides multiples of `stride` (`rect_batch`).
     """
 
-    def __init__(self, loader: Loader, epoch_of: Callable[[], int] | None = None, single_class: bool = False) -> None:
+    def __init__(self, loader: Loader, epoch_of: Callable[[], int] | None = None, single_class: bool = False,
+                 rect: bool = False, stride: int = 32) -> None:  # fmt: skip
         self.single_class = single_class
+        self.rect, self.stride = rect and not loader.spec.train, stride
         self.loader = loader
         self.dataset = ShardLabels(loader, single_class)
         self.sampler = _Sampler(self)
@@ -207,6 +211,9 @@ class YoloLoader:
         for batch in self.loader:
             assert isinstance(batch, Batch)  # a detection dataset's
             made = to_ultralytics(batch, size)
+            geometries = batch.fields.get(GEOMETRY_FIELD)
+            if self.rect and geometries is not None and all(isinstance(g, dict) for g in geometries):
+                made = rect_batch(made, geometries, size, self.stride)
             if self.single_class:
                 made["cls"] = torch.zeros_like(made["cls"])
             yield made
@@ -221,7 +228,7 @@ class YoloLoader:
 def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, imgsz: int, *, device: Any = "cpu",
                 workers: int | str = "auto", seed: int = 0, epochs: int | None = None, close_mosaic: int = 0,
                 hyp: Mapping[str, float] | None = None, epoch_of: Callable[[], int] | None = None,
-                single_class: bool = False) -> YoloLoader:  # fmt: skip
+                single_class: bool = False, rect: bool = False, stride: int = 32) -> YoloLoader:  # fmt: skip
     """A `YoloLoader` over prepared shards: ultralytics' training recipe (`recipe="yolo"`) or letterboxed validation.
 
     Args:
@@ -237,6 +244,8 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
         hyp: the recipe's hyperparameters by ultralytics' names (`make_loader(hyp=)`).
         epoch_of: the trainer's epoch, read as each epoch starts.
         single_class: every box of class 0 (ultralytics' `single_cls`).
+        rect: validation batches cut to the rectangle their images need (ultralytics' `rect=True`).
+        stride: the model's largest stride: a rect batch's sides are its multiples.
     """
     if imgsz % 32:
         raise ConfigError(f"imgsz must be a multiple of 32 (the model's stride), got {imgsz}")
@@ -247,7 +256,7 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
     else:
         loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
                              recipe="letterbox", train=False, drop_last=False, fields=(GEOMETRY_FIELD, "json"))  # fmt: skip
-    return YoloLoader(loader, epoch_of, single_class)
+    return YoloLoader(loader, epoch_of, single_class, rect, stride)
 
 
 def to_ultralytics(batch: Batch, size: int) -> dict[str, Any]:
@@ -278,6 +287,33 @@ def to_ultralytics(batch: Batch, size: int) -> dict[str, Any]:
         "resized_shape": tuple((size, size) for _ in range(images)),
         "ratio_pad": tuple(pads),
     }
+
+
+def rect_batch(made: dict[str, Any], geometries: list[dict[str, Any]], size: int, stride: int = 32) -> dict[str, Any]:
+    """A letterboxed batch cut to the rectangle its images need (ultralytics' rect validation batches).
+
+    Each image is centred in the S x S output (`recipe="letterbox"`); the batch keeps the smallest
+    centred rectangle, sides multiples of `stride`, that holds every image's pixels (a batch of 4:3
+    photos at 640: 640 x 480), and its boxes, `ratio_pad` and `resized_shape` follow the cut.
+    """
+    x0 = min(float(g["output_box"][0]) for g in geometries)
+    y0 = min(float(g["output_box"][1]) for g in geometries)
+    x1 = max(float(g["output_box"][2]) for g in geometries)
+    y1 = max(float(g["output_box"][3]) for g in geometries)
+    half = size / 2
+    width = min(size, stride * math.ceil(2 * max(half - x0, x1 - half) / stride - 1e-9))
+    height = min(size, stride * math.ceil(2 * max(half - y0, y1 - half) / stride - 1e-9))
+    left, top = (size - width) // 2, (size - height) // 2
+    if (width, height) == (size, size):
+        return made
+    boxes = made["bboxes"] * size
+    boxes[:, 0] = (boxes[:, 0] - left) / width
+    boxes[:, 1] = (boxes[:, 1] - top) / height
+    boxes[:, 2] /= width
+    boxes[:, 3] /= height
+    pads = tuple((gain, (pad_x - left, pad_y - top)) for gain, (pad_x, pad_y) in made["ratio_pad"])
+    return {**made, "img": made["img"][:, :, top : top + height, left : left + width], "bboxes": boxes,
+            "ratio_pad": pads, "resized_shape": tuple((height, width) for _ in pads)}  # fmt: skip
 
 
 def _original(geometry: dict[str, Any] | None, info: dict[str, Any], size: int) -> tuple[tuple[int, int], Any, str | None]:

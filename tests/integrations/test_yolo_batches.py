@@ -44,18 +44,28 @@ def label_boxes(root: Path, source: str) -> np.ndarray:
                      boxes[:, 0] + boxes[:, 2] / 2, boxes[:, 1] + boxes[:, 3] / 2], 1)  # fmt: skip
 
 
-def test_validation_boxes_go_back_to_the_label_files_through_ratio_pad(dataset: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rect", [False, True], ids=["square", "rect"])
+def test_validation_boxes_go_back_to_the_label_files_through_ratio_pad(dataset: Path, tmp_path: Path, rect: bool) -> None:
     shards = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)
-    loader = yolo_loader(shards, 5, False, SIZE, workers=2)
-    seen = 0
+    batch_size = 1 if rect else 5  # alone, an image's batch is cut to it unless it is near square
+    loader = yolo_loader(shards, batch_size, False, SIZE, workers=2, rect=rect)
+    square = iter(yolo_loader(shards, batch_size, False, SIZE, workers=2))
+    seen, cut = 0, 0
     for batch in loader:
         images = batch["img"]
-        assert images.dtype == torch.uint8 and tuple(images.shape[1:]) == (3, SIZE, SIZE)
+        height, width = images.shape[2:]
+        assert images.dtype == torch.uint8 and images.shape[1] == 3 and height % 32 == 0 and width % 32 == 0
+        assert all(shape == (height, width) for shape in batch["resized_shape"])
+        whole = next(square)["img"]  # a rect batch is the square one's centre
+        top, left = (SIZE - height) // 2, (SIZE - width) // 2
+        assert torch.equal(images, whole[:, :, top : top + height, left : left + width])
+        assert rect or (height, width) == (SIZE, SIZE)
+        cut += (height, width) != (SIZE, SIZE)
         assert batch["cls"].shape[1:] == (1,) and batch["bboxes"].shape[1:] == (4,)
         assert (np.diff(batch["batch_idx"].numpy()) >= 0).all()  # grouped, ascending: ultralytics' loss needs it
         for index, source in enumerate(batch["im_file"]):
             (gain_y, gain_x), (pad_x, pad_y) = batch["ratio_pad"][index]
-            mine = batch["bboxes"][batch["batch_idx"] == index].numpy().astype(np.float64) * SIZE
+            mine = batch["bboxes"][batch["batch_idx"] == index].numpy().astype(np.float64) * [width, height, width, height]
             xyxy = np.concatenate([mine[:, :2] - mine[:, 2:] / 2, mine[:, :2] + mine[:, 2:] / 2], 1)
             back = (xyxy - [pad_x, pad_y, pad_x, pad_y]) / [gain_x, gain_y, gain_x, gain_y]
             expected = label_boxes(dataset, source)
@@ -65,7 +75,8 @@ def test_validation_boxes_go_back_to_the_label_files_through_ratio_pad(dataset: 
             errors = np.abs(back[order] - expected[np.lexsort(expected.T[::-1])])
             assert errors.size == 0 or errors.max() < 0.01, errors
             seen += 1
-    assert seen == len(loader.dataset) == 12 and len(loader) == 3
+    assert seen == len(loader.dataset) == 12 and len(loader) == (12 if rect else 3)
+    assert (cut >= 3) if rect else cut == 0
 
 
 def test_training_batches_have_the_mosaics_in_ultralytics_shapes(dataset: Path, tmp_path: Path) -> None:
