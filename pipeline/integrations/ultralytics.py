@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from .yolo_batches import YoloLoader, recipe_hyp, split_shards, yolo_loader
+from .yolo_batches import YoloLoader, recipe_hyp, resolved_yaml, split_shards, yolo_loader
 
 try:
     from ultralytics.models.yolo.detect import DetectionTrainer as _UltralyticsTrainer
@@ -44,7 +44,8 @@ class DetectionTrainer(_UltralyticsTrainer):
     def get_dataloader(self, dataset_path: str, batch_size: int = 16, rank: int = 0, mode: str = "train") -> YoloLoader:
         train = mode == "train"
         imgsz = int(self.args.imgsz)
-        shards = split_shards(self.args.data, _split_of(self.data, dataset_path, mode), imgsz, self.data["path"])
+        source = resolved_yaml(self.data)  # the folders ultralytics resolved, whatever the yaml's relative `path`
+        shards = split_shards(source, _split_of(self.data, dataset_path, mode), imgsz, self.data["path"])
         hyp = recipe_hyp(vars(self.args)) if train else None
         epochs = int(self.args.epochs)
         return yolo_loader(

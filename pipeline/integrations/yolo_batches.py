@@ -13,7 +13,8 @@ their own: each batch a dict with `img` (uint8 B x 3 x S x S), `cls`
 output's pixels from the original's, exact, from each sample's geometry);
 `len()`, `batch_size`, `num_workers`, `drop_last`, `dataset` (with
 `labels`, read from the shards' box members without decoding an image),
-`sampler.set_epoch`, `reset()` and `close()`. `recipe_hyp` takes
+`sampler.set_epoch`, `reset()` and `close()`. `resolved_yaml` writes the yaml as
+ultralytics resolved it (what prepare reads). `recipe_hyp` takes
 ultralytics' hyperparameters that `recipe="yolo"` draws with.
 
 Nothing here imports ultralytics.
@@ -124,6 +125,32 @@ def recipe_hyp(hyperparameters: Mapping[str, Any]) -> dict[str, float]:
             "own trainer"
         )
     return {name: float(hyperparameters[name]) for name in YOLO_HYP if hyperparameters.get(name) is not None}
+
+
+def resolved_yaml(data: Mapping[str, Any], cache: str | os.PathLike[str] | None = None) -> Path:
+    """A data.yaml as ultralytics resolved it (`check_det_dataset`'s dict): every split an absolute path, the names
+    its dict, written into the cache: prepare reads the folders ultralytics would, whatever the yaml's relative
+    `path` meant to it (its datasets folder, the working directory)."""
+    lines = [f"path: {json.dumps(str(data['path']))}"]
+    for split in ("train", "val", "test", "minival"):
+        value = data.get(split)
+        if isinstance(value, (list, tuple)):
+            lines += [f"{split}:"] + [f"  - {json.dumps(str(item))}" for item in value]
+        elif value:
+            lines.append(f"{split}: {json.dumps(str(value))}")
+    names = data.get("names") or {}
+    items = names.items() if isinstance(names, Mapping) else enumerate(names)
+    lines += ["names:"] + [f"  {int(key)}: {json.dumps(str(name))}" for key, name in items]
+    text = "\n".join(lines) + "\n"
+    base = Path(cache or os.environ.get(CACHE_ENV) or cache_root() / "yolo") / "yaml"
+    base.mkdir(parents=True, exist_ok=True)
+    stem = Path(str(data.get("yaml_file") or "data")).stem
+    target = base / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    if not target.exists():
+        partial = target.with_name(f".{target.name}.{os.getpid()}")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, target)
+    return target
 
 
 class ShardLabels:

@@ -21,7 +21,7 @@ from PIL import Image
 
 from pipeline import ConfigError
 from pipeline.demo import make_yolo_dataset
-from pipeline.integrations.yolo_batches import recipe_hyp, split_shards, yolo_loader
+from pipeline.integrations.yolo_batches import recipe_hyp, resolved_yaml, split_shards, yolo_loader
 
 SIZE = 128
 
@@ -137,3 +137,18 @@ def test_single_class_training_sees_every_box_as_class_0(dataset: Path, tmp_path
     assert all(not label["cls"].any() for label in single.dataset.labels)
     for a, b in zip(several, single):
         assert torch.equal(a["bboxes"], b["bboxes"]) and not b["cls"].any() and a["cls"].any()
+
+
+def test_the_yaml_as_ultralytics_resolved_it_prepares_the_same_split(dataset: Path, tmp_path: Path) -> None:
+    # check_det_dataset's dict: absolute paths, names as a dict (a relative `path` resolved its own way)
+    data = {"path": dataset, "train": str(dataset / "images" / "train"), "val": str(dataset / "images" / "val"),
+            "names": {0: "cat", 1: "dog", 2: "bird"}, "nc": 3, "yaml_file": str(dataset / "data.yaml")}  # fmt: skip
+    resolved = resolved_yaml(data, cache=tmp_path)
+    assert resolved.parent.parent == tmp_path and resolved_yaml(data, cache=tmp_path) == resolved
+    ours = yolo_loader(split_shards(resolved, "val", SIZE, dataset, cache=tmp_path), 4, False, SIZE, workers=1)
+    theirs = yolo_loader(split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path), 4, False, SIZE,
+                         workers=1)  # fmt: skip
+    assert sorted(label["im_file"] for label in ours.dataset.labels) == sorted(
+        label["im_file"] for label in theirs.dataset.labels
+    )
+    assert ours.loader.dataset.classes == ["cat", "dog", "bird"]
