@@ -149,6 +149,7 @@ def make_loader(
     epochs: int | None = None,
     close_mosaic: int = 0,
     hyp: Mapping[str, float] | None = None,
+    augment: Sequence[Any] | None = None,
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     batch_transform: Callable[[Any], Any] | None = None,
     **unknown: NoReturn,
@@ -270,6 +271,11 @@ def make_loader(
             back from the end (`close_mosaic`).
         close_mosaic: recipe="yolo": the last N of `epochs` train without the
             mosaic, as ultralytics' `close_mosaic` (its default is 10).
+        augment: the augmentation as a list of `pipeline.augment.ops` ops
+            (`[Mosaic(), RandomAffine(degrees=10), Flip(), HSV(), MixUp(0.1)]`,
+            `[RandomResizedCrop(scale=(0.2, 1)), Flip()]`, ...): the same as the
+            `recipe` and parameters it comes to (`ops.loader_settings`), which
+            it replaces (giving both is refused).
         hyp: recipe="yolo"'s hyperparameters by ultralytics' names
             ({"degrees": 10, "mosaic": 0.5, "hsv_v": 0.3, ...}: mosaic,
             degrees, translate, scale, shear, perspective, flipud, fliplr,
@@ -306,6 +312,11 @@ def make_loader(
     """
     if unknown:
         raise ConfigError(unknown_options_message(list(unknown)))
+    if augment is not None:
+        settings = _augment_settings(augment, recipe=recipe, hyp=hyp, scale=scale, ratio=ratio, flip=flip, jitter=jitter)
+        recipe, hyp = settings.get("recipe"), settings.get("hyp")
+        scale, ratio = settings.get("scale", scale), settings.get("ratio", ratio)
+        flip, jitter = settings.get("flip", flip), settings.get("jitter", jitter)
     spec = LoaderSpec(
         batch_size=batch_size,
         train=train,
@@ -395,6 +406,21 @@ def _task_plan(
     if spec.recipe == "yolo" and spec.train and plan is not None:  # its mosaics carry boxes and labels, not yet masks
         plan = dataclasses.replace(plan, masks=False, instances=False, polygons=False)
     return plan
+
+
+def _augment_settings(augment: Sequence[Any], **given: Any) -> dict[str, Any]:
+    """`augment=`'s settings; refused beside a setting it replaces that was given too."""
+    from ..augment.ops import loader_settings
+
+    if isinstance(augment, (str, bytes)) or not isinstance(augment, Sequence):
+        raise ConfigError(f"augment must be a list of pipeline.augment ops, not {type(augment).__name__}")
+    defaults = {"recipe": None, "hyp": None, "scale": (0.08, 1.0), "ratio": (3 / 4, 4 / 3), "flip": True,
+                "jitter": (0.1, 2.0)}  # fmt: skip
+    both = [name for name, value in given.items()
+            if (tuple(value) if isinstance(value, (list, tuple)) else value) != defaults[name]]  # fmt: skip
+    if both:
+        raise ConfigError(f"augment= sets the recipe and its parameters: give it or {', '.join(both)}, not both")
+    return loader_settings(augment)
 
 
 def _hyp_pairs(hyp: Mapping[str, float] | None) -> tuple[tuple[str, float], ...]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from step_edges import edge_errors, halo, step_picture
 
@@ -46,8 +47,9 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def batches(prepared: Path, **options: object) -> list[tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]]:
-    loader = make_loader(str(prepared), 8, device="cpu", crop=CROP, num_workers=2, dtype="uint8", recipe="yolo",
-                         seed=3, **options)  # fmt: skip
+    named = {} if "augment" in options else {"recipe": "yolo"}  # an op list names its own recipe
+    loader = make_loader(str(prepared), 8, device="cpu", crop=CROP, num_workers=2, dtype="uint8", seed=3,
+                         **named, **options)  # fmt: skip
     return [(b.images.numpy(), [x.numpy() for x in b.boxes], [x.numpy() for x in b.box_labels]) for b in loader]
 
 
@@ -203,3 +205,21 @@ def test_cuda_batches_of_the_recipe_equal_the_cpus_but_for_the_hsv_arithmetic(pr
         assert all(np.array_equal(x, y) for x, y in zip(boxes_a, boxes_b))
         difference = np.abs(a.astype(int) - b.astype(int))
         assert difference.max() <= 1 and (difference == 0).mean() > 0.9
+
+
+def test_an_op_list_is_the_recipe_it_names(prepared: Path) -> None:
+    from pipeline.augment.ops import HSV, Flip, Letterbox, Mosaic, RandomAffine
+
+    for ops, named in (([Mosaic(), RandomAffine(), Flip(), HSV()], {}),
+                       ([Mosaic(), RandomAffine(degrees=15), Flip()], {"hyp": {
+                           "degrees": 15, "hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}})):  # fmt: skip
+        for (a, boxes_a, _), (b, boxes_b, _) in zip(batches(prepared, augment=ops), batches(prepared, **named)):
+            assert np.array_equal(a, b) and all(np.array_equal(x, y) for x, y in zip(boxes_a, boxes_b))
+    letterboxed = make_loader(str(prepared), 8, device="cpu", crop=CROP, num_workers=2, dtype="uint8", seed=3,
+                              augment=[Letterbox(), Flip()])  # fmt: skip
+    named_loader = make_loader(str(prepared), 8, device="cpu", crop=CROP, num_workers=2, dtype="uint8", seed=3,
+                               recipe="letterbox")  # fmt: skip
+    for x, y in zip(letterboxed, named_loader):
+        assert torch.equal(x.images, y.images)
+    with pytest.raises(ConfigError, match="not both"):
+        make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="letterbox", augment=[Letterbox()])
