@@ -67,15 +67,17 @@ def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root
     Returns:
         The folder holding the split's manifest.json and shards.
     """
+    base = Path(cache or os.environ.get(CACHE_ENV) or cache_root() / "yolo")
     digest = hashlib.sha256()
     digest.update(f"{os.path.abspath(data_yaml)}\n{Path(data_yaml).read_bytes().hex()}\n{imgsz}\n".encode())
-    for folder, _, files in sorted(os.walk(root)):
+    own = os.path.realpath(base)
+    for folder, folders, files in os.walk(root):
+        folders[:] = sorted(f for f in folders if os.path.realpath(os.path.join(folder, f)) != own)  # not the cache
         for name in sorted(files):
             if name.endswith(".cache"):  # ultralytics' own label caches
                 continue
             status = os.stat(os.path.join(folder, name))
             digest.update(f"{os.path.relpath(os.path.join(folder, name), root)}\0{status.st_size}\0{status.st_mtime_ns}\n".encode())
-    base = Path(cache or os.environ.get(CACHE_ENV) or cache_root() / "yolo")
     out = base / f"{Path(data_yaml).stem}-{imgsz}-{digest.hexdigest()[:16]}" / split
     if (out / "manifest.json").exists():
         return out
@@ -279,7 +281,7 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
     if train:
         loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
                              recipe="yolo", seed=seed, epochs=epochs, close_mosaic=close_mosaic if epochs else 0,
-                             hyp=hyp)  # fmt: skip
+                             hyp=hyp, drop_last=False)  # as ultralytics' loader: a set smaller than a batch trains  # fmt: skip
     else:
         loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
                              recipe="letterbox", train=False, drop_last=False, fields=(GEOMETRY_FIELD, "json"))  # fmt: skip

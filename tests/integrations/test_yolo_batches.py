@@ -152,3 +152,15 @@ def test_the_yaml_as_ultralytics_resolved_it_prepares_the_same_split(dataset: Pa
         label["im_file"] for label in theirs.dataset.labels
     )
     assert ours.loader.dataset.classes == ["cat", "dog", "bird"]
+
+
+def test_a_cache_inside_the_dataset_folder_is_not_taken_for_a_change_of_it(tmp_path: Path) -> None:
+    root = Path(make_yolo_dataset(tmp_path / "data", 8, min_side=60, max_side=90))
+    (root / "data.yaml").write_text((root / "data.yaml").read_text().replace("path: .", f"path: {root}"))
+    cache = root / ".gpufeed"
+    first = split_shards(root / "data.yaml", "val", 64, root, cache=cache)
+    assert split_shards(root / "data.yaml", "val", 64, root, cache=cache) == first
+    assert split_shards(root / "data.yaml", "train", 64, root, cache=cache).parent == first.parent
+    small = yolo_loader(split_shards(root / "data.yaml", "train", 64, root, cache=cache), 16, True, 64, workers=1)
+    batches = list(small)  # fewer images than a batch still train, as with ultralytics' loader
+    assert len(small) == len(batches) == 1 and batches[0]["img"].shape[0] == 4
