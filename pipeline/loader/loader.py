@@ -157,9 +157,11 @@ def make_loader(
     """Build a loader over a prepared dataset.
 
     Every setting but `source`, `device`, `rank`, `world_size`,
-    `storage_options`, `links_outside`, `sample_transform` and
-    `batch_transform` is a `LoaderSpec` field of the same name and default;
-    they are validated there before anything is built.
+    `storage_options`, `links_outside`, `sample_transform`,
+    `batch_transform` and `augment` (which names `recipe` and its
+    settings) is a `LoaderSpec` field of the same name and default (`hyp`:
+    a mapping here, None for none; (name, value) pairs there); they are
+    validated there before anything is built.
 
     Args:
         source: a manifest path/URL, a dataset directory, a shard brace

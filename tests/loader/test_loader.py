@@ -183,15 +183,17 @@ def test_make_loader_lists_every_loader_spec_setting_with_its_default() -> None:
 
     parameters = inspect.signature(make_loader).parameters
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    own = {  # besides its settings
+    own = {  # besides its settings (augment names the recipe and its settings)
         "source", "device", "rank", "world_size", "storage_options", "links_outside", "sample_transform", "batch_transform",
+        "augment",
     }  # fmt: skip
+    given_as = {"hyp": None}  # a mapping here (None: none), (name, value) pairs in the spec
     settings = {name: p for name, p in parameters.items() if p.kind in named and name not in own}
     fields = dataclasses.fields(LoaderSpec)
     assert list(settings) == [field.name for field in fields]
     for field in fields:
         wanted = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
-        assert settings[field.name].default == wanted, field.name
+        assert settings[field.name].default == given_as.get(field.name, wanted), field.name
     hints = typing.get_type_hints(make_loader)
     assert set(hints) == set(parameters) | {"return"}  # every parameter typed, every type resolvable
     assert hints["return"] is Loader
