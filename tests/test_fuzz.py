@@ -21,7 +21,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -434,7 +433,7 @@ def write_hostile_corpus(root: Path) -> list[Path]:
 
 
 _CHILD = r"""
-import resource, sys
+import sys
 from pipeline.errors import GpufeedError
 from pipeline.loader import make_loader
 from pipeline.manifest import verify_dataset
@@ -445,7 +444,10 @@ for root in sys.argv[1:]:
     except GpufeedError as exc:
         print("loader:", type(exc).__name__, exc)
     print("verify:", verify_dataset(root).problems[:2])
-print("peak_kb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+# VmHWM: this process's own peak. ru_maxrss would also count what it was forked from (Linux keeps the
+# parent's high-water mark across exec), and a test runner that grew is no property of the loader.
+with open("/proc/self/status") as status:
+    print("peak_kb", status.read().split("VmHWM:")[1].split()[0])
 """
 
 PEAK_RSS_BOUND_MB = 1536  # the loader and verify over the corpus; one bounded member (256 MiB) at most twice, plus torch
@@ -459,5 +461,4 @@ def test_peak_rss_over_a_hostile_corpus_stays_bounded(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "over the bound" in done.stdout + done.stderr, done.stdout  # the 1.5 GiB member: refused, not read
     peak_mb = int(done.stdout.rsplit("peak_kb", 1)[1]) / 1024
-    children_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    assert peak_mb < PEAK_RSS_BOUND_MB and children_mb < PEAK_RSS_BOUND_MB, (peak_mb, children_mb, done.stdout)
+    assert peak_mb < PEAK_RSS_BOUND_MB, (peak_mb, done.stdout)
