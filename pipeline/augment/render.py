@@ -257,8 +257,9 @@ def _region_into(
     x_a, x_b = sorted(((i0 - tx) / sx, (i1 - tx) / sx))
     box = (max(0.0, x_a), max(0.0, (j0 - ty) / sy), min(float(width), x_b), min(float(height), (j1 - ty) / sy))
     # the smallest M/8 that keeps the box at least as large as its output part, as the loader's crops choose
-    eighths = min(8, max(1, math.ceil(8 * max((i1 - i0) / (box[2] - box[0]), (j1 - j0) / (box[3] - box[1])) - 1e-9)))
-    eighths = 8 if whole is not None else eighths
+    # (a picture decoded whole already is at full scale)
+    needed = max((i1 - i0) / (box[2] - box[0]), (j1 - j0) / (box[3] - box[1]))
+    eighths = 8 if whole is not None else min(8, max(1, math.ceil(8 * needed - 1e-9)))
     scale = eighths / 8
     scaled_width, scaled_height = -(-width * eighths // 8), -(-height * eighths // 8)
     scaled = (box[0] * scale, box[1] * scale, box[2] * scale, box[3] * scale)

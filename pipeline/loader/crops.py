@@ -63,6 +63,11 @@ class CropSpec:
     hyp: tuple[tuple[str, float], ...] = ()
     hsv_in_workers: bool = True
 
+    @property
+    def mosaics(self) -> bool:
+        """Each output a mosaic of several samples (the "yolo" recipe in train mode; `mosaic_piece.py`)."""
+        return self.recipe == "yolo" and self.train
+
 
 class Affine:
     """Per-channel scale and shift to float32 (normalisation), kept ready for the C writer."""

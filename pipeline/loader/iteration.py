@@ -206,9 +206,13 @@ class Loader:
         if self.spec.recipe != "yolo":
             raise ConfigError(f"close_mosaic() turns off recipe='yolo''s mosaic: it has none with recipe={self.spec.recipe!r}")
         self._mosaic_closed_at = self.epoch
-        if self._pool is not None:
-            current = self._pool.mosaic_off_from
-            self._pool.mosaic_off_from = self.epoch if current is None else min(current, self.epoch)
+        self._close_pools_mosaic()
+
+    def _close_pools_mosaic(self) -> None:
+        """The pool's first epoch without the mosaic: `close_mosaic()`'s, where it comes before the spec's."""
+        if self._pool is not None and self._mosaic_closed_at is not None:
+            planned = self._pool.mosaic_off_from
+            self._pool.mosaic_off_from = min(self._mosaic_closed_at, self._mosaic_closed_at if planned is None else planned)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank stands: restore with `load_state_dict` to continue exactly here.
@@ -304,8 +308,7 @@ class Loader:
             self.spec, self._workers, self._ring_slots, self._crop, self._workers_placement[0], pin,
             self._finish.cpu_finish, self.plan,
         )
-        if self._mosaic_closed_at is not None:
-            self._pool.mosaic_off_from = min(self._mosaic_closed_at, self._pool.mosaic_off_from or self._mosaic_closed_at)
+        self._close_pools_mosaic()
         self._closed = False
 
     def _report(self, damage: Damage) -> None:

@@ -416,8 +416,7 @@ def _augment_settings(augment: Sequence[Any], **given: Any) -> dict[str, Any]:
 
     if isinstance(augment, (str, bytes)) or not isinstance(augment, Sequence):
         raise ConfigError(f"augment must be a list of pipeline.augment ops, not {type(augment).__name__}")
-    defaults = {"recipe": None, "hyp": None, "scale": (0.08, 1.0), "ratio": (3 / 4, 4 / 3), "flip": True,
-                "jitter": (0.1, 2.0)}  # fmt: skip
+    defaults = {field.name: field.default for field in dataclasses.fields(LoaderSpec)} | {"hyp": None}  # make_loader's
     both = [name for name, value in given.items()
             if (tuple(value) if isinstance(value, (list, tuple)) else value) != defaults[name]]  # fmt: skip
     if both:

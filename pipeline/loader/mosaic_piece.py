@@ -4,9 +4,10 @@ With `recipe="yolo"` in train mode, each position of a decode piece draws,
 from its own seed, three partners among the piece's samples (ultralytics
 draws them from the images it read last), plans its output
 (`pipeline.augment.yolo.plan`: mosaic, random affine, flips, HSV gains),
-renders it (`render_jpegs`: each source's JPEG decoded only where its tile
-shows it) into its slot, applies the HSV gains (native code) and takes the
-plan's boxes as its targets. A sample or partner whose file or targets are
+renders it (`render_jpegs`, from the piece's pictures, each decoded whole
+once for all the mosaics that show it) into its slot, applies the HSV
+gains (native code; on CUDA they go with the targets to the device) and
+takes the plan's boxes as its targets. A sample or partner whose file or targets are
 damaged fails the position, which the damage policy replaces.
 
 The flips are the plan's (`fliplr`), so the device mirrors nothing; the
@@ -34,15 +35,16 @@ from ..targets import read_boxes
 from .cpu_decode import image_size
 from .crops import Affine, CropSpec, is_planar
 from .damage import Extras
+from .slot_pixels import region_decoder
 from .tasks import TaskPlan, field_value, run_sample_transform
 
 DEFAULT_RECIPE = YoloRecipe()
 HSV_GAINS = "hsv_gains"  # a target's key: the gains the device applies to the batch (`hsv_in_workers=False`)
 
 
-def yolo_recipe(crop: CropSpec, flip: bool) -> YoloRecipe:
+def yolo_recipe(crop: CropSpec) -> YoloRecipe:
     """Ultralytics' recipe with the loader's hyperparameters (`crop.hyp`, else its defaults) at the loader's
-    output size and fill; no horizontal flips with flip=False, no mosaic where `crop.mosaic` is off."""
+    output size and fill; no horizontal flips without `crop.flip`, no mosaic where `crop.mosaic` is off."""
     hyp = {name: float(value) for name, value in crop.hyp}
     defaults = DEFAULT_RECIPE
     mosaic = hyp.get("mosaic", 1.0)
@@ -56,9 +58,38 @@ def yolo_recipe(crop: CropSpec, flip: bool) -> YoloRecipe:
              hyp.get("hsv_v", defaults.hsv.value))  # fmt: skip
     return YoloRecipe(
         size=crop.size, fill=crop.fill, mosaic=Mosaic(p=mosaic) if crop.mosaic and mosaic > 0 else None, affine=affine,
-        fliplr=hyp.get("fliplr", defaults.fliplr) if flip else 0.0, flipud=hyp.get("flipud", defaults.flipud),
+        fliplr=hyp.get("fliplr", defaults.fliplr) if crop.flip else 0.0, flipud=hyp.get("flipud", defaults.flipud),
         hsv=HSV(*gains) if any(gains) else None,
     )  # fmt: skip
+
+
+def mosaic_decoder(crop: CropSpec) -> Any:
+    """The region decoder the mosaics read their JPEGs with (None: decode with PIL, as decoder="pil" asks)."""
+    return region_decoder() if crop.decoder == "region" else None
+
+
+def mosaic_into(
+    plan_of: TaskPlan,
+    crop: CropSpec,
+    recipe: YoloRecipe,
+    items: Sequence[tuple[str, bytes, int]],
+    extras: Sequence[Extras],
+    position: int,
+    key: str,
+    slot: np.ndarray,
+    affine: Affine | None,
+    decoder: Any,
+    decoded: dict[int, np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """`yolo_sample` of `position`, written into its batch `slot` (`write_slot`): its targets.
+
+    Raises:
+        TargetError, DecodeError: its sample or a partner is damaged (the slot is left as it was).
+    """
+    pixels = np.empty((3, crop.size, crop.size), np.uint8)
+    targets = yolo_sample(plan_of, recipe, items, extras, position, key, pixels, decoder, decoded, crop.hsv_in_workers)
+    write_slot(pixels, slot, affine)
+    return targets
 
 
 def yolo_sample(

@@ -19,9 +19,8 @@ from ..targets import TargetError
 from .cpu_decode import decode_many
 from .crops import Affine, CropSpec
 from .damage import Extras, Item
-from .mosaic_piece import write_slot, yolo_recipe, yolo_sample
+from .mosaic_piece import mosaic_decoder, mosaic_into, yolo_recipe
 from .placement import Placement
-from .slot_pixels import region_decoder
 from .tasks import TaskPlan, placement_of, run_sample_transform, sample_targets
 
 _SHARED_RING: np.ndarray | None = None  # set before forking process workers
@@ -131,7 +130,7 @@ def decode_task_chunk(
     With a detection recipe each sample's placement is worked out once, for its pixels and its targets;
     the YOLO recipe's mosaics go their own way (`mosaic_piece.py`).
     """
-    if crop.recipe == "yolo" and crop.train:
+    if crop.mosaics:
         return _yolo_chunk(work, ring, slot, start, items, crop, finish)
     placements: list[Placement | None] | None = None
     unplaced: list[tuple[int, str]] = []
@@ -174,24 +173,21 @@ def _yolo_chunk(
 ) -> PieceResult:
     """The YOLO recipe's piece: each position's mosaic of the piece's samples, rendered into its slot."""
     target = ring if ring is not None else _SHARED_RING
-    recipe = yolo_recipe(crop, crop.flip)
-    decoder = region_decoder() if crop.decoder == "region" else None
+    recipe, decoder = yolo_recipe(crop), mosaic_decoder(crop)
     failures: list[tuple[int, str]] = []
     done: dict[int, dict[str, Any]] = {}
     extras = [extra or {} for extra in work.extras]
     decoded: dict[int, np.ndarray] = {}  # the piece's pictures, each decoded once for all the mosaics showing it
     for offset in range(len(items)):
         position = start + offset
-        pixels = np.empty((3, crop.size, crop.size), np.uint8)
-        try:
-            done[position] = yolo_sample(work.plan, recipe, items, extras, offset, work.keys[offset], pixels, decoder,
-                                         decoded, crop.hsv_in_workers)  # fmt: skip
-        except (TargetError, DecodeError) as exc:
-            failures.append((position, str(exc)))
-            continue
         if finish is not None:
-            write_slot(pixels, finish.out[position], finish.affine)
+            into, affine = finish.out[position], finish.affine
         else:
             assert target is not None
-            write_slot(pixels, target[slot, position], None)
+            into, affine = target[slot, position], None
+        try:
+            done[position] = mosaic_into(work.plan, crop, recipe, items, extras, offset, work.keys[offset], into, affine,
+                                         decoder, decoded)  # fmt: skip
+        except (TargetError, DecodeError) as exc:
+            failures.append((position, str(exc)))
     return PieceResult(sorted(failures), done)

@@ -30,11 +30,10 @@ from .crops import CropSpec, flip_mask
 from .damage import Damage, Donor, Extras, Item, Report, replace_failures
 from .epoch import Record
 from .executors import InlineExecutor, ProcessExecutor, failed_samples
-from .mosaic_piece import write_slot, yolo_recipe, yolo_sample
+from .mosaic_piece import mosaic_decoder, mosaic_into, yolo_recipe
 from .pacing import Backlog, RunSlots
 from .pieces import CpuFinish, TaskWork, decode_chunk, decode_task_chunk, sample_task
 from .placement import Placement
-from .slot_pixels import region_decoder
 from .tasks import TaskPlan, placement_of
 
 
@@ -219,7 +218,7 @@ class DecodePool:
     ) -> Callable[[int, Item, Extras], bool]:
         """For a task: a stand-in decodes only when its targets do too, and they take the position's."""
         plan = self.plan
-        if plan is None or (self._crop.recipe == "yolo" and self._crop.train):  # the mosaic's decode sets its targets
+        if plan is None or self._crop.mosaics:  # the mosaic's decode sets its targets
             return decode_at
         ring = self.ring.numpy()
 
@@ -240,7 +239,7 @@ class DecodePool:
         """Decode one item into a position of the batch, where the workers would have: True when it decoded."""
         finish = batch.finish
         ring = self.ring.numpy()
-        if self._crop.recipe == "yolo" and self._crop.train and self.plan is not None:
+        if self._crop.mosaics and self.plan is not None:
             return self._mosaic_stand_in(batch)
 
         def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
@@ -261,18 +260,15 @@ class DecodePool:
         """The YOLO recipe's stand-in: a mosaic of the stand-in alone (its own partners), pixels and targets."""
         assert self.plan is not None
         plan, crop, finish, ring = self.plan, self.crop_for(batch.epoch), batch.finish, self.ring.numpy()
-        recipe = yolo_recipe(crop, crop.flip)
+        recipe, decoder = yolo_recipe(crop), mosaic_decoder(crop)
 
         def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
-            pixels = np.empty((3, crop.size, crop.size), np.uint8)
+            into = finish.out[position] if finish is not None else ring[batch.slot, position]
             try:
-                targets = yolo_sample(plan, recipe, [item], [extras or {}], 0, batch.keys[position], pixels, region_decoder(),
-                                      None, crop.hsv_in_workers)  # fmt: skip
+                batch.targets[position] = mosaic_into(plan, crop, recipe, [item], [extras or {}], 0, batch.keys[position],
+                                                      into, finish.affine if finish is not None else None, decoder)  # fmt: skip
             except (TargetError, DecodeError):
                 return False
-            write_slot(pixels, finish.out[position] if finish is not None else ring[batch.slot, position],
-                       finish.affine if finish is not None else None)  # fmt: skip
-            batch.targets[position] = targets
             return True
 
         return decode_at

@@ -17,7 +17,7 @@
 
 #include "gpufeed.h"
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(GF_NO_SIMD) /* as resample.c */
 #include <immintrin.h>
 #define GF_HSV_X86 1
 #endif
@@ -133,15 +133,6 @@ __attribute__((target("avx2"))) static long gf_hsv_avx2(const struct gf_hsv_tabl
     }
     return i;
 }
-
-static int gf_hsv_has_avx2(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2") ? 1 : 0;
-    }
-    return known;
-}
 #endif
 
 void gf_hsv(unsigned char *pixels, long plane, long count, const unsigned char *lut_h, const unsigned char *lut_s,
@@ -151,7 +142,7 @@ void gf_hsv(unsigned char *pixels, long plane, long count, const unsigned char *
     unsigned char *r = pixels, *g = pixels + plane, *b = pixels + 2 * plane;
     long done = 0;
 #ifdef GF_HSV_X86
-    if (allow_simd && gf_hsv_has_avx2()) done = gf_hsv_avx2(&tables, r, g, b, count);
+    if (allow_simd && gf_has_avx2()) done = gf_hsv_avx2(&tables, r, g, b, count);
 #else
     (void)allow_simd;
 #endif

@@ -67,6 +67,9 @@ int gf_ycc_basis_check(void);
 /* _libgpufeed.c, only in the library that `pip install` builds: the digest of the sources it was built from. */
 const char *gf_source_digest(void);
 
+/* resample.c: whether this CPU runs the AVX2 kernels (checked once; 0 in the portable build, -DGF_NO_SIMD). */
+int gf_has_avx2(void);
+
 /* colour.c: photometric augmentation. */
 void gf_hsv(unsigned char *pixels, long plane, long count, const unsigned char *lut_h, const unsigned char *lut_s,
             const unsigned char *lut_v, int allow_simd);

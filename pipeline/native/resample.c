@@ -532,15 +532,20 @@ __attribute__((target("avx2"))) static int gf_vertical_avx2(const unsigned char 
     return direct ? (bytes / 32) * 8 : 0; /* pixels already stored */
 }
 
-static int gf_has_avx2(void) {
+#endif
+
+int gf_has_avx2(void) {
+#ifdef GF_X86
     static int known = -1;
     if (known < 0) {
         __builtin_cpu_init();
         known = __builtin_cpu_supports("avx2") ? 1 : 0;
     }
     return known;
-}
+#else
+    return 0;
 #endif
+}
 
 /* ------------------------------------------------------------------------ */
 /* Resize and store                                                         */
