@@ -21,9 +21,11 @@ object through s3fs. On the way (`s3request.judge_answer`,
 `judge_failure`):
 
 - a 301 (or 400) with ``x-amz-bucket-region`` teaches the bucket's region
-  once (`S3Settings.learn_region`), and the request goes again there; a
-  403 is tried once more with credentials resolved afresh; a bucket that
-  still redirects or refuses is left to s3fs from then on
+  (`S3Settings.learn_region`), and the request goes again there, at most
+  `s3request.MAX_REGION_CHANGES` times and never back to a region it was
+  sent to (a StorageError then); a 403 is tried once more with
+  credentials resolved afresh; a bucket that still refuses, or redirects
+  without naming a region, is left to s3fs from then on
   (`S3Settings.refuse`), not asked again per object;
 - transient failures (a connection reset or dropped, a 500, 502, 503
   SlowDown, 504) are retried with exponential backoff and jitter, at most
@@ -39,7 +41,15 @@ object through s3fs. On the way (`s3request.judge_answer`,
 - host names are resolved on a small thread pool (`http1.resolve`), never
   on the loop: requests in flight go on while a slow DNS answer is awaited;
 - a connection with no progress for `http1.TIMEOUT_S` gives its request None; one
-  idle for `http1.KEEP_IDLE_S` is closed.
+  idle for `http1.KEEP_IDLE_S` is closed; a request still unanswered at its
+  deadline (`S3Settings.deadline_s`, from its first try, retries included)
+  gives a StorageError, however slowly its bytes still come;
+- the bodies in flight hold at most `budget_bytes` (READ_AHEAD_BYTES) by
+  the lengths their answers declare: an answer whose length does not fit
+  beside the others waits, its head read, until it does (one answer is
+  always let in), so the memory of reads ahead is bounded by bytes, not
+  by their count; a body's buffer grows as its bytes come (`http1`), so a
+  length declared and never sent costs nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ from .s3request import AGAIN, RETRY, GetRequest, Verdict, judge_answer, judge_fa
 from .transport import Body, Into
 
 IDLE_S = 1.0  # the longest the loop sleeps with nothing to do (it is woken for new requests)
+READ_AHEAD_BYTES = 256 << 20  # the most body bytes the answers in flight may declare at once (see the module)
 DNS_TTL_S = 30.0  # how long a resolved address is reused
 DNS_THREADS = 2
 
@@ -71,11 +82,15 @@ class GetLoop:
     Args:
         settings: the endpoint, addressing, regions and credentials to use.
         connections: how many requests may be in flight at once, one per connection.
+        budget_bytes: the most body bytes the answers in flight may declare at once (one is let in whatever its size).
     """
 
-    def __init__(self, settings: S3Settings, connections: int) -> None:
+    def __init__(self, settings: S3Settings, connections: int, budget_bytes: int = READ_AHEAD_BYTES) -> None:
         self.settings = settings
         self.connections = max(1, connections)
+        self._budget = http1.ByteBudget(budget_bytes)
+        self._held: collections.deque[Connection] = collections.deque()  # answers waiting for the budget, in turn
+        self._soonest = float("inf")  # no request in flight has an earlier deadline
         self._tls = http1.tls_context(settings)
         self._selector = selectors.DefaultSelector()
         self._waker_in, self._waker_out = socket.socketpair()
@@ -117,6 +132,9 @@ class GetLoop:
         the body's size once the store has said it; the body is read straight
         into the writable memoryview it gives, which is then the result. None
         (or a view of another size) reads the body into a new bytearray.
+
+        The future raises StorageError where the store sends the request from
+        region to region or does not answer it whole by its deadline.
         """
         future: Future[Body | None] = Future()
         asked = GetRequest.askable(self.settings, path, query)
@@ -155,18 +173,21 @@ class GetLoop:
     def _run(self) -> None:
         try:
             while not self._closing:
-                timeout = IDLE_S
+                timeout = min(IDLE_S, self._soonest - time.monotonic())
                 if self._later:
-                    timeout = max(0.0, min(timeout, self._later[0][0] - time.monotonic()))
-                for key, _ in self._selector.select(timeout=timeout):
+                    timeout = min(timeout, self._later[0][0] - time.monotonic())
+                for key, _ in self._selector.select(timeout=max(0.0, timeout)):
                     if key.data is None:
                         self._drain_waker()
                     else:
                         self._step(key.data)
                 self._release_due()
                 self._start_queued()
-                if time.monotonic() - self._expired_at > min(1.0, IDLE_S):
+                now = time.monotonic()
+                if now - self._expired_at > min(1.0, IDLE_S) or now >= self._soonest:
                     self._expire()
+                if self._held:
+                    self._resume_held()
         finally:
             self._shut_down()
 
@@ -206,6 +227,9 @@ class GetLoop:
                     return
                 request = self._queue.popleft()
             if request.cancelled:
+                continue
+            if request.left() <= 0:  # sent before, and its deadline passed while it waited
+                request.answer(request.late(self.settings))
                 continue
             if self.settings.refused(request.bucket):
                 request.answer(None)
@@ -280,11 +304,13 @@ class GetLoop:
 
     def _new_connection(self, request: GetRequest, address: Any) -> Connection | None:
         try:
-            return Connection.open(address, request.host, request.port, request.tls)
+            conn = Connection.open(address, request.host, request.port, request.tls)
         except OSError:
             if not self._retry_later(request):
                 request.answer(None)
             return None
+        conn.budget = self._budget
+        return conn
 
     def _begin(self, conn: Connection, request: GetRequest) -> None:
         """Sign `request` and start it on `conn`."""
@@ -295,6 +321,8 @@ class GetLoop:
             return
         conn.start(request, data)
         self._busy.add(conn)
+        if request.deadline is not None:
+            self._soonest = min(self._soonest, request.deadline)
         self._watch(conn)
         if conn.state == SENDING:
             self._step(conn)  # most requests go out at once, without a round through the selector
@@ -315,7 +343,11 @@ class GetLoop:
             self._fail(conn, exc)
             return
         if not done:
-            self._watch(conn)
+            if conn.held:  # its socket is not watched until the budget has room (`_resume_held`)
+                self._unwatch(conn)
+                self._held.append(conn)
+            else:
+                self._watch(conn)
             return
         request, status, headers, body = conn.finish()
         self._busy.discard(conn)
@@ -344,14 +376,34 @@ class GetLoop:
         if request is not None:
             self._carry_out(request, judge_failure(request, exc, conn.reused, conn.answered_any))
 
+    def _resume_held(self) -> None:
+        """Let the held answers on, in turn, as far as the budget has room for them."""
+        while self._held:
+            conn = self._held[0]
+            if conn not in self._busy or not conn.held:  # given up meanwhile
+                self._held.popleft()
+                continue
+            if not self._budget.fits(conn.wanted):
+                return
+            self._held.popleft()
+            self._step(conn)
+
     def _expire(self) -> None:
-        """Give up requests that made no progress for TIMEOUT_S; close connections idle for KEEP_IDLE_S."""
+        """Give up requests past their deadline (a StorageError) or with no progress for TIMEOUT_S (None); close
+        connections idle for KEEP_IDLE_S."""
         now = self._expired_at = time.monotonic()
-        for conn in [conn for conn in self._busy if now - conn.progress_at > http1.TIMEOUT_S]:
+        self._soonest = float("inf")
+        for conn in list(self._busy):
+            request = conn.request
+            deadline = float("inf") if request is None or request.deadline is None else request.deadline
+            late = deadline <= now
+            if not late and (conn.held or now - conn.progress_at <= http1.TIMEOUT_S):  # a held one waits for us
+                self._soonest = min(self._soonest, deadline)
+                continue
             self._busy.discard(conn)
             self._drop(conn)
-            if conn.request is not None:
-                conn.request.answer(None)
+            if request is not None:
+                request.answer(request.late(self.settings) if late else None)
         for conn in [conn for conn in self._idle if now - conn.progress_at > http1.KEEP_IDLE_S]:
             self._idle.remove(conn)
             self._drop(conn)

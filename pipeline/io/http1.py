@@ -12,6 +12,14 @@ way the same checks hold: a Content-Length or chunk size that is not a
 plain non-negative number is refused at once (ValueError), bodies are
 capped (the range asked for, else BODY_LIMIT; an error document at
 ERROR_LIMIT), and headers at HEAD_LIMIT.
+
+Memory follows the bytes that came, not the length an answer declares: a
+body's buffer starts at FIRST_BODY_BYTES and doubles as bytes arrive (up
+to the length), unless the caller gave one (`GetRequest.into`); a body
+that ends before its length is an error (ConnectionResetError), never
+taken for the object. Where a `ByteBudget` is given (the loop's reads
+ahead), an answer whose head is in waits (`held`) until its length fits
+in the budget beside the bodies in flight.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ KEEP_IDLE_S = 15.0  # a kept-alive connection unused this long is closed (stores
 HEAD_LIMIT = 64 << 10  # an answer's status line and headers
 ERROR_LIMIT = 1 << 20  # the body of an answer that is not the object (an error document) is read up to this
 RECV_BYTES = 1 << 16  # what is read at a time before the body's size is known
+FIRST_BODY_BYTES = 1 << 20  # a body's first buffer; doubled as its bytes come, up to its length
+CHUNKED = -1  # the body's length where it comes in chunks
 
 CONNECTING, HANDSHAKE, SENDING, READING = range(4)
 
@@ -38,6 +48,31 @@ CONNECTING, HANDSHAKE, SENDING, READING = range(4)
 def resolve(host: str, port: int) -> Any:
     """The first address of `host` (off the loop thread: its resolver pool, or a blocking caller; tests replace it)."""
     return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+
+
+class ByteBudget:
+    """Body bytes the answers in flight may hold at once (one answer is let in whatever its size when none holds any).
+
+    Args:
+        limit: the most bytes, counted by the lengths the answers declare (capped by what each may have).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def fits(self, count: int) -> bool:
+        return not self.used or self.used + count <= self.limit
+
+    def take(self, count: int) -> bool:
+        """Count `count` bytes in if they fit; False (nothing counted) if not."""
+        if not self.fits(count):
+            return False
+        self.used += count
+        return True
+
+    def give(self, count: int) -> None:
+        self.used -= count
 
 
 def tls_context(settings: S3Settings) -> Any:
@@ -60,10 +95,17 @@ class Connection:
         self.progress_at = time.monotonic()
         self.keep = False
         self.answered_any = False
+        self.budget: ByteBudget | None = None  # where the bodies' bytes are counted (the loop's), if anywhere
+        self.held = False  # the answer's head is in; its body waits for room in the budget
         self._out = memoryview(b"")
         self._head = bytearray()
         self._status = 0
         self._headers: dict[str, str] = {}
+        self._length: int | None = None  # the body's length once the head is in (CHUNKED: in chunks)
+        self._limit = 0
+        self._taken = 0  # bytes counted in the budget for this answer
+        self.deadline: float | None = None  # a blocking socket's: no call on it waits past this (monotonic)
+        self._timeout = sock.gettimeout()
         self._body: Body | None = None
         self._got = 0
         self._chunks: ChunkedBody | None = None
@@ -97,10 +139,11 @@ class Connection:
         self.reused = self.served > 0
         self._out = memoryview(data)
         self._head = bytearray()
+        self._length = None
         self._body = None
         self._chunks = None
         self._got = 0
-        self.answered_any = False
+        self.answered_any = self.held = False
         self.progress_at = time.monotonic()
         if self.state == READING:  # a kept-alive connection: its next request goes straight out
             self.state = SENDING
@@ -129,9 +172,14 @@ class Connection:
             self.state, self.wants_write = READING, False
         return self._read()
 
+    @property
+    def wanted(self) -> int:
+        """The bytes the answer's body may take (its length, or its bound when it comes in chunks)."""
+        return self._limit if self._length == CHUNKED else self._length or 0
+
     def _read(self) -> bool:
         while True:
-            if self._body is None and self._chunks is None:
+            if self._length is None:
                 data = self._io(self.sock.recv, RECV_BYTES)
                 if data is None:
                     return False
@@ -141,6 +189,9 @@ class Connection:
                 self._head += data
                 if not self._parse_head():
                     continue
+            if self._body is None and self._chunks is None:
+                if not self._open_body():
+                    return False  # held: the caller goes on once the budget has room
             elif self._chunks is not None:
                 data = self._io(self.sock.recv, RECV_BYTES)
                 if data is None:
@@ -148,26 +199,36 @@ class Connection:
                 if not data:
                     raise ConnectionResetError("the store closed the connection in a chunked answer")
                 self._chunks.feed(data)
-            else:
-                assert self._body is not None
-                view = memoryview(self._body)[self._got :]
-                got = self._io(self.sock.recv_into, view) if view else 0
-                if got is None:
-                    return False
-                if view and not got:
-                    raise ConnectionResetError(f"the answer ended after {self._got} of {len(self._body)} bytes")
-                self._got += got
+            elif not self._read_body():
+                return False
             if self._chunks is not None:
                 if self._chunks.done:
                     self._body = self._chunks.body()
                     return True
-            elif self._body is not None and self._got >= len(self._body):
+            elif self._got >= (self._length or 0):
                 return True
             if not self.tls:
                 return False  # one read per readiness; a TLS socket may hold decrypted bytes the selector cannot see
 
+    def _read_body(self) -> bool:
+        """Read what the socket has of a body of known length into its buffer (grown first if full); False: wait."""
+        body, length = self._body, self._length or 0
+        assert body is not None
+        if self._got == len(body) < length:
+            assert isinstance(body, bytearray)
+            body.extend(bytes(min(length, 2 * len(body)) - len(body)))  # zeroed pages come as the bytes do
+        with memoryview(body)[self._got :] as view:
+            wanted = len(view)
+            got = self._io(self.sock.recv_into, view) if wanted else 0
+        if got is None:
+            return False
+        if wanted and not got:
+            raise ConnectionResetError(f"the answer ended after {self._got} of its {length} bytes")
+        self._got += got
+        return True
+
     def _parse_head(self) -> bool:
-        """True once the status line and headers are in (the body's buffer is made, with what followed them)."""
+        """True once the status line and headers are in (the body's length and bound known, nothing allocated)."""
         end = self._head.find(b"\r\n\r\n")
         if end < 0:
             if len(self._head) > HEAD_LIMIT:
@@ -187,22 +248,38 @@ class Connection:
         self._status, self._headers = int(status), headers
         self.keep = version != "HTTP/1.0" and headers.get("connection", "").lower() != "close"
         assert self.request is not None
-        limit = self.request.most if self._is_the_object(self.request) else ERROR_LIMIT
-        rest = self._head[end + 4 :]
+        self._limit = self.request.most if self._is_the_object(self.request) else ERROR_LIMIT
+        del self._head[: end + 4]  # what followed the head: the body's first bytes
         if headers.get("transfer-encoding", "").lower() == "chunked":
-            self._chunks = ChunkedBody(limit)
-            self._chunks.feed(rest)
+            self._length = CHUNKED
             return True
         if "transfer-encoding" in headers:
             raise ValueError(f"an answer in {headers['transfer-encoding']!r} encoding")
         if "content-length" not in headers:
             raise ValueError("an answer without a length")  # read to the end: rare; s3fs reads it instead
         length = content_length(headers["content-length"])
-        if length > limit:
-            raise ValueError(f"an answer of {length} bytes, over the {limit} it may have")
-        if len(rest) > length:
+        if length > self._limit:
+            raise ValueError(f"an answer of {length} bytes, over the {self._limit} it may have")
+        if len(self._head) > length:
             raise ValueError("more bytes than the answer's length")  # nothing was asked for after it
-        body = self._buffer(length)
+        self._length = length
+        return True
+
+    def _open_body(self) -> bool:
+        """Make the body's buffer with the bytes that came after the head; False (`held`) while the budget has no room."""
+        if self.budget is not None and not self._taken:
+            if not self.budget.take(self.wanted):
+                self.held = True
+                return False
+            self._taken = self.wanted
+        if self.held:
+            self.held, self.progress_at = False, time.monotonic()  # its wait was the budget's, not the store's
+        rest, self._head = self._head, bytearray()
+        if self._length == CHUNKED:
+            self._chunks = ChunkedBody(self._limit)
+            self._chunks.feed(rest)
+            return True
+        body = self._buffer(self._length or 0)
         body[: len(rest)] = rest
         self._body = body
         self._got = len(rest)
@@ -216,7 +293,7 @@ class Connection:
             view = request.into(length)
             if view is not None and len(view) == length:
                 return view
-        return bytearray(length)
+        return bytearray(min(length, FIRST_BODY_BYTES))  # grown as the bytes come (`_read_body`)
 
     def _is_the_object(self, request: GetRequest) -> bool:
         return self._status in (200, 206) and starts_at(self._headers.get("content-range"), request.start, self._status)
@@ -227,10 +304,23 @@ class Connection:
         assert request is not None and body is not None
         self.request, self._body, self._chunks = None, None, None
         self.served += 1
+        self._give_back()
         return request, self._status, self._headers, body
 
+    def _give_back(self) -> None:
+        """The body's bytes no longer count in the budget (handed over, or the connection closed)."""
+        if self.budget is not None and self._taken:
+            self.budget.give(self._taken)
+        self._taken = 0
+
     def _io(self, call: Any, *args: Any, writing: bool = False) -> Any:
-        """`call(*args)`, or None where the socket must wait (and which way: `wants_write`)."""
+        """`call(*args)`, or None where the socket must wait (and which way: `wants_write`).
+
+        Raises:
+            TimeoutError: a blocking socket waited TIMEOUT_S, or reached its `deadline`.
+        """
+        if self.deadline is not None:
+            self._wait_at_most(self.deadline - time.monotonic())
         try:
             result = call(*args)
         except BlockingIOError:
@@ -245,7 +335,17 @@ class Connection:
         self.progress_at = time.monotonic()
         return True if result is None else result
 
+    def _wait_at_most(self, seconds: float) -> None:
+        """Let the blocking socket's next call wait `seconds` at most (TIMEOUT_S at most); TimeoutError if none is left."""
+        if seconds <= 0:
+            raise TimeoutError("the request's deadline passed")
+        seconds = min(seconds, TIMEOUT_S)
+        if seconds != self._timeout:  # the same while TIMEOUT_S fits before the deadline: no call to change it
+            self.sock.settimeout(seconds)
+            self._timeout = seconds
+
     def close(self) -> None:
+        self._give_back()
         try:
             self.sock.close()
         except OSError:
@@ -293,7 +393,7 @@ class ChunkedBody:
             del self._raw[: start + size + 2]
 
     def body(self) -> bytearray:
-        return bytearray(b"".join(self._pieces))
+        return bytearray().join(self._pieces)
 
 
 def content_length(text: str) -> int:

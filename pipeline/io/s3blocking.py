@@ -11,7 +11,9 @@ socket that blocks for at most `http1.TIMEOUT_S` per step, and the same
 verdicts (`judge_answer`, `judge_failure`): a region learnt, a 403 tried
 once with fresh credentials, transient failures retried with backoff (the
 caller's thread sleeps it out), a stale kept-alive connection tried again
-at once, a checksum checked. Idle connections are kept for the next read,
+at once, a checksum checked. No step waits past the request's deadline
+(`S3Settings.deadline_s`, its retries included): a store that sends a
+byte now and then ends in a StorageError then, as a redirect loop does. Idle connections are kept for the next read,
 of any thread, in a small locked pool (KEEP connections at most, each
 closed once idle for `http1.KEEP_IDLE_S`; a forked child makes its own).
 """
@@ -52,12 +54,15 @@ class BlockingClient:
 
         Raises:
             FileNotFoundError: the store says there is no such object.
+            StorageError: the store sends the request from region to region, or does not answer it whole by its deadline.
         """
         asked = GetRequest.askable(self.settings, path, query)
         if asked is None or self._closed:
             return None
         request = GetRequest(asked[0], asked[1], start, end, query)
         while True:
+            if request.left() <= 0:
+                raise request.late(self.settings)
             if self.settings.refused(request.bucket):
                 return None
             try:
@@ -76,7 +81,7 @@ class BlockingClient:
                 delay = request.backoff()
                 if delay is None:
                     return None
-                time.sleep(delay)
+                time.sleep(max(0.0, min(delay, request.left())))
 
     def close(self) -> None:
         """Close the idle connections; those in use are closed when their read ends."""
@@ -88,27 +93,36 @@ class BlockingClient:
 
     def _exchange(self, request: GetRequest, data: bytes) -> tuple[str, Body | BaseException | None]:
         """One try of `request` on a kept or new connection, and its verdict."""
+        if request.left() <= 0:
+            return self._timed_out(request)
         conn = self._kept(request)
         if conn is None:
             try:
-                conn = Connection.open(http1.resolve(request.host, request.port), request.host, request.port, request.tls, http1.TIMEOUT_S)
+                address = http1.resolve(request.host, request.port)
+                conn = Connection.open(address, request.host, request.port, request.tls, max(1e-3, min(http1.TIMEOUT_S, request.left())))
             except TimeoutError:
-                return ANSWER, None  # no answer in TIMEOUT_S: as the loop gives up such a request
+                return self._timed_out(request)
             except OSError as exc:
                 return judge_failure(request, exc, False, False)
         conn.start(request, data)
+        conn.deadline = request.deadline  # no call on the socket waits past it
         try:
             while not conn.advance(self._tls):
-                pass  # the socket blocks: each step waits for what it needs, TIMEOUT_S at most
+                pass  # the socket blocks: each step waits for what it needs, TIMEOUT_S at most, never past the deadline
         except TimeoutError:
             conn.close()
-            return ANSWER, None
+            return self._timed_out(request)
         except Exception as exc:  # noqa: BLE001 - a socket error, an answer not understood, anything: this request only
             conn.close()
             return judge_failure(request, exc, conn.reused, conn.answered_any)
         _, status, headers, body = conn.finish()
         self._keep(conn)
         return judge_answer(self.settings, request, status, headers, body)
+
+    def _timed_out(self, request: GetRequest) -> tuple[str, Body | BaseException | None]:
+        """A step that waited its longest: past the deadline, a StorageError; else no progress in TIMEOUT_S, as the loop
+        gives up such a request (None)."""
+        return ANSWER, request.late(self.settings) if request.left() <= 0 else None
 
     def _kept(self, request: GetRequest) -> Connection | None:
         """An idle connection to the request's host, if one is kept (those idle too long are closed on the way)."""

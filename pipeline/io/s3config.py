@@ -19,6 +19,13 @@ Credentials come through botocore's public API: the keys given in the
 options, else ``botocore.session.Session(profile=...).get_credentials()``
 and its ``get_frozen_credentials()`` (refreshed as botocore refreshes them;
 `S3Credentials.get(fresh=True)` resolves them anew, after a 403).
+
+Every request has a total deadline (`deadline_s`): connecting, its
+headers and its body, and every retry of it, in REQUEST_DEADLINE_S
+seconds, or ``$GPUFEED_S3_DEADLINE_S`` where that is set (botocore has no
+such option: its timeouts are per socket read, which a store sending a
+byte now and then never reaches). A request past it ends as a
+StorageError.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import time
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from ..errors import ConfigError
+
 CREDENTIALS_TTL_S = 60.0  # how long frozen credentials are reused before asking botocore again
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
 _SUPPORTED_OPTIONS = {"endpoint_url", "key", "secret", "token", "anon", "profile", "client_kwargs", "config_kwargs"}
@@ -39,6 +48,33 @@ _SUPPORTED_CONFIG_KWARGS = {
     "response_checksum_validation", "request_checksum_calculation",
 }  # fmt: skip
 _PLAIN_AWS = re.compile(r"^s3(\.([a-z0-9-]+))?\.amazonaws\.com$")  # s3.amazonaws.com, s3.REGION.amazonaws.com
+_REGION = re.compile(r"[a-z0-9-]{1,40}")
+REQUEST_DEADLINE_S = 300.0
+"""The default total deadline of one request, its retries included: a 1 GiB answer at 4 MB/s."""
+DEADLINE_ENV = "GPUFEED_S3_DEADLINE_S"
+
+
+def request_deadline() -> float:
+    """The total deadline of one request, in seconds: $GPUFEED_S3_DEADLINE_S, else `REQUEST_DEADLINE_S`.
+
+    Raises:
+        ConfigError: the variable is set to something that is not a positive number of seconds.
+    """
+    text = os.environ.get(DEADLINE_ENV, "").strip()
+    if not text:
+        return REQUEST_DEADLINE_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"{DEADLINE_ENV}={text[:40]!r}: give the most seconds one S3 request may take (a positive number)")
+    return seconds
+
+
+def valid_region(name: str) -> bool:
+    """Whether `name` can be a region's name (what a store's x-amz-bucket-region is taken for)."""
+    return _REGION.fullmatch(name) is not None
 
 
 class S3Credentials:
@@ -85,10 +121,22 @@ class S3Settings:
         region: the signing region.
         credentials: where signing keys come from; None: requests are sent unsigned.
         tls_ca: the CA bundle TLS is checked against (https only).
+        deadline_s: the total deadline of one request; None: `request_deadline()`.
+
+    Raises:
+        ConfigError: $GPUFEED_S3_DEADLINE_S is not a positive number.
     """
 
-    def __init__(self, endpoint_url: str, region: str, credentials: S3Credentials | None, tls_ca: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint_url: str,
+        region: str,
+        credentials: S3Credentials | None,
+        tls_ca: str | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
         self.endpoint = endpoint_url.rstrip("/")
+        self.deadline_s = request_deadline() if deadline_s is None else deadline_s
         parts = urlsplit(self.endpoint)
         self.scheme = parts.scheme
         self.region = region
@@ -138,7 +186,7 @@ class S3Settings:
 
     def learn_region(self, bucket: str, region: str) -> bool:
         """Remember that `bucket` lives in `region` (a 301's x-amz-bucket-region); False if nothing changes."""
-        if not region or not re.fullmatch(r"[a-z0-9-]{1,40}", region) or self.region_of(bucket) == region:
+        if not valid_region(region) or self.region_of(bucket) == region:
             return False
         with self._lock:
             self._regions[bucket] = region

@@ -7,6 +7,20 @@ take their decisions here: `judge_answer` for an answer that came whole,
 `judge_failure` for a connection that failed or an answer not understood.
 Each gives a verdict (ANSWER with the value, AGAIN at once, RETRY after
 `GetRequest.backoff`); the caller carries it out its own way.
+
+Nothing is tried without end. A request is sent again at once for a
+region the store names (a 301, 307 or 400 with ``x-amz-bucket-region``)
+at most MAX_REGION_CHANGES times, and never back to a region it was sent
+to: a store that names the region the request went to, or sends it from
+region to region, gets a StorageError naming the object and the regions.
+The answer's ``Location`` is never followed (the request goes to the
+endpoint configured, for the region named); a redirect to another host
+is a StorageError, not handed to s3fs (whose HTTP client would follow it,
+credentials and all), except between AWS's own hosts, as S3 documents
+its temporary redirects. Transient failures are tried
+RETRIES times; and all of it (connecting, headers, body, retries) ends by
+the request's deadline (`S3Settings.deadline_s`), where it is a
+StorageError too (`GetRequest.late`).
 """
 
 from __future__ import annotations
@@ -14,19 +28,26 @@ from __future__ import annotations
 import base64
 import hashlib
 import random
+import re
+import time
 import zlib
 from concurrent.futures import Future
 from typing import Any
 from urllib.parse import urlsplit
 
-from .s3config import S3Settings
+from ..errors import StorageError
+from .s3config import DEADLINE_ENV, S3Settings, valid_region
 from .s3sign import canonical_query, sign_get
 from .transport import Body, Into
 
 BODY_LIMIT = 1 << 30  # the most bytes a whole-object GET reads; a larger object is left to s3fs
+LIST_LIMIT = 16 << 20  # the most bytes of one listing page (1,000 keys of 1,024 bytes, URL-encoded, take 4 MB)
+MAX_REGION_CHANGES = 3  # regions one request is sent on to, one after another, before it is given up
 RETRIES = 3  # transient failures retried per request
 BACKOFF_S = 0.05  # the first retry's delay; doubled each time, with jitter
 RETRIED_STATUSES = (500, 502, 503, 504)
+REDIRECT_STATUSES = (301, 302, 303, 307, 308)
+_HOST_NAME = re.compile(r"[A-Za-z0-9.-]{1,253}")
 
 ANSWER, AGAIN, RETRY = "answer", "again", "retry"  # a verdict: give the value; send again at once; after a backoff
 Verdict = tuple[str, "Body | BaseException | None"]
@@ -37,7 +58,7 @@ class GetRequest:
 
     __slots__ = (
         "bucket", "key", "start", "end", "query", "future", "into", "url", "host", "port", "netloc", "path", "tls",
-        "attempts", "stale_retried", "refreshed", "fresh_credentials",
+        "attempts", "stale_retried", "refreshed", "fresh_credentials", "regions", "deadline",
     )  # fmt: skip
 
     def __init__(
@@ -56,6 +77,8 @@ class GetRequest:
         self.port, self.tls = 0, False
         self.attempts = 0
         self.stale_retried = self.refreshed = self.fresh_credentials = False
+        self.regions: list[str] = []  # the regions it was signed for, in turn
+        self.deadline: float | None = None  # when it is given up (monotonic), from its first try on
 
     @staticmethod
     def askable(settings: S3Settings, path: str, query: dict[str, str] | None) -> tuple[str, str] | None:
@@ -72,8 +95,28 @@ class GetRequest:
 
     @property
     def most(self) -> int:
-        """The most bytes the object's answer may have: the range's length, else BODY_LIMIT."""
+        """The most bytes the answer may have: the range's length, else BODY_LIMIT (LIST_LIMIT for a listing)."""
+        if self.query is not None:
+            return LIST_LIMIT
         return BODY_LIMIT if self.end is None else max(0, self.end - self.start)
+
+    @property
+    def what(self) -> str:
+        """What the request does, for a message: ``read s3://bucket/key`` or ``list s3://bucket/prefix``."""
+        if self.query is not None:
+            return f"list s3://{self.bucket}/{self.query.get('prefix', '')}"
+        return f"read s3://{self.bucket}/{self.key}"
+
+    def left(self) -> float:
+        """Seconds left before the request's deadline (infinite before its first try)."""
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def late(self, settings: S3Settings) -> StorageError:
+        """The error of a request past its deadline."""
+        return StorageError(
+            f"cannot {self.what}: the store did not answer it whole within {settings.deadline_s:g} s, the deadline "
+            f"of one request (set {DEADLINE_ENV} for another); it sends too slowly or not at all"
+        )
 
     def place(self, settings: S3Settings) -> None:
         """Where the request goes now (the bucket's region may have been learnt since the last try)."""
@@ -86,6 +129,8 @@ class GetRequest:
 
     def signed(self, settings: S3Settings) -> bytes | None:
         """The request's bytes, signed with the credentials `settings` resolve (afresh after a 403); None: there are none."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + settings.deadline_s
         credentials = None
         if not settings.anonymous:
             assert settings.credentials is not None
@@ -93,7 +138,10 @@ class GetRequest:
             self.fresh_credentials = False
             if credentials is None:
                 return None
-        return self.head(credentials, settings.region_of(self.bucket))
+        region = settings.region_of(self.bucket)
+        if not self.regions or self.regions[-1] != region:
+            self.regions.append(region)
+        return self.head(credentials, region)
 
     def head(self, credentials: Any, region: str) -> bytes:
         """The request's bytes: the one request builder (signed where `credentials` are given)."""
@@ -147,8 +195,18 @@ def judge_answer(settings: S3Settings, request: GetRequest, status: int, headers
         return ANSWER, body
     if status == 404:
         return ANSWER, FileNotFoundError(f"no such object: s3://{request.bucket}/{request.key}")
-    if status in (301, 307, 400) and settings.learn_region(request.bucket, headers.get("x-amz-bucket-region", "")):
-        return AGAIN, None  # the bucket lives elsewhere: learnt once, every later request goes there
+    region = headers.get("x-amz-bucket-region", "")
+    if status in (301, 307, 400) and valid_region(region):
+        moved = _moved(settings, request, status, region)
+        if moved is not None:
+            return moved
+    if status in REDIRECT_STATUSES and _elsewhere(request, headers.get("location", "")):
+        host = urlsplit(headers["location"]).hostname or ""
+        return ANSWER, StorageError(
+            f"cannot {request.what}: the store redirects it to another host"
+            f"{f' ({host})' if _HOST_NAME.fullmatch(host) else ''}, which is not followed; set the storage option "
+            "endpoint_url to the bucket's own endpoint"
+        )
     if status == 403 and not settings.anonymous and not request.refreshed:
         request.refreshed = request.fresh_credentials = True  # they may have expired: resolved anew, once
         return AGAIN, None
@@ -157,6 +215,41 @@ def judge_answer(settings: S3Settings, request: GetRequest, status: int, headers
     if status in (301, 307, 403) or (status == 400 and "x-amz-bucket-region" in headers):
         settings.refuse(request.bucket)  # the fast path cannot reach it: s3fs, from now on
     return ANSWER, None
+
+
+def _moved(settings: S3Settings, request: GetRequest, status: int, region: str) -> Verdict | None:
+    """What an answer naming the bucket's `region` means: send it there, or a loop given up; None: not a move (a 400
+    naming the region the request went to is a bad request for another reason)."""
+    sent_to = request.regions[-1] if request.regions else settings.region_of(request.bucket)
+    if region == sent_to:
+        if status == 400:
+            return None
+        return ANSWER, StorageError(
+            f"cannot {request.what}: the store redirects it to region {region}, the region it was sent to "
+            f"(HTTP {status}); check the endpoint (storage option endpoint_url) and the bucket's region"
+        )
+    if region in request.regions or len(request.regions) > MAX_REGION_CHANGES:
+        return ANSWER, StorageError(
+            f"cannot {request.what}: the store sends it from region to region "
+            f"({' -> '.join([*request.regions, region])}), given up after {len(request.regions) - 1} region changes; "
+            "check the endpoint (storage option endpoint_url) and the bucket's region"
+        )
+    settings.learn_region(request.bucket, region)  # every later request of the bucket goes there (unless learnt already)
+    return AGAIN, None
+
+
+def _elsewhere(request: GetRequest, location: str) -> bool:
+    """Whether a redirect's `location` names another host than the request went to (AWS's hosts between themselves aside)."""
+    try:
+        parts = urlsplit(location)
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is no number: nowhere a request could go
+        return True
+    if not host:
+        return False  # a path on the same host
+    if (host, port or request.port) == (request.host, request.port):
+        return False
+    return not (host.endswith(".amazonaws.com") and request.host.endswith(".amazonaws.com"))
 
 
 def judge_failure(request: GetRequest, exc: BaseException, reused: bool, answered_any: bool) -> Verdict:

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from typing import Any
 from urllib.parse import unquote_plus
 
+from ..errors import StorageError
 from .getloop import GetLoop
 from .s3blocking import BlockingClient
 from .s3config import S3Settings
@@ -91,6 +92,10 @@ class S3Transport(Transport):
         Returns:
             (keys, prefixes), both ``bucket/...`` paths in the store's order; None
             when the store answered anything but a listing (the caller lists through s3fs).
+
+        Raises:
+            StorageError: the store gives a continuation token it gave before (its
+                listing would never end), or a page fails as `BlockingClient.get` says.
         """
         bucket, _, prefix = path.partition("/")
         if not bucket:
@@ -98,6 +103,7 @@ class S3Transport(Transport):
         keys: list[str] = []
         prefixes: list[str] = []
         token: str | None = None
+        tokens: set[str] = set()  # every page's token so far: one seen again is a listing going round in a loop
         while True:
             params = {"list-type": "2", "encoding-type": "url", "max-keys": str(LIST_PAGE_KEYS), "prefix": prefix}
             if delimiter:
@@ -118,6 +124,12 @@ class S3Transport(Transport):
             prefixes += [f"{bucket}/{name}" for name in page_prefixes]
             if token is None:
                 return keys, prefixes
+            if token in tokens:
+                raise StorageError(
+                    f"cannot list s3://{path}: the store gave a continuation token again after {len(tokens) + 1} "
+                    "pages, as if the listing started over; it would never end"
+                )
+            tokens.add(token)
 
     def upload(self, source: str, path: str, *, part_bytes: int | None = None) -> None:
         self.fallback.upload(source, path, part_bytes=part_bytes)

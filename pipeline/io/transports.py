@@ -6,6 +6,7 @@ import os
 import threading
 from typing import Any
 
+from ..errors import GpufeedError
 from .s3transport import S3Transport
 from .transport import FsspecTransport, Transport
 
@@ -14,7 +15,11 @@ _LOCK = threading.Lock()
 
 
 def transport_for(fs: Any) -> Transport:
-    """The fast S3 transport where `fs` is a plain s3fs filesystem, else the fsspec one (see `transport.py`)."""
+    """The fast S3 transport where `fs` is a plain s3fs filesystem, else the fsspec one (see `transport.py`).
+
+    Raises:
+        ConfigError: $GPUFEED_S3_DEADLINE_S is set to something that is not a positive number.
+    """
     key = (os.getpid(), str(getattr(fs, "_fs_token", id(fs))))  # the token: the filesystem's class and options
     with _LOCK:
         transport = _TRANSPORTS.get(key)
@@ -26,6 +31,8 @@ def transport_for(fs: Any) -> Transport:
 def _make(fs: Any) -> Transport:
     try:
         fast = S3Transport.for_filesystem(fs)
+    except GpufeedError:  # a setting of gpufeed's own that is wrong ($GPUFEED_S3_DEADLINE_S): said, not passed over
+        raise
     except Exception:  # noqa: BLE001 - anything unexpected in the client's make-up: s3fs serves
         fast = None
     return FsspecTransport(fs) if fast is None else fast

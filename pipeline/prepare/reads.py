@@ -12,7 +12,9 @@ other read runs `read_item` on a pool of `io_threads` threads, and so does
 every file whose GET did not give its bytes within the input limit (another
 status, a missing object, a file too large, a dropped connection): that read
 decides what the file is, with the same reasons and errors as ever, so the
-loop changes how fast files come and nothing else.
+loop changes how fast files come and nothing else. A gpufeed error of the
+loop's (a StorageError: the store redirects in a loop, or misses the
+request's deadline) is the read's error as it is, not tried again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
+from ..errors import GpufeedError
 from ..io.fs import open_fs
 from ..io.transport import Body, Transport
 from ..io.transports import transport_for
@@ -75,8 +78,14 @@ class SourceReads:
         self, answer: Future[Body | None], item: SourceItem, out: Future[Fetched], reserved: list[Handoff | None]
     ) -> None:
         """The loop's answer for `item` into `out` (on the loop's thread); anything but the bytes is read again on a thread."""
-        body = None if answer.cancelled() or answer.exception() is not None else answer.result()
+        failure = None if answer.cancelled() else answer.exception()
+        body = None if answer.cancelled() or failure is not None else answer.result()
         try:
+            if isinstance(failure, GpufeedError):  # the store misbehaves: a second read would wait it out again
+                self._free(reserved)
+                with contextlib.suppress(InvalidStateError):
+                    out.set_exception(failure)
+                return
             if body is not None and len(body) <= self.spec.max_file_bytes:
                 self._deliver(out, self._fetched(body, reserved))
                 return
