@@ -31,6 +31,10 @@ class ConfigError(GpufeedError, ValueError):
     """A setting, flag or job spec is invalid; the message says which and why."""
 
 
+class HookError(ConfigError):
+    """A sample_transform or batch_transform returned what the loader cannot deliver; the message says what."""
+
+
 class SourceError(GpufeedError):
     """The source dataset cannot be listed or read."""
 

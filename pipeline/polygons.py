@@ -30,6 +30,8 @@ import numpy as np
 POLYGONS_MEMBER = "polygons.json"
 MAX_SAMPLE_POINTS = 1 << 20
 """Points one sample's polygons may hold in all: a hostile member cannot ask for gigabytes."""
+MAX_POLYGONS_BYTES = MAX_SAMPLE_POINTS * 32
+"""The member's bytes at most: MAX_SAMPLE_POINTS points as written (two numbers of up to 15 characters each)."""
 
 Polygons = list[list[np.ndarray]]
 """Per box, its polygons: float64 (K, 2) arrays of (x, y) points."""
@@ -45,11 +47,16 @@ def decode(data: bytes, boxes: int) -> Polygons:
     """A member's polygons, checked: one entry per box, each a list of polygons of finite points.
 
     Raises:
-        ValueError: not JSON, not that shape, not one entry per box, or over MAX_SAMPLE_POINTS points.
+        ValueError: not JSON, nested too deep, not that shape, not one entry per box, or over
+            MAX_SAMPLE_POINTS points (or MAX_POLYGONS_BYTES bytes).
     """
+    if len(data) > MAX_POLYGONS_BYTES:
+        raise ValueError(f"{POLYGONS_MEMBER} is {len(data)} bytes, over the {MAX_POLYGONS_BYTES} bytes it may have")
     try:
         rows = json.loads(data)
-    except (ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise ValueError(f"{POLYGONS_MEMBER} is not JSON that can be read: it nests too deep") from None
+    except ValueError as exc:
         raise ValueError(f"{POLYGONS_MEMBER} is not JSON ({str(exc)[:100]})") from None
     if not isinstance(rows, list) or len(rows) != boxes:
         count = len(rows) if isinstance(rows, list) else "not a list of"
@@ -68,7 +75,10 @@ def decode(data: bytes, boxes: int) -> Polygons:
                 raise ValueError(f"{POLYGONS_MEMBER} holds over {MAX_SAMPLE_POINTS} points")
             if not all(type(v) in (int, float) for v in flat):
                 raise ValueError(f"{POLYGONS_MEMBER}: a polygon coordinate is not a number")
-            points = np.asarray(flat, np.float64).reshape(-1, 2)
+            try:
+                points = np.asarray(flat, np.float64).reshape(-1, 2)
+            except OverflowError:  # an integer past float64's range
+                raise ValueError(f"{POLYGONS_MEMBER}: a polygon coordinate is not finite") from None
             if not np.isfinite(points).all():
                 raise ValueError(f"{POLYGONS_MEMBER}: a polygon coordinate is not finite")
             kept.append(points)

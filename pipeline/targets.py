@@ -130,6 +130,9 @@ DEFAULT_IGNORE_INDEX = 255  # a mask pixel of no class (VOC's border), left out 
 DEFAULT_MIN_VISIBLE = 0.25  # a box keeps at least this fraction of its area after a crop, or is dropped
 MAX_BOXES = 1 << 16  # per sample: a hostile .npy cannot ask for gigabytes
 MAX_CAPTION_BYTES = 1 << 20
+MAX_JSON_BYTES = 32 << 20
+"""The bound on a JSON member the loader parses (a sample's `json`, `labels.json`, a field asked for): a
+million polygon points fit; 250 MB of numbers would take gigabytes as Python objects."""
 
 
 class TargetError(GpufeedError):
@@ -314,16 +317,29 @@ def read_labels(members: dict[str, bytes], classes: int | None) -> list[int]:
     data = members.get(LABELS_MEMBER)
     if data is None:
         return []
-    try:
-        values = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise TargetError(f"{LABELS_MEMBER} is not JSON ({exc})") from exc
+    values = read_json(data, LABELS_MEMBER)
     if not isinstance(values, list) or len(values) > MAX_BOXES or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in values
     ):
         raise TargetError(f"{LABELS_MEMBER} must be a list of class indices")
     _check_indices(np.asarray(values, np.int64) if values else np.zeros(0, np.int64), classes, LABELS_MEMBER)
     return values
+
+
+def read_json(data: bytes, name: str) -> Any:
+    """A JSON member parsed, at most MAX_JSON_BYTES long and nested no deeper than Python's recursion allows.
+
+    Raises:
+        TargetError: too long, not JSON, or nested too deep.
+    """
+    if len(data) > MAX_JSON_BYTES:
+        raise TargetError(f"{name} is {len(data)} bytes, over the {MAX_JSON_BYTES} bytes a JSON member may have")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise TargetError(f"{name} is not JSON that can be read: it nests too deep") from None
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise TargetError(f"{name} is not JSON ({str(exc)[:100]})") from None
 
 
 def read_caption(members: dict[str, bytes], name: str = TEXT_MEMBER) -> str:

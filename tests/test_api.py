@@ -19,6 +19,7 @@ PUBLIC_API = [
     "DecodeError",
     "EncodeSpec",
     "GpufeedError",
+    "HookError",
     "JobConflictError",
     "Loader",
     "LoaderSpec",

@@ -20,6 +20,7 @@
     placement.py      detection recipes: letterbox, scale jitter, IoU crop (which part of an image goes where)
     mosaic_piece.py   the "yolo" recipe's piece: each output a mosaic of its sample and three partners (pipeline.augment)
     tasks.py          targets on their way to a batch (boxes, masks, labels, captions, fields) and `Batch`
+    hooks.py          the user's sample_transform and batch_transform called, what they return checked
     cpu_decode.py     decode on the CPU straight into batch slots: decode_into, decode_many, the decoder chosen
     region_decode.py  the region decoder (libjpeg-turbo in pipeline.native) over a piece's JPEGs, one C call
     slot_pixels.py    decoded pixels into a slot: crop box resized (Pillow or C), flipped, normalised; Pillow's decode

@@ -21,7 +21,6 @@ same rule as prepare's (`pipeline.decode`).
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 from typing import Any
 
@@ -30,6 +29,7 @@ import numpy as np
 from .. import native
 from ..decode import decoded_scale, open_image
 from ..errors import DecodeError
+from ..targets import TargetError, read_npy
 from .crops import (
     Affine,
     CropRandom,
@@ -96,8 +96,8 @@ def decode_into(
         affine = Affine.of(*affine)
     try:
         if extension == "npy":
-            array = np.load(io.BytesIO(data), allow_pickle=False)
-            check_pixels(array.shape[1] if array.ndim > 1 else 0, array.shape[0], spec)
+            array = npy_pixels(data)
+            check_pixels(array.shape[1], array.shape[0], spec)
             crop_array_into(slot, _as_rgb_array(array), rng, spec, flip, affine)
         elif extension in ("jpg", "jpeg") and spec.decoder == "region" and (decoder := region_decoder()) is not None:
             boxes = None if box is None else [box]
@@ -115,14 +115,24 @@ def decode_into(
         raise DecodeError(f"cannot decode .{extension} sample: {str(exc)[:160] or type(exc).__name__}") from None
 
 
-def _as_rgb_array(array: np.ndarray) -> np.ndarray:
-    if array.dtype != np.uint8 or array.ndim not in (2, 3):
+def npy_pixels(data: bytes) -> np.ndarray:
+    """A `.npy` sample's uint8 HxW or HxWx3 pixels, a view of its bytes: its header's shape is checked against
+    the bytes there are before anything is made of it (`targets.read_npy`), so a lying one asks for no memory.
+
+    Raises:
+        DecodeError: not a plain .npy array, or not such pixels.
+    """
+    try:
+        array = read_npy(data, ".npy sample")
+    except TargetError as exc:
+        raise DecodeError(str(exc)) from None
+    if array.dtype != np.uint8 or array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] != 3):
         raise DecodeError(f".npy sample must be uint8 HxW or HxWx3, got {array.dtype} {array.shape}")
-    if array.ndim == 2:
-        array = np.repeat(array[:, :, None], 3, axis=2)
-    if array.shape[2] != 3:
-        raise DecodeError(f".npy sample must have 3 channels, got {array.shape}")
     return array
+
+
+def _as_rgb_array(array: np.ndarray) -> np.ndarray:
+    return np.repeat(array[:, :, None], 3, axis=2) if array.ndim == 2 else array
 
 
 def _jpeg_into(
@@ -200,8 +210,8 @@ def image_size(extension: str, data: bytes) -> tuple[int, int]:
     """
     try:
         if extension == "npy":
-            array = np.load(io.BytesIO(data), allow_pickle=False, mmap_mode=None)
-            return (array.shape[1], array.shape[0]) if array.ndim >= 2 else (0, 0)
+            array = npy_pixels(data)
+            return array.shape[1], array.shape[0]
         if extension in ("jpg", "jpeg") and simplejpeg is not None:
             with contextlib.suppress(ValueError):
                 height, width, _, _ = simplejpeg.decode_jpeg_header(data)

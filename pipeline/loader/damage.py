@@ -56,6 +56,7 @@ class Damage:
         shard: the damaged shard, when a shard is damaged.
         sample: the damaged sample's key, when a sample is.
         reason: what is wrong, without the names.
+        source: the shard a damaged sample was read from, when known.
     """
 
     message: str
@@ -64,10 +65,11 @@ class Damage:
     shard: str = ""
     sample: str = ""
     reason: str = ""
+    source: str = ""
 
     def error(self) -> SampleError:
         """The SampleError `on_error="raise"` stops with."""
-        return SampleError(self.message, shard=self.shard, sample=self.sample, reason=self.reason)
+        return SampleError(self.message, shard=self.shard or self.source, sample=self.sample, reason=self.reason)
 
 
 Report = Callable[[Damage], None]

@@ -32,6 +32,7 @@ from ..specs import LoaderSpec
 from .crops import Affine, CropSpec, flip_mask
 from .damage import Extras, Item, Report
 from .executors import failed_samples
+from .hooks import run_batch_transform
 from .mosaic_piece import HSV_GAINS
 from .pacing import RunSlots
 from .pieces import CpuFinish
@@ -218,7 +219,7 @@ class DeviceFinish:
                 if self.spec.recipe == "yolo":
                     delivered = self._yolo_mixup(delivered, host)
             if self.batch_transform is not None:
-                delivered = self.batch_transform(delivered)
+                delivered = run_batch_transform(self.batch_transform, delivered)
             if side is not None:
                 done = torch.cuda.Event()
                 done.record(side)

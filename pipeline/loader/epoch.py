@@ -94,6 +94,9 @@ def _cut(shards: list[ShardRef], order: list[int], lo: int, hi: int) -> list[Seg
     return segments
 
 
+ShardSample = tuple[str, dict[str, bytes], str]  # a sample as read: its key, its members, its shard's URL
+
+
 @dataclasses.dataclass
 class Record:
     """One sample on its way to a batch: compressed bytes, label, and a stable id for seeding."""
@@ -104,6 +107,7 @@ class Record:
     label: int
     ordinal: int
     extras: dict[str, bytes] | None = None  # the members a task or fields= keeps (`tasks.TaskPlan.keep`)
+    shard: str = ""  # the shard it was read from (what a damage message names)
 
 
 def pick_image(members: dict[str, bytes]) -> tuple[str, bytes] | None:
@@ -159,7 +163,7 @@ class ReadLog:
 
 def read_segments(
     shards: list[ShardRef], segments: list[Segment], interleave: int, log: ReadLog
-) -> Iterator[tuple[str, dict[str, bytes]]]:
+) -> Iterator[ShardSample]:
     """Samples of the segments, `interleave` shards open at once, taken in turn.
 
     A shard that cannot be opened, is corrupt or ends early (or, with
@@ -168,7 +172,7 @@ def read_segments(
     shard is skipped and the epoch goes on.
     """
 
-    def open_segment(number: int, later: list[int]) -> Iterator[tuple[str, dict[str, bytes]]]:
+    def open_segment(number: int, later: list[int]) -> Iterator[ShardSample]:
         upcoming = [shards[segments[n].shard] for n in later[: log.opener.ahead]]
         return _segment_samples(shards, number, segments[number], upcoming, log)
 
@@ -197,7 +201,7 @@ def take_turns(count: int, interleave: int, open_stream: Callable[[int, list[int
 
 def _segment_samples(
     shards: list[ShardRef], number: int, segment: Segment, upcoming: list[ShardRef], log: ReadLog
-) -> Iterator[tuple[str, dict[str, bytes]]]:
+) -> Iterator[ShardSample]:
     shard = shards[segment.shard]
     url = shard.url
     read = 0  # samples of the shard read so far, from its start
@@ -207,11 +211,11 @@ def _segment_samples(
             reader = DigestReader(handle) if log.verify else handle
             samples = iter_tar_samples(reader, url)
             try:
-                for read, sample in enumerate(samples, 1):
+                for read, (key, members) in enumerate(samples, 1):
                     if read > segment.stop:
                         break
                     if read > segment.start:
-                        yield sample
+                        yield key, members, url
             finally:
                 samples.close()
             reason = f"it ends after {read} samples, the manifest says {shard.samples}" if read < segment.stop else ""
@@ -348,7 +352,7 @@ def kept_members(spec: LoaderSpec) -> frozenset[str] | None:
 
 
 def _records(
-    samples: Iterator[tuple[str, dict[str, bytes]]],
+    samples: Iterator[ShardSample],
     ordinal: int,
     wanted: int,
     report: Report,
@@ -362,15 +366,15 @@ def _records(
     """
     if ordinal >= wanted:
         return ordinal
-    for key, members in samples:
+    for key, members, shard in samples:
         picked = pick_image(members)
         label, reason = sample_label(members, bound)
         if picked is None or reason:
             reason = reason or f"no image member ({', '.join(sorted(members))})"
-            report(Damage(f"sample {key}: {reason}", lost=1, sample=key, reason=reason))
+            report(Damage(f"sample {key} of {shard}: {reason}", lost=1, sample=key, reason=reason, source=shard))
             continue
         extras = None if keep is None else {name: members[name] for name in keep if name in members}
-        yield Record(key, picked[1], picked[0], label, ordinal, extras)
+        yield Record(key, picked[1], picked[0], label, ordinal, extras, shard)
         ordinal += 1
         if ordinal >= wanted:
             break
@@ -386,7 +390,7 @@ def _stand_ins(
     rank: int,
     count: int,
     bound: int,
-) -> Iterator[tuple[str, dict[str, bytes]]]:
+) -> Iterator[ShardSample]:
     """Samples to make up for `count` lost ones: the rank's good parts again, wrapping around (see `damage.py`)."""
     parts = [log.good[number] for number in sorted(log.good)]
     if not parts:  # nothing of this rank's own read: the epoch's other shards, in the epoch's order
@@ -405,7 +409,7 @@ MAX_REDRAW_PASSES = 64  # stand-ins read the good parts at most this often: more
 
 def _wrapping(
     shards: list[ShardRef], parts: list[Segment], count: int, log: ReadLog, bound: int
-) -> Iterator[tuple[str, dict[str, bytes]]]:
+) -> Iterator[ShardSample]:
     """At least `count` usable samples (an image, a good label) from `parts`, read again and again in order.
 
     Raises:
@@ -415,9 +419,9 @@ def _wrapping(
     given = 0
     for _ in range(MAX_REDRAW_PASSES):
         before = given
-        for key, members in read_segments(shards, parts, 1, ReadLog(ignore, opener=log.opener)):
+        for key, members, shard in read_segments(shards, parts, 1, ReadLog(ignore, opener=log.opener)):
             if pick_image(members) is not None and not sample_label(members, bound)[1]:
-                yield key, members
+                yield key, members, shard
                 given += 1
                 if given >= count:
                     return

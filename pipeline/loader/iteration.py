@@ -104,6 +104,7 @@ class Loader:
         plan: TaskPlan | None = None,
         batch_transform: Callable[[Any], Any] | None = None,
     ) -> None:
+        self._owner = os.getpid()  # a forked worker's copy of the loader owns none of its threads and workers
         self.spec = spec
         self.plan = plan
         self._batch_transform = batch_transform
@@ -467,7 +468,8 @@ class Loader:
 
     def __del__(self) -> None:
         try:  # also at interpreter teardown, when module globals may already be gone
-            self.close()
+            if getattr(self, "_owner", None) == os.getpid():  # not a forked process worker's copy: its pool is not there
+                self.close()
         except Exception:
             pass
 

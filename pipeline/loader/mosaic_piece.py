@@ -35,8 +35,9 @@ from ..targets import read_boxes
 from .cpu_decode import image_size
 from .crops import Affine, CropSpec, is_planar
 from .damage import Extras
+from .hooks import run_sample_transform
 from .slot_pixels import region_decoder
-from .tasks import TaskPlan, field_value, run_sample_transform
+from .tasks import TaskPlan, field_value
 
 DEFAULT_RECIPE = YoloRecipe()
 HSV_GAINS = "hsv_gains"  # a target's key: the gains the device applies to the batch (`hsv_in_workers=False`)

@@ -19,9 +19,10 @@ from ..targets import TargetError
 from .cpu_decode import decode_many
 from .crops import Affine, CropSpec
 from .damage import Extras, Item
+from .hooks import run_sample_transform
 from .mosaic_piece import mosaic_decoder, mosaic_into, yolo_recipe
 from .placement import Placement
-from .tasks import TaskPlan, placement_of, run_sample_transform, sample_targets
+from .tasks import TaskPlan, placement_of, sample_targets
 
 _SHARED_RING: np.ndarray | None = None  # set before forking process workers
 

@@ -10,8 +10,6 @@ each as its tar holds them; the loader's epochs read the same samples.
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,9 +18,11 @@ import numpy as np
 from ..decode import decode_image, pil_image
 from ..errors import DecodeError, SampleError
 from ..io.tar import TarFormatError, iter_tar_samples
-from ..targets import TargetError
+from ..targets import DEFAULT_IGNORE_INDEX, TargetError, read_json
+from .cpu_decode import npy_pixels
 from .dataset import DatasetInfo, ShardRef
-from .epoch import MAX_LABEL, label_bound, pick_image, sample_label
+from .epoch import label_bound, pick_image, sample_label
+from .slot_pixels import DATA_ERRORS
 from .streaming import ShardOpener
 from .tasks import stored_targets
 
@@ -97,13 +97,18 @@ class LoaderDataset(DatasetInfo):
             with opener.open(shard) as handle:
                 for number, (key, members) in enumerate(iter_tar_samples(handle, shard.url)):
                     if number == position:
-                        return _sample(shard.url, key, members, label_bound([shard]))
+                        return _sample(shard.url, key, members, label_bound([shard]), self._reading())
         except (TarFormatError, OSError) as exc:
             raise SampleError(f"cannot read sample {position} of {shard.url}: {exc}", shard=shard.url) from exc
         raise SampleError(f"{shard.url} holds fewer samples than the manifest says ({shard.samples})", shard=shard.url)
 
+    def _reading(self) -> dict[str, Any]:
+        """How its targets read: the class count that bounds them, the task, the ignore index (`stored_targets`)."""
+        ignore = DEFAULT_IGNORE_INDEX if self.ignore_index is None else self.ignore_index
+        return {"classes": len(self.classes) or None, "task": self.task, "ignore_index": ignore}
 
-def _sample(shard: str, key: str, members: dict[str, bytes], bound: int) -> DatasetSample:
+
+def _sample(shard: str, key: str, members: dict[str, bytes], bound: int, reading: dict[str, Any]) -> DatasetSample:
     picked = pick_image(members)
     if picked is None:
         raise SampleError(f"sample {key} of {shard} has no image", shard=shard, sample=key)
@@ -113,20 +118,20 @@ def _sample(shard: str, key: str, members: dict[str, bytes], bound: int) -> Data
         raise SampleError(f"sample {key} of {shard}: {damage}", shard=shard, sample=key, reason=damage)
     try:
         image = _image(extension, data)
-        info = json.loads(members["json"]) if "json" in members else {}
-        targets = stored_targets(members, bound if bound <= MAX_LABEL else None, image.size)
-    except (DecodeError, ValueError) as exc:  # TargetError is a GpufeedError, not a ValueError
-        raise SampleError(f"sample {key} of {shard}: {exc}", shard=shard, sample=key) from exc
-    except TargetError as exc:
+        info = read_json(members["json"], "json") if "json" in members else {}
+        targets = stored_targets(members, size=image.size, **reading)
+    except (DecodeError, TargetError) as exc:
         raise SampleError(f"sample {key} of {shard}: {exc}", shard=shard, sample=key, reason=str(exc)) from exc
     return DatasetSample(image, label, key, shard, info if isinstance(info, dict) else {}, targets)
 
 
 def _image(extension: str, data: bytes) -> Any:
-    if extension != "npy":
-        return decode_image(data).image
-    array = np.load(io.BytesIO(data), allow_pickle=False)
-    if array.dtype != np.uint8 or array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] != 3):
-        raise DecodeError(f".npy sample must be uint8 HxW or HxWx3, got {array.dtype} {array.shape}")
-    return pil_image().fromarray(array).convert("RGB")
+    try:
+        if extension != "npy":
+            return decode_image(data).image
+        return pil_image().fromarray(npy_pixels(data)).convert("RGB")
+    except DecodeError:
+        raise
+    except DATA_ERRORS as exc:  # what Pillow and NumPy raise on bad bytes
+        raise DecodeError(f"cannot decode .{extension} sample: {str(exc)[:160] or type(exc).__name__}") from None
 

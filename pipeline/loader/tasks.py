@@ -25,7 +25,6 @@ gives `Batch.masks`, cropped and flipped with its boxes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -51,6 +50,7 @@ from ..targets import (
     place_boxes,
     read_boxes,
     read_caption,
+    read_json,
     read_labels,
     read_npy,
     task_members,
@@ -58,6 +58,7 @@ from ..targets import (
 from .cpu_decode import image_size
 from .crops import CropRandom, CropSpec
 from .placement import Placement, place
+from .slot_pixels import DATA_ERRORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,22 +153,61 @@ def task_plan(
 # -- one sample ----------------------------------------------------------------
 
 
-def decode_mask(data: bytes, size: tuple[int, int]) -> np.ndarray:
-    """A stored class-index mask (8- or 16-bit grey PNG, or a palette PNG's indices), the image's size.
+def decode_mask(
+    data: bytes, size: tuple[int, int], name: str = MASK_MEMBER, bound: int | None = None, ignore: int | None = None
+) -> np.ndarray:
+    """A stored class-index mask (8- or 16-bit grey PNG, or a palette PNG's indices), the image's size, its values checked.
+
+    Args:
+        data: the member's bytes.
+        size: its image's (width, height).
+        name: the member, as messages name it.
+        bound: its values are below this (the classes it may name), None: any non-negative value.
+        ignore: a value allowed beside them (the ignore index), None: none.
 
     Raises:
-        TargetError: it does not decode, or its size is not the image's.
+        TargetError: it does not decode, its size is not the image's, or it holds
+            a value outside [0, bound) that is not `ignore`.
     """
     try:
         image = open_image(data)
         image.load()
-    except (DecodeError, OSError, ValueError) as exc:
-        raise TargetError(f"{MASK_MEMBER} does not decode ({exc})") from exc
-    if image.size != size:
-        raise TargetError(f"{MASK_MEMBER} is {image.size[0]}x{image.size[1]}, its image {size[0]}x{size[1]}")
-    if image.mode not in ("L", "P", "I;16", "I", "1"):
-        raise TargetError(f"{MASK_MEMBER} must be a grey or palette PNG of class indices, not mode {image.mode}")
-    return np.asarray(image)
+        if image.size != size:
+            raise TargetError(f"{name} is {image.size[0]}x{image.size[1]}, its image {size[0]}x{size[1]}")
+        if image.mode not in ("L", "P", "I;16", "I", "1"):
+            raise TargetError(f"{name} must be a grey or palette PNG of class indices, not mode {image.mode}")
+        mask = np.asarray(image)
+    except DecodeError as exc:
+        raise TargetError(f"{name} does not decode ({exc})") from None
+    except DATA_ERRORS as exc:  # what Pillow raises on broken data (SyntaxError for a broken PNG chunk)
+        raise TargetError(f"{name} does not decode ({str(exc)[:160] or type(exc).__name__})") from None
+    if mask.dtype == np.bool_:
+        mask = mask.view(np.uint8)
+    check_mask_values(mask, name, bound, ignore)
+    return mask
+
+
+def check_mask_values(mask: np.ndarray, name: str, bound: int | None, ignore: int | None) -> None:
+    """Every value of the mask is in [0, bound) or is `ignore`: two vector passes (three where it holds `ignore`).
+
+    Raises:
+        TargetError: a value that is neither, named.
+    """
+    high = int(mask.max(initial=0))
+    low = int(mask.min(initial=0)) if mask.dtype.kind == "i" else 0
+    if low < 0:
+        bad = low
+    elif bound is None or high < bound:
+        return
+    elif high != ignore:
+        bad = high
+    else:
+        bad = int(mask.max(where=mask != ignore, initial=0))
+        if bad < bound:
+            return
+    allowed = "negative" if bound is None else f"outside 0 to {bound - 1}"
+    also = f" and not the ignore index {ignore}" if ignore is not None else ""
+    raise TargetError(f"{name} holds the value {bad}, {allowed}{also}")
 
 
 def placement_of(
@@ -216,10 +256,15 @@ def sample_targets(
             out["iscrowd"] = crowd[keep]
         out["boxes_dropped"] = int(len(keep) - keep.sum())
         if plan.masks:  # a sample without one (prepared apart) has a mask of the ignore index: no loss from it
-            mask = decode_mask(members[MASK_MEMBER], image_size(extension, data)) if MASK_MEMBER in members else None
+            mask = None
+            if MASK_MEMBER in members:  # box class c is c + 1, 0 background (`targets.py`)
+                bound = plan.classes + 1 if plan.classes is not None else None
+                mask = decode_mask(members[MASK_MEMBER], image_size(extension, data), MASK_MEMBER, bound, plan.ignore_index)
             out["mask"] = _placed_mask(mask, placed, crop.size, flip, plan.ignore_index)
         if plan.instances:  # one mask per kept box; a sample without a map has empty ones
-            found = decode_mask(members[INSTANCES_MEMBER], image_size(extension, data)) if INSTANCES_MEMBER in members else None
+            found = None
+            if INSTANCES_MEMBER in members:  # box n's pixels are n + 1, 0 none
+                found = decode_mask(members[INSTANCES_MEMBER], image_size(extension, data), INSTANCES_MEMBER, len(boxes) + 1)
             own = _placed_mask(found, placed, crop.size, flip, 0)
             ids = (np.flatnonzero(keep) + 1).astype(own.dtype)
             out["masks"] = (own[None, :, :] == ids[:, None, None]).astype(np.uint8)
@@ -230,7 +275,7 @@ def sample_targets(
     elif task == "segmentation":
         if MASK_MEMBER not in members:
             raise TargetError(f"no {MASK_MEMBER}")
-        mask = decode_mask(members[MASK_MEMBER], image_size(extension, data))
+        mask = decode_mask(members[MASK_MEMBER], image_size(extension, data), MASK_MEMBER, plan.classes, plan.ignore_index)
         out["mask"] = _placed_mask(mask, placed, crop.size, flip, plan.ignore_index)
     elif task == "multilabel":
         out["labels"] = read_labels(members, plan.classes)
@@ -283,8 +328,17 @@ def _geometry(
     return record
 
 
-def stored_targets(members: dict[str, bytes], classes: int | None, size: tuple[int, int]) -> dict[str, Any]:
+def stored_targets(
+    members: dict[str, bytes],
+    classes: int | None,
+    size: tuple[int, int],
+    task: str = "segmentation",
+    ignore_index: int = DEFAULT_IGNORE_INDEX,
+) -> dict[str, Any]:
     """What a stored sample holds besides its image and class, as the shard has it (no crop): for a look at it.
+
+    `task` says what a mask's values are: class indices (segmentation), or
+    a detection dataset's box class + 1 (0 background).
 
     Raises:
         TargetError: a target member is damaged.
@@ -295,7 +349,8 @@ def stored_targets(members: dict[str, bytes], classes: int | None, size: tuple[i
         if crowd is not None:
             found["iscrowd"] = crowd
     if MASK_MEMBER in members:
-        found["mask"] = decode_mask(members[MASK_MEMBER], size)
+        bound = classes + 1 if classes is not None and task == "detection" else classes
+        found["mask"] = decode_mask(members[MASK_MEMBER], size, MASK_MEMBER, bound, ignore_index)
     if LABELS_MEMBER in members:
         found["labels"] = read_labels(members, classes)
     if TEXT_MEMBER in members:
@@ -328,48 +383,16 @@ def field_value(name: str, data: bytes | None) -> Any:
     if name == TEXT_MEMBER or name.endswith(".txt"):
         return read_caption({name: data}, name)
     if name == "json" or name.endswith(".json"):
-        try:
-            return json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise TargetError(f"{name} is not JSON ({exc})") from exc
+        return read_json(data, name)  # bounded in size and depth, or TargetError
     if name.endswith("npy"):
         return read_npy(data, name)  # a plain numeric array, or TargetError
     if name == "cls" or name.endswith(".cls"):
         text = data.strip()
-        return int(text) if text.isdigit() else text.decode("utf-8", "replace")
+        return int(text) if len(text) <= MAX_CLS_DIGITS and text.isdigit() else text.decode("utf-8", "replace")
     return data
 
 
-
-def run_sample_transform(
-    plan: TaskPlan, pixels: np.ndarray, key: str, targets: dict[str, Any]
-) -> None:
-    """The user's sample_transform on one decoded sample, written back in place (pixels) and into `targets`.
-
-    The callable gets {"image": uint8 (H, W, 3) array, "key": str, and the
-    sample's targets ("boxes", "box_labels", "mask", "labels", "caption")} and
-    returns a dict: its "image" (same shape, uint8) replaces the pixels, its
-    other entries the targets.
-
-    Raises:
-        TargetError: it returned something else (the message says what).
-    """
-    assert plan.sample_transform is not None
-    image = np.ascontiguousarray(pixels.transpose(1, 2, 0))
-    sample = {"image": image, "key": key, **{k: v for k, v in targets.items() if k not in ("fields", "boxes_dropped")}}
-    result = plan.sample_transform(sample)
-    if not isinstance(result, dict) or "image" not in result:
-        raise TargetError(f"sample_transform must return a dict with 'image', not {type(result).__name__}")
-    new = np.asarray(result["image"])
-    if new.shape != image.shape or new.dtype != np.uint8:
-        raise TargetError(
-            f"sample_transform must return an image of the same shape and dtype ({image.shape} uint8), "
-            f"not {new.shape} {new.dtype}"
-        )
-    pixels[...] = new.transpose(2, 0, 1)
-    for name in ("boxes", "box_labels", "iscrowd", "mask", "masks", "polygons", "labels", "caption"):
-        if name in result and name in targets:
-            targets[name] = result[name]
+MAX_CLS_DIGITS = 19  # an int64: a longer run of digits is given as the text it is
 
 
 # -- a batch -------------------------------------------------------------------

@@ -59,6 +59,7 @@ class HostBatch:
     extras: list[Extras] | None = None  # a task's kept members per position (its targets' bytes)
     targets: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # a task's targets by position
     flips: list[bool] | None = None  # a task's flip per position (what its targets follow)
+    shards: list[str] | None = None  # the shard each position's sample was read from
 
     def donors(self, failures: list[tuple[int, str]]) -> Iterator[Donor]:
         """The batch's samples that decoded, as stand-ins for a batch behind it with none of its own."""
@@ -165,7 +166,7 @@ class DecodePool:
             pending.append(self._executor.submit(decode, ring, slot, start, items[start:stop], crop, finish))
         labels = np.array([r.label for r in chunk], dtype=np.int64)
         batch = HostBatch(epoch, index, slot, len(chunk), labels, pending, keys, items, finished, finish)
-        batch.extras, batch.flips = extras, flips
+        batch.extras, batch.flips, batch.shards = extras, flips, [r.shard for r in chunk]
         return batch
 
     def _task_flips(self, epoch: int, index: int, count: int) -> list[bool]:
@@ -205,8 +206,9 @@ class DecodePool:
         """The error policy for samples of `batch` that did not decode: raise, or fill their positions."""
         if self.strict:
             position, reason = failures[0]
-            key = batch.keys[position]
-            raise Damage(f"sample {key}: {reason}", lost=1, sample=key, reason=reason).error()
+            key, shard = batch.keys[position], batch.shards[position] if batch.shards else ""
+            where = f" of {shard}" if shard else ""
+            raise Damage(f"sample {key}{where}: {reason}", lost=1, sample=key, reason=reason, source=shard).error()
         rng = np.random.default_rng([self._seed, batch.epoch, self._rank, batch.index, 0xD0])
         decode_at = self._with_targets(batch, decode_at)
         replaced = replace_failures(failures, batch.items, batch.labels, batch.keys, decode_at, rng, later, batch.extras)

@@ -323,10 +323,11 @@ def test_process_workers_give_what_threads_give(tmp_path: Path) -> None:
 
 
 def blank_and_keep_left(sample: dict) -> dict:
-    """A sample_transform: black pixels, only the boxes on the left half."""
+    """A sample_transform: black pixels, only the boxes on the left half (their labels and crowd flags with them)."""
     sample["image"] = np.zeros_like(sample["image"])
     left = sample["boxes"][:, 0] < CROP / 2
-    sample["boxes"], sample["box_labels"] = sample["boxes"][left], sample["box_labels"][left]
+    for name in ("boxes", "box_labels", "iscrowd"):
+        sample[name] = sample[name][left]
     return sample
 
 
