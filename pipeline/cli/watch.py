@@ -47,6 +47,8 @@ def _print_report(r: WatchReport) -> None:
             f"stall {loop.stall_fraction:.1%}, waited {loop.wait_s:.2f} s, steps {loop.step_s:.2f} s, "
             f"first batch {loop.first_s:.2f} s"
         )
+    if r.records_dropped:
+        echo(f"  {r.records_dropped} records from the command were not valid records and were dropped (the figures use the rest)")
     if r.per_core_busy:
         echo("  machine cores busy: " + " ".join(f"{busy:.0f} %" for busy in r.per_core_busy))
     verdict = r.verdict

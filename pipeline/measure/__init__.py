@@ -19,6 +19,7 @@
     watcher.py        run_watched(command) / watch(): run a training command (or a block) under watch
     watch_report.py   WatchReport and its parts: each loop's, GPU's and interval's figures, the Verdict
     watch_sampler.py  Sampler: the process tree, the recorder's files and the GPUs, every interval
+    watch_records.py  the recorder's files read as untrusted input: records checked, bad ones dropped and counted
     watch_verdict.py  judge(report): data-bound or compute-bound, what limits the data, the next step
     watch_hook/       the recorder watch puts in the watched processes (standard library only)
 

@@ -138,7 +138,9 @@ class WatchReport:
     filesystem the run had most files open on; None when none was measured there. `disk_device` is that
     filesystem's block device and `disk_iops` the reads per second it completed (mean of the intervals);
     `per_core_busy` the machine's cores, % busy on average. `read_mb_s` is the process
-    tree's storage reads (page-cache hits excluded) per second of the training loop.
+    tree's storage reads (page-cache hits excluded) per second of the training loop. `records_dropped`
+    counts the lines of the recorder's files that were not records (malformed, of another shape, out
+    of range): the figures come from the valid ones.
     """
 
     command: list[str]
@@ -157,6 +159,7 @@ class WatchReport:
     disk_device: str = ""
     disk_iops: float | None = None
     per_core_busy: list[float] = dataclasses.field(default_factory=list)
+    records_dropped: int = 0
 
     @property
     def stall_fraction(self) -> float:

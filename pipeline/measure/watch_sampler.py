@@ -2,16 +2,15 @@
 
 Each interval `Sampler.sample()` reads the process tree's CPU (time on a core, and time waiting for
 one, from /proc/PID/schedstat), its storage reads (/proc/PID/io), the machine's cores, the totals the
-recorder in `watch_hook/` wrote for each watched process and, where nvidia-ml-py and a GPU are
-present, each GPU's utilisation and memory. `Sampler.report()` adds them up into the WatchReport
-and has `watch_verdict.judge` reason its verdict.
+recorder in `watch_hook/` wrote for each watched process (checked as untrusted input: `watch_records`)
+and, where nvidia-ml-py and a GPU are present, each GPU's utilisation and memory. `Sampler.report()`
+adds them up into the WatchReport and has `watch_verdict.judge` reason its verdict.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -19,45 +18,9 @@ from typing import Any
 
 import psutil
 
+from .watch_records import RecorderFiles
 from .watch_report import GpuFigures, LoopFigures, Verdict, WatchReport, WatchSample
 from .watch_verdict import judge
-
-
-class _RecorderFiles:
-    """The last totals each watched process wrote (one JSON line per flush, one file per process)."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.offsets: dict[str, int] = {}
-        self.last: dict[int, dict[str, Any]] = {}
-
-    def read(self) -> dict[int, dict[str, Any]]:
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
-            return self.last
-        for name in names:
-            if not name.endswith(".jsonl"):
-                continue
-            path = os.path.join(self.directory, name)
-            try:
-                with open(path, "rb") as file:
-                    file.seek(self.offsets.get(name, 0))
-                    chunk = file.read()
-            except OSError:
-                continue
-            complete = chunk.rfind(b"\n") + 1
-            if not complete:
-                continue
-            self.offsets[name] = self.offsets.get(name, 0) + complete
-            for line in reversed(chunk[:complete].splitlines()):
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                self.last[int(record["pid"])] = record
-                break
-        return self.last
 
 
 @dataclasses.dataclass
@@ -214,7 +177,7 @@ class Sampler:
     def __init__(self, root: int, directory: str, command: Sequence[str], disk_ceiling_mb_s: float | None = None) -> None:
         """Start sampling the tree under `root`; `disk_ceiling_mb_s` None: a cached `bench disk` of its files' disk."""
         self.tree = _ProcessTree(root)
-        self.records = _RecorderFiles(directory)
+        self.records = RecorderFiles(directory)
         self.gpus = _NvmlGpus()
         self.command = list(command)
         self.disk_ceiling_mb_s = disk_ceiling_mb_s
@@ -308,6 +271,7 @@ class Sampler:
             disk_measured=disk,
             samples=self.samples,
             verdict=Verdict("unknown", None, [], "", None, []),
+            records_dropped=self.records.dropped,
         )
         iops = [sample.device_iops for sample in self.samples if sample.device_iops is not None]
         report.disk_device = next((sample.device for sample in reversed(self.samples) if sample.device), "")
