@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pipeline.errors import GpufeedError, JobConflictError
-from pipeline.io.fs import redact_url, redact_urls
+from pipeline.redact import redact_url, redact_urls, redact_value
 
 from .settings import ServiceSettings
 
@@ -531,11 +531,11 @@ class JobStore:
 def _field(value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, sort_keys=True)
+    if isinstance(value, (dict, list)):  # a result, warnings, a spec: no credential reaches a record
+        return json.dumps(redact_value(value), sort_keys=True)
     if isinstance(value, float):
         return repr(value)
-    return str(value)
+    return redact_urls(str(value))
 
 
 def worker_name() -> str:

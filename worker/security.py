@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline.errors import ConfigError
 from pipeline.io.fs import local_path, redact_url, url_secrets
+from pipeline.redact import find_credentials
 
 from .settings import ServiceSettings
 
@@ -103,28 +104,55 @@ def _check_bool(payload: dict[str, Any], name: str) -> bool:
     return value
 
 
+_NO_CREDENTIALS = (
+    "a job never records a credential: give it without, and the credentials to the workers through their "
+    "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws)"
+)
+
+
+def check_no_credentials(value: Any, where: str = "", extra: Callable[[str], str | None] | None = None) -> None:
+    """Refuse a job's value that holds a credential anywhere in it (see `pipeline.redact.find_credentials`).
+
+    Args:
+        value: the job's payload, or a part of it.
+        where: the path of `value` in the job (``storage_options``); "" for the payload itself.
+        extra: a further check of each string (what credential it holds, or None).
+
+    Raises:
+        ConfigError: naming each field that holds one (never its value), or a value nested too deep.
+    """
+    try:
+        found = sorted(find_credentials(value, where, extra))
+    except ValueError as exc:  # nested past any job's shape
+        raise ConfigError(f"the job spec: {exc}") from None
+    if found:
+        shown = "; ".join(f"{path} holds {what}" for path, what in found[:5])
+        more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+        raise ConfigError(f"{shown}{more}: {_NO_CREDENTIALS}")
+
+
+def _url_credential(text: str) -> str | None:
+    found = url_secrets(text)  # a store setting's URL (endpoint_url) carries neither, not even a query string
+    return " and ".join(found) + " (may be a credential)" if found else None
+
+
 def check_storage_options(options: Any) -> dict[str, Any]:
     """A job's store settings, refused when one is a credential: a job record never holds a secret.
 
     Non-secret fsspec options (``endpoint_url``, ``anon``, ``profile``, ``region_name`` …)
     travel with the job; credentials come from each worker's own environment
-    (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws``).
+    (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws``). At any
+    depth (``client_kwargs``, ``headers``), a setting named like a credential (``key``,
+    ``secret_key``, ``Authorization``, ``sas_token`` …) or a value of a credential's format
+    (an AWS key id, an Azure connection string, a bearer token, a private key, a URL with
+    ``NAME:PASSWORD@`` or a query string …) is refused.
 
     Raises:
-        ConfigError: not a JSON object, or an option holds a credential (named, its value never shown).
+        ConfigError: not a JSON object, or an option holds a credential (its path named, its value never shown).
     """
-    from pipeline.io.fs import is_secret_option
-
     if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
         raise ConfigError("a job's storage options must be a JSON object of KEY: VALUE")
-    secret = sorted(key for key, value in options.items() if is_secret_option(key, value))
-    if secret:
-        raise ConfigError(
-            f"storage option(s) {', '.join(secret)} hold credentials (a key, secret, token or password, or a URL with "
-            "NAME:PASSWORD@ or a query string), which a job never records: give the endpoint without them and the "
-            "credentials to the workers through their environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-            "AWS_PROFILE or ~/.aws)"
-        )
+    check_no_credentials(options, "storage_options", _url_credential)
     return dict(options)
 
 
@@ -138,6 +166,7 @@ def validate_job(kind: str, payload: Any, settings: ServiceSettings) -> dict[str
         raise ConfigError(f"unknown job kind {kind!r} (expected one of {', '.join(JOB_KINDS)})")
     if not isinstance(payload, dict):
         raise ConfigError("a job spec must be a JSON object")
+    check_no_credentials(payload)
     check_payload_size(payload, settings)
     roots = settings.allowed_roots
     if kind == "prepare":
@@ -246,6 +275,26 @@ def listed_source_check(source: str, roots: Iterable[str]) -> Callable[[str], No
             if url_secrets(url):
                 raise ConfigError(f"SRC {redact_url(source)} lists a file the service may not read: {exc}") from exc
             raise ConfigError(f"SRC {redact_url(source)} lists {redact_url(url)!r}, which is outside GPUFEED_ALLOWED_ROOTS") from exc
+
+    return check
+
+
+def opened_source_check(roots: Iterable[str]) -> Callable[[str], None]:
+    """How a shard task keeps what it opens inside the roots: the check of one file it would read.
+
+    The plan checked SRC's files, but a shard task reads the plan's listing from OUT, which may
+    have changed since (lines added or edited, a link put where a file was); so the task checks
+    every file (and mask) again as it takes it from the listing, links resolved
+    (`pipeline.prepare.options.CheckedListing`). A refused file is rejected with this message,
+    and never opened.
+
+    Raises:
+        ConfigError: GPUFEED_ALLOWED_ROOTS is not set (the returned check raises it for a file outside them).
+    """
+    roots = require_roots(roots)
+
+    def check(url: str) -> None:
+        check_path(url, roots, "a listed source file")
 
     return check
 

@@ -2,7 +2,8 @@
 
 Each task takes small JSON arguments (a job id, a spec dict, a shard index),
 registers itself in the job record with a heartbeat (`UnitRun`), re-checks
-the job's paths against this worker's GPUFEED_ALLOWED_ROOTS, calls
+the job's paths against this worker's GPUFEED_ALLOWED_ROOTS (a shard task
+each file it reads, too), calls
 `pipeline`, and records the outcome. Errors become the job's `error`, except
 a retryable one (a StorageError: full disk, network store away), which sends
 the task again after a pause, up to GPUFEED_MAX_ATTEMPTS runs in all; a
@@ -219,8 +220,9 @@ def write_prepare_shard_task(self: Any, job_id: str, spec_dict: dict[str, Any], 
             return {"job": job_id, "shard": shard, "skipped": "done"}
         _check_attempts(job_id, unit)
         mark_copies(spec, job_id)  # the listing this machine downloads goes once the job is over
+        check_source = security.opened_source_check(get_settings().allowed_roots)  # the listing in OUT is not trusted
         with _job_storage(store().require(job_id), spec):
-            written = write_prepare_shard(spec, shard, progress=run.progress)
+            written = write_prepare_shard(spec, shard, progress=run.progress, check_source=check_source)
         run.check()
         processed = 0 if written.skipped else written.samples + written.rejected
         _, done, total = store().record_shard(job_id, shard, written.samples, written.rejected, processed, run.entry["worker"])

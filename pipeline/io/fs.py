@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, SourceError, StorageError
-from ..redact import redact_url, redact_urls
+from ..redact import find_credentials, redact_url, redact_urls
 from .transports import transport_for
 
 
@@ -155,28 +156,19 @@ def _drop_expect_for_small_bodies(request: Any, **_: Any) -> None:
 
 # Option names that carry credentials (s3fs `key`/`secret`/`token`, gcsfs `token`, adlfs `account_key` …):
 # kept in this process only, never recorded in a job or shown.
-_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "private", "signature", "sas")
-
-
 def is_secret_option(name: str, value: Any = None) -> bool:
-    """Whether a storage option holds a credential (its name says so, or a nested dict holds one).
+    """Whether a storage option holds a credential (its name says so, or a value at any depth in it does).
 
     Args:
         name: the option's name, e.g. ``endpoint_url`` (not secret) or ``secret`` (secret).
-        value: its value; a dict (``client_kwargs``) is secret when any of its keys is, a URL
-            (``endpoint_url``) when it holds user information or a query string.
+        value: its value; a dict (``client_kwargs``, ``headers``) is secret when any of its keys
+            or values is, a URL (``endpoint_url``) when it holds user information or a query string.
 
     Returns:
-        True for ``key``, ``secret``, ``token``, ``*_key``, ``password`` and the like.
+        True for ``key``, ``secret``, ``token``, ``*_key``, ``password``, ``Authorization`` and the
+        like, and for values of a credential's format (`pipeline.redact.find_credentials`).
     """
-    lowered = name.lower()
-    if lowered == "key" or lowered.endswith("_key") or any(word in lowered for word in _SECRET_WORDS):
-        return True
-    if isinstance(value, str) and url_secrets(value):  # endpoint_url=http://KEY:SECRET@host/
-        return True
-    if isinstance(value, Mapping):
-        return any(is_secret_option(str(inner), item) for inner, item in value.items())
-    return False
+    return any(find_credentials({name: value}, "", lambda text: " and ".join(url_secrets(text)) or None))
 
 
 def _protocols(urls: Iterable[str]) -> list[str]:
@@ -287,8 +279,41 @@ def abort_uploads(fs: Any, path: str, *, under: bool = False) -> int:
         markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
 
 
+_SPECIAL_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"))
+
+
+def open_regular(path: str) -> Any:
+    """A local file opened for reading in binary, where it is a regular file (symlinks followed).
+
+    A FIFO, socket or device is never opened to be read: a FIFO would wait
+    for a writer for ever and a device may never end. It is refused before
+    the open, and checked again on the open descriptor (opened without
+    blocking), so a file swapped for a FIFO between the two is refused too.
+
+    Raises:
+        OSError: the file cannot be opened, or is not a regular file (its
+            `strerror` says what it is instead).
+    """
+    _require_regular(os.stat(path).st_mode, path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _require_regular(os.fstat(fd).st_mode, path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _require_regular(mode: int, path: str) -> None:
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _SPECIAL_KINDS if test(mode)), "a special file")
+        raise OSError(0, f"{kind}, not a regular file", path)
+
+
 def read_source_bytes(url: str, max_bytes: int) -> bytes:
-    """Read one input file whole; OSError for anything unreadable or too large.
+    """Read one input file whole; OSError for anything unreadable, too large or not a regular file.
 
     A remote file is one request: a GET of its first ``max_bytes + 1`` bytes
     (a Range the store clips to the object), so a file over the limit is known
@@ -301,7 +326,7 @@ def read_source_bytes(url: str, max_bytes: int) -> bytes:
     """
     local = local_path(url)
     if local is not None:
-        with open(local, "rb") as handle:
+        with open_regular(local) as handle:
             size = os.fstat(handle.fileno()).st_size
             if size > max_bytes:
                 raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")

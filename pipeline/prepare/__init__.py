@@ -18,8 +18,10 @@
     sample_targets.py  a sample's boxes, mask, labels, caption checked and moved with its pixels' geometry
     coco_masks.py  COCO's polygons and RLE painted into a segmentation mask
     sources.py     list the images of a folder, a CSV/JSONL list or an fsspec URL, streaming
+    formats_list.py  a CSV/JSONL list's rows -> listed samples (path, label(s), caption, columns), rows bounded
     formats.py     which layout a folder has (YOLO, VOC, segmentation); segmentation folders
-    formats_detection.py  COCO JSON, YOLO labels and Pascal VOC XML -> listed samples with boxes
+    formats_detection.py  COCO JSON and YOLO labels -> listed samples with boxes
+    formats_voc.py Pascal VOC XML -> listed samples with boxes (no DOCTYPE, no entities)
     formats_tar.py WebDataset shards (img2dataset's) as a source: samples by key, images by byte range
     yolo_splits.py YOLO as ultralytics reads it: data.yaml's splits, split folders, image lists (never merged)
     formats_common.py  SourceItem, ListingInfo and the checks every format reader shares

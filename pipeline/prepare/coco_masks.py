@@ -38,13 +38,13 @@ rejects the sample.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..targets import TargetError
+from .formats_common import finite_number
 
 MAX_POLYGON_POINTS = 1 << 16
 """Points one polygon may have (COCO's largest have a few hundred)."""
@@ -96,7 +96,7 @@ def _polygons(entry: list[Any], number: int) -> list[np.ndarray]:
             raise TargetError(
                 f"bad annotation: segmentation {number}: a polygon of {len(polygon) // 2} points, over {MAX_POLYGON_POINTS}"
             )
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in polygon):
+        if not all(finite_number(v) for v in polygon):  # an integer of 400 digits is no float
             raise TargetError(f"bad annotation: segmentation {number}: a polygon coordinate is not a finite number")
         points = np.asarray(polygon, np.float64).reshape(-1, 2)
         if len(points) and np.abs(points).max() > _MAX_COORDINATE:
@@ -116,8 +116,12 @@ def _rle_entry(entry: dict[str, Any], number: int) -> dict[str, Any]:
         return {"counts": counts, "size": (size[0], size[1])}
     if not isinstance(counts, list) or len(counts) > MAX_RLE_COUNTS:
         raise TargetError(f"bad annotation: segmentation {number}: an RLE's counts must be a list of run lengths or a string")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
-        raise TargetError(f"bad annotation: segmentation {number}: an RLE count is not a non-negative whole number")
+    pixels = size[0] * size[1]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= pixels for v in counts):
+        raise TargetError(
+            f"bad annotation: segmentation {number}: an RLE count is not a non-negative whole number up to the {pixels} "
+            "pixels of its size"
+        )
     return {"counts": counts, "size": (size[0], size[1])}
 
 
@@ -167,10 +171,13 @@ def decode_rle(counts: list[int] | str, size: tuple[int, int]) -> np.ndarray:
     height, width = size
     runs = rle_string_counts(counts) if isinstance(counts, str) else counts
     total = height * width
-    lengths = np.asarray(runs, np.int64)
-    covered = int(lengths.sum()) if len(lengths) else 0
+    # Summed as Python ints, before numpy sees a count: int64 sums wrap (two counts of 2**63 - 1 and a
+    # few more "cover" a small image), and np.repeat would then write far past what it allocated
+    # (numpy refuses a negative count itself).
+    covered = sum(runs)
     if covered != total:
         raise ValueError(f"its counts cover {covered} pixels, not the {height}x{width} = {total} of its size")
+    lengths = np.asarray(runs, np.int64)
     values = (np.arange(len(lengths)) % 2).astype(np.bool_)  # zeros, ones, zeros, ...
     flat = np.repeat(values, lengths)
     return np.ascontiguousarray(flat.reshape(width, height).T)

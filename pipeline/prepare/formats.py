@@ -3,7 +3,7 @@
 A local folder is read as the first of these its top level matches, else as
 an ImageFolder (class sub-folders) or a flat folder, as always:
 
-- `Annotations/` and `JPEGImages/`: Pascal VOC detection (formats_detection);
+- `Annotations/` and `JPEGImages/`: Pascal VOC detection (formats_voc);
 - `JPEGImages/` and `SegmentationClass/`: VOC segmentation;
 - `images/` and `labels/` holding .txt files (or a data.yaml): YOLO;
 - `images/` and `masks/` (or `annotations/` or `labels/` holding mask
@@ -32,9 +32,10 @@ from collections.abc import Callable, Iterator
 
 from ..errors import ConfigError, SourceError
 from ..targets import DEFAULT_IGNORE_INDEX
-from .formats_common import ListingInfo, SourceItem, inside, is_image_name, read_small
-from .formats_detection import YOLO_YAML_NAMES, list_voc, list_yolo
+from .formats_common import ListingInfo, SourceItem, inside, is_image_name, present, read_small
+from .formats_detection import YOLO_YAML_NAMES, list_yolo
 from .formats_tar import list_shards
+from .formats_voc import list_voc
 
 Walk = Callable[[str, ListingInfo], Iterator[SourceItem]]
 """`walk(rel_folder, info)`: the image items under a folder of the source, in the listing's order."""
@@ -103,7 +104,7 @@ def _holds(root: str, folder: str, extensions: tuple[str, ...]) -> bool:
 def segmentation_classes(root: str) -> list[str]:
     """The class names of a segmentation folder: classes.txt, one a line (index = line), else []."""
     path = os.path.join(root, "classes.txt")
-    if not os.path.isfile(path):
+    if not present(path):
         return []
     data = read_small(path)
     if isinstance(data, str):

@@ -10,7 +10,11 @@ import dataclasses
 import json
 import math
 import os
+import re
+import reprlib
 from typing import Any
+
+from ..io.fs import open_regular
 
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .gif .bmp .dib .tif .tiff .webp .ppm .pgm .pbm .pnm "
@@ -97,16 +101,42 @@ def is_image_name(name: str) -> bool:
     return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
+def printable(name: str) -> str:
+    """A class folder name as valid Unicode: bytes that are not UTF-8 become U+FFFD.
+
+    Paths keep such bytes (surrogate-escaped, so the file can still be opened
+    and SourceItem.to_json escapes them); a label is a name shown to people
+    and written to the manifest as UTF-8, so it must be printable.
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return name
+
+
 # -- helpers every format reader shares -----------------------------------------
 
 ANNOTATION_MAX_BYTES = 16 << 20  # one sample's annotation file (YOLO .txt, VOC .xml): far above any real one
+MAX_JSON_DEPTH = 32
+"""How deep a value a source carries into a sample may nest (a column, a shape): far past any real one,
+and shallow enough for every later step (the listing's JSON, the pool's pickles, the sample's json)."""
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 3, 40, 40, 40
+_BRIEF.maxlist = _BRIEF.maxdict = _BRIEF.maxtuple = _BRIEF.maxset = 6
 
 
 def safe_relative(name: str) -> bool:
-    """Whether `name` is a relative path that stays inside its folder: not absolute, no `..`, no NUL, no drive."""
-    if not name or "\0" in name or name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+    """Whether `name` is a relative path that stays inside its folder: not absolute, no `..`, no NUL, no drive, no scheme."""
+    if not name or "\0" in name or name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":") or has_scheme(name):
         return False
     return ".." not in name.replace("\\", "/").split("/")
+
+
+def has_scheme(name: str) -> bool:
+    """Whether a name is a URL rather than a path: it starts with a scheme (`http:`, `s3:`, `data:`) or holds `://`."""
+    return "://" in name or _SCHEME.match(name) is not None
 
 
 def inside(root_real: str, path: str) -> bool:
@@ -116,10 +146,10 @@ def inside(root_real: str, path: str) -> bool:
 
 
 def read_small(path: str, bound: int = ANNOTATION_MAX_BYTES) -> bytes | str:
-    """A local file's bytes, or why not (the reason a rejected item records): missing, unreadable, over `bound`."""
+    """A local file's bytes, or why not (the reason a rejected item records): missing, unreadable, over `bound`,
+    not a regular file (a FIFO, a device: never opened to be read)."""
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(bound + 1)
+        data = read_regular(path, bound)
     except OSError as exc:
         return f"cannot read {os.path.basename(path)}: {exc.strerror or exc}"
     if len(data) > bound:
@@ -127,6 +157,65 @@ def read_small(path: str, bound: int = ANNOTATION_MAX_BYTES) -> bytes | str:
     return data
 
 
+def present(path: str) -> bool:
+    """Whether a file of any kind but a folder is at `path` (a FIFO too: refused when read, not passed over)."""
+    return os.path.lexists(path) and not os.path.isdir(path)
+
+
+def read_regular(path: str, bound: int) -> bytes:
+    """A local regular file's bytes, at most `bound` + 1 of them (more than `bound`: the file is over it).
+
+    Read by the size the file states, not `bound`: a read of n bytes takes n bytes of memory at once.
+
+    Raises:
+        OSError: the file cannot be read, or is not a regular file (`open_regular`).
+    """
+    with open_regular(path) as handle:
+        size = min(os.fstat(handle.fileno()).st_size, bound)
+        data: bytes = handle.read(size + 1)
+        if len(data) > size and size < bound:  # it grew since: the rest, up to the bound
+            data += handle.read(bound - size)
+    return data
+
+
 def finite_number(value: Any) -> bool:
-    """A JSON number (not a bool) that is finite."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A JSON number (not a bool) that is finite as a float (an integer of 400 digits is not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past the float range
+        return False
+
+
+def whole_number(text: str, digits: int = 9) -> int | None:
+    """`text` as an int where it is a non-negative whole number of at most `digits` ASCII digits, else None.
+
+    Not `str.isdigit` + `int`: `"²"` is a digit to the one and not to the other, and a number of
+    thousands of digits is past Python's int-string limit.
+    """
+    if not text or len(text) > digits or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
+def nested_deeper(value: Any, depth: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a JSON value nests lists and objects over `depth` levels deep (looked at without recursion)."""
+    pending = [(value, 1)]
+    while pending:
+        current, level = pending.pop()
+        children = current.values() if isinstance(current, dict) else current if isinstance(current, list) else None
+        if children is None:
+            continue
+        if level > depth:
+            return True
+        pending.extend((child, level + 1) for child in children if isinstance(child, (list, dict)))
+    return False
+
+
+def brief(value: Any) -> str:
+    """A value as a message shows it: a short repr, whatever its size or depth (nested parts elided)."""
+    try:
+        return _BRIEF.repr(value)
+    except (ValueError, RecursionError):  # an int past Python's digit limit; nothing else reprlib cannot bound
+        return f"<a {type(value).__name__}>"

@@ -1,4 +1,4 @@
-"""Detection sources: a COCO instances JSON, a YOLO folder, a Pascal VOC folder.
+"""Detection sources: a COCO instances JSON, a YOLO folder (Pascal VOC: formats_voc.py).
 
 Each yields one `SourceItem` per image with targets {"boxes", "box_labels",
 ...} (see `SourceItem`), boxes in pixels of the image as stored, XYXY:
@@ -13,8 +13,13 @@ Each yields one `SourceItem` per image with targets {"boxes", "box_labels",
   annotations is listed with no boxes. A bad annotation (a bbox that is not
   four finite numbers, a negative width or height, a box outside the image,
   an unknown category) rejects its image with the reason: the image's other
-  boxes would be a lie about what it shows. An annotation of an image id the
-  JSON does not list is dropped and counted in `ListingInfo.ignored`.
+  boxes would be a lie about what it shows; so does a number past the float
+  range (an integer of 400 digits), a shape nested over `MAX_JSON_DEPTH`
+  levels, and a `file_name` that is a URL (`http:`, `s3:`, `data:`) or leads
+  out of the image folder (`..`, an absolute path). An annotation of an image
+  id the JSON does not list is dropped and counted in `ListingInfo.ignored`.
+  The JSON is read whole, so its size is bounded (`coco_max_bytes`), and a
+  file that does not fit in memory is a `ConfigError` naming it.
 - YOLO: `labels/<split>/<stem>.txt` beside `images/<split>/<stem>.jpg`, one
   `class cx cy w h` line per box, normalised: boxes are listed normalised
   XYXY ("normalized": true), the image's size being unknown here. A polygon
@@ -23,12 +28,15 @@ Each yields one `SourceItem` per image with targets {"boxes", "box_labels",
   into the sample's mask as COCO's shapes are. The
   names come from data.yaml (`names:` a list or {id: name}) or classes.txt;
   without either, a box's label is its class id as text. An image without a
-  label file has no boxes; a malformed line rejects the image (line number).
-- Pascal VOC: `Annotations/<stem>.xml` for `JPEGImages/<stem>.jpg`. VOC's
-  pixel coordinates are 1-based and inclusive, so a box is [xmin - 1,
-  ymin - 1, xmax, ymax] (the edges of the pixels it covers, as torchvision's
-  XYXY has them). `difficult` flags go in columns["difficult"]. XML with a
-  DOCTYPE or an entity is refused (no entity expansion, no external files).
+  label file has no boxes; a malformed line (a class that is not an ASCII
+  whole number below `MAX_CLASSES`, a coordinate outside 0..1) rejects the
+  image (line number).
+
+Every file is opened only where it is a regular file (`read_regular`): a
+FIFO, socket or device label file rejects its image, a data.yaml or
+classes.txt that is one is a `SourceError` naming it.
+
+Pascal VOC's XML is read in formats_voc.py.
 """
 
 from __future__ import annotations
@@ -43,18 +51,25 @@ from ..errors import ConfigError, SourceError
 from ..io.fs import byte_bound, local_path, open_fs, store_errors
 from ..targets import DEFAULT_IGNORE_INDEX, MAX_BOXES
 from .formats_common import (
-    ANNOTATION_MAX_BYTES,
+    MAX_JSON_DEPTH,
     ListingInfo,
     SourceItem,
+    brief,
     finite_number,
+    has_scheme,
     inside,
-    is_image_name,
+    nested_deeper,
+    present,
+    read_regular,
     read_small,
     safe_relative,
+    whole_number,
 )
 
-COCO_MAX_BYTES = 2 << 30
-"""The default bound on a COCO JSON read whole (COCO's own train2017 instances file is 448 MB)."""
+COCO_MAX_BYTES = 512 << 20
+"""The default bound on a COCO JSON read whole: COCO's own train2017 instances file is 448 MB; parsed, a
+file takes several times its size in memory, so a larger one (LVIS's 1.1 GB) needs the bound raised
+($GPUFEED_MAX_JSON_BYTES) on a machine with the memory for it."""
 COCO_MAX_ENV = "GPUFEED_MAX_JSON_BYTES"
 BOX_SLACK = 1.0  # pixels a box may pass the image's edge by (rounding in the tools that wrote it)
 
@@ -75,10 +90,11 @@ def read_json_source(source: str) -> dict[str, Any] | None:
     """A `.json` SRC read whole: the COCO object, or None where it is a JSON-lines list (one object a line).
 
     Raises:
-        SourceError: the file cannot be read.
-        ConfigError: it is over `coco_max_bytes()`, not JSON, or JSON that is
-            neither COCO (an object with "images", "annotations" and
-            "categories") nor a list of rows.
+        SourceError: the file cannot be read, or is not a regular file (a FIFO, a device).
+        ConfigError: it is over `coco_max_bytes()`, does not fit in memory,
+            is not JSON (nested too deep, a number past Python's digit limit,
+            not UTF-8), or JSON that is neither COCO (an object with "images",
+            "annotations" and "categories") nor a list of rows.
     """
     bound = coco_max_bytes()
     data = _read_bounded(source, bound)
@@ -88,8 +104,11 @@ def read_json_source(source: str) -> dict[str, Any] | None:
         if exc.msg == "Extra data":  # one object a line: a JSONL list named .json
             return None
         raise ConfigError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-    except (RecursionError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{source} is not valid JSON ({type(exc).__name__})") from exc
+    except (RecursionError, UnicodeDecodeError, ValueError) as exc:  # ValueError: an integer of over 4300 digits
+        raise ConfigError(f"{source} is not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from exc
+    except MemoryError:
+        del data
+        raise _out_of_memory(source) from None
     if isinstance(value, dict) and "path" in value and "images" not in value:
         return None  # a one-row list
     if not isinstance(value, dict) or not all(isinstance(value.get(k), list) for k in ("images", "annotations", "categories")):
@@ -102,22 +121,33 @@ def read_json_source(source: str) -> dict[str, Any] | None:
 
 def _read_bounded(source: str, bound: int) -> bytes:
     local = local_path(source)
+    data: bytes
     try:
         if local is not None:
-            if os.path.getsize(local) > bound:
-                raise ConfigError(f"{source} is {os.path.getsize(local)} bytes, over the bound of {bound} (set {COCO_MAX_ENV})")
-            with open(local, "rb") as handle:
-                return handle.read()
-        fs, path = open_fs(source)
-        with fs.open(path, "rb") as handle:
-            data: bytes = handle.read(bound + 1)
+            size = os.stat(local).st_size
+            if size > bound:
+                raise ConfigError(f"{source} is {size} bytes, over the bound of {bound} on a JSON file read whole (set {COCO_MAX_ENV})")
+            data = read_regular(local, bound)
+        else:
+            fs, path = open_fs(source)
+            with fs.open(path, "rb") as handle:
+                data = handle.read(bound + 1)
     except OSError as exc:
         raise SourceError(f"cannot read {source}: {exc.strerror or exc}") from exc
+    except MemoryError:
+        raise _out_of_memory(source) from None
     except store_errors() as exc:
         raise SourceError(f"cannot read {source}: {exc}") from exc
     if len(data) > bound:
         raise ConfigError(f"{source} is over the bound of {bound} bytes (set {COCO_MAX_ENV})")
     return data
+
+
+def _out_of_memory(source: str) -> ConfigError:
+    return ConfigError(
+        f"{source} does not fit in this process's memory to be read whole: give the job more memory, or split "
+        f"the annotations into smaller files ({COCO_MAX_ENV} bounds the size of a JSON file read whole)"
+    )
 
 
 def list_coco(source: str, coco: dict[str, Any], info: ListingInfo) -> Iterator[SourceItem]:
@@ -158,7 +188,7 @@ def _coco_categories(source: str, categories: list[Any]) -> dict[int, str]:
     for category in categories:
         if not (isinstance(category, dict) and _hashable(category.get("id")) and isinstance(category.get("id"), int)
                 and isinstance(category.get("name"), str) and category["name"]):
-            raise ConfigError(f"{source}: every category needs an integer 'id' and a non-empty 'name', not {str(category)[:80]}")
+            raise ConfigError(f"{source}: every category needs an integer 'id' and a non-empty 'name', not {brief(category)}")
         if category["id"] in names:
             raise ConfigError(f"{source}: category id {category['id']} appears twice")
         names[category["id"]] = category["name"]
@@ -207,13 +237,15 @@ def _coco_item(
     shaped: bool = False,
 ) -> SourceItem:
     name = image.get("file_name") if isinstance(image, dict) else None
+    if isinstance(name, str) and has_scheme(name):
+        return SourceItem(name, name, None, f"COCO image {number}: file_name {brief(name)} is a URL, not a path inside the dataset folder")
     if not isinstance(name, str) or not safe_relative(name):
         shown = name if isinstance(name, str) and name else f"images[{number}]"
-        return SourceItem(shown, shown, None, f"COCO image {number}: file_name {name!r} is not a path inside the dataset folder")
+        return SourceItem(shown, shown, None, f"COCO image {number}: file_name {brief(name)} is not a path inside the dataset folder")
     url = f"{base}/{name}"
     image_id = image.get("id")
     if not _hashable(image_id):
-        return SourceItem(url, name, None, f"COCO image {name}: its id {image_id!r} is not an integer or a string")
+        return SourceItem(url, name, None, f"COCO image {name}: its id {brief(image_id)} is not an integer or a string")
     if image_id in seen:
         return SourceItem(url, name, None, f"COCO image id {image_id} appears twice in the JSON")
     seen.add(image_id)
@@ -225,7 +257,7 @@ def _coco_item(
     for at, annotation in annotations:
         box = _coco_box(annotation, names, size)
         if isinstance(box, str):
-            return SourceItem(url, name, None, f"annotation {annotation.get('id', at)}: {box}")
+            return SourceItem(url, name, None, f"annotation {brief(annotation.get('id', at))}: {box}")
         boxes.append(box)
         labels.append(names[annotation["category_id"]])
         crowd.append(int(annotation.get("iscrowd", 0) or 0))
@@ -256,21 +288,23 @@ def _coco_box(annotation: dict[str, Any], names: dict[int, str], size: tuple[Any
     """One annotation's XYXY box, or why it is refused."""
     bbox = annotation.get("bbox")
     if not isinstance(bbox, list) or len(bbox) != 4 or not all(finite_number(v) for v in bbox):
-        return f"bbox {str(bbox)[:60]} is not four finite numbers [x, y, w, h]"
+        return f"bbox {brief(bbox)} is not four finite numbers [x, y, w, h]"
     x, y, w, h = (float(v) for v in bbox)
     if w < 0 or h < 0 or x < -BOX_SLACK or y < -BOX_SLACK:
-        return f"bbox {bbox} has a negative width, height or corner"
+        return f"bbox {brief(bbox)} has a negative width, height or corner"
     width, height = size
     if finite_number(width) and finite_number(height) and (x + w > width + BOX_SLACK or y + h > height + BOX_SLACK):
-        return f"bbox {bbox} passes the edge of the {width}x{height} image"
+        return f"bbox {brief(bbox)} passes the edge of the {brief(width)}x{brief(height)} image"
     category = annotation.get("category_id")
     if not isinstance(category, int) or isinstance(category, bool) or category not in names:
-        return f"category_id {category!r} is not one of the categories"
+        return f"category_id {brief(category)} is not one of the categories"
     if annotation.get("iscrowd", 0) not in (0, 1, None, False, True):
-        return f"iscrowd {annotation.get('iscrowd')!r} is not 0 or 1"
+        return f"iscrowd {brief(annotation.get('iscrowd'))} is not 0 or 1"
     shape = annotation.get("segmentation")
     if shape is not None and not isinstance(shape, (list, dict)):
         return "segmentation is neither polygons (a list) nor RLE (an object)"
+    if nested_deeper(shape):
+        return f"segmentation nests over {MAX_JSON_DEPTH} levels deep (polygons are a list of lists of numbers)"
     return [x, y, x + w, y + h]
 
 
@@ -304,11 +338,11 @@ def yolo_names_of(root: str, yaml_path: str | None = None, document: dict[str, A
             form, or whose `nc` is not a count or disagrees with `names`.
     """
     if yaml_path is None:
-        yaml_path = next((p for p in (os.path.join(root, n) for n in YOLO_YAML_NAMES) if os.path.isfile(p)), None)
+        yaml_path = next((p for p in (os.path.join(root, n) for n in YOLO_YAML_NAMES) if present(p)), None)
     if yaml_path is not None:
         return _yaml_names(yaml_path, read_data_yaml(yaml_path) if document is None else document)
     for path in (os.path.join(root, "classes.txt"), os.path.join(root, "labels", "classes.txt")):
-        if os.path.isfile(path):
+        if present(path):
             return _lines_of(path)
     return None
 
@@ -317,20 +351,18 @@ def read_data_yaml(path: str) -> dict[str, Any]:
     """A data.yaml's top-level mapping ({} where it is none): PyYAML's, else the keys gpufeed reads, parsed by hand.
 
     Raises:
-        ConfigError: the file cannot be read, or is not YAML.
+        SourceError: the file cannot be read, or is not a regular file (a FIFO, a device).
+        ConfigError: it is over `YAML_MAX_BYTES`, or not YAML.
     """
-    data = read_small(path, YAML_MAX_BYTES)
-    if isinstance(data, str):
-        raise ConfigError(data)
-    text = data.decode("utf-8", "replace")
+    text = _read_text(path)
     try:
         import yaml  # type: ignore[import-untyped]
     except ImportError:
         return _data_yaml_by_hand(text)
     try:
         document = yaml.safe_load(text)
-    except (yaml.YAMLError, RecursionError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:  # ValueError: an integer of over 4300 digits
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise ConfigError(f"{path} is not valid YAML ({first})") from exc
     return document if isinstance(document, dict) else {}
 
@@ -340,7 +372,7 @@ def _yaml_names(path: str, document: dict[str, Any]) -> list[str] | None:
     if count is None:
         return names
     if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_CLASSES:
-        raise ConfigError(f"{path}: 'nc' must be the number of classes, a whole number 1 to {MAX_CLASSES}, not {count!r}")
+        raise ConfigError(f"{path}: 'nc' must be the number of classes, a whole number 1 to {MAX_CLASSES}, not {brief(count)}")
     if names is None:  # ultralytics names them by their ids
         return [str(i) for i in range(count)]
     if len(names) != count:
@@ -369,7 +401,8 @@ def _nc_by_hand(text: str) -> Any:
     if match is None:
         return None
     value = match.group(1).strip()
-    return int(value) if value.isdigit() and len(value) < 10 else value
+    number = whole_number(value)
+    return value if number is None else number
 
 
 def _data_yaml_by_hand(text: str) -> dict[str, Any]:
@@ -388,7 +421,8 @@ def _data_yaml_by_hand(text: str) -> dict[str, Any]:
         if inline.startswith("["):
             found[key] = [part.strip().strip("'\"") for part in inline.strip("[]").split(",") if part.strip()]
         elif inline:
-            found[key] = int(inline) if key == "nc" and inline.isdigit() and len(inline) < 10 else inline.strip("'\"")
+            number = whole_number(inline) if key == "nc" else None
+            found[key] = inline.strip("'\"") if number is None else number
         else:
             found[key] = _block_by_hand(lines[at + 1 :])
     return found
@@ -402,7 +436,7 @@ def _block_by_hand(lines: list[str]) -> list[str] | dict[int, str]:
         if entry and not entry[0].isspace():
             break
         entry = entry.split("#", 1)[0].strip()
-        pair = re.match(r"(\d+)\s*:\s*(.+)$", entry)
+        pair = re.match(r"([0-9]{1,9})\s*:\s*(.+)$", entry)
         if pair:
             pairs[int(pair.group(1))] = pair.group(2).strip().strip("'\"")
         elif entry.startswith("-"):
@@ -411,10 +445,23 @@ def _block_by_hand(lines: list[str]) -> list[str] | dict[int, str]:
 
 
 def _lines_of(path: str) -> list[str]:
-    data = read_small(path, YAML_MAX_BYTES)
-    if isinstance(data, str):
-        raise ConfigError(data)
-    return [line.strip() for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+    return [line.strip() for line in _read_text(path).splitlines() if line.strip()]
+
+
+def _read_text(path: str) -> str:
+    """A data.yaml or classes.txt as text (bytes that are not UTF-8 replaced).
+
+    Raises:
+        SourceError: it cannot be read, or is not a regular file.
+        ConfigError: it is over `YAML_MAX_BYTES`.
+    """
+    try:
+        data = read_regular(path, YAML_MAX_BYTES)
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if len(data) > YAML_MAX_BYTES:
+        raise ConfigError(f"{path} is over {YAML_MAX_BYTES} bytes, the bound on a data.yaml or classes.txt")
+    return data.decode("utf-8", "replace")
 
 
 def list_yolo(root: str, info: ListingInfo, walk: Callable[[str, ListingInfo], Iterator[SourceItem]]) -> Iterator[SourceItem]:
@@ -472,11 +519,12 @@ def yolo_item(
         fields = line.split()
         if not fields:
             continue
-        box = _yolo_box(fields, names)
-        if isinstance(box, str):
-            return SourceItem(item.url, item.rel, None, f"{where}:{line_no}: {box}")
+        parsed = _yolo_box(fields, names)
+        if isinstance(parsed, str):
+            return SourceItem(item.url, item.rel, None, f"{where}:{line_no}: {parsed}")
+        class_id, box = parsed
         boxes.append(box)
-        labels.append(names[int(fields[0])] if names is not None else str(int(fields[0])))
+        labels.append(names[class_id] if names is not None else str(class_id))
         shapes.append([[float(v) for v in fields[1:]]] if len(fields) > 5 else None)  # YOLO-seg: the polygon
         if len(boxes) > MAX_BOXES:
             return SourceItem(item.url, item.rel, None, f"{where}: over the {MAX_BOXES} boxes one image may have")
@@ -492,11 +540,12 @@ def _yolo_targets(boxes: list[list[float]], labels: list[str], shapes: list[Any]
     return found
 
 
-def _yolo_box(fields: list[str], names: list[str] | None) -> list[float] | str:
-    """A label line's normalised XYXY box, or why it is refused."""
-    if not fields[0].isdigit():
-        return f"class {fields[0][:20]!r} is not a class id (a non-negative integer)"
-    if names is not None and int(fields[0]) >= len(names):
+def _yolo_box(fields: list[str], names: list[str] | None) -> tuple[int, list[float]] | str:
+    """A label line's class id and normalised XYXY box, or why it is refused."""
+    class_id = whole_number(fields[0], len(str(MAX_CLASSES)))
+    if class_id is None or class_id >= MAX_CLASSES:
+        return f"class {fields[0][:20]!r} is not a class id (a whole number from 0 to {MAX_CLASSES - 1})"
+    if names is not None and class_id >= len(names):
         return f"box label {fields[0]!r} is not one of the {len(names)} classes in data.yaml"
     try:
         values = [float(v) for v in fields[1:]]
@@ -506,114 +555,8 @@ def _yolo_box(fields: list[str], names: list[str] | None) -> list[float] | str:
         return "coordinates must be normalised: finite numbers from 0 to 1"
     if len(values) == 4:
         cx, cy, w, h = values
-        return [max(0.0, cx - w / 2), max(0.0, cy - h / 2), min(1.0, cx + w / 2), min(1.0, cy + h / 2)]
+        return class_id, [max(0.0, cx - w / 2), max(0.0, cy - h / 2), min(1.0, cx + w / 2), min(1.0, cy + h / 2)]
     if len(values) >= 6 and len(values) % 2 == 0:  # a polygon (YOLO segmentation): its bounds
         xs, ys = values[0::2], values[1::2]
-        return [min(xs), min(ys), max(xs), max(ys)]
+        return class_id, [min(xs), min(ys), max(xs), max(ys)]
     return f"{len(fields)} fields: a line is 'class cx cy w h' (or 'class x1 y1 x2 y2 ...' for a polygon)"
-
-
-# -- Pascal VOC ----------------------------------------------------------------
-
-_XML_REFUSED = re.compile(rb"<!\s*(DOCTYPE|ENTITY)", re.IGNORECASE)
-
-
-def list_voc(root: str, info: ListingInfo) -> Iterator[SourceItem]:
-    """Yield one item per `Annotations/*.xml` (sorted) with the boxes it holds; images without one are ignored.
-
-    Raises:
-        SourceError: a folder cannot be listed.
-    """
-    info.kind, info.task = "voc", "detection"
-    images = _stems(os.path.join(root, "JPEGImages"))
-    xmls = [name for name in _names(os.path.join(root, "Annotations")) if name.lower().endswith(".xml")]
-    annotated = set()
-    root_real = os.path.realpath(root)
-    for name in xmls:
-        stem = name[: -len(".xml")]
-        annotated.add(stem)
-        image = images.get(stem)
-        if image is None:
-            where = os.path.join(root, "JPEGImages", f"{stem}.jpg")
-            yield SourceItem(where, f"JPEGImages/{stem}.jpg", None, f"Annotations/{name} has no image in JPEGImages/")
-            continue
-        xml_path = os.path.join(root, "Annotations", name)
-        url, rel = os.path.join(root, "JPEGImages", image), f"JPEGImages/{image}"
-        if not inside(root_real, xml_path):
-            yield SourceItem(url, rel, None, f"Annotations/{name} leads outside the dataset folder")
-            continue
-        yield voc_item(url, rel, xml_path)
-    info.ignored += sum(1 for stem in images if stem not in annotated)
-
-
-def _names(folder: str) -> list[str]:
-    try:
-        return sorted(name for name in os.listdir(folder) if not name.startswith("."))
-    except OSError as exc:
-        raise SourceError(f"cannot list {folder}: {exc.strerror or exc}") from exc
-
-
-def _stems(folder: str) -> dict[str, str]:
-    """Image file name by stem, for the images of one folder (the first name in sorted order where stems repeat)."""
-    stems: dict[str, str] = {}
-    for name in _names(folder):
-        if is_image_name(name):
-            stems.setdefault(os.path.splitext(name)[0], name)
-    return stems
-
-
-def voc_item(url: str, rel: str, xml_path: str) -> SourceItem:
-    """The item of one VOC image from its annotation XML (rejected with the reason where the XML is bad)."""
-    data = read_small(xml_path, ANNOTATION_MAX_BYTES)
-    if isinstance(data, str):
-        return SourceItem(url, rel, None, data)
-    parsed = parse_voc_xml(data)
-    if isinstance(parsed, str):
-        return SourceItem(url, rel, None, f"{os.path.basename(xml_path)}: {parsed}")
-    return SourceItem(url, rel, None, targets=parsed)
-
-
-def parse_voc_xml(data: bytes) -> dict[str, Any] | str:
-    """The targets of one VOC annotation, or why it is refused (DOCTYPE/entities, not XML, a bad box)."""
-    import xml.etree.ElementTree as ET
-
-    if _XML_REFUSED.search(data):
-        return "XML with a DOCTYPE or an entity declaration is refused"
-    if b"\0" in data:  # UTF-16 or UTF-32, where the check above would not see a DOCTYPE
-        return "XML that is not UTF-8 (it holds NUL bytes) is refused"
-    try:
-        root = ET.fromstring(data)
-    except ET.ParseError as exc:
-        return f"not well-formed XML ({exc})"
-    boxes, labels, difficult = [], [], []
-    for number, obj in enumerate(root.iter("object")):
-        name = (obj.findtext("name") or "").strip()
-        if not name:
-            return f"object {number} has no <name>"
-        bndbox = obj.find("bndbox")
-        try:
-            values = [float((bndbox.findtext(k) or "").strip()) for k in ("xmin", "ymin", "xmax", "ymax")] if bndbox is not None else []
-        except ValueError:
-            values = []
-        if len(values) != 4 or not all(finite_number(v) for v in values):
-            return f"object {number} ({name}) has no <bndbox> of four finite numbers"
-        xmin, ymin, xmax, ymax = values
-        if xmax < xmin or ymax < ymin or xmin < 0 or ymin < 0:
-            return f"object {number} ({name}): box {values} has xmax < xmin, ymax < ymin or a negative corner"
-        boxes.append([max(0.0, xmin - 1), max(0.0, ymin - 1), xmax, ymax])
-        labels.append(name)
-        flag = (obj.findtext("difficult") or "0").strip()
-        difficult.append(1 if flag in ("1", "true") else 0)
-        if len(boxes) > MAX_BOXES:
-            return f"over the {MAX_BOXES} boxes one image may have"
-    found: dict[str, Any] = {"boxes": boxes, "box_labels": labels, "columns": {"difficult": difficult}, "frame": "declared"}
-    size = root.find("size")
-    declared = None
-    if size is not None:
-        try:
-            declared = declared_size(float(size.findtext("width") or "x"), float(size.findtext("height") or "x"))
-        except ValueError:
-            declared = None
-    if declared is not None:
-        found["declared_size"] = declared
-    return found

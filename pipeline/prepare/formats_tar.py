@@ -16,7 +16,8 @@ Each sample with an image member becomes one `SourceItem`:
 img2dataset's output (jpg + txt + json, with .parquet and _stats.json files
 beside the shards) lists as captions: task "captions" when some sample has a
 `txt` and none a `cls`, else "classification". Text members over
-`TEXT_MAX_BYTES` reject their sample; a key seen twice in one shard rejects
+`TEXT_MAX_BYTES` reject their sample, and so does a json member nested over
+`MAX_JSON_DEPTH` levels; a key seen twice in one shard rejects
 the second; a sample without an image member is ignored (counted). A shard
 that is not a well-formed tar is listed as one rejected item naming the
 damage (the samples before it are kept).
@@ -32,10 +33,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError, SourceError
-from ..io.fs import local_path, open_fs, store_errors
+from ..io.fs import local_path, open_fs, open_regular, store_errors
 from ..io.tar import TarFormatError, iter_tar_index, split_key
 from ..targets import MAX_CAPTION_BYTES
-from .formats_common import IMAGE_EXTENSIONS, ListingInfo, SourceItem
+from .formats_common import IMAGE_EXTENSIONS, MAX_JSON_DEPTH, ListingInfo, SourceItem, nested_deeper
 
 TEXT_MAX_BYTES = MAX_CAPTION_BYTES
 TEXT_MEMBERS = ("txt", "json", "cls")
@@ -106,7 +107,7 @@ def _open(shard: str) -> Any:
     local = local_path(shard)
     try:
         if local is not None:
-            return open(local, "rb")
+            return open_regular(local)  # a FIFO named .tar would never end
         fs, path = open_fs(shard)
         return fs.open(path, "rb")
     except FileNotFoundError as exc:
@@ -191,6 +192,9 @@ def _sample_item(
                 value = json.loads(text)
             except (ValueError, RecursionError):
                 yield SourceItem(shard, rel, None, "its json member is not valid JSON")
+                return
+            if nested_deeper(value):
+                yield SourceItem(shard, rel, None, f"its json member nests over {MAX_JSON_DEPTH} levels deep")
                 return
             targets["columns"] = value if isinstance(value, dict) else {"json": value}
     yield SourceItem(shard, rel, label, targets=targets)

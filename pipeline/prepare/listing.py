@@ -23,9 +23,11 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..errors import StorageError, write_failure
+from ..errors import ConfigError, StorageError, write_failure
 from ..io.fs import at_once, file_sha256
 from ..io.output import Output
+from .formats_common import whole_number
+from .formats_detection import MAX_CLASSES
 from .sources import ListingInfo, SourceItem
 
 LINES_NAME = "listing.jsonl"
@@ -193,10 +195,20 @@ def class_names(info: ListingInfo, labels: set[str]) -> list[str]:
         An image folder's classes as listed; the classes a format fixes (COCO's
         categories by id, YOLO's names, a segmentation folder's classes.txt);
         otherwise integer labels as the indices they already are (`"0"` ..
-        max), other names sorted.
+        max, ASCII digits only), other names sorted.
+
+    Raises:
+        ConfigError: integer labels up to an index past `MAX_CLASSES`: that many classes is no dataset's.
     """
     if info.kind == "imagefolder" or (info.kind in FIXED_CLASS_KINDS and info.classes):
         return info.classes
-    if labels and all(label.isdigit() for label in labels):
-        return [str(i) for i in range(max(int(label) for label in labels) + 1)]
+    if labels and all(label.isascii() and label.isdigit() for label in labels):  # not "²": a digit, but no int
+        numbers = [whole_number(label.lstrip("0") or "0") for label in labels]  # None: 10 digits or more
+        highest = max(MAX_CLASSES if number is None else number for number in numbers)
+        if highest >= MAX_CLASSES:
+            raise ConfigError(
+                f"the labels are class indices, up to one of {MAX_CLASSES} or more: more classes than a dataset may "
+                "have (name the classes, or number them from 0)"
+            )
+        return [str(i) for i in range(highest + 1)]
     return sorted(labels)

@@ -1,16 +1,21 @@
-"""How one run of a prepare goes (`RunOptions`), and what it reports as it goes (`PrepareProgress`)."""
+"""How one run of a prepare goes (`RunOptions`), what it reports as it goes (`PrepareProgress`), and the
+check of the files it may read (`SourceCheck`, applied again by a shard step: `CheckedListing`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 from ..errors import ConfigError
+from .formats_common import SourceItem
+from .listing import Listing
 from .pool import IO_THREADS, available_cores
 
 ProgressCallback = Callable[["PrepareProgress"], None]
 SourceCheck = Callable[[str], None]
-"""Called with the URL of every file SRC lists, as it is listed; what it raises stops the plan."""
+"""Called with the URL of every file SRC lists, as it is listed; the ConfigError it raises stops the plan
+(in a shard step, it rejects the file instead: `CheckedListing`)."""
 
 
 @dataclasses.dataclass
@@ -63,3 +68,35 @@ class RunOptions:
         if self.io_threads < 0:
             raise ConfigError("io_threads must be 0 or more")
         return dataclasses.replace(self, workers=workers)
+
+
+def checked_item(item: SourceItem, check: SourceCheck) -> SourceItem:
+    """`item` as a shard step may read it: rejected, so never opened, when `check` refuses its file or its mask.
+
+    The reject's reason is the check's message (e.g. the path is outside the service's allowed roots).
+    """
+    if item.rejected:
+        return item  # never read
+    mask = item.targets.get("mask") if isinstance(item.targets, dict) else None
+    for path in (item.url, *([mask] if isinstance(mask, str) else [])):
+        try:
+            check(path)
+        except ConfigError as exc:
+            return dataclasses.replace(item, rejected=str(exc))
+    return item
+
+
+class CheckedListing(Listing):
+    """A planned job's listing whose every item passes `check` as it is read (`checked_item`).
+
+    The plan checked what SRC listed, but a shard step reads the listing from OUT, and OUT may
+    have changed since (a line added, a path edited, a link put in place of a file): so each
+    file the step would open is checked again, where it opens it, links resolved by the check.
+    """
+
+    def __init__(self, listing: Listing, check: SourceCheck) -> None:
+        super().__init__(os.path.dirname(listing.lines_path))
+        self.check = check
+
+    def get(self, index: int) -> SourceItem:
+        return checked_item(super().get(index), self.check)

@@ -27,7 +27,7 @@ from ..specs import PrepareSpec
 from ..units import format_count
 from .finishing import run_result
 from .opening import FoundOut, Job, Listed, list_source, open_planned, plan_job, planned_spec
-from .options import ProgressCallback, RunOptions
+from .options import CheckedListing, ProgressCallback, RunOptions, SourceCheck
 from .plan import ShardPlan, planned_shard_of
 from .results import PrepareResult, ShardRecord
 from .resume import WORK_DIR, OutRecords, WorkFolder
@@ -144,11 +144,15 @@ def load_repair(spec: PrepareSpec, records: OutRecords, saved: dict[str, Any], *
     return RepairJob(open_planned(spec, records, saved, with_listing=with_listing), Repair(manifest, dict(saved["repair"])))
 
 
-def write_repaired_shard(spec: PrepareSpec, shard: int, records: OutRecords, progress: ProgressCallback | None) -> ShardRecord:
+def write_repaired_shard(
+    spec: PrepareSpec, shard: int, records: OutRecords, progress: ProgressCallback | None, check_source: SourceCheck | None = None
+) -> ShardRecord:
     """A shard step of a planned repair: the shard's damaged files written again, each checked (`write_prepare_shard`)."""
     spec, saved = planned_spec(spec, records)
     opened = load_repair(spec, records, saved)
     job = opened.job
+    if check_source is not None:
+        job.listing = CheckedListing(job.listing, check_source)
     try:
         job.check_in_plan(shard)
         rewrite = opened.rewrites(shard).get(shard, set())

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..decode import DecodedImage, decode_image, exif_orientation, open_image, pil_image
-from ..errors import DecodeError
+from ..errors import DecodeError, SourceError
 from ..io.fs import read_source_bytes, redact_location
 from ..io.tar import sample_tar_bytes
 from ..specs import PrepareSpec
@@ -101,7 +101,8 @@ class SampleOutcome:
 
 
 def read_item(item: SourceItem, spec: PrepareSpec) -> bytes | str:
-    """The source's bytes, or the reason they cannot be read (a reject reason).
+    """The source's bytes, or the reason they cannot be read (a reject reason): missing, unreadable, over the
+    input limit, not a regular file (a FIFO, a device), a URL of a scheme no filesystem serves.
 
     An image inside a tar (`targets["tar"]`, a WebDataset shard as SRC) is
     read as its byte range only.
@@ -111,7 +112,7 @@ def read_item(item: SourceItem, spec: PrepareSpec) -> bytes | str:
         if tar is not None:
             return read_tar_member(item.url, *tar_range(tar, spec.max_file_bytes))
         return read_source_bytes(item.url, spec.max_file_bytes)
-    except TargetError as exc:
+    except (TargetError, SourceError) as exc:  # SourceError: a URL of a scheme no filesystem serves
         return str(exc)
     except (OSError, ValueError) as exc:
         return f"cannot read file: {getattr(exc, 'strerror', None) or exc}"

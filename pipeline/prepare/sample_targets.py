@@ -22,15 +22,14 @@ goes on.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any
 
 import numpy as np
 
 from ..decode import open_image, pillow_warnings
-from ..errors import DecodeError
-from ..io.fs import local_path, open_fs, read_source_bytes, redact_location
+from ..errors import DecodeError, SourceError
+from ..io.fs import local_path, open_fs, open_regular, read_source_bytes, redact_location
 from ..polygons import Polygons, transform_polygons
 from ..specs import PrepareSpec
 from ..targets import (
@@ -52,6 +51,7 @@ from ..targets import (
     scale_boxes,
 )
 from .coco_masks import check_segmentation
+from .formats_common import brief, finite_number
 from .transforms import Geometry
 
 MASK_MODES = ("P", "L", "1", "I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -123,12 +123,12 @@ def parse_targets(raw: Any, classes: dict[str, int]) -> SourceTargets:
         parsed.mask = raw["mask"]
     if raw.get("frame") is not None:
         if raw["frame"] not in (*LABEL_FRAMES, "declared"):
-            raise TargetError(f"bad annotation: frame must be upright, stored or declared, not {raw['frame']!r}")
+            raise TargetError(f"bad annotation: frame must be upright, stored or declared, not {brief(raw['frame'])}")
         parsed.frame = raw["frame"]
     if raw.get("declared_size") is not None:
         size = raw["declared_size"]
         if not (isinstance(size, list) and len(size) == 2 and all(_is_count(v) and v > 0 for v in size)):
-            raise TargetError(f"bad annotation: declared_size must be [width, height] in pixels, not {size!r}")
+            raise TargetError(f"bad annotation: declared_size must be [width, height] in pixels, not {brief(size)}")
         parsed.declared_size = (size[0], size[1])
     if raw.get("caption") is not None:
         parsed.caption = _caption(raw["caption"])
@@ -176,12 +176,8 @@ def label_frame(source: SourceTargets, stored: tuple[int, int], orientation: int
 
 def _flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
-        raise TargetError(f"bad annotation: {name} must be true or false, not {value!r}")
+        raise TargetError(f"bad annotation: {name} must be true or false, not {brief(value)}")
     return value
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _boxes(value: Any) -> np.ndarray:
@@ -190,8 +186,8 @@ def _boxes(value: Any) -> np.ndarray:
     if len(value) > MAX_BOXES:
         raise TargetError(f"bad annotation: {len(value)} boxes, over the {MAX_BOXES} a sample may have")
     for number, box in enumerate(value):
-        if not isinstance(box, (list, tuple)) or len(box) != 4 or not all(_is_number(v) for v in box):
-            raise TargetError(f"bad annotation: box {number} is not four finite numbers: {str(box)[:80]}")
+        if not isinstance(box, (list, tuple)) or len(box) != 4 or not all(finite_number(v) for v in box):
+            raise TargetError(f"bad annotation: box {number} is not four finite numbers: {brief(box)}")
         if box[2] < box[0] or box[3] < box[1]:
             raise TargetError(f"bad annotation: box {number} {box} has x1 < x0 or y1 < y0")
     return np.asarray(value, np.float64).reshape(-1, 4)
@@ -215,7 +211,7 @@ def _class_indices(value: Any, classes: dict[str, int], name: str) -> np.ndarray
                 raise TargetError(f"bad annotation: {name} holds the class index {entry}, outside 0 to {count - 1}")
             index = entry
         else:
-            raise TargetError(f"bad annotation: {name} holds {str(entry)[:80]!r}, not a class name")
+            raise TargetError(f"bad annotation: {name} holds {brief(entry)}, not a class name")
         indices.append(index)
     return np.asarray(indices, np.int64)
 
@@ -255,7 +251,7 @@ def read_mask(url: str, spec: PrepareSpec, stored_size: tuple[int, int]) -> np.n
     where = redact_location(url)
     try:
         data = read_source_bytes(url, spec.max_file_bytes)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SourceError) as exc:  # OSError: also a FIFO or a device, never opened to be read
         raise TargetError(f"cannot read mask {where}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         with pillow_warnings([]):
@@ -310,7 +306,7 @@ def read_tar_member(url: str, offset: int, size: int) -> bytes:
     """
     local = local_path(url)
     if local is not None:
-        with open(local, "rb") as handle:
+        with open_regular(local) as handle:
             if offset + size > os.fstat(handle.fileno()).st_size:
                 raise OSError(f"the tar ends before its member's {size} bytes at offset {offset}")
             handle.seek(offset)

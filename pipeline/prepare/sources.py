@@ -2,7 +2,7 @@
 
 A source is a directory (ImageFolder layout: one sub-folder per class; or a
 flat folder without labels), a CSV/JSONL list with `path` and optional
-`label`, or any fsspec URL to either. Sources with more than a class per
+`label` (formats_list.py), or any fsspec URL to either. Sources with more than a class per
 image are told apart by their path and layout (formats.py): a list's
 `labels` (several class names: a JSON list or `a;b`), `caption`/`text` and
 other columns; a COCO JSON; YOLO, Pascal VOC and segmentation folders;
@@ -17,11 +17,8 @@ rejected (`SourceItem.rejected`), and the job records it in rejected.jsonl.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
-import io
-import json
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -33,8 +30,9 @@ from ..io.fs import forget_listings, is_url, local_path, open_fs, store_errors
 from ..io.transport import Transport
 from ..io.transports import transport_for
 from .formats import detect_folder
-from .formats_common import IMAGE_EXTENSIONS, ListingInfo, SourceItem, is_image_name
+from .formats_common import IMAGE_EXTENSIONS, ListingInfo, SourceItem, is_image_name, present, printable
 from .formats_detection import list_coco, read_json_source, yolo_names
+from .formats_list import list_rows
 from .formats_tar import expand_braces, is_shard_pattern, list_shards
 from .yolo_splits import YoloLayout, is_split_folder, is_yaml, list_yolo_split, yolo_layout
 
@@ -95,6 +93,8 @@ def list_images(
         if is_shard_pattern(local) and "{" in local:
             yield from list_shards(expand_braces(source), info)
             return
+        if os.path.exists(local):  # a FIFO, a socket, a device: never opened to be read
+            raise SourceError(f"{source} is neither a folder nor a regular file")
         raise SourceError(f"source not found: {source}")
     if is_shard_pattern(source):  # shards on a store: a .tar or a brace pattern of them
         yield from list_shards(expand_braces(source) if "{" in source else [source], info)
@@ -125,7 +125,7 @@ def _yolo_split(local: str, source: str, info: ListingInfo, split: str | None) -
         if root is not None:  # ROOT/images/train as SRC: that split, with ROOT's labels and names
             one = YoloLayout(root, {"": [os.path.normpath(local)]}, yolo_names(root))
             return list_yolo_split(one, "", info, _folder_walker(info))
-    if not (os.path.isdir(local) or (os.path.isfile(local) and is_yaml(local))):
+    if not (os.path.isdir(local) or (present(local) and is_yaml(local))):
         return None
     layout = yolo_layout(local)
     if layout is None:
@@ -177,14 +177,14 @@ def _list_local_dir(root: str, info: ListingInfo) -> Iterator[SourceItem]:
         yield from _walk_local(root, "", None, top_files, [], info, ancestors)
         return
     info.kind = "imagefolder"
-    info.classes = [_printable(name) for name in top_dirs]
+    info.classes = [printable(name) for name in top_dirs]
     for name in top_files:  # beside the class folders: no class to take a label from
         if not is_image_name(name):
             info.ignored += 1
             continue
         yield SourceItem(os.path.join(root, name), name, None, NOT_IN_A_CLASS_FOLDER)
     for name in top_dirs:
-        yield from _walk_dir(root, name, _printable(name), info, ancestors)
+        yield from _walk_dir(root, name, printable(name), info, ancestors)
 
 
 def _walk_local_folder(root: str, rel_dir: str, info: ListingInfo) -> Iterator[SourceItem]:
@@ -222,20 +222,6 @@ def _walk_local(
         yield SourceItem(os.path.join(base, name), rel, label)
     for name in dirs:
         yield from _walk_dir(root, f"{rel_dir}/{name}" if rel_dir else name, label, info, ancestors)
-
-
-def _printable(name: str) -> str:
-    """A class folder name as valid Unicode: bytes that are not UTF-8 become U+FFFD.
-
-    Paths keep such bytes (surrogate-escaped, so the file can still be opened
-    and SourceItem.to_json escapes them); a label is a name shown to people
-    and written to the manifest as UTF-8, so it must be printable.
-    """
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,107 +422,5 @@ def _list_file(source: str, info: ListingInfo) -> Iterator[SourceItem]:
             f"{source} is a file but not a CSV or JSONL list, a COCO JSON or a WebDataset .tar; "
             "give a folder of images or a list with a 'path' column"
         )
-    info.kind = "list"
     base = _without_query(source).rsplit("/", 1)[0] if "/" in source else "."
-    rows = _read_csv_rows(source) if lower.endswith(".csv") else _read_jsonl_rows(source)
-    seen = {"label": False, "labels": False, "caption": False}
-    for line_no, row in rows:
-        path = row.get("path")
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"{source}:{line_no}: every row needs a non-empty 'path'")
-        label = row.get("label")
-        label = None if label in (None, "") else str(label)
-        seen["label"] |= label is not None
-        url = path if ("://" in path or os.path.isabs(path)) else f"{base}/{path}"
-        if len(row) == 1 or (len(row) == 2 and "label" in row):  # path (+ label): classification, as always
-            yield SourceItem(url, path.lstrip("/"), label)
-            continue
-        targets, rejected = _row_targets(row, seen)
-        yield SourceItem(url, path.lstrip("/"), label, rejected, targets)
-    if seen["labels"]:
-        info.task = "multilabel"
-    elif seen["caption"] and not seen["label"]:
-        info.task = "captions"
-
-
-LIST_COLUMNS = ("path", "label", "labels", "caption", "text")  # the columns a list's rows have a meaning for
-
-
-def _row_targets(row: dict[str, Any], seen: dict[str, bool]) -> tuple[dict[str, Any] | None, str]:
-    """A list row's targets: "labels", "caption" (from `caption` or `text`) and the other columns; or why not."""
-    targets: dict[str, Any] = {}
-    if "labels" in row:
-        seen["labels"] = True
-        labels = _labels_of(row["labels"])
-        if isinstance(labels, str):
-            return None, labels
-        targets["labels"] = labels
-    for name in ("caption", "text"):
-        value = row.get(name)
-        if value is None or "caption" in targets:
-            continue
-        if not isinstance(value, str):
-            return None, f"its {name!r} must be text, not {type(value).__name__}"
-        targets["caption"] = value
-        seen["caption"] = True
-    columns = {name: value for name, value in row.items() if name not in LIST_COLUMNS}
-    if columns:
-        targets["columns"] = columns
-    return targets or None, ""
-
-
-def _labels_of(value: Any) -> list[str] | str:
-    """A `labels` cell as class names: a JSON list, a JSON list in text, or `;`-separated names (empty: none)."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                value = json.loads(text)
-            except ValueError:
-                return f"its labels {text[:60]!r} start like a JSON list but are not one"
-        else:
-            return [part.strip() for part in text.split(";") if part.strip()]
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
-        return "its labels must be a list of class names (or a ';'-separated string)"
-    names = [_printable(str(v).strip()) for v in value]
-    return [name for name in names if name]
-
-
-def _open_text(source: str) -> io.TextIOBase:
-    local = local_path(source)
-    if local is not None:
-        try:
-            return open(local, encoding="utf-8", newline="")
-        except OSError as exc:
-            raise SourceError(f"cannot read {source}: {exc.strerror or exc}") from exc
-    fs, path = open_fs(source)
-    try:
-        return io.TextIOWrapper(fs.open(path, "rb"), encoding="utf-8", newline="")
-    except store_errors() as exc:
-        raise SourceError(f"cannot read {source}: {exc}") from exc
-
-
-def _read_csv_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    with _open_text(source) as handle:
-        reader = csv.DictReader(handle)
-        if reader.fieldnames is None or "path" not in reader.fieldnames:
-            raise ConfigError(f"{source}: the CSV header must have a 'path' column (and optionally 'label')")
-        for line_no, row in enumerate(reader, start=2):
-            row.pop(None, None)  # fields past the header's (csv keeps them under None): no column to name them
-            yield line_no, row
-
-
-def _read_jsonl_rows(source: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    with _open_text(source) as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{source}:{line_no}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise ConfigError(f"{source}:{line_no}: each line must be a JSON object with 'path'")
-            yield line_no, row
+    yield from list_rows(source, base, info, is_csv=lower.endswith(".csv"))

@@ -18,7 +18,7 @@ from ..specs import PrepareSpec
 from .finishing import clean_up, finish, lost, written_and_present
 from .lock import OutLock, remove_lock
 from .opening import as_recorded, find_out, load_planned_job, open_planned, planned_spec, start_job
-from .options import ProgressCallback, RunOptions, SourceCheck
+from .options import CheckedListing, ProgressCallback, RunOptions, SourceCheck
 from .repair import is_repair_plan, load_repair, open_repair, write_repaired_shard
 from .results import PreparePlanInfo, PrepareResult, ShardRecord, result_of
 from .resume import WORK_DIR, OutRecords, WorkFolder
@@ -99,7 +99,9 @@ def _plan_locked(spec: PrepareSpec, options: RunOptions) -> PreparePlanInfo:
     return PreparePlanInfo(job.plan.shards, job.listed, job.ignored, job.classes, pending, False, job.warnings)
 
 
-def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCallback | None = None) -> ShardRecord:
+def write_prepare_shard(
+    spec: PrepareSpec, shard: int, *, progress: ProgressCallback | None = None, check_source: SourceCheck | None = None
+) -> ShardRecord:
     """Write one planned shard in this process; a complete and valid shard is left as it is.
 
     In a planned repair (see `plan_prepare`), only the shard's damaged files
@@ -115,6 +117,9 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
         spec: the planned job.
         shard: the shard's index in the plan.
         progress: called with a PrepareProgress after every chunk.
+        check_source: called with every file (and mask) the shard would read, before it reads it; a
+            file it refuses (ConfigError) is rejected with its message, never opened (the service's
+            allowed roots: the listing in OUT may have changed since the plan).
 
     Returns:
         Its sample and reject counts, and whether it was complete already (skipped).
@@ -130,8 +135,10 @@ def write_prepare_shard(spec: PrepareSpec, shard: int, *, progress: ProgressCall
     # the shard's record is read beside the plan: on a store, one round trip, not two
     _, recorded = at_once(lambda: records.plan, lambda: folder.shard_record_text(shard))
     if is_repair_plan(records.plan):
-        return write_repaired_shard(spec, shard, records, progress)
+        return write_repaired_shard(spec, shard, records, progress, check_source)
     job = load_planned_job(spec, records)
+    if check_source is not None:
+        job.listing = CheckedListing(job.listing, check_source)
     try:
         job.check_in_plan(shard)
         skipped = folder.recorded_files_intact(recorded)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import ConfigError, SourceError
-from .formats_common import ListingInfo, SourceItem, is_image_name, read_small
+from .formats_common import ListingInfo, SourceItem, is_image_name, present, read_small
 from .formats_detection import YOLO_YAML_NAMES, dataset_homes, read_data_yaml, yolo_item, yolo_names_of
 
 SPLITS = ("train", "val", "valid", "test")
@@ -100,7 +100,7 @@ def yolo_layout(source: str) -> YoloLayout | None:
         return None
     for name in YOLO_YAML_NAMES:
         path = os.path.join(source, name)
-        if os.path.isfile(path):
+        if present(path):
             document = read_data_yaml(path)
             if _split_keys(document):
                 return _from_yaml(path, document)

@@ -468,10 +468,10 @@ def test_a_voc_xml_in_utf16_is_refused(tmp_path):
 
 
 def test_a_huge_voc_xml_is_rejected_unread(tmp_path, monkeypatch):
-    from pipeline.prepare import formats_detection
+    from pipeline.prepare import formats_voc
 
     demo.make_voc_dataset(tmp_path, 1)
-    monkeypatch.setattr(formats_detection, "ANNOTATION_MAX_BYTES", 100)
+    monkeypatch.setattr(formats_voc, "ANNOTATION_MAX_BYTES", 100)
     items, _ = _list(tmp_path)
     assert "over 100 bytes" in items[0].rejected
 
