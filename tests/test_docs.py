@@ -12,8 +12,10 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import click
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +84,25 @@ def test_the_docs_site_builds_strictly_with_no_broken_link(tmp_path: Path) -> No
     cli = (site / "cli.html").read_text()
     for command in ("gpufeed-prepare", "gpufeed-advise", "gpufeed-submit-prepare", "gpufeed-worker", "gpufeed-schedule-add"):
         assert f'id="{command}"' in cli, command
+    assert "Sentinel" not in cli  # every "Default" cell states a value (click 8.3+ leaves a sentinel)
+    assert re.search(r"<td><code>--json</code></td>\s*<td>boolean</td>\s*<td>[^<]*</td>\s*<td><code>False</code></td>", cli)
+    assert re.search(r"<td><code>--target</code></td>\s*<td>text</td>\s*<td>[^<]*</td>\s*<td>_required</td>", cli)
     assert 'id="pipeline.loader.loader.make_loader"' in (site / "api.html").read_text()
+
+
+def test_the_docs_build_fails_on_a_page_that_shows_a_placeholder_instead_of_a_value() -> None:
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("the docs extra is not installed (pip install -e '.[docs]')")
+    from mkdocs.exceptions import PluginError
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="cli.md"))
+    with pytest.raises(PluginError, match=r"cli.md shows 'Sentinel.UNSET'"):
+        hooks.on_page_content("<td><code>Sentinel.UNSET</code></td>", page=page)
+    assert hooks.on_page_content("<td><code>False</code></td>", page=page) == "<td><code>False</code></td>"
 
 
 def python_blocks(text: str) -> list[str]:
@@ -127,3 +147,23 @@ def test_the_tasks_examples_run_on_the_data_they_generate(tmp_path: Path, page: 
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert result.stdout.count(" ran\n") == len(blocks)
+
+
+def test_the_install_page_and_the_readme_name_every_user_extra_and_every_command() -> None:
+    import tomllib
+
+    from pipeline.cli import main
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]) - {"docs", "test"}
+    install, readme = (REPO / "docs" / "install.md").read_text(), (REPO / "README.md").read_text()
+    for extra in sorted(extras):
+        assert f"gpufeed[{extra}]" in install, extra
+        assert f"gpufeed[{extra}]" in readme, extra
+
+    def commands_in_row(install_line: str) -> set[str]:
+        row = install.split(f"| `{install_line}` |")[1].split("\n")[0]
+        return set(re.findall(r"`(?:gpufeed )?([a-z-]+)`", row))
+
+    core, service = commands_in_row("pip install gpufeed"), commands_in_row("pip install 'gpufeed[service]'")
+    every = set(main.list_commands(click.Context(main)))
+    assert every - service <= core, f"gpufeed commands missing from docs/install.md: {sorted(every - service - core)}"
