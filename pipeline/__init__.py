@@ -49,14 +49,14 @@ from .errors import (
     SourceError,
     StorageError,
 )
-from .manifest import Manifest, VerifyResult, read_manifest, verify_dataset
-from .prepare.job import PrepareResult, prepare_dataset
-from .prepare.reshard import ReshardResult, ReshardSpec, reshard_dataset
 from .specs import AugmentSpec, EncodeSpec, LoaderSpec, PrepareSpec, ResizeSpec, ShardSpec
 
 if TYPE_CHECKING:
     from .loader.loader import Loader, LoaderStats, make_loader
+    from .manifest import Manifest, VerifyResult, read_manifest, verify_dataset
     from .measure.memory import estimate_memory
+    from .prepare.job import PrepareResult, prepare_dataset
+    from .prepare.reshard import ReshardResult, ReshardSpec, reshard_dataset
 
 __all__ = [
     "AugmentSpec",
@@ -90,8 +90,18 @@ __all__ = [
     "verify_dataset",
 ]
 
-# Names that need torch, and the module each comes from: imported on first use.
+# Names of the heavier modules (torch, NumPy, the prepare job), and the module each comes from: imported on
+# first use, so that a command that needs none of them (`gpufeed watch`, `--help`) starts at once.
 _LAZY = {
+    "Manifest": "pipeline.manifest",
+    "VerifyResult": "pipeline.manifest",
+    "read_manifest": "pipeline.manifest",
+    "verify_dataset": "pipeline.manifest",
+    "PrepareResult": "pipeline.prepare.job",
+    "prepare_dataset": "pipeline.prepare.job",
+    "ReshardResult": "pipeline.prepare.reshard",
+    "ReshardSpec": "pipeline.prepare.reshard",
+    "reshard_dataset": "pipeline.prepare.reshard",
     "Loader": "pipeline.loader.loader",
     "LoaderStats": "pipeline.loader.loader",
     "make_loader": "pipeline.loader.loader",

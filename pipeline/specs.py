@@ -13,7 +13,6 @@ import re
 from typing import Any, TypeVar
 
 from .errors import ConfigError
-from .targets import TASKS
 from .units import parse_bytes
 
 RECIPES = ("crop", "letterbox", "scale_jitter", "iou_crop", "yolo")  # how the loader makes each image its output
@@ -476,6 +475,8 @@ class LoaderSpec(Spec):
         self._check_task()
 
     def _check_task(self) -> None:
+        from .targets import TASKS  # NumPy's module: loaded where a task is checked, not by `import pipeline`
+
         if self.task is not None and self.task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)} (or None: the manifest's), got {self.task!r}")
         if not isinstance(self.fields, tuple) or not all(

@@ -46,7 +46,10 @@ PUBLIC_API = [
 ]
 
 # Imported on first use: they need torch.
-LAZY = {"Loader", "LoaderStats", "estimate_memory", "make_loader"}
+LAZY = {
+    "Loader", "LoaderStats", "estimate_memory", "make_loader", "Manifest", "VerifyResult", "read_manifest", "verify_dataset",
+    "PrepareResult", "prepare_dataset", "ReshardResult", "ReshardSpec", "reshard_dataset",
+}
 
 HEAVY_MODULES = ("torch", "torchvision", "celery", "kombu", "redis", "redbeat", "matplotlib")
 
@@ -71,6 +74,12 @@ def test_lazy_names_are_the_library_objects() -> None:
     assert pipeline.LoaderStats is LoaderStats
     assert pipeline.make_loader is make_loader
     assert pipeline.estimate_memory is estimate_memory
+    from pipeline.manifest import Manifest, read_manifest
+    from pipeline.prepare.job import prepare_dataset
+    from pipeline.prepare.reshard import reshard_dataset
+
+    assert pipeline.Manifest is Manifest and pipeline.read_manifest is read_manifest
+    assert pipeline.prepare_dataset is prepare_dataset and pipeline.reshard_dataset is reshard_dataset
 
 
 def test_unknown_names_are_attribute_errors() -> None:
@@ -110,6 +119,14 @@ def test_import_does_not_load_torch_celery_or_matplotlib() -> None:
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == []
+
+
+def test_import_loads_numpy_only_when_a_name_needs_it() -> None:
+    # `gpufeed watch` and `--help` start at once: NumPy and the prepare job come with the first name that needs them.
+    code = "import sys, pipeline; print('numpy' in sys.modules); pipeline.read_manifest; print('numpy' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
 
 
 # ---------------------------------------------------------------------------

@@ -20,6 +20,9 @@ ADVISE_OPTIONS = {
     "gpu_images_per_s": "--gpu-images-per-s",
     "sample=": "--sample",
     "target=": "--target",
+    "crop=": "--crop",
+    "repeats=": "--repeats",
+    "split=": "--split",
 }
 """How `gpufeed advise` spells them (its model is timed through estimate-memory's code)."""
 
@@ -37,7 +40,11 @@ ADVISE_OPTIONS = {
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam", "adamw"]), default="sgd", show_default=True,
               help="The model's optimizer, for its memory and step time.")
 @click.option("--batch-size", default=64, show_default=True, help="Training batch size.")
-@click.option("--crop", default=224, show_default=True, help="The loader's crop in pixels (the recommended --size is crop / 0.875).")
+@click.option(
+    "--crop", default=224, show_default=True,
+    help="The training size in pixels: detection and segmentation letterbox to it (--size CROP --mode longer); "
+    "classification crops it (--size CROP/0.875).",
+)
 @click.option(
     "--sample",
     default=128,
@@ -48,6 +55,10 @@ ADVISE_OPTIONS = {
     "--duration", type=Duration(), default="2s", show_default=True, old=("--seconds",), help="Time per loader measurement."
 )
 @click.option("--device", default="auto", show_default=True, help="Device of the loader and the model.")
+@click.option("--repeats", default=5, show_default=True,
+              help="Rounds of loader and storage measurements at most, until the verdict is stable.")
+@click.option("--split", default=None,
+              help="A YOLO dataset's split to advise on (default: its training split, where it has several).")
 @click.option("--apply", "apply_out", default=None, help="Run the recommended prepare into OUT and measure the loader on it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @plot_option("Write a PNG chart of the ceilings.")
@@ -55,8 +66,8 @@ ADVISE_OPTIONS = {
 @option_errors(ADVISE_OPTIONS)
 def advise(
     src: str, target: str, gpu_images_per_s: float | None, model: str | None, input_shape: str, vram: str | None,
-    optimizer: str, batch_size: int, crop: int, sample: int, duration: float, device: str, apply_out: str | None,
-    as_json: bool, plot: str | None,
+    optimizer: str, batch_size: int, crop: int, sample: int, duration: float, device: str, repeats: int,
+    split: str | None, apply_out: str | None, as_json: bool, plot: str | None,
 ) -> None:
     """Diagnose why the GPU would wait on SRC, and print the `gpufeed prepare` command that fixes it."""
     from ..measure.advise import advise as run_advise
@@ -77,6 +88,8 @@ def advise(
         progress=say_progress,
         vram=vram,
         optimizer=optimizer,
+        repeats=repeats,
+        split=split,
     )
     result.notes = [with_option_names(note, ADVISE_OPTIONS) for note in result.notes]
     if not as_json:
@@ -182,15 +195,14 @@ def _print_advice(result: Any) -> None:
     for note in result.notes:
         click.echo(f"note: {note}")
     click.echo(f"\n{advice.sentence}")
+    if result.confidence is not None:
+        click.echo(f"verdict {result.confidence.statement}")
     if not advice.prepare_helps:
         _print_no_prepare(result)
         return
     click.echo("\nrecommended:")
     click.echo("  " + shlex.join(result.command))
-    click.echo(
-        f"  then: make_loader({result.out!r}, batch_size={result.batch_size}, "
-        f"num_workers={advice.recommendation.num_workers})"
-    )
+    click.echo(f"  then: {result.loader_line}")
     for reason in advice.reasons:
         click.echo(f"  - {reason}")
     click.echo(

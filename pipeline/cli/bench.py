@@ -5,6 +5,8 @@ Parsing and printing only: the measurements live in pipeline.measure (disk, deco
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ..errors import ConfigError
@@ -23,6 +25,9 @@ from .measuring import (
     write_plot,
 )
 
+if TYPE_CHECKING:
+    from ..measure.disk_result import DiskBenchResult
+
 
 @click.group()
 def bench() -> None:
@@ -35,12 +40,17 @@ def bench() -> None:
     "--file-size", default="1GiB", show_default=True, old=("--size",), help="Test file size (larger than any device cache)."
 )
 @click.option("--block-sizes", default="1MiB,2MiB,4MiB", show_default=True, help="Sequential block sizes.")
-@click.option("--duration", type=Duration(), default="2s", show_default=True, help="How long each read test runs (2, 0.5s, 1m).")
+@click.option(
+    "--duration", type=Duration(), default="2s", show_default=True,
+    help="How long each read test runs in all, split between its repeats (2, 0.5s, 1m).",
+)
+@click.option("--repeats", default=3, show_default=True, help="Runs of each read figure: the median is shown, with the spread.")
 @click.option("--threads", default=16, show_default=True, help="Reads in flight for the queue-depth-N figures.")
 @click.option("--small-file-size", default=None, help="Small-file size (default: the --dataset mean, else 110kB).")
 @click.option("--dataset", default=None, help="Take the small-file size from this dataset's mean file size.")
 @click.option("--small-files", default=512, show_default=True, help="How many small files to read.")
 @click.option("--no-direct", is_flag=True, help="Do not try O_DIRECT; evict files with posix_fadvise instead.")
+@click.option("--keep-cache", is_flag=True, help="Read through the page cache (no O_DIRECT, no eviction): the cache's figures.")
 @click.option(
     "--tests",
     default="seq_write,seq_read,randread,small_files",
@@ -55,11 +65,13 @@ def bench_disk(
     file_size: str,
     block_sizes: str,
     duration: float,
+    repeats: int,
     threads: int,
     small_file_size: str | None,
     dataset: str | None,
     small_files: int,
     no_direct: bool,
+    keep_cache: bool,
     tests: str,
     as_json: bool,
     plot: str | None,
@@ -79,6 +91,8 @@ def bench_disk(
         small_files=small_files,
         tests=[name.strip() for name in tests.split(",") if name.strip()],
         direct=False if no_direct else None,
+        repeats=repeats,
+        keep_cache=keep_cache,
     )
     remember_result(result)  # the ceiling `gpufeed watch` compares a run's reads with
     write_plot("disk", plot, result)
@@ -89,26 +103,47 @@ def bench_disk(
     click.echo(f"{result.path}: {result.device_kind} ({result.fstype}{', ' + result.device if result.device else ''}), {free} free")
     if result.kind_note:
         click.echo(f"note: {result.kind_note}")
-    click.echo(f"page cache bypass: {result.cache_bypass}; test file {format_bytes(result.file_bytes)}, {duration:g} s per test")
-    rows = []
+    click.echo(
+        f"page cache bypass: {result.cache_bypass}; test file {format_bytes(result.file_bytes)}, {duration:g} s per test "
+        f"in {format_count(result.repeats, 'run')}: medians, with the runs' range"
+    )
+    click.echo(text_table(_disk_rows(result), ("test", "median", "", "range", "p50 ms", "p99 ms"), "lrllrr"))
+    if result.seq_read_block:
+        click.echo(
+            f"sequential read: {number_cell(result.seq_read_mb_s)} MB/s "
+            f"(median at {format_bytes(result.seq_read_block)} blocks, the block size with the highest median)"
+        )
+    for warning in result.warnings:
+        click.echo(f"gpufeed: warning: {warning}", err=True)
+
+
+def _disk_rows(result: DiskBenchResult) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
     if result.seq_write_mb_s is not None:
-        rows.append(("sequential write (fsync included)", number_cell(result.seq_write_mb_s), "MB/s", "", ""))
+        rows.append(("sequential write (fsync included)", number_cell(result.seq_write_mb_s), "MB/s", "1 run", "", ""))
     for block, rate in sorted(result.seq_read_by_block.items()):
-        rows.append((f"sequential read, {format_bytes(block)} blocks", number_cell(rate), "MB/s", "", ""))
+        spread = _range_cell(result, f"seq_read_mb_s:{block}")
+        rows.append((f"sequential read, {format_bytes(block)} blocks", number_cell(rate), "MB/s", spread, "", ""))
     for point in result.randread_sweep:
         rows.append(
             (f"random 4 KiB read, {format_count(point.threads, 'thread')}", number_cell(point.iops), "IOPS",
-             f"{point.p50_ms:.3f}", f"{point.p99_ms:.3f}")
+             _range_cell(result, f"randread_4k_iops:{point.threads}"), f"{point.p50_ms:.3f}", f"{point.p99_ms:.3f}")
         )
     small_size = format_bytes(result.small_file_bytes)
     if result.small_file_reads_per_s is not None:
-        rows.append((f"small files ({small_size}), 1 thread", number_cell(result.small_file_reads_per_s_qd1), "files/s", "", ""))
-        rows.append(
-            (f"small files ({small_size}), {result.threads} threads", number_cell(result.small_file_reads_per_s), "files/s", "", "")
-        )
-    click.echo(text_table(rows, ("test", "rate", "", "p50 ms", "p99 ms"), "lrlrr"))
-    for warning in result.warnings:
-        click.echo(f"gpufeed: warning: {warning}", err=True)
+        for count, files in ((1, result.small_file_reads_per_s_qd1), (result.threads, result.small_file_reads_per_s)):
+            name = f"small files ({small_size}), {format_count(count, 'thread')}"
+            rows.append((name, number_cell(files), "files/s", _range_cell(result, f"small_file_reads_per_s:{count}"), "", ""))
+    return rows
+
+
+def _range_cell(result: DiskBenchResult, name: str) -> str:
+    """The runs' lowest and highest, and a mark when they disagree by more than the margin."""
+    figure = result.figures.get(name)
+    if figure is None or len(figure.runs) < 2:
+        return ""
+    mark = " unsteady" if name in result.unsteady else ""
+    return f"{number_cell(figure.low)}-{number_cell(figure.high)}{mark}"
 
 
 def _decoder_names(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:

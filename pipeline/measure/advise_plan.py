@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+from collections.abc import Sequence
 
 from ..errors import ConfigError
 from ..units import format_bytes, format_count, format_rate
@@ -16,6 +18,7 @@ MiB = 1 << 20
 NPY_GAIN = 1.25  # .npy must beat JPEG by this much to be worth its bytes
 SHARD_MIN, SHARD_MAX, SHARD_TARGET_COUNT = 16 * MiB, 256 * MiB, 64
 FREE_SPACE_SHARE = 0.8  # never plan to fill more than this share of the target's free space
+MIN_REPEATS = 2  # a spread needs two measurements
 STAGES = {
     "gpu": "GPU",
     "cpu_decode": "CPU decode (page-cached raw data)",
@@ -78,6 +81,8 @@ class AdviseInputs:
     storage_kind: str = "unknown"
     target_kind: str = "unknown"
     consumer: str = "GPU"  # what consumes the batches, as the sentences name it
+    task: str = "classification"  # what the samples hold (the listing's task)
+    resize_mode: str = "shorter"  # --mode: "longer" for the letterbox of detection and segmentation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +174,7 @@ def plan_advice(inputs: AdviseInputs) -> Advice:
     total = chosen.bytes_per_sample * inputs.samples
     recommendation = Recommendation(
         size=inputs.prepared_size,
-        mode="shorter",
+        mode=inputs.resize_mode,
         format=chosen.format,
         quality=inputs.quality,
         shard_bytes=shard_bytes_for(total),
@@ -184,8 +189,8 @@ def plan_advice(inputs: AdviseInputs) -> Advice:
             f"{format_count(max(1, math.ceil(total / recommendation.shard_bytes)), 'shard')}, read sequentially"
         ),
         (
-            "--variants 0: the loader's random-resized crop and flip are cheap at the prepared size; "
-            "use --variants K when your own augmentation costs CPU at training time"
+            f"--variants 0: the loader's {'letterbox' if inputs.resize_mode == 'longer' else 'random-resized crop'} "
+            "and flip are cheap at the prepared size; use --variants K when your own augmentation costs CPU at training time"
         ),
         f"num_workers={inputs.cores}: one decode thread per available core (as measured)",
     )
@@ -228,12 +233,129 @@ def _choose_format(inputs: AdviseInputs) -> tuple[Candidate, str]:
 
 
 def _size_reason(inputs: AdviseInputs) -> str:
+    if inputs.resize_mode == "longer":
+        return (
+            f"--size {inputs.prepared_size} --mode longer: {inputs.task} trains on the whole image letterboxed to "
+            f"{inputs.prepared_size} px, so its longer side is stored at the training size (a shorter-side resize "
+            "would store pixels the letterbox throws away)"
+        )
     if inputs.raw_shorter_side > inputs.prepared_size:
         return (
             f"--size {inputs.prepared_size}: pre-resize the {inputs.raw_shorter_side:.0f} px raw images "
             f"(shorter side) once, instead of decoding all their pixels every epoch"
         )
     return f"--size {inputs.prepared_size}: the raw images are already this small; packing them into shards is what helps"
+
+
+@dataclasses.dataclass(frozen=True)
+class Confidence:
+    """How sure a verdict is, from the measurement repeated until its ranking held (or did not).
+
+    Attributes:
+        stable: at least `MIN_REPEATS` repeats, each alone gave the verdict of their medians, and the
+            figures that decided it are further apart than their spread (their ranges do not overlap).
+        repeats: rounds measured.
+        spread: per figure ("cpu_decode", "storage", "jpeg", "npy", ...), (max − min) / median over the rounds.
+        close: where not stable, the two figures within noise: ((name, images/s), (name, images/s)).
+        statement: the same in one sentence.
+    """
+
+    stable: bool
+    repeats: int
+    spread: dict[str, float]
+    close: tuple[tuple[str, float], tuple[str, float]] | None
+    statement: str
+
+
+def round_figures(inputs: AdviseInputs) -> dict[str, float]:
+    """One round's images/s by name: the ceilings, then each candidate format's loader (capped by the target disk)."""
+    figures = {name: value for name, value in inputs.ceilings.as_dict().items() if value is not None}
+    figures.update({c.format: candidate_ceiling(c, inputs.target_read_mb_s) for c in inputs.candidates})
+    return figures
+
+
+def median_inputs(rounds: Sequence[AdviseInputs]) -> AdviseInputs:
+    """The rounds' inputs with every measured figure replaced by its median over the rounds."""
+    first = rounds[0]
+
+    def median(values: Sequence[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return float(statistics.median(present)) if present else None
+
+    ceilings = {
+        name: median([getattr(r.ceilings, name) for r in rounds]) for name in first.ceilings.as_dict()
+    }
+    candidates = tuple(
+        dataclasses.replace(
+            c,
+            loader_images_per_s=median([r.candidates[i].loader_images_per_s for r in rounds]) or 0.0,
+            others_cpu_share=median([r.candidates[i].others_cpu_share for r in rounds]),
+        )
+        for i, c in enumerate(first.candidates)
+    )
+    return dataclasses.replace(first, ceilings=Ceilings(**ceilings), candidates=candidates)  # type: ignore[arg-type]
+
+
+def judge_rounds(rounds: Sequence[AdviseInputs]) -> Confidence:
+    """Whether the verdict of the rounds' medians holds: the same in every round, its deciding figures apart.
+
+    The verdict is the bottleneck, whether preparing helps, and (where it does) the format. A
+    ranking is "apart" when the winner's range over the rounds does not reach the runner-up's.
+
+    Raises:
+        ConfigError: no rounds, or a round without candidates.
+    """
+    if not rounds:
+        raise ConfigError("a verdict needs at least one round of measurements")
+    merged = median_inputs(rounds)
+    verdict = _verdict(plan_advice(merged))
+    figures = [round_figures(r) for r in rounds]
+    names = [name for name in figures[0] if all(name in f for f in figures)]
+    ranges = {name: (min(f[name] for f in figures), max(f[name] for f in figures)) for name in names}
+    medians = round_figures(merged)
+    spread = {name: (high - low) / medians[name] if medians[name] else 0.0 for name, (low, high) in ranges.items()}
+    flips = sum(1 for r in rounds if _verdict(plan_advice(r)) != verdict)
+    close = _close_call(merged, verdict, ranges, medians)
+    n = len(rounds)
+    stable = n >= MIN_REPEATS and flips == 0 and close is None
+    if stable:
+        statement = f"stable: the same verdict in all {n} repeats, its deciding figures further apart than their spread"
+    elif n < MIN_REPEATS:
+        statement = "measured once: no spread to judge the verdict by"
+    else:
+        pair = close or _closest_pair(medians)
+        (a, va), (b, vb) = pair
+        changed = f"; {flips} of {n} repeats alone gave another verdict" if flips else ""
+        statement = f"not stable: the top two are within noise: {a} {va:.0f} vs {b} {vb:.0f} images/s over {n} repeats{changed}"
+        close = pair
+    return Confidence(stable, n, spread, close, statement)
+
+
+def _verdict(advice: Advice) -> tuple[str, bool, str | None]:
+    return advice.bottleneck, advice.prepare_helps, advice.recommendation.format if advice.prepare_helps else None
+
+
+def _close_call(
+    inputs: AdviseInputs, verdict: tuple[str, bool, str | None], ranges: dict[str, tuple[float, float]],
+    medians: dict[str, float],
+) -> tuple[tuple[str, float], tuple[str, float]] | None:
+    """The first decision whose two figures' ranges overlap: the bottleneck against the runner-up, then the format."""
+    stages = sorted((name for name in inputs.ceilings.as_dict() if name in ranges), key=lambda name: medians[name])
+    pairs = [(stages[0], stages[1], 1.0)] if len(stages) > 1 else []
+    if verdict[1] and {"jpeg", "npy"} <= ranges.keys():
+        pairs.append(("jpeg", "gpu", 1.0))  # whether JPEG alone would keep up
+        if medians["jpeg"] < medians["gpu"]:
+            pairs.append(("npy", "jpeg", NPY_GAIN))  # then whether .npy beats JPEG by the margin it must
+    for low_name, high_name, factor in pairs:
+        (low_a, high_a), (low_b, high_b) = ranges[low_name], ranges[high_name]
+        if high_a >= low_b * factor and high_b * factor >= low_a:
+            return (low_name, medians[low_name]), (high_name, medians[high_name] * factor)
+    return None
+
+
+def _closest_pair(medians: dict[str, float]) -> tuple[tuple[str, float], tuple[str, float]]:
+    ranked = sorted(medians.items(), key=lambda pair: pair[1])
+    return ranked[0], ranked[1] if len(ranked) > 1 else ranked[0]
 
 
 def diagnosis_sentence(bottleneck: str, inputs: AdviseInputs) -> str:
@@ -250,7 +372,8 @@ def diagnosis_sentence(bottleneck: str, inputs: AdviseInputs) -> str:
     ] / c.gpu
     if bottleneck == "cpu_decode":
         return (
-            f"CPU decode is the bottleneck: {format_count(inputs.cores, 'core')} decode and crop the raw images at "
+            f"CPU decode is the bottleneck: {format_count(inputs.cores, 'core')} decode and "
+            f"{'letterbox' if inputs.resize_mode == 'longer' else 'crop'} the raw images at "
             f"{format_rate(c.cpu_decode)}, but the {gpu} could take {format_rate(c.gpu)}, so it waits {waits:.0%} of the time."
         )
     if bottleneck == "storage":
@@ -267,7 +390,7 @@ def diagnosis_sentence(bottleneck: str, inputs: AdviseInputs) -> str:
 
 
 __all__ = [
-    "FREE_SPACE_SHARE", "NPY_GAIN", "SHARD_MAX", "SHARD_MIN", "SHARD_TARGET_COUNT", "STAGES", "Advice", "AdviseInputs",
-    "Candidate", "Ceilings", "Recommendation", "candidate_ceiling", "diagnosis_sentence", "find_bottleneck",
-    "plan_advice", "shard_bytes_for",
+    "FREE_SPACE_SHARE", "MIN_REPEATS", "NPY_GAIN", "SHARD_MAX", "SHARD_MIN", "SHARD_TARGET_COUNT", "STAGES", "Advice",
+    "AdviseInputs", "Candidate", "Ceilings", "Confidence", "Recommendation", "candidate_ceiling", "diagnosis_sentence",
+    "find_bottleneck", "judge_rounds", "median_inputs", "plan_advice", "round_figures", "shard_bytes_for",
 ]

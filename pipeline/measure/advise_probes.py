@@ -6,7 +6,9 @@
 - `pack_raw_sample` + `loader_point`: the loader over the page-cached raw sample (CPU decode);
 - `host_to_device_rate`: uint8 batch copies to the GPU (CUDA only);
 - `target_disk_figures`: the target disk's sequential reads and kind (a short `bench disk`);
-- `measure_candidate` / `prepare_sample`: the sample prepared one way and the loader over it.
+- `source_task`: what the source holds (prepare's listing, or a prepared dataset's manifest);
+- `write_sample_source` / `prepare_sample` / `measure_candidate`: the sample, its targets kept,
+  prepared one way, and the loader over it.
 
 Everything is written into a `scratch_folder` on the target, removed afterwards.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import statistics
@@ -196,10 +199,11 @@ def pack_raw_sample(items: list[Any], blobs: list[bytes], scratch: str) -> str:
     return os.path.join(folder, "shard-{000000..000000}.tar")
 
 
-def loader_point(dataset: str, batch_size: int, workers: int, device: str, seconds: float) -> Any:
+def loader_point(dataset: str, batch_size: int, workers: int, device: str, seconds: float, **options: Any) -> Any:
+    """The loader over `dataset` with make_loader's `options` (crop, recipe, decoder), timed for `seconds`."""
     from .loader import measure_loader
 
-    return measure_loader(dataset, batch_size=batch_size, num_workers=workers, device=device, min_seconds=seconds)
+    return measure_loader(dataset, batch_size=batch_size, num_workers=workers, device=device, min_seconds=seconds, **options)
 
 
 def host_to_device_rate(batch_size: int, crop: int, device: str) -> float | None:
@@ -238,35 +242,168 @@ def target_disk_figures(target: str, details: dict[str, Any]) -> tuple[float | N
     return disk.seq_read_mb_s, free
 
 
+def source_task(source: str, split: str | None = None) -> tuple[str, list[str]]:
+    """What SOURCE holds and its class names, as prepare's listing tells them (`ListingInfo.task`).
+
+    A prepared dataset (a folder with a manifest.json, or the manifest) gives its manifest's task.
+    Each layout's listing sets the task before its first item, so one item is listed
+    (of `split`, a YOLO dataset's split, where given).
+
+    Raises:
+        SourceError, ConfigError, ManifestError: as listing SOURCE.
+    """
+    from ..io.fs import local_path
+    from ..prepare.sources import ListingInfo, list_images
+
+    local = local_path(source)
+    if local is not None:
+        from ..manifest import MANIFEST_NAME, read_manifest
+
+        folder = local if os.path.isdir(local) else os.path.dirname(local)
+        if (local == folder or os.path.basename(local) == MANIFEST_NAME) and os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+            found = read_manifest(folder)
+            return found.task, list(found.classes)
+    info = ListingInfo()
+    for _ in list_images(source, info, split=split):
+        break
+    return info.task, list(info.classes)
+
+
+def write_sample_source(items: list[Any], scratch: str, task: str, classes: list[str]) -> str:
+    """The sample as a source prepare lists with its targets; returns its path.
+
+    Classification (and the tasks a list carries): a JSONL list of the files.
+    Detection: a COCO JSON over copies of the images, the boxes in their pixels
+    (YOLO's fractions times the stored size). Segmentation: images/ and masks/
+    folders of copies. The copies stay inside the scratch folder, as prepare wants.
+    """
+    if task == "detection":
+        return _write_coco_sample(items, os.path.join(scratch, "sample-coco"))
+    if task == "segmentation":
+        return _write_segmentation_sample(items, os.path.join(scratch, "sample-segmentation"), classes)
+    listing = os.path.join(scratch, "sample.jsonl")
+    with open(listing, "w", encoding="utf-8") as handle:
+        for number, item in enumerate(items):
+            handle.write(json.dumps({"path": _sample_path(item, scratch, number), **_list_targets(item)}) + "\n")
+    return listing
+
+
+def _sample_path(item: Any, scratch: str, number: int) -> str:
+    from ..io.fs import local_path
+
+    local = local_path(item.url)
+    if isinstance(item.targets, dict) and item.targets.get("tar") is not None:
+        return _extracted_member(item, scratch, number)  # a list row names a file: the member, not its tar
+    # A list's relative paths are relative to the list's own folder: write absolute ones.
+    return os.path.abspath(local) if local is not None else item.url
+
+
+def _list_targets(item: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {"label": item.label} if item.label is not None else {}
+    targets = item.targets if isinstance(item.targets, dict) else {}
+    if "labels" in targets:
+        row["labels"] = targets["labels"]
+    if "caption" in targets:
+        row["caption"] = targets["caption"]
+    return row
+
+
+def _copy_image(item: Any, folder: str, number: int) -> tuple[str, tuple[int, int]]:
+    """The item's bytes written as folder/NNNNNN.<ext>; returns (file name, stored size; (0, 0) if it does not open)."""
+    from ..decode import open_image
+    from ..errors import DecodeError
+    from .decode import item_bytes
+
+    try:
+        data = item_bytes(item)
+    except (OSError, ValueError):
+        data = b""  # prepare rejects it, as it would the original
+    name = f"{number:06d}.{_member_extension(item.rel)}"
+    with open(os.path.join(folder, name), "wb") as handle:
+        handle.write(data)
+    try:
+        return name, open_image(data).size
+    except DecodeError:
+        return name, (0, 0)
+
+
+def _write_coco_sample(items: list[Any], folder: str) -> str:
+    os.makedirs(folder)
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
+    categories: dict[str, int] = {}
+    for number, item in enumerate(items):
+        name, (width, height) = _copy_image(item, folder, number)
+        images.append({"id": number, "file_name": name, "width": width, "height": height})
+        targets = item.targets if isinstance(item.targets, dict) else {}
+        # YOLO's fractions are of the upright image; for the timing, the stored size places them closely enough.
+        scale = (width, height, width, height) if targets.get("normalized") else (1, 1, 1, 1)
+        crowds = targets.get("iscrowd") or []
+        for index, (box, label) in enumerate(zip(targets.get("boxes") or [], targets.get("box_labels") or [])):
+            x0, y0, x1, y1 = (float(v) * s for v, s in zip(box, scale))
+            annotations.append({
+                "id": len(annotations) + 1, "image_id": number, "category_id": categories.setdefault(str(label), len(categories) + 1),
+                "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0),
+                "iscrowd": int(bool(crowds[index])) if index < len(crowds) else 0,
+            })
+    coco = {"images": images, "annotations": annotations, "categories": [{"id": i, "name": n} for n, i in categories.items()]}
+    path = os.path.join(folder, "instances.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(coco, handle)
+    return path
+
+
+def _write_segmentation_sample(items: list[Any], folder: str, classes: list[str]) -> str:
+    from ..io.fs import read_source_bytes
+    from .decode import MAX_FILE_BYTES
+
+    images, masks = os.path.join(folder, "images"), os.path.join(folder, "masks")
+    os.makedirs(images)
+    os.makedirs(masks)
+    for number, item in enumerate(items):
+        name, _ = _copy_image(item, images, number)
+        mask = item.targets.get("mask") if isinstance(item.targets, dict) else None
+        if not isinstance(mask, str):
+            continue  # prepare rejects the image without its mask, as it would the original
+        try:
+            data = read_source_bytes(mask, MAX_FILE_BYTES)
+        except (OSError, ValueError):
+            continue
+        extension = os.path.splitext(mask)[1].lower() or ".png"
+        with open(os.path.join(masks, os.path.splitext(name)[0] + extension), "wb") as handle:
+            handle.write(data)
+    if classes:
+        with open(os.path.join(folder, "classes.txt"), "w", encoding="utf-8") as handle:
+            handle.write("".join(f"{name}\n" for name in classes))
+    return folder
+
+
 def measure_candidate(
-    items: list[Any], scratch: str, fmt: str, size: int, batch_size: int, workers: int, device: str, seconds: float
+    source: str, scratch: str, fmt: str, size: int, batch_size: int, workers: int, device: str, seconds: float,
+    *, mode: str = "shorter", **options: Any,
 ) -> Candidate:
-    """Prepare the sample with `fmt` at `size` (the real prepare) and run the loader over it."""
-    out, bytes_per_sample = prepare_sample(items, scratch, fmt, size, workers)
-    point = loader_point(out, batch_size, workers, device, seconds)
+    """Prepare the sample source with `fmt` at `size` (the real prepare) and run the loader over it once."""
+    out, bytes_per_sample = prepare_sample(source, scratch, fmt, size, workers, mode=mode)
+    point = loader_point(out, batch_size, workers, device, seconds, **options)
     return Candidate(fmt, point.idle_images_per_s, bytes_per_sample, point.others_cpu_share)
 
 
-def prepare_sample(items: list[Any], scratch: str, fmt: str, size: int, workers: int) -> tuple[str, float]:
-    """`gpufeed prepare` of just the sample into scratch/<fmt>; returns (folder, mean bytes per sample)."""
-    from ..io.fs import local_path
+def prepare_sample(
+    source: str | list[Any], scratch: str, fmt: str, size: int, workers: int, *, mode: str = "shorter"
+) -> tuple[str, float]:
+    """`gpufeed prepare` of the sample into scratch/<fmt>; returns (folder, mean bytes per sample).
+
+    `source` is the sample source `write_sample_source` wrote, or the sampled items (listed as a JSONL list).
+    """
     from ..io.output import Output
     from ..manifest import read_manifest
     from ..prepare.job import prepare_dataset
     from ..specs import EncodeSpec, PrepareSpec, ResizeSpec
 
-    listing = os.path.join(scratch, f"sample-{fmt}.jsonl")
-    with open(listing, "w", encoding="utf-8") as handle:
-        for number, item in enumerate(items):
-            local = local_path(item.url)
-            # A list's relative paths are relative to the list's own folder: write absolute ones.
-            path = os.path.abspath(local) if local is not None else item.url
-            if isinstance(item.targets, dict) and item.targets.get("tar") is not None:
-                path = _extracted_member(item, scratch, number)  # a list row names a file: the member, not its tar
-            label = f', "label": {_json_string(item.label)}' if item.label is not None else ""
-            handle.write(f'{{"path": {_json_string(path)}{label}}}\n')
+    if not isinstance(source, str):
+        source = write_sample_source(source, scratch, "classification", [])
     out = os.path.join(scratch, fmt)
-    spec = PrepareSpec(source=listing, out=out, resize=ResizeSpec(size=size), encode=EncodeSpec(format=fmt))
+    spec = PrepareSpec(source=source, out=out, resize=ResizeSpec(size=size, mode=mode), encode=EncodeSpec(format=fmt))
     prepare_dataset(spec, workers=workers, force=True)
     manifest = read_manifest(Output(out))
     return out, sum(s.bytes for s in manifest.shards) / max(1, manifest.samples)
@@ -287,12 +424,6 @@ def _extracted_member(item: Any, scratch: str, number: int) -> str:
         with open(path, "wb") as handle:
             handle.write(data)
     return path
-
-
-def _json_string(value: str) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 def median_shorter_side(blobs: list[bytes]) -> float:
@@ -321,5 +452,5 @@ def describe_storage(source: str, device_info: Any, details: dict[str, Any]) -> 
 __all__ = [
     "ModelConsumption", "cold_read_rate", "describe_storage", "host_to_device_rate", "loader_point",
     "measure_candidate", "median_shorter_side", "model_consumption", "model_rate", "pack_raw_sample",
-    "prepare_sample", "read_size", "scratch_folder", "target_disk_figures",
+    "prepare_sample", "read_size", "scratch_folder", "source_task", "target_disk_figures", "write_sample_source",
 ]

@@ -106,11 +106,12 @@ class DecodeBenchResult:
 # Samples
 
 
-def sample_sources(source: str, count: int, seed: int = 0) -> tuple[list[SourceItem], int]:
+def sample_sources(source: str, count: int, seed: int = 0, split: str | None = None) -> tuple[list[SourceItem], int]:
     """An even random sample of `count` images of `source` (reservoir: one pass, flat memory).
 
     Only what prepare would take is sampled: an image the listing already
-    rejects (beside class folders) is left out, and not counted.
+    rejects (beside class folders) is left out, and not counted. `split`: a
+    YOLO dataset's split, as prepare's.
 
     Returns:
         (sampled items in listing order, number of images listed that prepare would take).
@@ -122,7 +123,7 @@ def sample_sources(source: str, count: int, seed: int = 0) -> tuple[list[SourceI
     rng = random.Random(seed)
     chosen: list[tuple[int, SourceItem]] = []
     listed = 0
-    for index, item in enumerate(item for item in list_images(source) if not item.rejected):
+    for index, item in enumerate(item for item in list_images(source, split=split) if not item.rejected):
         listed += 1
         if len(chosen) < count:
             chosen.append((index, item))
@@ -180,14 +181,16 @@ def read_sample(items: list[SourceItem]) -> list[bytes]:
     return blobs
 
 
-def usable_sample(source: str, count: int, seed: int = 0) -> tuple[list[SourceItem], list[bytes], int]:
+def usable_sample(
+    source: str, count: int, seed: int = 0, split: str | None = None
+) -> tuple[list[SourceItem], list[bytes], int]:
     """`sample_sources`, then only the images prepare accepts: readable, and decoding in full.
 
     Returns:
         (items, their bytes, number of images listed that prepare would take); a
         sampled file prepare would reject is left out, so fewer than `count` may come back.
     """
-    items, listed = sample_sources(source, count, seed)
+    items, listed = sample_sources(source, count, seed, split)
     kept, blobs = [], []
     for item in items:
         try:

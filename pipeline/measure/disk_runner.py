@@ -1,10 +1,16 @@
 """The runs behind `gpufeed bench disk`: the test files, the timed read loops, and their private folder.
 
 `work_folder(path)` makes the private folder under PATH and removes it afterwards, on Ctrl-C and
-SIGTERM too. `DiskRunner` writes the test files there and times the reads over them: sequential,
-random 4 KiB from N threads (`record_random_reads` sweeps the thread counts into the result) and
-small files. Reads use O_DIRECT into page-aligned buffers (`aligned_buffer`) where the filesystem
-allows it, else `posix_fadvise(DONTNEED)` evicts the files first.
+SIGTERM too. `DiskRunner` writes the test files there and times one run of each read over them:
+sequential, random 4 KiB from N threads and small files. `record_sequential`, `record_random_reads`
+and `record_small_files` repeat those runs (the settings' order rotated each round, so a drift in
+the disk's speed hits every setting alike) and put the medians and their spread into the result.
+Reads use O_DIRECT into page-aligned buffers (`aligned_buffer`) where the filesystem allows it, else
+`posix_fadvise(DONTNEED)` evicts the files first.
+
+As fio does (`scramble_buffers`, its random map), every 4 KiB page written carries its own number,
+so a deduplicating or compressing layer cannot serve many pages from one, and the random reads
+visit the file's blocks in a random order, each once per pass, so repeats do not hit a cache.
 """
 
 from __future__ import annotations
@@ -17,15 +23,17 @@ import os
 import random
 import shutil
 import signal
+import statistics
+import struct
 import tempfile
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import StorageError
-from .disk_result import DiskBenchResult, RandomReadPoint
+from .disk_result import DiskBenchResult, RandomReadPoint, Spread
 
 PAGE = 4096
 RANDOM_BLOCK = 4096
@@ -71,9 +79,10 @@ def _sigterm_as_interrupt() -> Any:
 class DiskRunner:
     """The test files of one run and the read loops over them."""
 
-    def __init__(self, work: str, direct: bool, duration_s: float, seed: int) -> None:
+    def __init__(self, work: str, direct: bool, duration_s: float, seed: int, evict: bool = True) -> None:
         self.work = work
         self.direct = direct
+        self.evict = evict
         self.duration_s = duration_s
         self.seed = seed
         self.data_path = os.path.join(work, "data")
@@ -93,11 +102,11 @@ class DiskRunner:
             try:
                 written = 0
                 while written < size:
+                    _number_pages(buffer, written // PAGE)
                     written += _write_all(fd, buffer)
                 os.fsync(fd)
                 seconds = time.perf_counter() - started
-                if not self.direct:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                self._evict(fd)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -128,8 +137,13 @@ class DiskRunner:
                 self.direct = False
         return os.open(path, flags, 0o600)
 
+    @property
+    def evicting(self) -> bool:
+        """Whether reads drop their pages from the cache (no O_DIRECT, and the cache not kept on purpose)."""
+        return self.evict and not self.direct
+
     def _evict(self, fd: int) -> None:
-        if not self.direct:
+        if self.evicting:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def sequential_read(self, block: int) -> float:
@@ -168,10 +182,12 @@ class DiskRunner:
             if not self.direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             blocks = self.file_bytes // RANDOM_BLOCK
-            evict = not self.direct
+            evict = self.evicting
+            self.seed += 1  # each run (and thread) walks the file in its own order
 
             def work(index: int, stop: threading.Event, deadline_ns: int) -> array:
-                return _random_read_loop(fd, blocks, random.Random(self.seed * 1000 + index), stop, deadline_ns, evict)
+                walk = block_walk(blocks, random.Random(self.seed * 1000 + index))
+                return _random_read_loop(fd, walk, stop, deadline_ns, evict)
 
             latencies, seconds = _run_threads(threads, work, self.duration_s)
         finally:
@@ -181,15 +197,18 @@ class DiskRunner:
     def write_small_files(self, count: int, size: int) -> None:
         folder = os.path.join(self.work, "small")
         os.makedirs(folder)
-        data = os.urandom(size)
+        data = bytearray(os.urandom(size))
+        pages = -(-size // PAGE)
         try:
             for index in range(count):
                 path = os.path.join(folder, f"{index:06d}.bin")
+                _number_pages(data, index * pages)
                 with open(path, "wb") as handle:
                     handle.write(data)
                     handle.flush()
                     os.fsync(handle.fileno())
-                    os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    if self.evict:
+                        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 self.small_paths.append(path)
         except OSError as exc:
             raise _storage_error(folder, exc) from exc
@@ -209,8 +228,7 @@ class DiskRunner:
                     fd = self._open_read(paths[next(counter) % len(paths)])
                     try:
                         os.preadv(fd, [buffer], 0)  # the buffer holds the whole file
-                        if not self.direct:
-                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        self._evict(fd)
                     finally:
                         os.close(fd)
                     done.append(1)
@@ -224,10 +242,30 @@ class DiskRunner:
         return len(reads) / seconds
 
 
-def _random_read_loop(
-    fd: int, blocks: int, rng: random.Random, stop: threading.Event, deadline_ns: int, evict: bool
-) -> array:
-    """Timed 4 KiB reads at random aligned offsets until the deadline.
+def block_walk(blocks: int, rng: random.Random) -> Iterator[int]:
+    """The block numbers 0 … blocks-1 in a random order, each once per pass, then again (endlessly).
+
+    A full-period linear congruential sequence over the next power of two (a = 1 mod 4 and c odd
+    visit every value once per period), passed through an invertible mix (xor-shift, multiply by an
+    odd number) that hides the sequence's regular steps, skipping the values past the end: no
+    memory per block, so it serves a file of any size, and the offsets jump across the whole file.
+    """
+    bits = max(2, (blocks - 1).bit_length())
+    mask, shift = (1 << bits) - 1, max(1, bits // 2)
+    multiplier = (rng.randrange(1, max(2, 1 << (bits - 2))) << 2) | 1
+    increment, mix = rng.randrange(mask + 1) | 1, rng.randrange(mask + 1) | 1
+    value = rng.randrange(mask + 1)
+    while True:
+        value = (multiplier * value + increment) & mask
+        mixed = value ^ (value >> shift)
+        mixed = (mixed * mix) & mask
+        mixed ^= mixed >> shift
+        if mixed < blocks:
+            yield mixed
+
+
+def _random_read_loop(fd: int, walk: Iterator[int], stop: threading.Event, deadline_ns: int, evict: bool) -> array:
+    """Timed 4 KiB reads at the walk's aligned offsets until the deadline.
 
     Kept lean because at queue depth 1 every microsecond of Python per read
     shows in the IOPS of a fast disk: offsets are drawn in blocks, the
@@ -239,7 +277,7 @@ def _random_read_loop(
     clock, pread, record = time.perf_counter_ns, os.preadv, latencies.append
     try:
         while not stop.is_set():
-            offsets = [rng.randrange(blocks) * RANDOM_BLOCK for _ in range(256)]
+            offsets = [block * RANDOM_BLOCK for block in itertools.islice(walk, 256)]
             for offset in offsets:
                 before = clock()
                 pread(fd, buffers, offset)
@@ -300,11 +338,57 @@ def _run_threads(
     return merged, seconds
 
 
-def record_random_reads(runner: DiskRunner, result: DiskBenchResult, threads: int) -> None:
-    """Random reads at 1, 4, 16, 64 … `threads` threads into `result`: the sweep and the QD1 / QDN figures."""
+def _rotated(settings: Sequence[int], turn: int) -> list[int]:
+    """`settings` starting at a different one each round, so no setting always runs first."""
+    shift = turn % len(settings)
+    return [*settings[shift:], *settings[:shift]]
+
+
+def record_sequential(runner: DiskRunner, result: DiskBenchResult, blocks: Sequence[int], repeats: int) -> None:
+    """Sequential reads, `repeats` runs per block size, into `result`: the medians, their spread, the headline.
+
+    The headline (`seq_read_mb_s`) is the median of the block size whose median is highest.
+    """
+    runs: dict[int, list[float]] = {block: [] for block in blocks}
+    for turn in range(repeats):
+        for block in _rotated(blocks, turn):
+            runs[block].append(runner.sequential_read(block))
+    for block in blocks:
+        figure = result.figures[f"seq_read_mb_s:{block}"] = Spread.of(runs[block])
+        result.seq_read_by_block[block] = figure.median
+    result.seq_read_block = max(blocks, key=result.seq_read_by_block.__getitem__)
+    result.seq_read_mb_s = result.seq_read_by_block[result.seq_read_block]
+
+
+def record_small_files(runner: DiskRunner, result: DiskBenchResult, threads: int, repeats: int) -> None:
+    """Small-file reads with one and `threads` threads, `repeats` runs each, into `result`."""
+    counts = sorted({1, threads})
+    runs: dict[int, list[float]] = {count: [] for count in counts}
+    for turn in range(repeats):
+        for count in _rotated(counts, turn):
+            runs[count].append(runner.small_file_reads(count))
+    medians = {count: _record(result, f"small_file_reads_per_s:{count}", runs[count]) for count in counts}
+    result.small_file_reads_per_s_qd1 = medians[1]
+    result.small_file_reads_per_s = medians[threads]
+    result.small_file_mb_s = medians[threads] * result.small_file_bytes / 1e6
+
+
+def _record(result: DiskBenchResult, name: str, runs: list[float]) -> float:
+    figure = result.figures[name] = Spread.of(runs)
+    return figure.median
+
+
+def record_random_reads(runner: DiskRunner, result: DiskBenchResult, threads: int, repeats: int = 1) -> None:
+    """Random reads at 1, 4, 16, 64 … `threads` threads, `repeats` runs each, into `result`.
+
+    Each point of the sweep holds the medians over its runs; the QD1 / QDN figures are its ends.
+    """
     counts = sorted({1, threads, *(n for n in (4, 16, 64) if n < threads)})
-    for count in counts:
-        result.randread_sweep.append(runner.random_reads(count))
+    runs: dict[int, list[RandomReadPoint]] = {count: [] for count in counts}
+    for turn in range(repeats):
+        for count in _rotated(counts, turn):
+            runs[count].append(runner.random_reads(count))
+    result.randread_sweep = [_median_point(result, count, runs[count]) for count in counts]
     qd1 = result.randread_sweep[0]
     qdn = next(p for p in result.randread_sweep if p.threads == threads)
     result.randread_4k_iops_qd1, result.randread_4k_p50_ms_qd1, result.randread_4k_p99_ms_qd1 = (
@@ -312,6 +396,20 @@ def record_random_reads(runner: DiskRunner, result: DiskBenchResult, threads: in
     )
     result.randread_4k_iops_qdn, result.randread_4k_p50_ms_qdn, result.randread_4k_p99_ms_qdn = (
         qdn.iops, qdn.p50_ms, qdn.p99_ms
+    )
+
+
+def _median_point(result: DiskBenchResult, threads: int, runs: list[RandomReadPoint]) -> RandomReadPoint:
+    """One point of the sweep: each figure the median of its runs (kept with their spread in `result`)."""
+    iops = _record(result, f"randread_4k_iops:{threads}", [run.iops for run in runs])
+    return RandomReadPoint(
+        threads=threads,
+        iops=iops,
+        mb_s=iops * RANDOM_BLOCK / 1e6,
+        p50_ms=_record(result, f"randread_4k_p50_ms:{threads}", [run.p50_ms for run in runs]),
+        p99_ms=_record(result, f"randread_4k_p99_ms:{threads}", [run.p99_ms for run in runs]),
+        mean_ms=statistics.median(run.mean_ms for run in runs),
+        reads=sum(run.reads for run in runs),
     )
 
 
@@ -344,6 +442,12 @@ def aligned_buffer(size: int, fill: bool = False) -> mmap.mmap:
     return buffer
 
 
+def _number_pages(buffer: mmap.mmap | bytearray, first: int) -> None:
+    """Write each 4 KiB page's number into its first 8 bytes, so that no two pages of the test files are alike."""
+    for index in range((len(buffer) + PAGE - 8) // PAGE):
+        struct.pack_into("<Q", buffer, index * PAGE, first + index)
+
+
 def _write_all(fd: int, buffer: mmap.mmap) -> int:
     view = memoryview(buffer)
     try:
@@ -361,4 +465,7 @@ def _storage_error(path: str, exc: OSError) -> StorageError:
     return write_failure(path, exc)
 
 
-__all__ = ["O_DIRECT", "PAGE", "RANDOM_BLOCK", "WORK_PREFIX", "DiskRunner", "aligned_buffer", "record_random_reads", "work_folder"]
+__all__ = [
+    "O_DIRECT", "PAGE", "RANDOM_BLOCK", "WORK_PREFIX", "DiskRunner", "aligned_buffer", "block_walk", "record_random_reads",
+    "record_sequential", "record_small_files", "work_folder",
+]

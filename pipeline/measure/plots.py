@@ -343,8 +343,9 @@ def plot_watch(report: Any, path: str | os.PathLike[str]) -> str:
 
 
 def watch_figure(report: Any) -> Any:
-    """A watched run over time (a WatchReport): stall and GPU busy share, and the CPU cores busy."""
-    figure, (shares, cores) = _figure(rows=2, sharex=True)
+    """A watched run over time (a WatchReport): stall and GPU busy share, the CPU cores busy (the process tree's
+    and the whole machine's), and the disk (the tree's storage reads and the device's busy share)."""
+    figure, (shares, cores, disk) = _figure(height=7.0, rows=3, sharex=True)
     times = [s.elapsed_s for s in report.samples]
     stalls = [100 * s.stall_fraction if s.stall_fraction is not None else float("nan") for s in report.samples]
     shares.plot(times, stalls, marker="o", color=BAD, label="stall (% of the loop waiting for data)")
@@ -355,11 +356,25 @@ def watch_figure(report: Any) -> Any:
     shares.set_ylabel("stall, GPU busy (%)")
     cores.plot(times, [s.loop_cores for s in report.samples], color=ACCENT, label="training processes (cores)")
     cores.plot(times, [s.worker_cores for s in report.samples], color=NEUTRAL, label="their workers (cores)")
+    cores.plot(times, [s.cores_busy for s in report.samples], color=BAD, linestyle=":", label="whole machine (cores)")
     cores.axhline(report.cores, color=NEUTRAL, linestyle="--", label=f"cores available ({report.cores})")
     cores.set_ylim(0, 1.15 * report.cores)
     cores.set_ylabel("CPU cores busy")
-    cores.set_xlabel("seconds since start")
-    _legend_below(figure, shares, cores)
+    reads = [s.read_mb_s for s in report.samples]
+    disk.plot(times, reads, color=ACCENT, marker=".", label="storage reads (MB/s)")
+    disk.set_ylim(0, 1.15 * max(reads, default=0.0) or 1.0)
+    disk.set_ylabel("reads (MB/s)")
+    disk.set_xlabel("seconds since start")
+    busy_axis = []
+    if any(s.device_busy is not None for s in report.samples):
+        device = next((s.device for s in report.samples if s.device), "") or "device"
+        busy = disk.twinx()
+        busy.plot(times, [100 * s.device_busy if s.device_busy is not None else float("nan") for s in report.samples],
+                  color=NEUTRAL, linestyle="--", label=f"{device} busy (%)")  # fmt: skip
+        busy.set_ylim(0, 105)
+        busy.set_ylabel("disk busy (%)")
+        busy_axis.append(busy)
+    _legend_below(figure, shares, cores, disk, *busy_axis)
     cause = f" ({report.verdict.cause})" if report.verdict.cause else ""
     shares.set_title(f"gpufeed watch: {report.verdict.bound}{cause}")
     return figure

@@ -27,8 +27,13 @@ MAX_LINE_BYTES = 256 << 10  # a record is under 1 KiB; its argv is cut to 8 argu
 _MAX_COUNT = 1 << 53  # counters past this are not counts (and would lose their value as floats)
 _MAX_SECONDS = 1e9  # about 30 years
 
+MAX_LOADERS = 64  # loaders (creation sites) in one record; the recorder keeps 32
+MAX_SITE_CHARS = 400  # "Dataset at file.py:line"
 _LOOP_COUNTS = ("batches", "samples", "iterations", "num_workers")
 _LOOP_SECONDS = ("wait_s", "step_s", "first_s")
+_LOADER_COUNTS = (*_LOOP_COUNTS, "batch_size", "tensors", "nograd", "eval_mode", "updated")
+_LOADER_SECONDS = (*_LOOP_SECONDS, "model_s", "outside_s", "outside_cpu_s")
+_KINDS = ("torch", "gpufeed")
 _FETCH_COUNTS = ("batches",)
 _FETCH_SECONDS = ("seconds", "cpu_s", "runq_s")
 
@@ -63,6 +68,43 @@ def _part(record: dict[str, Any], name: str, counts: tuple[str, ...], seconds: t
     return kept
 
 
+def _site(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > MAX_SITE_CHARS:
+        raise BadRecord("site is not a short string")
+    return value
+
+
+def _loaders(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's loaders, checked; a record of the older shape gives its "torch" and "gpufeed" parts as loaders."""
+    loaders = record.get("loaders")
+    if loaders is None:
+        parts = [(kind, _part(record, kind, _LOADER_COUNTS, _LOADER_SECONDS)) for kind in _KINDS]
+        fetch = _part(record, "fetch", _FETCH_COUNTS, _FETCH_SECONDS)  # this shape kept the Dataset's time there
+        return [{**part, "site": "", "kind": kind, "fetch": fetch} for kind, part in parts if part["batches"]]
+    if not isinstance(loaders, list) or len(loaders) > MAX_LOADERS:
+        raise BadRecord(f"loaders is not a list of at most {MAX_LOADERS}")
+    kept = []
+    for loader in loaders:
+        if not isinstance(loader, dict):
+            raise BadRecord("a loader is not an object")
+        kind = loader.get("kind")
+        if kind not in _KINDS:
+            raise BadRecord("a loader's kind is neither torch nor gpufeed")
+        checked = _part({"loader": loader}, "loader", _LOADER_COUNTS, _LOADER_SECONDS)
+        checked.update(site=_site(loader.get("site", "")), kind=kind)
+        checked["fetch"] = _part(loader, "fetch", _FETCH_COUNTS, _FETCH_SECONDS)
+        kept.append(checked)
+    return kept
+
+
+def _totals(loaders: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """The counters of one kind's loaders added up."""
+    mine = [loader for loader in loaders if loader["kind"] == kind]
+    totals: dict[str, Any] = {field: sum(loader[field] for loader in mine) for field in _LOOP_COUNTS}
+    totals.update({field: sum(loader[field] for loader in mine) for field in _LOOP_SECONDS})
+    return totals
+
+
 def parse_record(line: bytes, pid: int) -> dict[str, Any]:
     """The record of one line of `<pid>.jsonl`, with only the fields the sampler reads, checked.
 
@@ -71,8 +113,10 @@ def parse_record(line: bytes, pid: int) -> dict[str, Any]:
         pid: the process the file is named after: the record must be that process's.
 
     Returns:
-        {"pid", "ppid", "rank", "worker", "torch", "gpufeed", "fetch"}: counts as ints and seconds
-        as finite floats, all ≥ 0; missing counters are 0.
+        {"pid", "ppid", "rank", "worker", "site", "updates", "sampler_cpu_s", "loaders", "fetch"}: counts
+        as ints and seconds as finite floats, all ≥ 0; missing counters are 0; "site" (a worker's loader)
+        a short string or None; "loaders" one dict per loader (its counters, "site", "kind", "fetch");
+        "torch" and "gpufeed" the counters of each kind's loaders added up.
 
     Raises:
         BadRecord: the line is not such a record (invalid JSON, another shape or type, a value out of range).
@@ -91,13 +135,19 @@ def parse_record(line: bytes, pid: int) -> dict[str, Any]:
     worker = record.get("worker", False)
     if not isinstance(worker, bool):
         raise BadRecord("worker is not true or false")
+    site = record.get("site")
+    loaders = _loaders(record)
     return {
         "pid": pid,
         "ppid": _count(ppid),
         "rank": None if rank is None else _count(rank),
         "worker": worker,
-        "torch": _part(record, "torch", _LOOP_COUNTS, _LOOP_SECONDS),
-        "gpufeed": _part(record, "gpufeed", _LOOP_COUNTS, _LOOP_SECONDS),
+        "site": None if site is None else _site(site),
+        "updates": _count(record.get("updates", 0)),
+        "sampler_cpu_s": _seconds(record.get("sampler_cpu_s", 0.0)),
+        "loaders": loaders,
+        "torch": _totals(loaders, "torch"),
+        "gpufeed": _totals(loaders, "gpufeed"),
         "fetch": _part(record, "fetch", _FETCH_COUNTS, _FETCH_SECONDS),
     }
 
@@ -214,4 +264,4 @@ def _read_regular(path: str, followed: _Followed, window: int) -> bytes | None:
         os.close(fd)
 
 
-__all__ = ["MAX_FILES", "MAX_LINE_BYTES", "READ_WINDOW", "BadRecord", "RecorderFiles", "parse_record"]
+__all__ = ["MAX_FILES", "MAX_LOADERS", "MAX_LINE_BYTES", "READ_WINDOW", "BadRecord", "RecorderFiles", "parse_record"]

@@ -11,19 +11,27 @@ from typing import Any
 
 from ..units import wait_share
 
+REPORT_VERSION = 2
+"""The version of the JSON report's shape (`WatchReport.to_dict`), raised when a field changes meaning."""
+
 
 @dataclasses.dataclass
 class LoopFigures:
-    """One training process's loop: what it waited for data against its own steps.
+    """One loader of one process: what the loop waited for its batches against the steps that followed them.
 
     Attributes:
         pid: the process.
         rank: its RANK (torchrun, accelerate), None when not distributed.
-        kind: "torch" (DataLoader) or "gpufeed" (Loader); "torch+gpufeed" when both ran.
+        kind: "torch" (DataLoader) or "gpufeed" (Loader).
+        site: where the loader was made ("Dataset at file.py:line").
+        role: "training" (optimizer steps or backward passes follow its batches, or, in a process
+            without any, its batches come with grad enabled and the model in train mode) or "evaluation".
         batches, samples: delivered (samples from the loader's batch size).
         wait_s: seconds inside `next()` after each iteration's first batch.
-        step_s: seconds between batches (the loop's own work: forward, backward, step).
-        first_s: seconds the first batch of each iteration took (worker start-up included).
+        step_s: seconds from each of its batches to the process's next batch from any loader (the
+            loop's own work with that batch: forward, backward, step).
+        first_s: seconds the first batch of each iteration took, the iterator's start (forking its
+            workers) and its end (their shut-down) included.
         iterations: passes over a loader (epochs) begun.
         num_workers: the loader's workers (the largest seen).
         fetch_s, fetch_cpu_s, fetch_runq_s, fetch_batches: Dataset + collate seconds: wall, on a
@@ -32,12 +40,18 @@ class LoopFigures:
         runq_s: seconds its main thread waited for a free core.
         workers_cpu_s: CPU seconds of its child processes (the DataLoader workers).
         workers_runq_s: seconds those children waited for a free core.
-        workers: child processes seen.
+        workers: child processes seen (per-epoch workers count once each).
+        tensors: tensors in one batch (its first).
+        model_s, outside_s, outside_cpu_s: its steps' time sampled inside the model (module calls,
+            backward, optimizer) and outside it (augmentation, collate, copies: Python in the loop),
+            and the training thread's CPU seconds while outside.
     """
 
     pid: int
     rank: int | None
     kind: str
+    site: str = ""
+    role: str = "training"
     batches: int = 0
     samples: int = 0
     wait_s: float = 0.0
@@ -54,11 +68,15 @@ class LoopFigures:
     workers_cpu_s: float = 0.0
     workers_runq_s: float = 0.0
     workers: int = 0
+    tensors: int = 0
+    model_s: float = 0.0
+    outside_s: float = 0.0
+    outside_cpu_s: float = 0.0
 
     @property
     def stall_fraction(self) -> float:
-        """Share of the loop's time (after the first batch) spent waiting for data."""
-        return wait_share(self.wait_s, self.step_s)
+        """Share of the loop's time spent waiting for data (first batches included)."""
+        return wait_share(self.wait_s + self.first_s, self.step_s)
 
     @property
     def loop_s(self) -> float:
@@ -104,6 +122,8 @@ class WatchSample:
     per_core_busy: list[float] = dataclasses.field(default_factory=list)  # % of each of the machine's cores
     device: str = ""  # the block device of the files the run has open most
     device_iops: float | None = None  # reads completed per second by that device (all processes)
+    device_busy: float | None = None  # share of the interval that device had a request in flight
+    iowait: float | None = None  # share of the machine's CPU time idle waiting for I/O
 
 
 @dataclasses.dataclass
@@ -114,9 +134,11 @@ class Verdict:
         bound: "data-bound", "compute-bound", "partly data-bound" or "unknown".
         cause: for data stalls, the limiting resource: "cpu" (decode/dataset CPU in the workers),
             "dataset" (the Dataset's own time, not spent on a CPU: sleeps, network, locks, reads),
-            "disk", "main-process" (the training process's own handling of batches) or
-            "undetermined"; None when not data-bound.
-        evidence: the measured figures the verdict rests on.
+            "disk", "main-process" (the training process's own handling of batches), "loop-cpu"
+            (CPU work in the training loop outside the model step: augmentation, collate, copies)
+            or "undetermined"; None when not data-bound.
+        evidence: the measured figures the verdict rests on, in words.
+        figures: the same evidence as numbers, by name (documented in docs/measure.md).
         next_step: what to do about it.
         predicted_speedup: the loop's speed-up the figures predict from `next_step` (None: unknown).
         undetermined: what the figures cannot tell apart here.
@@ -128,6 +150,7 @@ class Verdict:
     next_step: str
     predicted_speedup: float | None
     undetermined: list[str]
+    figures: dict[str, float | int | str | None] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -160,18 +183,35 @@ class WatchReport:
     disk_iops: float | None = None
     per_core_busy: list[float] = dataclasses.field(default_factory=list)
     records_dropped: int = 0
+    read_chars: int = 0  # bytes the process tree read through read calls, page-cache hits included
+    disk_busy: float | None = None  # share of the run `disk_device` had a request in flight (/proc/diskstats)
+    iowait: float | None = None  # share of the machine's CPU time idle waiting for I/O over the run
+    cost: dict[str, float] = dataclasses.field(default_factory=dict)  # watch's own: startup_s, cpu_s, hook_cpu_s
+
+    @property
+    def training_loops(self) -> list[LoopFigures]:
+        """The loaders the verdict is about: the training ones (all, when none trains: an inference run)."""
+        return [loop for loop in self.loops if loop.role == "training"] or list(self.loops)
 
     @property
     def stall_fraction(self) -> float:
-        wait = sum(loop.wait_s for loop in self.loops)
-        total = wait + sum(loop.step_s for loop in self.loops)
-        return wait / total if total > 0 else 0.0
+        """The training loop's share of time waiting for batches (first batches included)."""
+        loops = self.training_loops
+        wait = sum(loop.wait_s + loop.first_s for loop in loops)
+        return wait_share(wait, sum(loop.step_s for loop in loops))
+
+    @property
+    def validation_share(self) -> float:
+        """The evaluation loaders' share of the run's wall time (their waits and steps)."""
+        evaluation = sum(loop.loop_s for loop in self.loops if loop.role == "evaluation")
+        return evaluation / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = {"version": REPORT_VERSION, **dataclasses.asdict(self)}
         data["loops"] = [loop.to_dict() for loop in self.loops]
         data["stall_fraction"] = self.stall_fraction
+        data["validation_share"] = self.validation_share
         return data
 
 
-__all__ = ["GpuFigures", "LoopFigures", "Verdict", "WatchReport", "WatchSample"]
+__all__ = ["REPORT_VERSION", "GpuFigures", "LoopFigures", "Verdict", "WatchReport", "WatchSample"]

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ def run_watched(
     interval_s: float = 5.0,
     on_sample: Callable[[WatchSample], None] | None = None,
     disk_ceiling_mb_s: float | None = None,
+    startup_s: float | None = None,
 ) -> WatchReport:
     """Run `command` under watch until it exits; signals sent to this process are passed to it.
 
@@ -57,6 +59,7 @@ def run_watched(
         interval_s: seconds between samples.
         on_sample: called with each interval's figures (the live line).
         disk_ceiling_mb_s: the read ceiling of the dataset's disk, if measured.
+        startup_s: watch's own start-up before the command (reported as part of its cost).
 
     Returns:
         the report; its `exit_code` is the command's (128 + N when a signal N ended it).
@@ -74,16 +77,36 @@ def run_watched(
         except OSError as exc:
             raise ConfigError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from exc
         with _forward_signals(child), _foreground_to(child):
-            sampler = Sampler(child.pid, directory, command, disk_ceiling_mb_s)
-            while True:
-                try:
-                    code = child.wait(timeout=interval_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    sample = sampler.sample()
-                    if on_sample is not None:
-                        on_sample(sample)
+            sampler = Sampler(child.pid, directory, command, disk_ceiling_mb_s, startup_s)
+            while not _ended(child, interval_s):
+                sample = sampler.sample()
+                if on_sample is not None:
+                    on_sample(sample)
+            sampler.tree.sample()  # before it is reaped: its counters hold its workers' reads and CPU
+            code = child.wait()
         return sampler.report(128 - code if code < 0 else code)
+
+
+def _ended(child: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Whether the command ended within `timeout_s`, left unreaped (its /proc figures stay readable) where
+    the system allows."""
+    if not hasattr(os, "waitid"):  # pragma: no cover - not Linux
+        try:
+            child.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                return True
+        except ChildProcessError:  # reaped already
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(0.05, remaining))
 
 
 def _own_process_group() -> dict[str, Any]:

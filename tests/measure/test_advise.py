@@ -190,7 +190,7 @@ def test_real_run_names_cpu_decode_and_its_prediction_holds(raw_photos: Path, tm
     source = os.path.relpath(raw_photos, tmp_path)  # relative paths, as a user types them
     result = subprocess.run(
         [sys.executable, "-m", "pipeline", "advise", source, "--target", "fast-disk",
-         "--gpu-images-per-s", "20000", "--batch-size", "16", "--sample", "32", "--duration", "1",
+         "--gpu-images-per-s", "20000", "--batch-size", "16", "--sample", "32", "--duration", "1", "--repeats", "2",
          "--apply", "fast-disk/prepared", "--json", "--plot", "advise.png"],
         capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
     )
@@ -200,7 +200,10 @@ def test_real_run_names_cpu_decode_and_its_prediction_holds(raw_photos: Path, tm
     assert data["listed"] == 48 and data["sample"] == 32
     command = data["command"]
     assert command[:4] == ["gpufeed", "prepare", source, "fast-disk/prepared"]
-    assert command[command.index("--size") + 1] == "256"
+    assert command[command.index("--size") + 1] == "256" and command[command.index("--mode") + 1] == "shorter"
+    assert data["loader_line"].startswith("make_loader('fast-disk/prepared', batch_size=16, crop=224, num_workers=")
+    assert "recipe=" not in data["loader_line"]  # classification: the loader's default crop
+    assert data["confidence"]["repeats"] == 2 and len(data["details"]["repeats"]) == 2
     ceilings = data["inputs"]["ceilings"]
     assert data["predicted_loader_images_per_s"] > 1.5 * ceilings["cpu_decode"]  # pre-resizing pays
     applied = data["applied"]
@@ -218,7 +221,7 @@ def test_gpu_rate_from_a_model_on_synthetic_batches(raw_photos: Path, tmp_path: 
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 10))
     result = advise(
         str(raw_photos), str(tmp_path / "t"), model=model, input_shape="3,8,8", batch_size=8, sample=16,
-        measure_seconds=0.3, device="cpu",
+        measure_seconds=0.3, device="cpu", repeats=1,
     )
     assert result.details["gpu_source"] == "measured" and result.details["gpu_device"] == "cpu"
     assert result.inputs.consumer == "model on the CPU"
@@ -238,7 +241,7 @@ def _advise_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_cli_gpu_bottleneck_recommends_nothing_and_a_raised_sample_says_so(raw_photos: Path, tmp_path: Path) -> None:
     result = _advise_cli(
         str(raw_photos), "--target", "t", "--gpu-images-per-s", "5", "--batch-size", "8", "--sample", "4",
-        "--duration", "0.3", "--device", "cpu", cwd=tmp_path,
+        "--duration", "0.3", "--device", "cpu", "--repeats", "1", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -247,6 +250,7 @@ def test_cli_gpu_bottleneck_recommends_nothing_and_a_raised_sample_says_so(raw_p
     assert "The GPU is the bottleneck" in out
     assert "recommended: nothing to prepare for speed: training stays at the GPU's 5 images/s" in out
     assert "gpufeed prepare" not in out and "predicted:" not in out
+    assert "verdict measured once: no spread to judge the verdict by" in out
 
 
 def test_cli_target_that_is_a_file_is_refused_before_measuring(raw_photos: Path, tmp_path: Path) -> None:
@@ -258,6 +262,13 @@ def test_cli_target_that_is_a_file_is_refused_before_measuring(raw_photos: Path,
     )
     as_json = _advise_cli(str(raw_photos), "--target", "target.txt", "--gpu-images-per-s", "100", "--json", cwd=tmp_path)
     assert as_json.returncode == 1 and json.loads(as_json.stdout)["error"].startswith("--target target.txt is a file")
+
+
+def test_cli_repeats_out_of_range_is_refused_by_its_option_name(raw_photos: Path, tmp_path: Path) -> None:
+    result = _advise_cli(str(raw_photos), "--target", "t", "--gpu-images-per-s", "100", "--repeats", "0", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr == "gpufeed: error: --repeats 0: give 1 to 9 (rounds of measurements at most)\n"
+    assert not (tmp_path / "t").exists()
 
 
 def test_a_source_smaller_than_two_batches_is_refused_before_measuring(raw_photos: Path, tmp_path: Path) -> None:
@@ -280,7 +291,7 @@ def test_only_what_prepare_accepts_is_sampled(raw_photos: Path, tmp_path: Path) 
     (first_class / "broken.jpg").write_bytes(b"not a jpeg")  # prepare: not an image
     result = _advise_cli(
         "src", "--target", "t", "--gpu-images-per-s", "5", "--batch-size", "8", "--sample", "64",
-        "--duration", "0.3", "--device", "cpu", "--json", cwd=tmp_path,
+        "--duration", "0.3", "--device", "cpu", "--repeats", "1", "--json", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
 import json
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -17,7 +20,8 @@ import pytest
 from pipeline.errors import ConfigError, StorageError
 from pipeline.measure import disk as disk_bench
 from pipeline.measure.disk import WORK_PREFIX, benchmark_disk, mean_file_bytes
-from pipeline.measure.disk_runner import aligned_buffer
+from pipeline.measure.disk_result import LATENCY_FLOOR_MS, SPREAD_MARGIN, Spread, check_trust, remembered_results
+from pipeline.measure.disk_runner import DiskRunner, aligned_buffer, block_walk
 
 MiB = 1 << 20
 SMALL = dict(file_bytes=8 * MiB, block_sizes=(MiB, 2 * MiB), duration_s=0.15, threads=4, small_files=24, small_file_bytes=20_000)
@@ -148,6 +152,7 @@ def test_refuses_when_the_disk_is_too_full(tmp_path: Path, monkeypatch: pytest.M
         {"tests": ("seq_read", "bogus")},
         {"file_bytes": 4096},
         {"duration_s": 0},
+        {"repeats": 0},
     ],
 )
 def test_bad_settings_are_refused(tmp_path: Path, settings: dict[str, object]) -> None:
@@ -246,7 +251,8 @@ def test_cli_json(tmp_path: Path) -> None:
     target = tmp_path / "disk"
     result = subprocess.run(
         [sys.executable, "-m", "pipeline", "bench", "disk", str(target), "--file-size", "8MiB", "--block-sizes", "1MiB",
-         "--duration", "0.1", "--threads", "2", "--small-files", "8", "--small-file-size", "16kB", "--json"],
+         "--duration", "0.1", "--threads", "2", "--small-files", "8", "--small-file-size", "16kB", "--repeats", "2",
+         "--json"],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert result.returncode == 0, result.stderr
@@ -255,4 +261,107 @@ def test_cli_json(tmp_path: Path) -> None:
         assert key in data
     assert data["small_file_bytes"] == 16_000
     assert data["seq_read_by_block"] == {str(MiB): data["seq_read_mb_s"]}
+    assert data["repeats"] == 2 and data["seq_read_block"] == MiB
+    assert len(data["figures"][f"seq_read_mb_s:{MiB}"]["runs"]) == 2
+    for key in ("unsteady", "cache_suspected", "spread_margin", "latency_floor_ms", "warnings"):
+        assert key in data, key
     assert _leftovers(target) == []
+
+
+def test_each_figure_is_the_median_of_its_repeats_with_their_spread(tmp_path: Path) -> None:
+    result = benchmark_disk(str(tmp_path), repeats=3, **SMALL)
+    assert result.repeats == 3
+    names = {f"seq_read_mb_s:{MiB}", f"seq_read_mb_s:{2 * MiB}", "small_file_reads_per_s:1", "small_file_reads_per_s:4"}
+    names |= {f"randread_4k_{kind}:{threads}" for kind in ("iops", "p50_ms", "p99_ms") for threads in (1, 4)}
+    assert set(result.figures) == names
+    for figure in result.figures.values():
+        assert len(figure.runs) == 3
+        assert figure.median == statistics.median(figure.runs)
+        assert figure.low == min(figure.runs) <= figure.median <= figure.high == max(figure.runs)
+        assert figure.spread == pytest.approx((figure.high - figure.low) / figure.median)
+    for block in (MiB, 2 * MiB):
+        assert result.seq_read_by_block[block] == result.figures[f"seq_read_mb_s:{block}"].median
+    # the headline is a median, at the block size whose median is highest: never a single run's best
+    assert result.seq_read_block == max(result.seq_read_by_block, key=result.seq_read_by_block.__getitem__)
+    assert result.seq_read_mb_s == result.figures[f"seq_read_mb_s:{result.seq_read_block}"].median
+    qd1 = result.randread_sweep[0]
+    assert qd1.iops == result.randread_4k_iops_qd1 == result.figures["randread_4k_iops:1"].median
+    assert qd1.p50_ms == result.randread_4k_p50_ms_qd1 == result.figures["randread_4k_p50_ms:1"].median
+    assert result.small_file_reads_per_s == result.figures["small_file_reads_per_s:4"].median
+    assert result.unsteady == [
+        name for name, figure in result.figures.items() if "_ms:" not in name and figure.spread > SPREAD_MARGIN
+    ]
+    assert any("test file (8 MiB) is small enough" in warning for warning in result.warnings)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["figures"][f"seq_read_mb_s:{MiB}"]["runs"] == result.figures[f"seq_read_mb_s:{MiB}"].runs
+
+
+def _checked(kind: str, p50_ms: float, runs: dict[str, list[float]] | None = None, direct: bool = True) -> disk_bench.DiskBenchResult:
+    result = _measured(kind, 20_000.0, p50_ms)
+    result.direct_io, result.file_bytes = direct, 1 << 30
+    result.figures = {name: Spread.of(values) for name, values in (runs or {}).items()}
+    check_trust(result, memory=False, kept_cache=False)
+    return result
+
+
+def test_repeats_that_disagree_are_flagged_in_words_and_fields() -> None:
+    steady = _checked("ssd", 0.08, {f"seq_read_mb_s:{MiB}": [600.0, 640.0, 700.0], "randread_4k_iops:1": [9e3, 1e4, 1.1e4]})
+    assert steady.unsteady == [] and steady.warnings == [] and not steady.cache_suspected
+    shaky = _checked(
+        "ssd", 0.08,
+        {f"seq_read_mb_s:{2 * MiB}": [596.0, 1902.0, 976.0], "randread_4k_iops:1": [9e3, 1e4, 1.1e4],
+         "randread_4k_p99_ms:1": [0.1, 0.9, 0.3]},  # latencies' spread alone does not count
+    )  # fmt: skip
+    assert shaky.unsteady == [f"seq_read_mb_s:{2 * MiB}"]
+    assert shaky.figures[f"seq_read_mb_s:{2 * MiB}"].median == 976.0
+    (warning,) = shaky.warnings
+    assert "repeats disagree by more than 25 %" in warning and "sequential read 2 MiB: 596/1,902/976 MB/s" in warning
+
+
+def test_reads_faster_than_the_device_kind_are_flagged_as_a_cache() -> None:
+    cached = _checked("ssd", 0.025)  # the 25 us a virtual disk's host cache answers in
+    assert cached.cache_suspected and cached.latency_floor_ms == LATENCY_FLOOR_MS["ssd"]
+    (warning,) = cached.warnings
+    assert "random 4 KiB reads took 25 us" in warning and "faster than a ssd device answers" in warning
+    assert "although O_DIRECT was in effect" in warning
+    evicted = _checked("rotational", 0.01, direct=False)
+    assert evicted.cache_suspected and "O_DIRECT not in effect" in evicted.warnings[0]
+    assert not _checked("ssd", 0.06).cache_suspected  # flash behind a virtual disk: plausible
+    assert not _checked("nvme", 0.025).cache_suspected  # a fast NVMe drive can answer in 25 us
+
+
+def test_a_page_cache_served_run_is_flagged(tmp_path: Path) -> None:
+    result = benchmark_disk(str(tmp_path), keep_cache=True, tests=("randread",), **SMALL)
+    assert result.direct_io is False and result.cache_bypass.startswith("none")
+    assert result.cache_suspected
+    assert any("page cache was kept" in warning for warning in result.warnings)
+    p50 = result.randread_4k_p50_ms_qd1
+    assert p50 is not None
+    floor = LATENCY_FLOOR_MS.get(result.device_kind)
+    if floor is not None and p50 < floor:  # reads from memory: the latency check sees it too
+        assert any("a cache in between" in warning for warning in result.warnings)
+    disk_bench.remember_result(result)
+    (entry,) = remembered_results().values()
+    assert entry["cache_suspected"] is True and entry["direct_io"] is False and entry["repeats"] == 3
+
+
+def test_every_page_of_the_test_files_differs(tmp_path: Path) -> None:
+    runner = DiskRunner(str(tmp_path), direct=False, duration_s=0.1, seed=0)
+    runner.write_file(8 * MiB, MiB)
+    runner.write_small_files(4, 10_000)
+    data = (tmp_path / "data").read_bytes()
+    pages = {hashlib.sha1(data[start:start + 4096]).digest() for start in range(0, len(data), 4096)}
+    assert len(pages) == len(data) // 4096  # no page a deduplicating layer could serve from another
+    small = [Path(path).read_bytes() for path in runner.small_paths]
+    assert len({hashlib.sha1(body[:4096]).digest() for body in small}) == len(small)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 5, 1000, 4097])
+def test_random_reads_visit_every_block_once_per_pass(blocks: int) -> None:
+    walk = block_walk(blocks, random.Random(blocks))
+    first = [next(walk) for _ in range(blocks)]
+    second = [next(walk) for _ in range(blocks)]
+    assert sorted(first) == sorted(second) == list(range(blocks))
+    if blocks > 100:
+        steps = {b - a for a, b in zip(first, first[1:])}
+        assert len(steps) > blocks // 4  # not a fixed stride through the file

@@ -3,8 +3,10 @@
     sitecustomize.py       runs at every Python start-up under watch: starts the recorder, then runs
                            the sitecustomize it hides (if any)
     gpufeed_watch_hook.py  the recorder: times each torch DataLoader iterator's `__next__`, each gpufeed
-                           Loader iteration and each DataLoader fetch (in the workers), and appends the
-                           running totals as JSON lines to one file per process
+                           Loader iteration and each DataLoader fetch (in the workers), per loader, and
+                           appends the running totals as JSON lines to one file per process
+    gpufeed_watch_stacks.py  samples the training thread's stack between batches: time in the model
+                           step against CPU work outside it (augmentation, collate, copies)
 
 Both are standard-library only and import nothing of gpufeed: the watched interpreter may not have
 gpufeed installed, and the hook must cost next to nothing.
