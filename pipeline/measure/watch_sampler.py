@@ -399,12 +399,17 @@ def _device_of(devices: Mapping[int, int]) -> str:
 
 
 def _remembered_ceiling(devices: Mapping[int, int]) -> tuple[float | None, str]:
+    """The sequential read rate a cached `gpufeed bench disk` measured on the disk the run read most from.
+
+    A result whose reads were served by a cache (`cache_suspected`) is not the
+    device's ceiling, and is left out: the disk is then named from its counters alone.
+    """
     from .disk_result import remembered_results
 
     results = remembered_results()
     for device in sorted(devices, key=devices.__getitem__, reverse=True):
         entry = results.get(device)
-        if entry and entry.get("seq_read_mb_s"):
+        if entry and entry.get("seq_read_mb_s") and not entry.get("cache_suspected"):
             return float(entry["seq_read_mb_s"]), str(entry.get("path", ""))
     return None, ""
 

@@ -77,9 +77,11 @@ def _row_problem(row: dict[str, Any]) -> str:
         if nested_deeper(value):
             return f"its column {brief(column)} nests over {MAX_JSON_DEPTH} levels deep"
         try:  # a lone surrogate anywhere in it (bytes that are not UTF-8, or a JSON escape of one) fails here
-            json.dumps([column, value], ensure_ascii=False).encode("utf-8")
+            json.dumps([column, value], ensure_ascii=False, allow_nan=False).encode("utf-8")
         except UnicodeEncodeError:
             return f"its column {brief(column)} is not valid UTF-8 text"
+        except ValueError:  # NaN or Infinity: Python's JSON reads them, the sample's .json could not carry them as JSON
+            return f"its column {brief(column)} holds a number that is not finite (NaN or Infinity)"
     if isinstance(row.get("label"), (list, dict)):
         return "its 'label' must be one class name (a list of several goes in 'labels')"
     return ""

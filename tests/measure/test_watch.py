@@ -270,6 +270,11 @@ def test_reads_near_the_disks_measured_ceiling_are_disk_bound(tmp_path: Path) ->
         pytest.skip("this filesystem counts no storage reads (tmpfs or overlay)")
     assert report["disk_ceiling_mb_s"] == 1.0 and report["disk_measured"] == str(tmp_path / "data")
     assert report["verdict"]["cause"] == "disk", result.stderr
+    # A result whose reads a cache served is no ceiling of the device: left out, the disk named from its counters.
+    remembered.write_text(json.dumps({**entry, "cache_suspected": True}))
+    result, report = watch(tmp_path, sys.executable, str(script), env=env)
+    assert result.returncode == 0, result.stderr
+    assert report["disk_ceiling_mb_s"] is None and report["disk_measured"] == ""
 
 
 def _report(**loop: Any) -> Any:

@@ -112,6 +112,8 @@ CASES: list[tuple[str, Build, Expect]] = [
     ("jsonl-caption-not-utf8", hs.jsonl_row(b'{"path": "train/000000.jpg", "caption": "caf\xe9"}'), Rejects(("list.jsonl:1", "'caption'", "UTF-8"))),
     ("jsonl-column-nested", hs.jsonl_row(b'{"path": "train/000000.jpg", "caption": "x", "extra": ' + hs.nested(500).encode() + b"}"),
      Rejects(("list.jsonl:1", "'extra'", "nests over 32"))),
+    ("jsonl-column-nan", hs.jsonl_row(b'{"path": "train/000000.jpg", "caption": "x", "extra": [1, NaN, Infinity]}'),
+     Rejects(("list.jsonl:1", "'extra'", "not finite"))),
     ("jsonl-label-nested", hs.jsonl_row(b'{"path": "train/000000.jpg", "label": ' + hs.nested(900).encode() + b"}"), Rejects(("'label'",))),
     ("jsonl-line-nested-past-parsing", hs.jsonl_row(b'{"path": "a.jpg", "x": ' + hs.nested(100_000).encode() + b"}"),
      Refused(ConfigError, ("list.jsonl:1", "not valid JSON"))),
