@@ -268,10 +268,12 @@ def _per_process(loops: Sequence[LoopFigures]) -> list[tuple[int, LoopFigures]]:
 
 
 def _worker_cores_evidence(loops: Sequence[LoopFigures], seconds: float, evidence: list[str]) -> None:
+    """The workers' cores: the larger of their processes' last sampled counters (stale for a worker that
+    ended between samples) and what their own records timed of the Dataset (exact, but only the Dataset)."""
     workers = sum(loop.workers for loop in loops)
     if workers:
-        cpu = sum(loop.workers_cpu_s for loop in loops)
-        runq = sum(loop.workers_runq_s for loop in loops)
+        cpu = max(sum(loop.workers_cpu_s for loop in loops), sum(loop.fetch_cpu_s for loop in loops))
+        runq = max(sum(loop.workers_runq_s for loop in loops), sum(loop.fetch_runq_s for loop in loops))
         evidence.append(
             f"the {workers} worker processes kept {cpu / seconds:.2f} cores busy and waited "
             f"{runq / seconds:.2f} core-seconds per second for a free core"
@@ -279,9 +281,12 @@ def _worker_cores_evidence(loops: Sequence[LoopFigures], seconds: float, evidenc
 
 
 def _mean_cores_busy(report: WatchReport) -> float:
-    if not report.samples:
+    """The machine's busy cores while the loop ran (the intervals with batches; all of them if none had any):
+    the free cores a worker more would find, not those of the command's imports."""
+    looping = [s for s in report.samples if s.batches_per_s > 0] or report.samples
+    if not looping:
         return 0.0
-    return sum(s.cores_busy for s in report.samples) / len(report.samples)
+    return sum(s.cores_busy for s in looping) / len(looping)
 
 
 def _gpufeed_cause(

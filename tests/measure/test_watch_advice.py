@@ -16,7 +16,7 @@ from loader_data import prepare_labelled
 
 from pipeline.measure.watcher import LoopFigures, Verdict, WatchReport, WatchSample, judge
 
-BURN = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n"
+BURN = "import sys, time\nopen(sys.argv[1], 'w').close()\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n"
 
 LOADER_ON_A_BUSY_MACHINE = """
 import os, time
@@ -67,7 +67,10 @@ def test_gpufeed_loader_on_a_busy_machine_is_cpu_bound(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists() and watched.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range((os.cpu_count() or 1) + 1)]
+        count = (os.cpu_count() or 1) + 1
+        burners = [subprocess.Popen([sys.executable, "-c", BURN, str(tmp_path / f"burning-{n}")]) for n in range(count)]
+        while sum((tmp_path / f"burning-{n}").exists() for n in range(count)) < count and time.monotonic() < deadline:
+            time.sleep(0.01)  # every burner at work before the loop starts
         (tmp_path / "go").touch()
         _, stderr = watched.communicate(timeout=60)
     finally:
@@ -142,3 +145,25 @@ def test_a_busy_disk_is_not_advised_more_workers() -> None:
     assert verdict.cause == "disk"
     assert "num_workers" not in verdict.next_step and "more workers would queue" in verdict.next_step
     assert verdict.predicted_speedup is None
+
+
+def test_the_workers_cores_agree_with_what_they_timed_of_the_dataset() -> None:
+    # Per-epoch workers that ended between two samples leave their process counters stale (0.3 CPU s here);
+    # their own records timed 7 CPU s of the Dataset over the loop's 8 s: about 0.9 cores, as the line above says.
+    loop = dict(CPU_BOUND_WORKERS, wait_s=6.0, step_s=2.0, workers=1, workers_cpu_s=0.3, fetch_cpu_s=7.0)
+    verdict = _report(loop, cores_busy=1.1)
+    (line,) = [line for line in verdict.evidence if "worker processes kept" in line]
+    assert "kept 0.88 cores busy" in line, line
+
+
+def test_free_cores_are_those_of_the_loops_time_not_of_the_imports() -> None:
+    # 4 intervals of imports on an idle machine, then 6 of the loop with every core busy: no core is free for a worker.
+    samples = [WatchSample(float(t), None, 0.0, 0.0, None, None, 0.2, 0.0, 0.0, 0.0, 0.0) for t in range(4)]
+    samples += [WatchSample(float(t), 0.6, 5.0, 20.0, None, None, 2.0, 0.0, 0.0, 0.0, 0.0) for t in range(4, 10)]
+    figures = LoopFigures(pid=1, rank=None, **{"kind": "torch", **CPU_BOUND_WORKERS})
+    watched = WatchReport(
+        ["train.py"], 0, 10.0, 2, [figures], [], "no NVML", disk_ceiling_mb_s=None, disk_measured="",
+        samples=samples, verdict=Verdict("", None, [], "", None, []), read_bytes=0, read_mb_s=0.0,
+    )  # fmt: skip
+    verdict = judge(watched)
+    assert verdict.figures["cores_free"] == 0.0 and "num_workers" not in verdict.next_step, verdict
