@@ -167,7 +167,7 @@ class Manifest:
             if not isinstance(classes, list) or not all(isinstance(name, str) for name in classes):
                 raise ValueError("classes must be a list of names (strings)")
             params = data["params"]
-            if not isinstance(params, dict) or _depth(params) > MAX_PARAMS_DEPTH:
+            if not isinstance(params, dict) or nested_deeper(params, MAX_PARAMS_DEPTH):
                 raise ValueError(f"params must be an object nested at most {MAX_PARAMS_DEPTH} deep")
             manifest = cls(
                 samples=_count(data["samples"], "samples", sum(_capacity(shard.bytes) for shard in shards)),
@@ -263,19 +263,18 @@ def _shard_info(entry: Any, variants: int) -> ShardInfo:
     return ShardInfo(path, samples, size, sha256, variant)
 
 
-def _depth(value: Any) -> int:
-    """How deep lists and objects nest in `value` (a scalar: 0), without recursion."""
-    deepest = 0
-    stack = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is not None:
-            deepest = max(deepest, depth + 1)
-            if deepest > MAX_PARAMS_DEPTH:
-                return deepest
-            stack.extend((child, depth + 1) for child in children)
-    return deepest
+def nested_deeper(value: Any, depth: int) -> bool:
+    """Whether a JSON value nests lists and objects over `depth` levels deep (looked at without recursion)."""
+    pending = [(value, 1)]
+    while pending:
+        current, level = pending.pop()
+        children = current.values() if isinstance(current, dict) else current if isinstance(current, list) else None
+        if children is None:
+            continue
+        if level > depth:
+            return True
+        pending.extend((child, level + 1) for child in children if isinstance(child, (list, dict)))
+    return False
 
 
 def _check_shard_paths(shards: list[ShardInfo], where: str) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pipeline.errors import ConfigError
-from pipeline.io.fs import local_path, redact_url, url_secrets
+from pipeline.io.fs import local_path, redact_url, url_credential, url_secrets
 from pipeline.redact import find_credentials
 
 from .settings import ServiceSettings
@@ -131,11 +131,6 @@ def check_no_credentials(value: Any, where: str = "", extra: Callable[[str], str
         raise ConfigError(f"{shown}{more}: {_NO_CREDENTIALS}")
 
 
-def _url_credential(text: str) -> str | None:
-    found = url_secrets(text)  # a store setting's URL (endpoint_url) carries neither, not even a query string
-    return " and ".join(found) + " (may be a credential)" if found else None
-
-
 def check_storage_options(options: Any) -> dict[str, Any]:
     """A job's store settings, refused when one is a credential: a job record never holds a secret.
 
@@ -152,7 +147,7 @@ def check_storage_options(options: Any) -> dict[str, Any]:
     """
     if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
         raise ConfigError("a job's storage options must be a JSON object of KEY: VALUE")
-    check_no_credentials(options, "storage_options", _url_credential)
+    check_no_credentials(options, "storage_options", url_credential)
     return dict(options)
 
 

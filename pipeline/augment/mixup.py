@@ -45,7 +45,7 @@ def mixup_batch(
     chosen = [i for i in range(count) if rng.uniform() < p]
     if not chosen:
         return images, boxes, labels
-    partners = [(i + 1 + int(rng.integers(count - 1))) % count for i in chosen]  # any other image of the batch
+    partners = [_partner(rng, i, count) for i in chosen]
     ratios = rng.beta(32.0, 32.0, len(chosen))
     mixed, mixed_boxes, mixed_labels = images.clone(), list(boxes), list(labels)
     for i, j, r in zip(chosen, partners, ratios):  # each reads the batch as it came: no blend of a blend
@@ -54,6 +54,17 @@ def mixup_batch(
         mixed_boxes[i] = torch.cat([boxes[i], boxes[j]])
         mixed_labels[i] = torch.cat([labels[i], labels[j]])
     return mixed, mixed_boxes, mixed_labels
+
+
+def _partner(rng: np.random.Generator, i: int, count: int) -> int:
+    """Any other image of the batch than `i`, drawn."""
+    return (i + 1 + int(rng.integers(count - 1))) % count
+
+
+def _on_host(boxes: list[torch.Tensor]) -> list[np.ndarray]:
+    """Each image's boxes as a NumPy array, copied from their device in one transfer (not one per image)."""
+    flat = torch.cat(boxes).cpu().numpy()
+    return np.split(flat, np.cumsum([len(b) for b in boxes])[:-1])
 
 
 def _ioa(areas: np.ndarray, boxes: np.ndarray) -> np.ndarray:
@@ -100,24 +111,27 @@ def cutmix_batch(
         return images, boxes, labels
     source_images, source_boxes, source_labels = sources if sources is not None else (images, boxes, labels)
     out, out_boxes, out_labels = None, list(boxes), list(labels)
+    host: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # (boxes, source boxes), copied once when needed
     for i in range(count):
         if rng.uniform() >= p:
             continue
-        j = (i + 1 + int(rng.integers(count - 1))) % count
+        j = _partner(rng, i, count)
+        if host is None:
+            host = (_on_host(boxes), _on_host(source_boxes) if source_boxes is not boxes else [])
+        ours, theirs = host[0][i], (host[1] or host[0])[j]
         areas = np.array([_cut_area(rng, width, height) for _ in range(3)], np.float32)
-        free = np.nonzero(_ioa(areas, boxes[i].cpu().numpy()).sum(axis=1) <= 0)[0]
+        free = np.nonzero(_ioa(areas, ours).sum(axis=1) <= 0)[0]
         if not len(free):
             continue
         x0, y0, x1, y1 = (int(v) for v in areas[int(rng.choice(free))])
-        theirs = source_boxes[j].cpu().numpy()
         keep = np.nonzero(_ioa(np.array([[x0, y0, x1, y1]], np.float32), theirs)[0] >= 0.1)[0]
         if out is None:
             out = images.clone()
         out[i, :, y0:y1, x0:x1] = source_images[j, :, y0:y1, x0:x1]
-        kept = source_boxes[j][torch.as_tensor(keep, dtype=torch.long, device=source_boxes[j].device)]
+        index = torch.as_tensor(keep, dtype=torch.long, device=source_boxes[j].device)
+        kept = source_boxes[j][index]
         limits = torch.tensor([x0, y0, x0, y0], dtype=kept.dtype, device=kept.device)
         upper = torch.tensor([x1, y1, x1, y1], dtype=kept.dtype, device=kept.device)
         out_boxes[i] = torch.cat([boxes[i], torch.minimum(torch.maximum(kept, limits), upper)])
-        out_labels[i] = torch.cat([labels[i], source_labels[j][torch.as_tensor(keep, dtype=torch.long,
-                                                                               device=source_labels[j].device)]])  # fmt: skip
+        out_labels[i] = torch.cat([labels[i], source_labels[j][index.to(source_labels[j].device)]])
     return (out if out is not None else images), out_boxes, out_labels

@@ -51,6 +51,12 @@ CACHE_ENV = "GPUFEED_YOLO_SHARDS"
 """Where `split_shards` keeps prepared splits (default: gpufeed's user cache, under yolo/)."""
 
 
+def cache_folder(cache: str | os.PathLike[str] | None = None) -> Path:
+    """Where prepared splits and resolved data.yaml files are kept: `cache`, else $GPUFEED_YOLO_SHARDS, else
+    gpufeed's user cache, under yolo/."""
+    return Path(cache or os.environ.get(CACHE_ENV) or cache_root() / "yolo")
+
+
 def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root: str | os.PathLike[str],
                  cache: str | os.PathLike[str] | None = None) -> Path:  # fmt: skip
     """The prepared shards of split `split` of `data_yaml` at `imgsz`: prepared now when absent or out of date.
@@ -67,7 +73,7 @@ def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root
     Returns:
         The folder holding the split's manifest.json and shards.
     """
-    base = Path(cache or os.environ.get(CACHE_ENV) or cache_root() / "yolo")
+    base = cache_folder(cache)
     digest = hashlib.sha256()
     digest.update(f"{os.path.abspath(data_yaml)}\n{Path(data_yaml).read_bytes().hex()}\n{imgsz}\n".encode())
     own = os.path.realpath(base)
@@ -144,7 +150,7 @@ def resolved_yaml(data: Mapping[str, Any], cache: str | os.PathLike[str] | None 
     items = names.items() if isinstance(names, Mapping) else enumerate(names)
     lines += ["names:"] + [f"  {int(key)}: {json.dumps(str(name))}" for key, name in items]
     text = "\n".join(lines) + "\n"
-    base = Path(cache or os.environ.get(CACHE_ENV) or cache_root() / "yolo") / "yaml"
+    base = cache_folder(cache) / "yaml"
     base.mkdir(parents=True, exist_ok=True)
     stem = Path(str(data.get("yaml_file") or "data")).stem
     target = base / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"

@@ -168,7 +168,13 @@ def is_secret_option(name: str, value: Any = None) -> bool:
         True for ``key``, ``secret``, ``token``, ``*_key``, ``password``, ``Authorization`` and the
         like, and for values of a credential's format (`pipeline.redact.find_credentials`).
     """
-    return any(find_credentials({name: value}, "", lambda text: " and ".join(url_secrets(text)) or None))
+    return any(find_credentials({name: value}, "", url_credential))
+
+
+def url_credential(text: str) -> str | None:
+    """What of a credential a store setting's URL holds (`url_secrets`: user information, a query string), or None."""
+    found = url_secrets(text)  # a store setting's URL (endpoint_url) carries neither, not even a query string
+    return " and ".join(found) + " (may be a credential)" if found else None
 
 
 def _protocols(urls: Iterable[str]) -> list[str]:
@@ -295,12 +301,22 @@ def open_regular(path: str) -> Any:
         OSError: the file cannot be opened, or is not a regular file (its
             `strerror` says what it is instead).
     """
+    return open_regular_stat(path)[0]
+
+
+def open_regular_stat(path: str) -> tuple[Any, os.stat_result]:
+    """`open_regular`, with the open file's stat (its size: `st_size`), taken once on the descriptor.
+
+    Raises:
+        OSError: as `open_regular`.
+    """
     _require_regular(os.stat(path).st_mode, path)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        _require_regular(os.fstat(fd).st_mode, path)
+        status = os.fstat(fd)
+        _require_regular(status.st_mode, path)
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
+        return os.fdopen(fd, "rb"), status
     except BaseException:
         os.close(fd)
         raise
@@ -326,8 +342,9 @@ def read_source_bytes(url: str, max_bytes: int) -> bytes:
     """
     local = local_path(url)
     if local is not None:
-        with open_regular(local) as handle:
-            size = os.fstat(handle.fileno()).st_size
+        handle, status = open_regular_stat(local)
+        with handle:
+            size = status.st_size
             if size > max_bytes:
                 raise OSError(f"file is {size} bytes, over the {max_bytes}-byte input limit")
             return handle.read()

@@ -184,13 +184,12 @@ class S3Settings:
         """The region `bucket`'s requests are signed for: learnt from a 301, else the configured one."""
         return self._regions.get(bucket, self.region)
 
-    def learn_region(self, bucket: str, region: str) -> bool:
-        """Remember that `bucket` lives in `region` (a 301's x-amz-bucket-region); False if nothing changes."""
+    def learn_region(self, bucket: str, region: str) -> None:
+        """Remember that `bucket` lives in `region` (a 301's x-amz-bucket-region; one that is no region is not kept)."""
         if not valid_region(region) or self.region_of(bucket) == region:
-            return False
+            return
         with self._lock:
             self._regions[bucket] = region
-        return True
 
     def refuse(self, bucket: str) -> None:
         """Leave `bucket` to s3fs from now on (it redirects or refuses what the fast path sends)."""

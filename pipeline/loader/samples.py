@@ -130,8 +130,6 @@ def _image(extension: str, data: bytes) -> Any:
         if extension != "npy":
             return decode_image(data).image
         return pil_image().fromarray(npy_pixels(data)).convert("RGB")
-    except DecodeError:
-        raise
     except DATA_ERRORS as exc:  # what Pillow and NumPy raise on bad bytes
         raise DecodeError(f"cannot decode .{extension} sample: {str(exc)[:160] or type(exc).__name__}") from None
 

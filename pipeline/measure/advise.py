@@ -112,6 +112,7 @@ class AdviseResult:
     confidence: Confidence | None = None
     loader_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     split: str | None = None  # the YOLO split advised on, where the source has several
+    classes: list[str] = dataclasses.field(default_factory=list, repr=False)  # the source's, as its listing gave them
 
     @property
     def command(self) -> list[str]:
@@ -127,6 +128,7 @@ class AdviseResult:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.pop("sample_items")
+        data.pop("classes")
         data["command"] = self.command
         data["loader_line"] = self.loader_line
         data["bottleneck"] = self.advice.bottleneck
@@ -332,7 +334,7 @@ def advise(
     out = out or os.path.join(target, f"{name}-{prepared_size}-{advice.recommendation.format}")
     return AdviseResult(
         source, target, out, listed, len(items), batch_size, crop, device, inputs, advice, details,
-        time.perf_counter() - started, items, notes, confidence, settings, split,
+        time.perf_counter() - started, items, notes, confidence, settings, split, classes,
     )
 
 
@@ -377,6 +379,11 @@ def loader_call(dataset: str, settings: dict[str, Any]) -> str:
     return f"make_loader({dataset!r}, batch_size={settings['batch_size']}, {options})"
 
 
+def _measure_options(settings: dict[str, Any]) -> dict[str, Any]:
+    """The make_loader settings a measurement passes as options (`loader_point` takes the rest by position)."""
+    return {key: value for key, value in settings.items() if key not in ("batch_size", "num_workers", "device")}
+
+
 def _measure_round(
     base: AdviseInputs, items: list[Any], raw_pattern: str, prepared: dict[str, tuple[str, float]],
     settings: dict[str, Any], seconds: float, number: int, details: dict[str, Any],
@@ -385,7 +392,7 @@ def _measure_round(
 
     The order turns round every other round, so a drift in the machine's load falls on each alike.
     """
-    options = {key: value for key, value in settings.items() if key not in ("batch_size", "num_workers", "device")}
+    options = _measure_options(settings)
     batch, workers, device = settings["batch_size"], settings["num_workers"], settings["device"]
     # The raw tar holds classes only: it is timed with the same crop and recipe, which need no boxes.
     jobs = [("raw", raw_pattern), *((fmt, folder) for fmt, (folder, _) in prepared.items())]
@@ -425,10 +432,10 @@ def apply_advice(result: AdviseResult, out: str | None = None, *, measure_second
     prepared = prepare_dataset(spec, workers=rec.num_workers)
     half = measure_seconds / 2
     settings = result.loader_settings or loader_settings(result.batch_size, result.crop, rec.num_workers, result.device, None)
-    options = {key: value for key, value in settings.items() if key not in ("batch_size", "num_workers", "device")}
+    options = _measure_options(settings)
     with scratch_folder(result.target) as scratch:
         task = result.inputs.task
-        classes = source_task(result.source, result.split)[1] if task == "segmentation" else []  # classes.txt of the masks
+        classes = result.classes if task == "segmentation" else []  # classes.txt of the masks
         sample_source = write_sample_source(result.sample_items, scratch, task, classes)
         sample_out, sample_bytes = prepare_sample(sample_source, scratch, rec.format, rec.size, rec.num_workers, mode=rec.mode)
         full: list[Any] = []

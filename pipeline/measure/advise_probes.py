@@ -7,7 +7,7 @@
 - `host_to_device_rate`: uint8 batch copies to the GPU (CUDA only);
 - `target_disk_figures`: the target disk's sequential reads and kind (a short `bench disk`);
 - `source_task`: what the source holds (prepare's listing, or a prepared dataset's manifest);
-- `write_sample_source` / `prepare_sample` / `measure_candidate`: the sample, its targets kept,
+- `write_sample_source` / `prepare_sample`: the sample, its targets kept,
   prepared one way, and the loader over it.
 
 Everything is written into a `scratch_folder` on the target, removed afterwards.
@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import ConfigError, write_failure
 from ..units import format_bytes
-from .advise_plan import Candidate, MiB
+from .advise_plan import MiB
 
 
 @contextlib.contextmanager
@@ -378,16 +378,6 @@ def _write_segmentation_sample(items: list[Any], folder: str, classes: list[str]
     return folder
 
 
-def measure_candidate(
-    source: str, scratch: str, fmt: str, size: int, batch_size: int, workers: int, device: str, seconds: float,
-    *, mode: str = "shorter", **options: Any,
-) -> Candidate:
-    """Prepare the sample source with `fmt` at `size` (the real prepare) and run the loader over it once."""
-    out, bytes_per_sample = prepare_sample(source, scratch, fmt, size, workers, mode=mode)
-    point = loader_point(out, batch_size, workers, device, seconds, **options)
-    return Candidate(fmt, point.idle_images_per_s, bytes_per_sample, point.others_cpu_share)
-
-
 def prepare_sample(
     source: str | list[Any], scratch: str, fmt: str, size: int, workers: int, *, mode: str = "shorter"
 ) -> tuple[str, float]:
@@ -451,6 +441,6 @@ def describe_storage(source: str, device_info: Any, details: dict[str, Any]) -> 
 
 __all__ = [
     "ModelConsumption", "cold_read_rate", "describe_storage", "host_to_device_rate", "loader_point",
-    "measure_candidate", "median_shorter_side", "model_consumption", "model_rate", "pack_raw_sample",
+    "median_shorter_side", "model_consumption", "model_rate", "pack_raw_sample",
     "prepare_sample", "read_size", "scratch_folder", "source_task", "target_disk_figures", "write_sample_source",
 ]

@@ -154,7 +154,6 @@ def benchmark_disk(
         threads=threads,
         small_file_bytes=small_size,
         repeats=repeats,
-        spread_margin=SPREAD_MARGIN,
     )
     with work_folder(path) as work:
         runner = DiskRunner(work, use_direct, duration_s / repeats, seed, evict=not keep_cache)

@@ -30,11 +30,12 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import StorageError
 from .disk_result import DiskBenchResult, RandomReadPoint, Spread
 
+T = TypeVar("T")
 PAGE = 4096
 RANDOM_BLOCK = 4096
 WORK_PREFIX = ".gpufeed-bench-"
@@ -344,18 +345,23 @@ def _rotated(settings: Sequence[int], turn: int) -> list[int]:
     return [*settings[shift:], *settings[:shift]]
 
 
+def _repeated(settings: Sequence[int], repeats: int, measure: Callable[[int], T]) -> dict[int, list[T]]:
+    """`repeats` runs of `measure` per setting, the settings taking turns in a rotating order (`_rotated`)."""
+    runs: dict[int, list[T]] = {setting: [] for setting in settings}
+    for turn in range(repeats):
+        for setting in _rotated(settings, turn):
+            runs[setting].append(measure(setting))
+    return runs
+
+
 def record_sequential(runner: DiskRunner, result: DiskBenchResult, blocks: Sequence[int], repeats: int) -> None:
     """Sequential reads, `repeats` runs per block size, into `result`: the medians, their spread, the headline.
 
     The headline (`seq_read_mb_s`) is the median of the block size whose median is highest.
     """
-    runs: dict[int, list[float]] = {block: [] for block in blocks}
-    for turn in range(repeats):
-        for block in _rotated(blocks, turn):
-            runs[block].append(runner.sequential_read(block))
+    runs = _repeated(blocks, repeats, runner.sequential_read)
     for block in blocks:
-        figure = result.figures[f"seq_read_mb_s:{block}"] = Spread.of(runs[block])
-        result.seq_read_by_block[block] = figure.median
+        result.seq_read_by_block[block] = _record(result, f"seq_read_mb_s:{block}", runs[block])
     result.seq_read_block = max(blocks, key=result.seq_read_by_block.__getitem__)
     result.seq_read_mb_s = result.seq_read_by_block[result.seq_read_block]
 
@@ -363,10 +369,7 @@ def record_sequential(runner: DiskRunner, result: DiskBenchResult, blocks: Seque
 def record_small_files(runner: DiskRunner, result: DiskBenchResult, threads: int, repeats: int) -> None:
     """Small-file reads with one and `threads` threads, `repeats` runs each, into `result`."""
     counts = sorted({1, threads})
-    runs: dict[int, list[float]] = {count: [] for count in counts}
-    for turn in range(repeats):
-        for count in _rotated(counts, turn):
-            runs[count].append(runner.small_file_reads(count))
+    runs = _repeated(counts, repeats, runner.small_file_reads)
     medians = {count: _record(result, f"small_file_reads_per_s:{count}", runs[count]) for count in counts}
     result.small_file_reads_per_s_qd1 = medians[1]
     result.small_file_reads_per_s = medians[threads]
@@ -384,10 +387,7 @@ def record_random_reads(runner: DiskRunner, result: DiskBenchResult, threads: in
     Each point of the sweep holds the medians over its runs; the QD1 / QDN figures are its ends.
     """
     counts = sorted({1, threads, *(n for n in (4, 16, 64) if n < threads)})
-    runs: dict[int, list[RandomReadPoint]] = {count: [] for count in counts}
-    for turn in range(repeats):
-        for count in _rotated(counts, turn):
-            runs[count].append(runner.random_reads(count))
+    runs = _repeated(counts, repeats, runner.random_reads)
     result.randread_sweep = [_median_point(result, count, runs[count]) for count in counts]
     qd1 = result.randread_sweep[0]
     qdn = next(p for p in result.randread_sweep if p.threads == threads)

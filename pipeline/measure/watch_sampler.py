@@ -106,9 +106,6 @@ class _ProcessTree:
                 continue
             self.devices[device] = self.devices.get(device, 0) + 1
 
-    def children_of(self, pid: int) -> list[_ProcessCounters]:
-        return [proc for proc in self.procs.values() if proc.ppid == pid]
-
     def totals(self) -> tuple[float, int, int]:
         procs = self.procs.values()
         return sum(p.cpu_s for p in procs), sum(p.read_bytes for p in procs), sum(p.read_count for p in procs)

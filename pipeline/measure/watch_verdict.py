@@ -199,7 +199,7 @@ def _torch_cause(
     where = f"{in_workers} DataLoader workers" if in_workers else "the training process (num_workers=0)"
     cpu_share = fetch_cpu / fetch_s if fetch_s > 0 else 0.0
     if not in_workers:  # read per batch in workers only; here, the main thread's wait, shared out by time
-        fetch_runq = sum(loop.runq_s * loop.fetch_s / max(loop.loop_s, 1e-6) for _, loop in _per_process(loops))
+        fetch_runq = sum(loop.runq_s * loop.fetch_s / max(loop.loop_s, 1e-6) for loop in _per_process(loops))
     runq_share = min(1.0 - cpu_share, fetch_runq / fetch_s) if fetch_s > 0 else 0.0
     figures.update(dataset_s=fetch_s, dataset_per_batch_s=dataset_per_batch, loop_per_batch_s=loop_per_batch,
                    dataset_cpu_share=cpu_share, dataset_runq_share=runq_share, num_workers=in_workers)  # fmt: skip
@@ -262,9 +262,9 @@ def _more_workers(
     ), None
 
 
-def _per_process(loops: Sequence[LoopFigures]) -> list[tuple[int, LoopFigures]]:
+def _per_process(loops: Sequence[LoopFigures]) -> list[LoopFigures]:
     """One loader per process (process-wide figures such as cpu_s are on each of its loaders)."""
-    return list({loop.pid: (loop.pid, loop) for loop in loops}.values())
+    return list({loop.pid: loop for loop in loops}.values())
 
 
 def _worker_cores_evidence(loops: Sequence[LoopFigures], seconds: float, evidence: list[str]) -> None:
@@ -294,8 +294,8 @@ def _gpufeed_cause(
     evidence: list[str], undetermined: list[str], figures: dict,
 ) -> tuple[str, str, float | None]:  # fmt: skip
     processes = _per_process(loops)
-    cpu = sum(loop.cpu_s + loop.workers_cpu_s for _, loop in processes)
-    runq = sum(loop.runq_s + loop.workers_runq_s for _, loop in processes)
+    cpu = sum(loop.cpu_s + loop.workers_cpu_s for loop in processes)
+    runq = sum(loop.runq_s + loop.workers_runq_s for loop in processes)
     # Process-wide counters cover each process's whole life (its imports too): shared over the run's wall time.
     lifetime = max(report.seconds, seconds)
     busy, waiting = cpu / lifetime, runq / lifetime

@@ -14,7 +14,7 @@ import re
 import reprlib
 from typing import Any
 
-from ..io.fs import open_regular
+from ..io.fs import open_regular_stat
 
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .gif .bmp .dib .tif .tiff .webp .ppm .pgm .pbm .pnm "
@@ -168,10 +168,11 @@ def read_regular(path: str, bound: int) -> bytes:
     Read by the size the file states, not `bound`: a read of n bytes takes n bytes of memory at once.
 
     Raises:
-        OSError: the file cannot be read, or is not a regular file (`open_regular`).
+        OSError: the file cannot be read, or is not a regular file (`open_regular_stat`).
     """
-    with open_regular(path) as handle:
-        size = min(os.fstat(handle.fileno()).st_size, bound)
+    handle, status = open_regular_stat(path)
+    with handle:
+        size = min(status.st_size, bound)
         data: bytes = handle.read(size + 1)
         if len(data) > size and size < bound:  # it grew since: the rest, up to the bound
             data += handle.read(bound - size)
@@ -197,20 +198,6 @@ def whole_number(text: str, digits: int = 9) -> int | None:
     if not text or len(text) > digits or not text.isascii() or not text.isdigit():
         return None
     return int(text)
-
-
-def nested_deeper(value: Any, depth: int = MAX_JSON_DEPTH) -> bool:
-    """Whether a JSON value nests lists and objects over `depth` levels deep (looked at without recursion)."""
-    pending = [(value, 1)]
-    while pending:
-        current, level = pending.pop()
-        children = current.values() if isinstance(current, dict) else current if isinstance(current, list) else None
-        if children is None:
-            continue
-        if level > depth:
-            return True
-        pending.extend((child, level + 1) for child in children if isinstance(child, (list, dict)))
-    return False
 
 
 def brief(value: Any) -> str:

@@ -49,6 +49,7 @@ from typing import Any
 
 from ..errors import ConfigError, SourceError
 from ..io.fs import byte_bound, local_path, open_fs, store_errors
+from ..manifest import nested_deeper
 from ..targets import DEFAULT_IGNORE_INDEX, MAX_BOXES
 from .formats_common import (
     MAX_JSON_DEPTH,
@@ -58,7 +59,6 @@ from .formats_common import (
     finite_number,
     has_scheme,
     inside,
-    nested_deeper,
     present,
     read_regular,
     read_small,
@@ -303,7 +303,7 @@ def _coco_box(annotation: dict[str, Any], names: dict[int, str], size: tuple[Any
     shape = annotation.get("segmentation")
     if shape is not None and not isinstance(shape, (list, dict)):
         return "segmentation is neither polygons (a list) nor RLE (an object)"
-    if nested_deeper(shape):
+    if nested_deeper(shape, MAX_JSON_DEPTH):
         return f"segmentation nests over {MAX_JSON_DEPTH} levels deep (polygons are a list of lists of numbers)"
     return [x, y, x + w, y + h]
 

@@ -26,8 +26,9 @@ from typing import Any
 
 from ..errors import ConfigError, SourceError
 from ..io.fs import local_path, open_fs, open_regular, store_errors
+from ..manifest import nested_deeper
 from ..targets import MAX_CAPTION_BYTES
-from .formats_common import MAX_JSON_DEPTH, ListingInfo, SourceItem, brief, nested_deeper, printable
+from .formats_common import MAX_JSON_DEPTH, ListingInfo, SourceItem, brief, printable
 
 LIST_COLUMNS = ("path", "label", "labels", "caption", "text")  # the columns a list's rows have a meaning for
 ROW_MAX_CHARS = 16 << 20
@@ -74,7 +75,7 @@ def _row_problem(row: dict[str, Any]) -> str:
     for column, value in row.items():
         if column == "path":
             continue  # a file name may be any bytes: surrogate-escaped, it still opens the file
-        if nested_deeper(value):
+        if nested_deeper(value, MAX_JSON_DEPTH):
             return f"its column {brief(column)} nests over {MAX_JSON_DEPTH} levels deep"
         try:  # a lone surrogate anywhere in it (bytes that are not UTF-8, or a JSON escape of one) fails here
             json.dumps([column, value], ensure_ascii=False, allow_nan=False).encode("utf-8")

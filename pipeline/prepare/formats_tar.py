@@ -35,8 +35,9 @@ from typing import Any
 from ..errors import ConfigError, SourceError
 from ..io.fs import local_path, open_fs, open_regular, store_errors
 from ..io.tar import TarFormatError, iter_tar_index, split_key
+from ..manifest import nested_deeper
 from ..targets import MAX_CAPTION_BYTES
-from .formats_common import IMAGE_EXTENSIONS, MAX_JSON_DEPTH, ListingInfo, SourceItem, nested_deeper
+from .formats_common import IMAGE_EXTENSIONS, MAX_JSON_DEPTH, ListingInfo, SourceItem
 
 TEXT_MAX_BYTES = MAX_CAPTION_BYTES
 TEXT_MEMBERS = ("txt", "json", "cls")
@@ -193,7 +194,7 @@ def _sample_item(
             except (ValueError, RecursionError):
                 yield SourceItem(shard, rel, None, "its json member is not valid JSON")
                 return
-            if nested_deeper(value):
+            if nested_deeper(value, MAX_JSON_DEPTH):
                 yield SourceItem(shard, rel, None, f"its json member nests over {MAX_JSON_DEPTH} levels deep")
                 return
             targets["columns"] = value if isinstance(value, dict) else {"json": value}

@@ -100,3 +100,8 @@ class CheckedListing(Listing):
 
     def get(self, index: int) -> SourceItem:
         return checked_item(super().get(index), self.check)
+
+
+def checked_listing(listing: Listing, check: SourceCheck | None) -> Listing:
+    """The listing a shard step reads: each item checked by `check` as it is read (`CheckedListing`), if given."""
+    return listing if check is None else CheckedListing(listing, check)

@@ -27,7 +27,7 @@ from ..specs import PrepareSpec
 from ..units import format_count
 from .finishing import run_result
 from .opening import FoundOut, Job, Listed, list_source, open_planned, plan_job, planned_spec
-from .options import CheckedListing, ProgressCallback, RunOptions, SourceCheck
+from .options import ProgressCallback, RunOptions, SourceCheck, checked_listing
 from .plan import ShardPlan, planned_shard_of
 from .results import PrepareResult, ShardRecord
 from .resume import WORK_DIR, OutRecords, WorkFolder
@@ -151,8 +151,7 @@ def write_repaired_shard(
     spec, saved = planned_spec(spec, records)
     opened = load_repair(spec, records, saved)
     job = opened.job
-    if check_source is not None:
-        job.listing = CheckedListing(job.listing, check_source)
+    job.listing = checked_listing(job.listing, check_source)
     try:
         job.check_in_plan(shard)
         rewrite = opened.rewrites(shard).get(shard, set())

@@ -22,14 +22,13 @@ goes on.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import numpy as np
 
 from ..decode import open_image, pillow_warnings
 from ..errors import DecodeError, SourceError
-from ..io.fs import local_path, open_fs, open_regular, read_source_bytes, redact_location
+from ..io.fs import local_path, open_fs, open_regular_stat, read_source_bytes, redact_location
 from ..polygons import Polygons, transform_polygons
 from ..specs import PrepareSpec
 from ..targets import (
@@ -306,8 +305,9 @@ def read_tar_member(url: str, offset: int, size: int) -> bytes:
     """
     local = local_path(url)
     if local is not None:
-        with open_regular(local) as handle:
-            if offset + size > os.fstat(handle.fileno()).st_size:
+        handle, status = open_regular_stat(local)
+        with handle:
+            if offset + size > status.st_size:
                 raise OSError(f"the tar ends before its member's {size} bytes at offset {offset}")
             handle.seek(offset)
             data = handle.read(size)

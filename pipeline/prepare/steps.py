@@ -18,7 +18,7 @@ from ..specs import PrepareSpec
 from .finishing import clean_up, finish, lost, written_and_present
 from .lock import OutLock, remove_lock
 from .opening import as_recorded, find_out, load_planned_job, open_planned, planned_spec, start_job
-from .options import CheckedListing, ProgressCallback, RunOptions, SourceCheck
+from .options import ProgressCallback, RunOptions, SourceCheck, checked_listing
 from .repair import is_repair_plan, load_repair, open_repair, write_repaired_shard
 from .results import PreparePlanInfo, PrepareResult, ShardRecord, result_of
 from .resume import WORK_DIR, OutRecords, WorkFolder
@@ -137,8 +137,7 @@ def write_prepare_shard(
     if is_repair_plan(records.plan):
         return write_repaired_shard(spec, shard, records, progress, check_source)
     job = load_planned_job(spec, records)
-    if check_source is not None:
-        job.listing = CheckedListing(job.listing, check_source)
+    job.listing = checked_listing(job.listing, check_source)
     try:
         job.check_in_plan(shard)
         skipped = folder.recorded_files_intact(recorded)

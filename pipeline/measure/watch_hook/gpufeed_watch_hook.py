@@ -360,8 +360,7 @@ def _on_first_batch() -> None:
         return
 
     def counted_backward(*args, **kwargs):
-        if _recorder is not None:
-            _recorder.updates += 1
+        _count_update()
         return backward(*args, **kwargs)
 
     def counted_train(self, mode=True):
