@@ -43,9 +43,10 @@ class HSV:
 def hsv_in_place(image: np.ndarray, gains: tuple[float, float, float], *, simd: bool = True) -> None:
     """One planar uint8 RGB image [3, H, W] (a loader's slot) with its gains applied, in place, in native code.
 
-    The arithmetic of `apply_hsv` (OpenCV's 8-bit HSV and ultralytics' tables), for the CPU: a pass over
-    the pixels instead of a few dozen tensor passes (eight at once with AVX2; `simd=False` forces the
-    scalar loop, whose output is the same). Without the native library, `apply_hsv` does it.
+    The arithmetic of `apply_hsv` (OpenCV's 8-bit HSV and ultralytics' tables; the way back divides by
+    multiplying with reciprocals, a level from OpenCV's on a few colours), for the CPU: a pass over the
+    pixels instead of a few dozen tensor passes (eight at once with AVX2; `simd=False` forces the scalar
+    loop, whose output is the same). Without the native library, `apply_hsv` does it.
     """
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[0] != 3 or not image.flags.c_contiguous:
         raise ValueError(f"hsv_in_place takes a C-contiguous uint8 [3, H, W] image, not {image.dtype} {image.shape}")
@@ -54,8 +55,9 @@ def hsv_in_place(image: np.ndarray, gains: tuple[float, float, float], *, simd: 
         image[...] = apply_hsv(torch.from_numpy(image[None]), torch.tensor([gains]))[0].numpy()
         return
     lut_h, lut_s, lut_v = (np.ascontiguousarray(table, np.uint8).tobytes() for table in lookup_tables(gains))
+    multipliers = np.array([gains[1] + 1, gains[2] + 1], np.float64).tobytes()  # as `lookup_tables` multiplies
     plane = image.shape[1] * image.shape[2]
-    lib.gf_hsv(image.ctypes.data, plane, plane, lut_h, lut_s, lut_v, int(simd))
+    lib.gf_hsv(image.ctypes.data, plane, plane, lut_h, lut_s, lut_v, multipliers, int(simd))
 
 
 def lookup_tables(gains: tuple[float, float, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from .warp import Uniform, scaling, translation
+from .warp import Uniform
 
 Rect = tuple[int, int, int, int]
 
@@ -66,7 +66,7 @@ class Mosaic:
             else:  # bottom right
                 x1a, y1a, x2a, y2a = xc, yc, min(xc + w, size * 2), min(size * 2, yc + h)
                 x1b, y1b = 0, 0
-            matrix = translation(x1a - x1b, y1a - y1b) @ scaling(w / w0, h / h0)
+            matrix = np.array([[w / w0, 0.0, x1a - x1b], [0.0, h / h0, y1a - y1b], [0.0, 0.0, 1.0]])  # shift @ resize
             out.append(Tile(matrix, (x1a, y1a, x2a, y2a)))
         return out
 

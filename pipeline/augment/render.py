@@ -20,7 +20,7 @@ from .. import native
 from .warp import is_axis_aligned, scaling
 from .yolo import Plan
 
-TINY = 4  # a window this narrow or narrower goes the general way (a planar view of 3 columns reads as HWC)
+TINY = 4  # a window this narrow or narrower is filled nearest (a planar view of 3 columns reads as HWC)
 
 
 def render(
@@ -52,52 +52,53 @@ def render(
 def _output_rect(plan: Plan, index: int) -> tuple[int, int, int, int] | None:
     """The output pixels (u0, v0, u1, v1), end exclusive, whose centres lie in the tile's window (axis-aligned)."""
     x0, y0, x1, y1 = plan.tiles[index].window
-    corners = np.array([[x0, y0, 1.0], [x1, y1, 1.0]]) @ plan.warp.T
-    xs, ys = sorted(corners[:, 0]), sorted(corners[:, 1])
+    (a, b, c), (d, e, f), _ = plan.warp.tolist()
+    xs = sorted((a * x0 + b * y0 + c, a * x1 + b * y1 + c))
+    ys = sorted((d * x0 + e * y0 + f, d * x1 + e * y1 + f))
     u0, u1 = max(0, math.ceil(xs[0] - 0.5)), min(plan.size, math.ceil(xs[1] - 0.5))
     v0, v1 = max(0, math.ceil(ys[0] - 0.5)), min(plan.size, math.ceil(ys[1] - 0.5))
     return (u0, v0, u1, v1) if u1 > u0 and v1 > v0 else None
 
 
+def _source_box(rect: tuple[int, int, int, int], matrix: np.ndarray) -> tuple[float, float, float, float]:
+    """The box of the picture (its pixels) an axis-aligned `matrix` sends onto the output `rect`.
+
+    The rect is the pixels whose centres lie in the tile's window, so the box reaches past the picture's
+    edges by under a pixel at most: the resampler weighs only the pixels within them there.
+    """
+    (sx, _, tx), (_, sy, ty), _ = matrix.tolist()
+    u0, v0, u1, v1 = rect
+    x_a, x_b = sorted(((u0 - tx) / sx, (u1 - tx) / sx))
+    return x_a, (v0 - ty) / sy, x_b, (v1 - ty) / sy
+
+
+def _nearest_into(rect: tuple[int, int, int, int], matrix: np.ndarray, picture: np.ndarray, out: np.ndarray,
+                  first: tuple[float, float] = (0.0, 0.0), scale: float = 1.0) -> None:  # fmt: skip
+    """A strip too narrow for the resampler's views (`TINY`): each output pixel the picture's pixel under its
+    centre. `picture` holds the original's pixels scaled by `scale` from (`first` column, row) on."""
+    (sx, _, tx), (_, sy, ty), _ = matrix.tolist()
+    u0, v0, u1, v1 = rect
+    height, width = picture.shape[:2]
+    xs = np.clip(((np.arange(u0, u1) + 0.5 - tx) / sx * scale - first[0]).astype(np.int64), 0, width - 1)
+    ys = np.clip(((np.arange(v0, v1) + 0.5 - ty) / sy * scale - first[1]).astype(np.int64), 0, height - 1)
+    out[:, v0:v1, u0:u1] = picture[ys[:, None], xs[None, :], :3].transpose(2, 0, 1)
+
+
 def _resize_into(lib: object, plan: Plan, index: int, matrix: np.ndarray, image: np.ndarray, out: np.ndarray) -> bool:
-    """The tile's output pixels as one native resize of a box of its original (the pixels whose whole
-    footprint lies in the original), and the one-pixel rim the window may add around them, nearest."""
+    """The tile's output pixels as one native resize of a box of its original."""
     rect = _output_rect(plan, index)
     if rect is None:
         return True
     height, width = image.shape[:2]
-    sx, tx, sy, ty = matrix[0, 0], matrix[0, 2], matrix[1, 1], matrix[1, 2]
-    # the original's extent in the output: the pixels wholly inside it resize exactly, with no edge to clamp
-    left_edge, right_edge = sorted((tx, sx * width + tx))
-    top_edge, bottom_edge = ty, sy * height + ty
+    if rect[2] - rect[0] <= TINY or rect[3] - rect[1] <= TINY:
+        _nearest_into(rect, matrix, image, out)
+        return True
     u0, v0, u1, v1 = rect
-    i0, i1 = max(u0, math.ceil(left_edge - 1e-9)), min(u1, math.floor(right_edge + 1e-9))
-    j0, j1 = max(v0, math.ceil(top_edge - 1e-9)), min(v1, math.floor(bottom_edge + 1e-9))
-    if i1 - i0 <= TINY or j1 - j0 <= TINY:
-        return False
-    x_a, x_b = sorted(((i0 - tx) / sx, (i1 - tx) / sx))
-    box = (max(0.0, x_a), max(0.0, (j0 - ty) / sy), min(float(width), x_b), min(float(height), (j1 - ty) / sy))
     pixels = _rgbx(image)
     decoder = native.RegionDecoder(lib)  # type: ignore[arg-type]
-    decoder.resize_store(pixels.ctypes.data, (width, height), box, out[:, j0:j1, i0:i1], native.PILLOW_SIMD, flip=sx < 0)
-    for v, u in _rim((u0, v0, u1, v1), (i0, j0, i1, j1)):  # pixels whose centre is in the window, part past the edge
-        xs = np.clip(((u + 0.5 - tx) / sx).astype(np.int64), 0, width - 1)
-        ys = np.clip(((v + 0.5 - ty) / sy).astype(np.int64), 0, height - 1)
-        out[:, v, u] = image[ys, xs, :3].T
+    decoder.resize_store(pixels.ctypes.data, (width, height), _source_box(rect, matrix), out[:, v0:v1, u0:u1],
+                         native.PILLOW_SIMD, flip=matrix[0, 0] < 0)  # fmt: skip
     return True
-
-
-def _rim(outer: tuple[int, int, int, int], inner: tuple[int, int, int, int]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The (rows, columns) of the pixels of `outer` outside `inner` (both u0, v0, u1, v1, end exclusive), as
-    up to four strips: the rows above and below, then the columns left and right beside `inner`."""
-    u0, v0, u1, v1 = outer
-    i0, j0, i1, j1 = inner
-    strips = []
-    for rows, columns in (((v0, j0), (u0, u1)), ((j1, v1), (u0, u1)), ((j0, j1), (u0, i0)), ((j0, j1), (i1, u1))):
-        if rows[1] > rows[0] and columns[1] > columns[0]:
-            v, u = np.mgrid[rows[0] : rows[1], columns[0] : columns[1]]
-            strips.append((v.ravel(), u.ravel()))
-    return strips
 
 
 def _rgbx(image: np.ndarray) -> np.ndarray:
@@ -247,35 +248,26 @@ def _region_into(
     if rect is None:
         return True
     width, height = size
-    sx, tx, sy, ty = matrix[0, 0], matrix[0, 2], matrix[1, 1], matrix[1, 2]
-    left_edge, right_edge = sorted((tx, sx * width + tx))
     u0, v0, u1, v1 = rect
-    i0, i1 = max(u0, math.ceil(left_edge - 1e-9)), min(u1, math.floor(right_edge + 1e-9))
-    j0, j1 = max(v0, math.ceil(ty - 1e-9)), min(v1, math.floor(sy * height + ty + 1e-9))
-    if i1 - i0 <= TINY or j1 - j0 <= TINY:
-        return False
-    x_a, x_b = sorted(((i0 - tx) / sx, (i1 - tx) / sx))
-    box = (max(0.0, x_a), max(0.0, (j0 - ty) / sy), min(float(width), x_b), min(float(height), (j1 - ty) / sy))
+    box = _source_box(rect, matrix)
     # the smallest M/8 that keeps the box at least as large as its output part, as the loader's crops choose
     # (a picture decoded whole already is at full scale)
-    needed = max((i1 - i0) / (box[2] - box[0]), (j1 - j0) / (box[3] - box[1]))
+    needed = max((u1 - u0) / (box[2] - box[0]), (v1 - v0) / (box[3] - box[1]))
     eighths = 8 if whole is not None else min(8, max(1, math.ceil(8 * needed - 1e-9)))
     scale = eighths / 8
     scaled_width, scaled_height = -(-width * eighths // 8), -(-height * eighths // 8)
     scaled = (box[0] * scale, box[1] * scale, box[2] * scale, box[3] * scale)
-    margin = 3 + math.ceil(max((scaled[2] - scaled[0]) / (i1 - i0), (scaled[3] - scaled[1]) / (j1 - j0)))
+    margin = 3 + math.ceil(max((scaled[2] - scaled[0]) / (u1 - u0), (scaled[3] - scaled[1]) / (v1 - v0)))
     x0, y0 = max(0, math.floor(scaled[0]) - margin), max(0, math.floor(scaled[1]) - margin)
     x1, y1 = min(scaled_width, math.ceil(scaled[2]) + margin), min(scaled_height, math.ceil(scaled[3]) + margin)
     if whole is not None:  # its rows y0..y1, whole: contiguous, as the resampler reads them
         rows, first, decoded_width, count = whole[y0:y1].reshape(-1), 0, width, y1 - y0
     else:
         rows, first, decoded_width, count = _decode(decoder, data, size, eighths, (y0, y1), (x0, x1))
+    if u1 - u0 <= TINY or v1 - v0 <= TINY:
+        _nearest_into(rect, matrix, rows.reshape(count, decoded_width, 4), out, (first, y0), scale)
+        return True
     relative = (scaled[0] - first, scaled[1] - y0, scaled[2] - first, scaled[3] - y0)
-    decoder.resize_store(rows.ctypes.data, (decoded_width, count), relative, out[:, j0:j1, i0:i1], native.PILLOW_SIMD,
-                         flip=sx < 0)  # fmt: skip
-    picture = rows.reshape(count, decoded_width, 4)
-    for v, u in _rim((u0, v0, u1, v1), (i0, j0, i1, j1)):  # the rim, nearest, from the decoded rows
-        xs = np.clip(((u + 0.5 - tx) / sx * scale - first).astype(np.int64), 0, decoded_width - 1)
-        ys = np.clip(((v + 0.5 - ty) / sy * scale - y0).astype(np.int64), 0, count - 1)
-        out[:, v, u] = picture[ys, xs, :3].T
+    decoder.resize_store(rows.ctypes.data, (decoded_width, count), relative, out[:, v0:v1, u0:u1], native.PILLOW_SIMD,
+                         flip=matrix[0, 0] < 0)  # fmt: skip
     return True

@@ -101,10 +101,7 @@ def plan(
         w, h = load_size(*originals[0], size)
         tiles = [Tile(scaling(w / originals[0][0], h / originals[0][1]), (0, 0, w, h))]
         canvas = (w, h)
-    placed = [clip_boxes(boxes_through(boxes[i], tile.matrix), *canvas) for i, tile in enumerate(tiles)]
-    on_canvas = np.concatenate(placed) if placed else np.zeros((0, 4))
-    kept_labels = np.concatenate([np.asarray(labels[i], np.int64).reshape(-1) for i in range(len(tiles))])
-    source_of = np.concatenate([np.full(len(p), i, np.int64) for i, p in enumerate(placed)])
+    on_canvas, kept_labels, source_of = _placed(tiles, boxes, labels, canvas)
     nonzero = (on_canvas[:, 2] > on_canvas[:, 0]) & (on_canvas[:, 3] > on_canvas[:, 1])  # ultralytics' zero-area removal
     on_canvas, kept_labels, source_of = on_canvas[nonzero], kept_labels[nonzero], source_of[nonzero]
     warp, scale = recipe.affine.matrix(rng, canvas, (size, size))
@@ -119,3 +116,21 @@ def plan(
         out[:, [0, 2]] = size - out[:, [2, 0]]
     gains = recipe.hsv.draw(hsv_rng or rng) if recipe.hsv is not None else None
     return Plan(size, canvas, tiles, warp, out.astype(np.float32), kept_labels, source_of, gains, recipe.fill)
+
+
+def _placed(
+    tiles: list[Tile], boxes: list[np.ndarray], labels: list[np.ndarray], canvas: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tiles' boxes on the canvas, clipped to it (each tile's matrix a scale and a shift), their labels and
+    tiles: all tiles at once, as `clip_boxes(boxes_through(...))` of each."""
+    counts = [len(boxes[i]) for i in range(len(tiles))]
+    source_of = np.repeat(np.arange(len(tiles), dtype=np.int64), counts)
+    kept_labels = np.concatenate([np.asarray(labels[i], np.int64).reshape(-1) for i in range(len(tiles))])
+    if not sum(counts):
+        return np.zeros((0, 4)), kept_labels, source_of
+    stacked = np.concatenate([np.asarray(boxes[i], np.float64).reshape(-1, 4) for i in range(len(tiles))])
+    scale = np.array([[t.matrix[0, 0], t.matrix[1, 1]] * 2 for t in tiles])[source_of]
+    shift = np.array([[t.matrix[0, 2], t.matrix[1, 2]] * 2 for t in tiles])[source_of]
+    placed = stacked * scale + shift  # positive scales: the corners stay the corners
+    np.clip(placed, 0, [canvas[0], canvas[1], canvas[0], canvas[1]], out=placed)
+    return placed, kept_labels, source_of

@@ -17,6 +17,7 @@ split it (the same worker count gives the same epoch).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -69,6 +70,15 @@ def mosaic_decoder(crop: CropSpec) -> Any:
     return region_decoder() if crop.decoder == "region" else None
 
 
+@dataclasses.dataclass
+class PieceMemo:
+    """What the mosaics of one decode piece share, by position: each picture decoded whole once (ultralytics'
+    buffer of recent images, kept decoded, does the same), each sample's size and boxes read once."""
+
+    pictures: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    facts: dict[int, tuple[tuple[int, int], np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+
+
 def mosaic_into(
     plan_of: TaskPlan,
     crop: CropSpec,
@@ -80,15 +90,19 @@ def mosaic_into(
     slot: np.ndarray,
     affine: Affine | None,
     decoder: Any,
-    decoded: dict[int, np.ndarray] | None = None,
+    memo: PieceMemo | None = None,
 ) -> dict[str, Any]:
     """`yolo_sample` of `position`, written into its batch `slot` (`write_slot`): its targets.
 
     Raises:
         TargetError, DecodeError: its sample or a partner is damaged (the slot is left as it was).
     """
-    pixels = np.empty((3, crop.size, crop.size), np.uint8)
-    targets = yolo_sample(plan_of, recipe, items, extras, position, key, pixels, decoder, decoded, crop.hsv_in_workers)
+    size = crop.size
+    if affine is None and slot.dtype == np.uint8 and slot.shape == (3, size, size) and slot.flags.c_contiguous:
+        # every picture is decoded before the first pixel is written: a damaged one leaves the slot as it was
+        return yolo_sample(plan_of, recipe, items, extras, position, key, slot, decoder, memo, crop.hsv_in_workers)
+    pixels = np.empty((3, size, size), np.uint8)
+    targets = yolo_sample(plan_of, recipe, items, extras, position, key, pixels, decoder, memo, crop.hsv_in_workers)
     write_slot(pixels, slot, affine)
     return targets
 
@@ -102,41 +116,43 @@ def yolo_sample(
     key: str,
     out: np.ndarray,
     decoder: Any = None,
-    decoded: dict[int, np.ndarray] | None = None,
+    memo: PieceMemo | None = None,
     hsv_in_workers: bool = True,
 ) -> dict[str, Any]:
     """Position `position`'s output rendered into `out` (uint8 [3, S, S]) and its targets.
 
-    `decoded` keeps the piece's pictures decoded whole, by position, from one output to the next: a
-    picture is decoded once however many mosaics of the piece show it (ultralytics' buffer of recent
-    images, kept decoded, does the same). `hsv_in_workers=False` leaves the HSV gains to the device:
-    they go with the targets (`HSV_GAINS`).
+    `memo` keeps what the piece's outputs share (`PieceMemo`): a picture is decoded once however many
+    mosaics of the piece show it. Every picture is decoded before `out` is written. `hsv_in_workers=False`
+    leaves the HSV gains to the device: they go with the targets (`HSV_GAINS`).
 
     Raises:
         TargetError, DecodeError: its sample or a partner is damaged.
     """
+    memo = memo if memo is not None else PieceMemo()
     extension, data, seed = items[position]
     rng = random.Random(seed)
     chosen = [position] + [rng.randrange(len(items)) for _ in range(recipe.sources - 1)]
     sizes, boxes, labels = [], [], []
     for index in chosen:
-        found, found_labels, _ = read_boxes(extras[index] or {}, plan_of.classes)
-        boxes.append(found.astype(np.float64))
-        labels.append(found_labels)
-        sizes.append(image_size(items[index][0], items[index][1]))
+        facts = memo.facts.get(index)
+        if facts is None:
+            found, found_labels, _ = read_boxes(extras[index] or {}, plan_of.classes)
+            facts = memo.facts[index] = (image_size(items[index][0], items[index][1]), found.astype(np.float64),
+                                         found_labels)  # fmt: skip
+        sizes.append(facts[0])
+        boxes.append(facts[1])
+        labels.append(facts[2])
     made = plan(recipe, rng, sizes, boxes, labels)
-    files = [items[index] for index in chosen[: len(made.tiles)]]
+    shown = chosen[: len(made.tiles)]
     try:
-        if decoder is not None and all(ext in ("jpg", "jpeg") for ext, _, _ in files):
-            wholes: list[np.ndarray | None] | None = None
-            if decoded is not None:
-                for index in chosen[: len(made.tiles)]:
-                    if index not in decoded:
-                        decoded[index] = decode_whole(decoder, items[index][1])
-                wholes = [decoded[index] for index in chosen[: len(made.tiles)]]
-            render_jpegs(made, [file_data for _, file_data, _ in files], out=out, decoder=decoder, decoded=wholes)
+        if decoder is not None and all(items[index][0] in ("jpg", "jpeg") for index in shown):
+            for index in shown:
+                if index not in memo.pictures:
+                    memo.pictures[index] = decode_whole(decoder, items[index][1])
+            render_jpegs(made, [items[index][1] for index in shown], out=out, decoder=decoder,
+                         decoded=[memo.pictures[index] for index in shown])  # fmt: skip
         else:
-            render(made, [np.asarray(_rgb(ext, file_data)) for ext, file_data, _ in files], out=out)
+            render(made, [np.asarray(_rgb(items[index][0], items[index][1])) for index in shown], out=out)
     except native.RegionError as exc:
         raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
     total = sum(len(b) for b in boxes[: len(made.tiles)])

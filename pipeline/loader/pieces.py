@@ -20,7 +20,7 @@ from .cpu_decode import decode_many
 from .crops import Affine, CropSpec
 from .damage import Extras, Item
 from .hooks import run_sample_transform
-from .mosaic_piece import mosaic_decoder, mosaic_into, yolo_recipe
+from .mosaic_piece import PieceMemo, mosaic_decoder, mosaic_into, yolo_recipe
 from .placement import Placement
 from .tasks import TaskPlan, placement_of, sample_targets
 
@@ -178,7 +178,7 @@ def _yolo_chunk(
     failures: list[tuple[int, str]] = []
     done: dict[int, dict[str, Any]] = {}
     extras = [extra or {} for extra in work.extras]
-    decoded: dict[int, np.ndarray] = {}  # the piece's pictures, each decoded once for all the mosaics showing it
+    memo = PieceMemo()  # the piece's pictures and boxes, each read once for all the mosaics showing them
     for offset in range(len(items)):
         position = start + offset
         if finish is not None:
@@ -188,7 +188,7 @@ def _yolo_chunk(
             into, affine = target[slot, position], None
         try:
             done[position] = mosaic_into(work.plan, crop, recipe, items, extras, offset, work.keys[offset], into, affine,
-                                         decoder, decoded)  # fmt: skip
+                                         decoder, memo)  # fmt: skip
         except (TargetError, DecodeError) as exc:
             failures.append((position, str(exc)))
     return PieceResult(sorted(failures), done)

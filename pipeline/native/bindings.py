@@ -99,7 +99,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.gf_ycc_transcode.restype = ctypes.c_long
     lib.gf_hsv.argtypes = [
-        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+        ctypes.c_char_p, ctypes.c_int,
     ]  # fmt: skip
     lib.gf_hsv.restype = None
 

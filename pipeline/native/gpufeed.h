@@ -70,8 +70,9 @@ const char *gf_source_digest(void);
 /* resample.c: whether this CPU runs the AVX2 kernels (checked once; 0 in the portable build, -DGF_NO_SIMD). */
 int gf_has_avx2(void);
 
-/* colour.c: photometric augmentation. */
+/* colour.c: photometric augmentation. gains: the multipliers the saturation and value tables were built with
+ * (1 + gain, doubles), or NULL (the scalar loop then). */
 void gf_hsv(unsigned char *pixels, long plane, long count, const unsigned char *lut_h, const unsigned char *lut_s,
-            const unsigned char *lut_v, int allow_simd);
+            const unsigned char *lut_v, const double *gains, int allow_simd);
 
 #endif

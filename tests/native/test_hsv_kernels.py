@@ -1,10 +1,14 @@
-"""colour.c's HSV gains: the AVX2 loop (eight pixels at once, tables through gathers) equals the scalar loop.
+"""colour.c's HSV gains: the AVX2 loop (eight pixels at once, the tables computed) equals the scalar loop.
 
 Every one of the 2^24 RGB colours, under gains that shift the hue both
 ways, saturate and desaturate, brighten past 255 and darken, must come out
 of both loops the same, bit for bit (the scalar loop is the one the tests
-against ultralytics' RandomHSV hold to its arithmetic); an image whose pixel
-count is not a multiple of eight ends in the scalar loop, as the same.
+against ultralytics' RandomHSV hold to its arithmetic). The AVX2 loop
+computes a value table in integers where that gives the table, else in
+doubles (-0.32: the integers miss an entry), and a hue table that is no
+shift (a gain a hair below 0 puts 180 in it) sends the image to the scalar
+loop; an image whose pixel count is not a multiple of eight ends in the
+scalar loop, as the same.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import pytest
 from pipeline import native
 from pipeline.augment.hsv import hsv_in_place
 
-GAINS = [(0.01, 0.5, -0.3), (-0.015, -0.7, 0.4), (0.0, 0.0, 0.0), (0.5, 1.0, 1.0), (-0.2, -1.0, -1.0)]
+GAINS = [(0.01, 0.5, -0.3), (-0.015, -0.7, 0.4), (0.0, 0.0, 0.0), (0.5, 1.0, 1.0), (-0.2, -1.0, -1.0),
+         (0.0, 0.442, -0.32), (-1e-18, 0.5, 0.5)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
