@@ -16,8 +16,8 @@ from .errors import ConfigError
 from .units import parse_bytes
 
 RECIPES = ("crop", "letterbox", "scale_jitter", "iou_crop", "yolo")  # how the loader makes each image its output
-YOLO_HYP = {  # recipe="yolo"'s hyperparameters by ultralytics' names: (default, largest)
-    "mosaic": (1.0, 1.0), "degrees": (0.0, 180.0), "translate": (0.1, 0.9), "scale": (0.5, 0.95), "shear": (0.0, 90.0),
+YOLO_HYP = {  # recipe="yolo"'s hyperparameters by ultralytics' names (and mosaic_n, 4 or 9): (default, largest)
+    "mosaic": (1.0, 1.0), "mosaic_n": (4, 9), "degrees": (0.0, 180.0), "translate": (0.1, 0.9), "scale": (0.5, 0.95), "shear": (0.0, 90.0),
     "perspective": (0.0, 0.001), "flipud": (0.0, 1.0), "fliplr": (0.5, 1.0), "hsv_h": (0.015, 1.0),
     "hsv_s": (0.7, 1.0), "hsv_v": (0.4, 1.0), "mixup": (0.0, 1.0), "cutmix": (0.0, 1.0),
 }  # fmt: skip
@@ -511,6 +511,8 @@ class LoaderSpec(Spec):
                 known = ", ".join(YOLO_HYP)
                 raise ConfigError(f"hyp: {name!r} is not a hyperparameter of recipe='yolo' (it has {known})")
             check_number(f"hyp[{name!r}]", value, 0.0, YOLO_HYP[name][1])
+            if name == "mosaic_n" and value not in (4, 9):
+                raise ConfigError(f"hyp['mosaic_n'] is the images of a mosaic, 4 or 9, not {value!r}")
 
     def _check_cache(self) -> None:
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):

@@ -1,11 +1,14 @@
-"""Mosaic: four images around a random centre of a 2S x 2S canvas (ultralytics' `Mosaic`, n = 4).
+"""Mosaic: four images around a random centre of a 2S x 2S canvas, or nine in a grid (ultralytics' `Mosaic`).
 
 Each image is first resized so its longer side is S (ultralytics'
-`load_image`: the other side rounded up), then placed in one quadrant
-around the centre (xc, yc), drawn in [S/2, 3S/2): top-left ending at the
-centre, top-right starting at it in x, and so on; what falls past the
-canvas is cut. Its matrix is that resize and the shift to its place; its
-window the part of the canvas it shows.
+`load_image`: the other side rounded up). With four (n = 4), each is placed
+in one quadrant around the centre (xc, yc), drawn in [S/2, 3S/2): top-left
+ending at the centre, top-right starting at it in x, and so on; what falls
+past the canvas is cut. With nine (n = 9, no draw), the first is placed at
+(S, S) of a 3S x 3S canvas and the others around it clockwise from the top
+(each beside the one before, as ultralytics' `_mosaic9`), and the canvas's
+middle 2S x 2S is kept. An image's matrix is its resize and the shift to its
+place; its window the part of the canvas it shows.
 """
 
 from __future__ import annotations
@@ -40,15 +43,17 @@ class Mosaic:
     n: int = 4
 
     def __post_init__(self) -> None:
-        if self.n != 4:
-            raise ValueError(f"Mosaic(n={self.n}): only n=4 is supported")
+        if self.n not in (4, 9):
+            raise ValueError(f"Mosaic(n={self.n!r}): a mosaic is of 4 images or of 9")
         if not 0.0 <= self.p <= 1.0:
             raise ValueError(f"Mosaic(p={self.p}): a probability is 0 to 1")
 
     def tiles(self, rng: Uniform, size: int, originals: list[tuple[int, int]]) -> list[Tile]:
-        """The four tiles of one mosaic of `originals` (width, height), the first the sample's own."""
-        if len(originals) != 4:
-            raise ValueError(f"a mosaic takes 4 images, not {len(originals)}")
+        """The n tiles of one mosaic of `originals` (width, height), the first the sample's own."""
+        if len(originals) != self.n:
+            raise ValueError(f"a mosaic takes {self.n} images, not {len(originals)}")
+        if self.n == 9:
+            return _grid_of_nine(size, originals)
         border = -size // 2
         yc, xc = (int(rng.uniform(-border, 2 * size + border)) for _ in range(2))
         out = []
@@ -77,3 +82,26 @@ def load_size(width: int, height: int, size: int) -> tuple[int, int]:
     if ratio == 1:
         return width, height
     return min(math.ceil(width * ratio), size), min(math.ceil(height * ratio), size)
+
+
+def _grid_of_nine(size: int, originals: list[tuple[int, int]]) -> list[Tile]:
+    """Ultralytics' `_mosaic9`: the centre image at (S, S) of a 3S x 3S canvas, the others around it, then the
+    canvas's middle 2S x 2S (from S // 2 on)."""
+    cut, side = size // 2, 2 * size
+    out = []
+    h0 = w0 = hp = wp = 0
+    for i, (width, height) in enumerate(originals):
+        w, h = load_size(width, height, size)
+        if i == 0:  # centre
+            h0, w0 = h, w
+        x, y = (  # the image's top left in the 3S canvas: centre, top, top right, right, bottom right, bottom,
+            (size, size), (size, size - h), (size + wp, size - h), (size + w0, size), (size + w0, size + hp),
+            (size + w0 - w, size + h0), (size + w0 - wp - w, size + h0), (size - w, size + h0 - h),
+            (size - w, size + h0 - hp - h),  # bottom left, left, top left
+        )[i]  # fmt: skip
+        window = (min(max(x, 0) - cut, side), min(max(y, 0) - cut, side), min(x + w - cut, side), min(y + h - cut, side))
+        window = (max(window[0], 0), max(window[1], 0), max(window[2], 0), max(window[3], 0))
+        matrix = np.array([[w / width, 0.0, x - cut], [0.0, h / height, y - cut], [0.0, 0.0, 1.0]])
+        out.append(Tile(matrix, window))
+        hp, wp = h, w
+    return out

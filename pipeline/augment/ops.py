@@ -9,7 +9,8 @@ polygons that go with them:
     Letterbox()                      the whole image, its ratio kept, centred and padded with `fill`
     ScaleJitter(low, high)           the letterboxed size times a random scale, then a random window or padding
     IoUCrop()                        SSD's random crop with a minimum IoU with the boxes
-    Mosaic(p)                        four images in a 2S x 2S canvas around a random centre (probability p)
+    Mosaic(p, n)                     four images in a 2S x 2S canvas around a random centre (probability p),
+                                     or nine in a grid (n=9)
     RandomAffine(degrees, translate, scale, shear, perspective)
                                      ultralytics' random perspective of the (mosaic) canvas into the output;
                                      boxes through the same matrix, filtered as its `box_candidates`
@@ -150,7 +151,8 @@ def _yolo_settings(ops: list[Any]) -> dict[str, Any]:
     flip = found.get(Flip, Flip(horizontal=0.0))
     hsv = found.get(HSV, HSV(0.0, 0.0, 0.0))
     hyp = {
-        "mosaic": mosaic.p if mosaic is not None else 0.0, "degrees": affine.degrees, "translate": affine.translate,
+        "mosaic": mosaic.p if mosaic is not None else 0.0, "mosaic_n": mosaic.n if mosaic is not None else 4,
+        "degrees": affine.degrees, "translate": affine.translate,
         "scale": affine.scale, "shear": affine.shear, "perspective": affine.perspective, "fliplr": flip.horizontal,
         "flipud": flip.vertical, "hsv_h": hsv.hue, "hsv_s": hsv.saturation, "hsv_v": hsv.value,
         "mixup": found[MixUp].p if MixUp in found else 0.0, "cutmix": found[CutMix].p if CutMix in found else 0.0,

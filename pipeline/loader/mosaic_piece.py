@@ -59,7 +59,7 @@ def yolo_recipe(crop: CropSpec) -> YoloRecipe:
     gains = (hyp.get("hsv_h", defaults.hsv.hue), hyp.get("hsv_s", defaults.hsv.saturation),
              hyp.get("hsv_v", defaults.hsv.value))  # fmt: skip
     return YoloRecipe(
-        size=crop.size, fill=crop.fill, mosaic=Mosaic(p=mosaic) if crop.mosaic and mosaic > 0 else None, affine=affine,
+        size=crop.size, fill=crop.fill, mosaic=Mosaic(p=mosaic, n=int(hyp.get("mosaic_n", 4))) if crop.mosaic and mosaic > 0 else None, affine=affine,
         fliplr=hyp.get("fliplr", defaults.fliplr) if crop.flip else 0.0, flipud=hyp.get("flipud", defaults.flipud),
         hsv=HSV(*gains) if any(gains) else None,
     )  # fmt: skip

@@ -32,6 +32,7 @@ def test_ultralytics_family_is_the_yolo_recipe_and_a_missing_op_is_off() -> None
     settings = loader_settings([Mosaic(), RandomAffine(degrees=10), Flip(), HSV(), MixUp(0.1), CutMix(0.2)])
     assert settings["recipe"] == "yolo"
     hyp = settings["hyp"]
+    assert loader_settings([Mosaic(n=9)])["hyp"]["mosaic_n"] == 9 and hyp["mosaic_n"] == 4
     assert hyp["mosaic"] == 1.0 and hyp["degrees"] == 10 and hyp["translate"] == 0.1 and hyp["fliplr"] == 0.5
     assert (hyp["hsv_h"], hyp["hsv_s"], hyp["hsv_v"]) == (0.015, 0.7, 0.4) and hyp["mixup"] == 0.1 and hyp["cutmix"] == 0.2
     plain = loader_settings([RandomAffine()])["hyp"]

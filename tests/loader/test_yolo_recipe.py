@@ -53,10 +53,11 @@ def batches(prepared: Path, **options: object) -> list[tuple[np.ndarray, list[np
     return [(b.images.numpy(), [x.numpy() for x in b.boxes], [x.numpy() for x in b.box_labels]) for b in loader]
 
 
-def test_every_box_sits_on_its_rectangles_edges_in_the_mosaic(prepared: Path) -> None:
+@pytest.mark.parametrize("mosaic_n", [4, 9])
+def test_every_box_sits_on_its_rectangles_edges_in_the_mosaic(prepared: Path, mosaic_n: int) -> None:
     errors: list[float] = []
     boxes = 0
-    for images, batch_boxes, labels in batches(prepared):
+    for images, batch_boxes, labels in batches(prepared, hyp={"mosaic_n": mosaic_n}):
         assert images.shape[1:] == (3, CROP, CROP)
         for image, found, classes in zip(images, batch_boxes, labels):
             assert ((found >= 0) & (found <= CROP)).all() and set(classes.tolist()) <= {0, 1, 2}
@@ -66,7 +67,10 @@ def test_every_box_sits_on_its_rectangles_edges_in_the_mosaic(prepared: Path) ->
                 found_edges = edge_errors(image, tuple(box), (0, 0, CROP, CROP), 1.0, halo(400, 400) * CROP / 420 * 0.5)
                 errors += [abs(v) for v in found_edges.values()]
     assert boxes >= 40 and len(errors) >= 30, (boxes, len(errors))
-    assert float(np.mean(errors)) < 0.15 and max(errors) < 0.35, (float(np.mean(errors)), max(errors))
+    # nine images fill the canvas to its edges: a rectangle cut there ends at the pixel row where the output's
+    # window of the canvas ends, its clipped box up to half a pixel further
+    largest = 0.35 if mosaic_n == 4 else 0.5
+    assert float(np.mean(errors)) < 0.15 and max(errors) < largest, (float(np.mean(errors)), max(errors))
 
 
 def test_threads_and_processes_give_the_same_mosaics_and_the_same_seed_the_same_epoch(prepared: Path) -> None:
@@ -131,7 +135,7 @@ def test_hyperparameters_by_ultralytics_names_change_the_recipe(prepared: Path) 
     rotated = batches(prepared, hyp={"degrees": 30.0})
     assert any(not np.array_equal(a[0], b[0]) for a, b in zip(rotated, batches(prepared)))
     for bad, message in (({"copy_paste": 0.1}, "not a hyperparameter"), ({"degrees": -1.0}, "degrees"),
-                         ({"hsv_h": 2.0}, "hsv_h")):  # fmt: skip
+                         ({"hsv_h": 2.0}, "hsv_h"), ({"mosaic_n": 6}, "4 or 9")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="yolo", hyp=bad)
     with pytest.raises(ConfigError, match="recipe='yolo'"):
