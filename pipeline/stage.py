@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from .errors import ConfigError, GpufeedError, ManifestError, SourceError, StorageError, write_failure
-from .io.cache import copy_from_store
+from .io.cache.shards import copy_from_store
 from .io.devices import free_bytes
 from .io.fs import file_sha256, forget_listings, local_path, open_fs, process_alive, redact_url, temp_suffix
 from .io.output import Output

@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from ..errors import GpufeedError
-from .s3transport import S3Transport
+from .s3.transport import S3Transport
 from .transport import FsspecTransport, Transport
 
 _TRANSPORTS: dict[tuple[int, str], Transport] = {}

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import torch
 
 from ..errors import ConfigError
-from ..io.cache import ShardCache
+from ..io.cache.shards import ShardCache
 from ..io.fs import is_url, storage_options_for
 from ..specs import DTYPES, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, check_bool
 from .dataset import DatasetInfo, resolve_dataset
@@ -211,7 +211,7 @@ def make_loader(
             samples, already read, stay delivered; under "raise" it raises).
             Needs a manifest: a brace pattern has no hashes.
         cache_dir: a local folder (ideally NVMe) for a remote dataset's
-            shards (`pipeline.io.cache.ShardCache`): the first epoch streams
+            shards (`pipeline.io.cache.shards.ShardCache`): the first epoch streams
             each shard into it as it reads it (its sha256 checked against the
             manifest), the next few shards of this rank's order are fetched
             into it while the current ones decode, and later epochs read it

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-from ..io.cache import ShardCache
+from ..io.cache.shards import ShardCache
 from ..io.fs import local_path, open_fs, store_errors
 from .dataset import ShardRef, open_shard
 

@@ -28,13 +28,13 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, cast
 
-from ..errors import GpufeedError, SourceError
-from .cache_files import CacheFolder, ShardEntry, remove_file, try_lock, unlock
-from .cache_follow import FillProgress, ShardReader
-from .cache_space import COMPLETE, FULL, CacheSpace, unwritable_warning
-from .cache_verify import record_check
-from .fs import open_fs, redact_url
-from .transports import transport_for
+from ...errors import GpufeedError, SourceError
+from ..fs import open_fs, redact_url
+from ..transports import transport_for
+from .files import CacheFolder, ShardEntry, remove_file, try_lock, unlock
+from .follow import FillProgress, ShardReader
+from .space import COMPLETE, FULL, CacheSpace, unwritable_warning
+from .verify import record_check
 
 log = logging.getLogger("gpufeed.cache")
 

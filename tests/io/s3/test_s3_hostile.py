@@ -31,10 +31,10 @@ pytest.importorskip("s3fs")
 from hostile_s3_server import REGIONS, HostileStore, hostile  # noqa: E402
 
 from pipeline.errors import ConfigError, StorageError  # noqa: E402
-from pipeline.io.getloop import GetLoop  # noqa: E402
-from pipeline.io.s3config import DEADLINE_ENV, REQUEST_DEADLINE_S, S3Settings, request_deadline  # noqa: E402
-from pipeline.io.s3request import MAX_REGION_CHANGES, RETRIES  # noqa: E402
-from pipeline.io.s3transport import S3Transport  # noqa: E402
+from pipeline.io.s3.config import DEADLINE_ENV, REQUEST_DEADLINE_S, S3Settings, request_deadline  # noqa: E402
+from pipeline.io.s3.getloop import GetLoop  # noqa: E402
+from pipeline.io.s3.request import MAX_REGION_CHANGES, RETRIES  # noqa: E402
+from pipeline.io.s3.transport import S3Transport  # noqa: E402
 from pipeline.io.transport import FsspecTransport  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,8 +211,8 @@ CHILD = textwrap.dedent(
     """
     import resource, sys, threading
     resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap}))
-    from pipeline.io.getloop import GetLoop
-    from pipeline.io.s3config import S3Settings
+    from pipeline.io.s3.getloop import GetLoop
+    from pipeline.io.s3.config import S3Settings
 
     def rss_kb(field):
         with open("/proc/self/status") as status:

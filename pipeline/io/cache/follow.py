@@ -21,9 +21,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from ..errors import GpufeedError, ManifestError, SourceError
-from .cache_files import CacheFolder, ShardEntry, hash_prefix, sha256_of, try_lock, unlock
-from .fs import open_fs, redact_url
+from ...errors import GpufeedError, ManifestError, SourceError
+from ..fs import open_fs, redact_url
+from .files import CacheFolder, ShardEntry, hash_prefix, sha256_of, try_lock, unlock
 
 log = logging.getLogger("gpufeed.cache")
 

@@ -1,4 +1,4 @@
-"""The local shard cache (pipeline.io.cache) against a real S3 server on loopback (moto).
+"""The local shard cache (pipeline.io.cache.shards) against a real S3 server on loopback (moto).
 
 Downloads are counted by the server (body bytes per object, all processes together), so
 "one download per shard" means the server sent each shard's bytes exactly once.
@@ -23,7 +23,7 @@ import pytest
 from loader_data import damage_cached_shard
 
 from pipeline.errors import ConfigError, ManifestError, SourceError
-from pipeline.io.cache import ShardCache
+from pipeline.io.cache.shards import ShardCache
 from pipeline.io.tar import iter_tar_samples
 from pipeline.manifest import read_manifest
 
@@ -131,7 +131,7 @@ def test_a_shorter_object_than_the_manifest_says_is_an_error(s3_server: S3Server
 FILL_ALL = textwrap.dedent(
     """
     import hashlib, json, os, sys, time
-    from pipeline.io.cache import ShardCache
+    from pipeline.io.cache.shards import ShardCache
     directory, shards_file, go_file, out_file = sys.argv[1:5]
     shards = json.load(open(shards_file))
     options = json.loads(os.environ["TEST_STORAGE_OPTIONS"])
@@ -373,7 +373,7 @@ def test_a_full_cache_keeps_a_stable_subset_and_reads_the_rest_from_the_store(
 def test_a_fill_published_while_the_space_is_counted_is_counted_once(tmp_path: Path) -> None:
     # A fill moves its file from partial/ to shards/ when it publishes; a count that lists
     # partial/ just before and shards/ just after sees it twice, and refused a shard that fit.
-    from pipeline.io.cache import _lock, _unlock
+    from pipeline.io.cache.shards import _lock, _unlock
 
     digest, size = "ab" * 32, 1000
     cache = ShardCache(tmp_path / "cache", 10_000)
@@ -447,7 +447,7 @@ def shutil_free(path: Path) -> int:
 KILLED_FILLER = textwrap.dedent(
     """
     import json, os, sys, time
-    from pipeline.io.cache import ShardCache
+    from pipeline.io.cache.shards import ShardCache
     directory, url, sha256, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     cache = ShardCache(directory, "1GiB", storage_options=json.loads(os.environ["TEST_STORAGE_OPTIONS"]))
     handle = cache.open(url, sha256, size)

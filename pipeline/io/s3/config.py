@@ -37,7 +37,7 @@ import time
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 CREDENTIALS_TTL_S = 60.0  # how long frozen credentials are reused before asking botocore again
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")

@@ -30,9 +30,9 @@ import ssl
 import time
 from typing import Any
 
-from .s3config import S3Settings
-from .s3request import GetRequest, starts_at
-from .transport import Body
+from ..transport import Body
+from .config import S3Settings
+from .request import GetRequest, starts_at
 
 TIMEOUT_S = 60.0  # a connection with no progress this long is given up (its request: None)
 KEEP_IDLE_S = 15.0  # a kept-alive connection unused this long is closed (stores close theirs after 20 s or so)

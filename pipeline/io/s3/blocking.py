@@ -24,11 +24,11 @@ import os
 import threading
 import time
 
+from ..transport import Body
 from . import http1
+from .config import S3Settings
 from .http1 import Connection
-from .s3config import S3Settings
-from .s3request import AGAIN, ANSWER, GetRequest, judge_answer, judge_failure
-from .transport import Body
+from .request import AGAIN, ANSWER, GetRequest, judge_answer, judge_failure
 
 KEEP = 32  # idle connections kept for later blocking reads
 

@@ -26,11 +26,11 @@ from concurrent.futures import Future
 from typing import Any
 from urllib.parse import unquote_plus
 
-from ..errors import StorageError
+from ...errors import StorageError
+from ..transport import Body, FsspecTransport, Into, Transport
+from .blocking import BlockingClient
+from .config import S3Settings
 from .getloop import GetLoop
-from .s3blocking import BlockingClient
-from .s3config import S3Settings
-from .transport import Body, FsspecTransport, Into, Transport
 
 LIST_PAGE_KEYS = 1000  # keys per ListObjectsV2 answer: the most S3 gives
 

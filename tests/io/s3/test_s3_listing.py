@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("s3fs")
 
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
-from pipeline.io.s3transport import S3Transport, parse_listing  # noqa: E402
+from pipeline.io.s3.transport import S3Transport, parse_listing  # noqa: E402
 from pipeline.io.transport import FsspecTransport  # noqa: E402
 from pipeline.io.transports import transport_for  # noqa: E402
 from pipeline.prepare import sources  # noqa: E402
@@ -92,7 +92,7 @@ def test_the_fast_listing_is_the_listing_s3fs_gives(
     url = f"s3://{bucket}/raw"
     options = s3_server.storage_options
     expected, expected_info = _by_s3fs(monkeypatch, url, options, threads)
-    monkeypatch.setattr("pipeline.io.s3transport.LIST_PAGE_KEYS", page_keys)  # 2: every folder takes several pages
+    monkeypatch.setattr("pipeline.io.s3.transport.LIST_PAGE_KEYS", page_keys)  # 2: every folder takes several pages
     fast_lists = _counting_lists(monkeypatch)
     items, info = _listing(url, options, threads)
     assert fast_lists[0] == 3  # the top, then cats and dogs each in one recursive listing

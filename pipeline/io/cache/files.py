@@ -22,7 +22,7 @@ import re
 import threading
 from typing import Any
 
-from ..errors import ConfigError, StorageError
+from ...errors import ConfigError, StorageError
 
 HASH_BLOCK = 8 << 20  # the most bytes read at once to hash a file
 

@@ -1,4 +1,4 @@
-"""Many GETs in flight on one thread (`pipeline.io.getloop`): the same answers as the blocking fast path gives.
+"""Many GETs in flight on one thread (`pipeline.io.s3.getloop`): the same answers as the blocking fast path gives.
 
 Against the local S3 server (moto on 127.0.0.1) and small loopback stores:
 the bytes are those `S3Transport.fetch` reads, a missing object is
@@ -30,11 +30,14 @@ pytest.importorskip("s3fs")
 
 from test_s3_reads import KeptAliveStore, OddStore, QuietStore, serving  # noqa: E402
 
-from pipeline.io import getloop, http1  # noqa: E402
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
-from pipeline.io.getloop import GetLoop  # noqa: E402
-from pipeline.io.s3config import S3Settings  # noqa: E402
-from pipeline.io.s3transport import S3Transport  # noqa: E402
+from pipeline.io.s3 import (
+    getloop,  # noqa: E402
+    http1,  # noqa: E402
+)
+from pipeline.io.s3.config import S3Settings  # noqa: E402
+from pipeline.io.s3.getloop import GetLoop  # noqa: E402
+from pipeline.io.s3.transport import S3Transport  # noqa: E402
 from pipeline.io.transport import FsspecTransport  # noqa: E402
 
 if TYPE_CHECKING:

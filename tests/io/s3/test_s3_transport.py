@@ -36,13 +36,14 @@ pytest.importorskip("s3fs")
 from conftest import LOOPBACK, end_process, start_server  # noqa: E402
 from test_s3_reads import KeptAliveStore, serving  # noqa: E402
 
-from pipeline.io import http1, s3request  # noqa: E402
 from pipeline.io.fs import open_fs, storage_options_for  # noqa: E402
-from pipeline.io.getloop import GetLoop  # noqa: E402
-from pipeline.io.http1 import Connection  # noqa: E402
-from pipeline.io.s3blocking import BlockingClient  # noqa: E402
-from pipeline.io.s3config import S3Credentials, S3Settings  # noqa: E402
-from pipeline.io.s3transport import S3Transport  # noqa: E402
+from pipeline.io.s3 import http1  # noqa: E402
+from pipeline.io.s3 import request as s3request  # noqa: E402
+from pipeline.io.s3.blocking import BlockingClient  # noqa: E402
+from pipeline.io.s3.config import S3Credentials, S3Settings  # noqa: E402
+from pipeline.io.s3.getloop import GetLoop  # noqa: E402
+from pipeline.io.s3.http1 import Connection  # noqa: E402
+from pipeline.io.s3.transport import S3Transport  # noqa: E402
 from pipeline.io.transport import FsspecTransport  # noqa: E402
 
 if TYPE_CHECKING:

@@ -35,10 +35,10 @@ from concurrent.futures import Future
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import StorageError
-from .s3config import DEADLINE_ENV, S3Settings, valid_region
-from .s3sign import canonical_query, sign_get
-from .transport import Body, Into
+from ...errors import StorageError
+from ..transport import Body, Into
+from .config import DEADLINE_ENV, S3Settings, valid_region
+from .sign import canonical_query, sign_get
 
 BODY_LIMIT = 1 << 30  # the most bytes a whole-object GET reads; a larger object is left to s3fs
 LIST_LIMIT = 16 << 20  # the most bytes of one listing page (1,000 keys of 1,024 bytes, URL-encoded, take 4 MB)

@@ -21,18 +21,8 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 
-from ..units import format_bytes
-from .cache_files import (
-    DIGEST,
-    CacheFolder,
-    ShardEntry,
-    checked_digest,
-    list_folder,
-    lock,
-    remove_file,
-    try_lock,
-    unlock,
-)
+from ...units import format_bytes
+from .files import DIGEST, CacheFolder, ShardEntry, checked_digest, list_folder, lock, remove_file, try_lock, unlock
 
 COMPLETE, FULL = "complete", "full"  # what `CacheSpace.reserve` says instead of giving room
 

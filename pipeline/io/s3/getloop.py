@@ -64,11 +64,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ..transport import Body, Into
 from . import http1
+from .config import S3Settings
 from .http1 import SENDING, Connection
-from .s3config import S3Settings
-from .s3request import AGAIN, RETRY, GetRequest, Verdict, judge_answer, judge_failure
-from .transport import Body, Into
+from .request import AGAIN, RETRY, GetRequest, Verdict, judge_answer, judge_failure
 
 IDLE_S = 1.0  # the longest the loop sleeps with nothing to do (it is woken for new requests)
 READ_AHEAD_BYTES = 256 << 20  # the most body bytes the answers in flight may declare at once (see the module)

@@ -19,8 +19,8 @@ import logging
 import os
 from typing import BinaryIO
 
-from .cache_files import CacheFolder, ShardEntry, hash_prefix, remove_file, sha256_of, try_lock, unlock
-from .fs import redact_url
+from ..fs import redact_url
+from .files import CacheFolder, ShardEntry, hash_prefix, remove_file, sha256_of, try_lock, unlock
 
 log = logging.getLogger("gpufeed.cache")
 

@@ -21,8 +21,8 @@ import pytest
 pytest.importorskip("s3fs")
 
 from pipeline.io.fs import open_fs, read_source_bytes, storage_options_for  # noqa: E402
-from pipeline.io.s3config import S3Credentials, S3Settings  # noqa: E402
-from pipeline.io.s3transport import S3Transport  # noqa: E402
+from pipeline.io.s3.config import S3Credentials, S3Settings  # noqa: E402
+from pipeline.io.s3.transport import S3Transport  # noqa: E402
 from pipeline.io.transport import FsspecTransport  # noqa: E402
 from pipeline.io.transports import transport_for  # noqa: E402
 
@@ -260,7 +260,7 @@ def test_the_signature_is_the_one_botocore_computes(
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
 
-    from pipeline.io.s3sign import canonical_query, sign_get
+    from pipeline.io.s3.sign import canonical_query, sign_get
 
     at = datetime.datetime(2026, 11, 30, 23, 59, 58, tzinfo=datetime.timezone.utc)
     monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: at.replace(tzinfo=None))

@@ -83,9 +83,10 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO
 
-from ..errors import ConfigError
-from ..units import parse_bytes
-from .cache_files import (
+from ...errors import ConfigError
+from ...units import parse_bytes
+from ..fs import local_path, redact_url
+from .files import (
     CacheFolder,
     ShardAddress,
     ShardEntry,
@@ -96,11 +97,10 @@ from .cache_files import (
     try_lock,
     unlock,
 )
-from .cache_fill import CacheStats, ShardFills, copy_from_store
-from .cache_follow import POLL_MAX_S, POLL_MIN_S
-from .cache_space import CacheSpace, CacheUsage
-from .cache_verify import open_cached
-from .fs import local_path, redact_url
+from .fill import CacheStats, ShardFills, copy_from_store
+from .follow import POLL_MAX_S, POLL_MIN_S
+from .space import CacheSpace, CacheUsage
+from .verify import open_cached
 
 __all__ = ["CacheStats", "CacheUsage", "ShardAddress", "ShardCache", "copy_from_store"]
 
