@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # memory_truth: the memory tests' model
 from pipeline import PrepareSpec, ResizeSpec, prepare_dataset  # noqa: E402
 from pipeline.demo import make_demo_dataset  # noqa: E402
 from pipeline.loader.loader import make_loader  # noqa: E402
-from pipeline.measure.memory import estimate_memory  # noqa: E402
+from pipeline.measure.memory.estimate import estimate_memory  # noqa: E402
 
 
 def ensure_dataset(data: Path, images: int) -> Path:

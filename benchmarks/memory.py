@@ -53,7 +53,7 @@ from memory_truth import (  # noqa: E402
     resnet50_sized,
 )
 
-from pipeline.measure.memory import STATE_MULTIPLIER, estimate_memory  # noqa: E402
+from pipeline.measure.memory.estimate import STATE_MULTIPLIER, estimate_memory  # noqa: E402
 
 
 def cases(skip_resnet50: bool) -> list[tuple[str, Any, tuple[int, ...], str, str | None, tuple[int, ...]]]:

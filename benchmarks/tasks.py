@@ -602,7 +602,7 @@ def run_webdataset(paths: dict[str, str], args: argparse.Namespace, use_v2: bool
     """What the WebDataset README shows: shard shuffle, sample shuffle, decode("pil"), to_tuple, map_tuple, DataLoader."""
     import webdataset as wds
 
-    from pipeline.prepare.formats_tar import expand_braces
+    from pipeline.prepare.formats.tar import expand_braces
 
     urls = expand_braces(paths["captions"])
     dataset = (

@@ -46,7 +46,7 @@ from torch.utils.data._utils import fetch as torch_fetch  # noqa: E402
 from pipeline import PrepareSpec, ResizeSpec, ShardSpec, prepare_dataset  # noqa: E402
 from pipeline.demo import make_demo_dataset  # noqa: E402
 from pipeline.loader import loader as gpufeed_loader  # noqa: E402
-from pipeline.measure.watch_hook import gpufeed_watch_hook as hook  # noqa: E402
+from pipeline.measure.watching.hook import gpufeed_watch_hook as hook  # noqa: E402
 
 BATCH, CROP, WORKERS = 64, 56, 2
 PATCHED = [

@@ -54,7 +54,7 @@ from .specs import AugmentSpec, EncodeSpec, LoaderSpec, PrepareSpec, ResizeSpec,
 if TYPE_CHECKING:
     from .loader.loader import Loader, LoaderStats, make_loader
     from .manifest import Manifest, VerifyResult, read_manifest, verify_dataset
-    from .measure.memory import estimate_memory
+    from .measure.memory.estimate import estimate_memory
     from .prepare.job import PrepareResult, prepare_dataset
     from .prepare.reshard import ReshardResult, ReshardSpec, reshard_dataset
 
@@ -105,7 +105,7 @@ _LAZY = {
     "Loader": "pipeline.loader.loader",
     "LoaderStats": "pipeline.loader.loader",
     "make_loader": "pipeline.loader.loader",
-    "estimate_memory": "pipeline.measure.memory",
+    "estimate_memory": "pipeline.measure.memory.estimate",
 }
 
 

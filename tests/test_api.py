@@ -68,7 +68,7 @@ def test_every_public_name_resolves() -> None:
 
 def test_lazy_names_are_the_library_objects() -> None:
     from pipeline.loader.loader import Loader, LoaderStats, make_loader
-    from pipeline.measure.memory import estimate_memory
+    from pipeline.measure.memory.estimate import estimate_memory
 
     assert pipeline.Loader is Loader
     assert pipeline.LoaderStats is LoaderStats

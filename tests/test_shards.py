@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pipeline.io.tar import member_name, split_key
 from pipeline.prepare.plan import ShardPlan, permute, plan_shards, shard_name
-from pipeline.prepare.sample import sample_key
+from pipeline.prepare.sample.make import sample_key
 
 # ---------------------------------------------------------------------------
 # permute: a seeded bijection of range(n)

@@ -339,7 +339,7 @@ def benchmark_disk_task(self: Any, job_id: str) -> dict[str, Any]:
         _check_attempts(job_id, "bench")
         record = store().require(job_id)
         payload = security.validate_job(record.kind, record.payload, get_settings())
-        from pipeline.measure.disk import benchmark_disk
+        from pipeline.measure.disk.bench import benchmark_disk
 
         store().transition(job_id, "running", ACTIVE)
         report = benchmark_disk(payload["path"], **payload["options"])

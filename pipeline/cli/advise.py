@@ -1,6 +1,6 @@
 """`gpufeed advise SRC --target DIR`: why the GPU would wait, and the `gpufeed prepare` that fixes it (SPEC §3).
 
-Parsing and printing only: the measurements and the plan live in pipeline.measure.advise.
+Parsing and printing only: the measurements and the plan live in pipeline.measure.advise.diagnosis.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def advise(
     split: str | None, apply_out: str | None, as_json: bool, plot: str | None,
 ) -> None:
     """Diagnose why the GPU would wait on SRC, and print the `gpufeed prepare` command that fixes it."""
-    from ..measure.advise import advise as run_advise
-    from ..measure.advise import apply_advice
+    from ..measure.advise.diagnosis import advise as run_advise
+    from ..measure.advise.diagnosis import apply_advice
 
     result = run_advise(
         src,

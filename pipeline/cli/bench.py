@@ -26,7 +26,7 @@ from .measuring import (
 )
 
 if TYPE_CHECKING:
-    from ..measure.disk_result import DiskBenchResult
+    from ..measure.disk.result import DiskBenchResult
 
 
 @click.group()
@@ -77,7 +77,7 @@ def bench_disk(
     plot: str | None,
 ) -> None:
     """Sequential and random read speed, latency and small-file reads of the storage under PATH."""
-    from ..measure.disk import benchmark_disk, mean_file_bytes, remember_result
+    from ..measure.disk.bench import benchmark_disk, mean_file_bytes, remember_result
 
     small = parse_bytes(small_file_size) if small_file_size else (mean_file_bytes(dataset) if dataset else None)
     say_progress(f"measuring {path}")

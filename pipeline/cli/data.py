@@ -62,8 +62,8 @@ def prepare(
     Run again, it does what is left: an interrupted run resumes, and missing or
     damaged shards of a finished one are written again.
     """
+    from ..prepare.formats.yolo_splits import splits_of
     from ..prepare.job import prepare_dataset
-    from ..prepare.yolo_splits import splits_of
 
     spec = spec_from_options(src, out, options)
     store = parse_storage_options(options["storage_option"])

@@ -1,6 +1,6 @@
 """`gpufeed estimate-memory`: what a training step needs on the device, and how big a batch fits (SPEC §3).
 
-Parsing and printing only: the trace and the estimate live in pipeline.measure.memory.
+Parsing and printing only: the trace and the estimate live in pipeline.measure.memory.estimate.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def estimate_memory_command(
     plot: str | None,
 ) -> None:
     """Trace a training step: its peak memory, the largest batch, the rule of thumb beside it, FLOPs and images/s."""
-    from ..measure.memory import estimate_memory, load_model
+    from ..measure.memory.estimate import estimate_memory, load_model
 
     flops = parse_rate_option(device_flops) if device_flops else None
     if dataset and loader_images_per_s is None:

@@ -1,6 +1,6 @@
 """`gpufeed watch -- COMMAND…`: is a training run waiting for data, and on what (SPEC §3).
 
-Parsing and printing only: the sampling and the verdict live in pipeline.measure.watcher.
+Parsing and printing only: the sampling and the verdict live in pipeline.measure.watching.run.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .common import Duration, exit_on_user_errors, fail
 from .measuring import plot_option
 
 if TYPE_CHECKING:
-    from ..measure.watcher import WatchReport, WatchSample
+    from ..measure.watching.run import WatchReport, WatchSample
 
 
 WIDTH = 100  # live and report lines fit 100 columns (terminals of 80 wrap the report's long sentences)
@@ -105,7 +105,7 @@ def watch(interval: float, json_file: str | None, plot: str | None, command: tup
 
     Example: gpufeed watch --interval 10 -- python train.py --epochs 1
     """
-    from ..measure.watcher import run_watched
+    from ..measure.watching.run import run_watched
 
     if not command:
         fail("give the command to watch after --, e.g. gpufeed watch -- python train.py")

@@ -35,7 +35,7 @@ from ..decode import decode_image, open_image, pil_image
 from ..errors import ConfigError, DecodeError
 from ..io.fs import local_path, open_fs, read_source_bytes
 from ..prepare.encode import encode_image
-from ..prepare.sample_targets import read_tar_member, tar_range
+from ..prepare.sample.targets import read_tar_member, tar_range
 from ..prepare.sources import SourceItem, list_images
 from ..prepare.transforms import required_scale, resize_image
 from ..specs import AugmentSpec, EncodeSpec, ResizeSpec

@@ -14,17 +14,9 @@
     listing.py     the listing spilled to OUT/.gpufeed: JSON lines plus a uint64 offset index
     plan.py        which listing index lands in which shard (a seeded permutation, nothing in memory)
     pool.py        the process pool over a shard's samples (warm start, survives a crashing decoder)
-    sample.py      one source -> one sample: read, decode or the YCbCr path, transform, encode
-    sample_targets.py  a sample's boxes, mask, labels, caption checked and moved with its pixels' geometry
-    coco_masks.py  COCO's polygons and RLE painted into a segmentation mask
+    sample/        one source -> one sample: read, decode or the YCbCr path, its targets moved with it, encoded
     sources.py     list the images of a folder, a CSV/JSONL list or an fsspec URL, streaming
-    formats_list.py  a CSV/JSONL list's rows -> listed samples (path, label(s), caption, columns), rows bounded
-    formats.py     which layout a folder has (YOLO, VOC, segmentation); segmentation folders
-    formats_detection.py  COCO JSON and YOLO labels -> listed samples with boxes
-    formats_voc.py Pascal VOC XML -> listed samples with boxes (no DOCTYPE, no entities)
-    formats_tar.py WebDataset shards (img2dataset's) as a source: samples by key, images by byte range
-    yolo_splits.py YOLO as ultralytics reads it: data.yaml's splits, split folders, image lists (never merged)
-    formats_common.py  SourceItem, ListingInfo and the checks every format reader shares
+    formats/       the source layouts: YOLO, COCO, VOC, segmentation folders, CSV/JSONL lists, shards
     reads.py       how remote source files are read ahead, many at once, for the store's latency
     handoff.py     source bytes from the parent to its forked workers through shared memory, not a pipe
     transforms.py  resize modes and the pre-augmented variant sets

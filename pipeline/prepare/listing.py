@@ -26,8 +26,8 @@ import numpy as np
 from ..errors import ConfigError, StorageError, write_failure
 from ..io.fs import at_once, file_sha256
 from ..io.output import Output
-from .formats_common import whole_number
-from .formats_detection import MAX_CLASSES
+from .formats.common import whole_number
+from .formats.detection import MAX_CLASSES
 from .sources import ListingInfo, SourceItem
 
 LINES_NAME = "listing.jsonl"

@@ -30,7 +30,7 @@ from .options import RunOptions, SourceCheck
 from .plan import ShardPlan, plan_shards
 from .pool import SamplePool
 from .resume import WORK_DIR, OutRecords, WorkFolder, planned_conflict
-from .sample import SampleOutcome
+from .sample.make import SampleOutcome
 from .sources import ListingInfo, SourceItem, list_images
 from .task_info import SeenTargets, TaskInfo
 

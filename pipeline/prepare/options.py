@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 
 from ..errors import ConfigError
-from .formats_common import SourceItem
+from .formats.common import SourceItem
 from .listing import Listing
 from .pool import IO_THREADS, available_cores
 

@@ -38,7 +38,7 @@ from ..specs import PrepareSpec
 from ..targets import DEFAULT_IGNORE_INDEX
 from .handoff import Arena, Handoff
 from .reads import Fetched, SourceReads
-from .sample import SampleOutcome, process_item, sample_key, warm_up
+from .sample.make import SampleOutcome, process_item, sample_key, warm_up
 from .sources import SourceItem
 
 if TYPE_CHECKING:  # concurrent.futures is imported on first use: `import pipeline` stays light

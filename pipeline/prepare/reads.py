@@ -30,7 +30,7 @@ from ..io.transport import Body, Transport
 from ..io.transports import transport_for
 from ..specs import PrepareSpec
 from .handoff import Arena, Handoff
-from .sample import read_item
+from .sample.make import read_item
 from .sources import SourceItem
 
 Fetched = bytes | str | Handoff

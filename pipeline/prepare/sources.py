@@ -2,8 +2,8 @@
 
 A source is a directory (ImageFolder layout: one sub-folder per class; or a
 flat folder without labels), a CSV/JSONL list with `path` and optional
-`label` (formats_list.py), or any fsspec URL to either. Sources with more than a class per
-image are told apart by their path and layout (formats.py): a list's
+`label` (formats/lists.py), or any fsspec URL to either. Sources with more than a class per
+image are told apart by their path and layout (formats/layouts.py): a list's
 `labels` (several class names: a JSON list or `a;b`), `caption`/`text` and
 other columns; a COCO JSON; YOLO, Pascal VOC and segmentation folders;
 WebDataset shards (a .tar, a brace pattern, a folder of them). Their
@@ -29,12 +29,12 @@ from ..errors import ConfigError, SourceError
 from ..io.fs import forget_listings, is_url, local_path, open_fs, store_errors
 from ..io.transport import Transport
 from ..io.transports import transport_for
-from .formats import detect_folder
-from .formats_common import IMAGE_EXTENSIONS, ListingInfo, SourceItem, is_image_name, present, printable
-from .formats_detection import list_coco, read_json_source, yolo_names
-from .formats_list import list_rows
-from .formats_tar import expand_braces, is_shard_pattern, list_shards
-from .yolo_splits import YoloLayout, is_split_folder, is_yaml, list_yolo_split, yolo_layout
+from .formats.common import IMAGE_EXTENSIONS, ListingInfo, SourceItem, is_image_name, present, printable
+from .formats.detection import list_coco, read_json_source, yolo_names
+from .formats.layouts import detect_folder
+from .formats.lists import list_rows
+from .formats.tar import expand_braces, is_shard_pattern, list_shards
+from .formats.yolo_splits import YoloLayout, is_split_folder, is_yaml, list_yolo_split, yolo_layout
 
 LIST_EXTENSIONS = (".csv", ".jsonl", ".ndjson")
 FILE_EXTENSIONS = (*LIST_EXTENSIONS, ".json", ".tar")  # a SRC ending so is a file: no folder listing is tried

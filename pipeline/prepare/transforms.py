@@ -7,7 +7,7 @@ which decoder happened to run. Augmentation is a pure function of
 
 Each transform also says where its output's pixels come from (`Geometry`,
 in the original's upright pixels), so that a sample's boxes and masks go
-through exactly what its image went through (`sample_targets.py`).
+through exactly what its image went through (`sample/targets.py`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from .options import PrepareProgress, ProgressCallback, RunOptions
 from .plan import shard_name
 from .pool import Chunk, PendingChunk, SamplePool, chunk_sizes
 from .resume import set_prefixes
-from .sample import SampleOutcome
+from .sample.make import SampleOutcome
 
 T = TypeVar("T")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.demo import make_caption_shards
-from pipeline.measure import advise_probes
+from pipeline.measure.advise import probes as advise_probes
 from pipeline.measure.decode import benchmark_decode, item_bytes, item_size, read_sample, sample_sources
-from pipeline.measure.disk import mean_file_bytes
+from pipeline.measure.disk.bench import mean_file_bytes
 from pipeline.prepare.sources import list_images
 
 IMAGES = 12

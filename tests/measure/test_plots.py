@@ -14,12 +14,12 @@ import pytest
 from PIL import Image
 
 from pipeline.measure import plots
-from pipeline.measure.advise import AdviseInputs, AdviseResult, ApplyResult, Candidate, Ceilings, plan_advice
+from pipeline.measure.advise.diagnosis import AdviseInputs, AdviseResult, ApplyResult, Candidate, Ceilings, plan_advice
 from pipeline.measure.decode import DecodeBenchResult, DecoderRow
-from pipeline.measure.disk import DiskBenchResult, RandomReadPoint
+from pipeline.measure.disk.bench import DiskBenchResult, RandomReadPoint
 from pipeline.measure.loader import LoaderBenchResult, LoaderPoint
-from pipeline.measure.memory import estimate_memory
-from pipeline.measure.watcher import Verdict, WatchReport, WatchSample
+from pipeline.measure.memory.estimate import estimate_memory
+from pipeline.measure.watching.run import Verdict, WatchReport, WatchSample
 
 MiB = 1 << 20
 

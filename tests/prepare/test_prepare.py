@@ -430,8 +430,8 @@ def test_a_decoder_crash_rejects_only_that_file(raw: Path, tmp_path: Path, monke
 
         return decode
 
-    monkeypatch.setattr("pipeline.prepare.sample.decode_image", crashing(pipeline.decode.decode_image))
-    monkeypatch.setattr("pipeline.prepare.sample.transcode_jpeg", crashing(pipeline.prepare.transcode.transcode_jpeg))
+    monkeypatch.setattr("pipeline.prepare.sample.make.decode_image", crashing(pipeline.decode.decode_image))
+    monkeypatch.setattr("pipeline.prepare.sample.make.transcode_jpeg", crashing(pipeline.prepare.transcode.transcode_jpeg))
     out = tmp_path / "out"
     result = prepare_dataset(spec_for(raw, out), workers=2)
     assert (result.samples, result.rejected) == (59, 1)

@@ -62,7 +62,7 @@ def forbid_decoding(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     import PIL.Image
 
     import pipeline.decode
-    import pipeline.prepare.sample
+    import pipeline.prepare.sample.make
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("re-packing decoded an image")
@@ -70,7 +70,7 @@ def forbid_decoding(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     def forbid() -> None:
         monkeypatch.setattr(PIL.Image, "open", refuse)
         monkeypatch.setattr(pipeline.decode, "decode_image", refuse)
-        monkeypatch.setattr(pipeline.prepare.sample, "decode_image", refuse)
+        monkeypatch.setattr(pipeline.prepare.sample.make, "decode_image", refuse)
 
     return forbid
 

@@ -17,7 +17,7 @@ from pipeline.decode import decode_image, transpose_method
 from pipeline.demo import render_photo_like
 from pipeline.prepare import transcode
 from pipeline.prepare.encode import encode_image
-from pipeline.prepare.sample import process_item
+from pipeline.prepare.sample.make import process_item
 from pipeline.prepare.sources import SourceItem
 from pipeline.prepare.transforms import required_scale, resize_image
 from pipeline.specs import AugmentSpec

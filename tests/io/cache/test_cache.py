@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["s3_fixtures"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def addresses(bucket: Bucket) -> list[tuple[str, str, int, str]]:

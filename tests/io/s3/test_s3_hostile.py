@@ -37,7 +37,7 @@ from pipeline.io.s3.request import MAX_REGION_CHANGES, RETRIES  # noqa: E402
 from pipeline.io.s3.transport import S3Transport  # noqa: E402
 from pipeline.io.transport import FsspecTransport  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEADLINE_S = 0.5  # each request's total deadline here
 WAIT_S = 10.0  # far past every bound below: a case that reaches it hangs
 OBJECT = "bucket/raw/a.jpg"
