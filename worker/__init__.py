@@ -5,6 +5,7 @@
     tasks.py      Celery tasks, thin shells named after the library steps they call
     dispatch.py   the units a job runs as, and the message that runs each one
     jobs.py       job records, progress, heartbeats and output locks, kept in Redis
+    units.py      UnitRun: a task's unit registered in its job while it runs, its heartbeat thread, cancels seen
     client.py     submitting and cancelling jobs (the CLI and scheduled runs)
     security.py   what a submitted job may touch, checked at submission and in the worker
     staging.py    this machine's copies of a job's work files on a remote OUT

@@ -30,9 +30,10 @@ from worker import security
 
 from .app import app
 from .client import submit_job
-from .jobs import ACTIVE, JobRecord, JobStopped, JobStore, UnitRun
+from .jobs import ACTIVE, JobRecord, JobStopped, JobStore
 from .settings import get_settings
 from .staging import mark_copies
+from .units import UnitRun
 
 logger = get_task_logger(__name__)
 _STORE: JobStore | None = None
