@@ -7,7 +7,7 @@ visible until it is whole) and removes objects. Paths are
 
 - `FsspecTransport` (here): any fsspec filesystem (s3fs with any option,
   gcs, http, memory, ...): the general path and every other one's fallback;
-- `S3Transport` (`s3transport.py`): plain S3 endpoints, a fraction of the
+- `S3Transport` (`s3/transport.py`): plain S3 endpoints, a fraction of the
   client CPU s3fs spends per request; anything it is not sure of goes to
   the fsspec path of the same filesystem.
 

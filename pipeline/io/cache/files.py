@@ -3,8 +3,8 @@
     DIR/shards/<sha256>.tar             a complete, checked shard
     DIR/partial/<sha256>-<size>.part    a fill in progress (…`.done` once its bytes matched the manifest)
     DIR/locks/<sha256>.lock             held by whoever fills (or checks) that shard
-    DIR/checks/<sha256>.json            what the cached file was when it was filled (`cache_verify`)
-    DIR/cache.lock                      held while the space is counted (`cache_space`)
+    DIR/checks/<sha256>.json            what the cached file was when it was filled (`verify`)
+    DIR/cache.lock                      held while the space is counted (`space`)
 
 A flock belongs to the open file, so a forked child would keep locked what its
 parent lets go: every lock descriptor is registered here, and a child closes

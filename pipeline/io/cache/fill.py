@@ -1,12 +1,12 @@
 """Filling the shard cache: a shard fetched from the store into its partial file under its lock, checked, published.
 
 A fill holds ``flock`` on ``DIR/locks/<sha256>.lock`` from start to end, with
-the shard's whole size reserved (`cache_space`). A thread downloads the shard
+the shard's whole size reserved (`space`). A thread downloads the shard
 into ``DIR/partial/`` (`copy_from_store`, the one place that reads a remote
 shard for the cache); its readers, and any other opener of the same shard,
-follow it as it lands (`cache_follow`). When the download ends its size and
+follow it as it lands (`follow`). When the download ends its size and
 sha256 are checked against the manifest's; only then is the file fsynced,
-renamed to its final name and recorded (`cache_verify`). A mismatch or a
+renamed to its final name and recorded (`verify`). A mismatch or a
 failed download leaves no file. When writing the cache fails (no space left,
 quota, read-only) the fill is dropped with its partial file, its readers go
 on from the store, and the cache serves every shard it does not hold from the

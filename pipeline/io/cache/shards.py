@@ -68,11 +68,11 @@ Warnings go to the ``gpufeed.cache`` logger; `stats` counts what this process di
 
 Its parts, each a module of its own:
 
-- `cache_files`: the folder's layout, a shard's entry, the flocks, file helpers;
-- `cache_fill`: a fill under the shard's lock, prefetches, the download from the store;
-- `cache_follow`: a reader of a fill in progress, going on from the store where it stops;
-- `cache_verify`: the record of a cached shard, checked at every open;
-- `cache_space`: the space counted across processes, room reserved or refused, `prune`.
+- `files`: the folder's layout, a shard's entry, the flocks, file helpers;
+- `fill`: a fill under the shard's lock, prefetches, the download from the store;
+- `follow`: a reader of a fill in progress, going on from the store where it stops;
+- `verify`: the record of a cached shard, checked at every open;
+- `space`: the space counted across processes, room reserved or refused, `prune`.
 
 `ShardCache` ties them together.
 """

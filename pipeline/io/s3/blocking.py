@@ -5,7 +5,7 @@ prepare runs with no I/O threads, the cache's range pieces, a listing's
 pages) handed to the loop thread and waited for costs two thread switches
 and a wake-up per GET: about twice the client CPU of the exchange itself
 (0.63 ms against 0.32 ms a GET, benchmarks/README.md). `BlockingClient`
-sends it on the caller's thread instead: the same `s3request.GetRequest` (one request builder), the
+sends it on the caller's thread instead: the same `request.GetRequest` (one request builder), the
 same `http1.Connection` (one parser: lengths refused, bodies capped) on a
 socket that blocks for at most `http1.TIMEOUT_S` per step, and the same
 verdicts (`judge_answer`, `judge_failure`): a region learnt, a 403 tried

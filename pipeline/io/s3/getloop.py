@@ -10,19 +10,19 @@ itself. A `GetLoop` keeps the same requests in flight on one thread: up to
 loop that sends a request, reads its answer straight into the buffer that
 holds it, and starts the next one on the same connection. A blocking read
 does not come here: it is sent on the caller's own thread
-(`s3blocking.BlockingClient`), through the same request builder, parser
+(`blocking.BlockingClient`), through the same request builder, parser
 and decisions.
 
-Each request is built by `s3request.GetRequest` (URL from `S3Settings`,
-Range, Signature Version 4 from `s3sign`) and its answer read by
+Each request is built by `request.GetRequest` (URL from `S3Settings`,
+Range, Signature Version 4 from `sign`) and its answer read by
 `http1.Connection`. What it gives: the bytes, FileNotFoundError for an
 object the store says is absent, or None where the caller must read the
-object through s3fs. On the way (`s3request.judge_answer`,
+object through s3fs. On the way (`request.judge_answer`,
 `judge_failure`):
 
 - a 301 (or 400) with ``x-amz-bucket-region`` teaches the bucket's region
   (`S3Settings.learn_region`), and the request goes again there, at most
-  `s3request.MAX_REGION_CHANGES` times and never back to a region it was
+  `request.MAX_REGION_CHANGES` times and never back to a region it was
   sent to (a StorageError then); a 403 is tried once more with
   credentials resolved afresh; a bucket that still refuses, or redirects
   without naming a region, is left to s3fs from then on
@@ -359,7 +359,7 @@ class GetLoop:
         self._carry_out(request, judge_answer(self.settings, request, status, headers, body))
 
     def _carry_out(self, request: GetRequest, verdict: Verdict) -> None:
-        """Do what `s3request` decided for `request`: answer it, send it again at once, or after a backoff."""
+        """Do what `request` decided for `request`: answer it, send it again at once, or after a backoff."""
         what, value = verdict
         if what == AGAIN:
             self._again(request)

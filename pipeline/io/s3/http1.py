@@ -7,7 +7,7 @@ headers, then a body of Content-Length bytes or chunks (`ChunkedBody`),
 read straight into the buffer that holds it. Its socket is non-blocking
 on the loop thread (`getloop`), where `advance` is called whenever the
 selector says it is ready, or blocking with a timeout on a caller's
-thread (`s3blocking`), where `advance` is called until it is done. Either
+thread (`blocking`), where `advance` is called until it is done. Either
 way the same checks hold: a Content-Length or chunk size that is not a
 plain non-negative number is refused at once (ValueError), bodies are
 capped (the range asked for, else BODY_LIMIT; an error document at

@@ -2,7 +2,7 @@
 
 Both ways the client sends requests, many in flight on a loop thread
 (`getloop.GetLoop`) and one at a time on the calling thread
-(`s3blocking.BlockingClient`), build them here (`GetRequest.signed`) and
+(`blocking.BlockingClient`), build them here (`GetRequest.signed`) and
 take their decisions here: `judge_answer` for an answer that came whole,
 `judge_failure` for a connection that failed or an answer not understood.
 Each gives a verdict (ANSWER with the value, AGAIN at once, RETRY after

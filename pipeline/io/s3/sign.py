@@ -1,4 +1,4 @@
-"""AWS Signature Version 4 for the S3 client (`s3request.py` builds them): one signer for every request it sends."""
+"""AWS Signature Version 4 for the S3 client (`request.py` builds them): one signer for every request it sends."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The S3 transport on gpufeed's own client (`getloop`, `s3blocking`): reads and listings, s3fs for the rest.
+"""The S3 transport on gpufeed's own client (`getloop`, `blocking`): reads and listings, s3fs for the rest.
 
 A source image is one request, and through s3fs (aiobotocore) that request
 costs 1.5-3 ms of CPU on the client: the endpoint rules, the event hooks,
