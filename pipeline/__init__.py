@@ -28,6 +28,7 @@ pyproject.toml):
     io/           storage: fsspec paths, the S3 transport, atomic output, the tar format, devices, the cache
     errors.py     the one exception tree
     units.py      sizes, durations, rates and counts: one parser and one formatter each
+    lazy.py       names a package offers from its modules, imported on first use
     redact.py     secrets out of text (a URL's user information and signatures as ***)
     native/       the C code (region JPEG decoder, resampler, YCbCr path), reached through ctypes
     __main__.py   `python -m pipeline` is the `gpufeed` command
@@ -35,7 +36,7 @@ pyproject.toml):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import (
     ConfigError,
@@ -49,6 +50,7 @@ from .errors import (
     SourceError,
     StorageError,
 )
+from .lazy import lazy_attributes
 from .specs import AugmentSpec, EncodeSpec, LoaderSpec, PrepareSpec, ResizeSpec, ShardSpec
 
 if TYPE_CHECKING:
@@ -109,13 +111,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -15,18 +15,12 @@ Each function measures and returns a dataclass with `to_dict()`; nothing here pr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .watching.run import Watch, WatchReport, watch
 
-
-def __getattr__(name: str) -> Any:
-    if name in ("Watch", "WatchReport", "watch"):
-        from .watching import run as watcher
-
-        return getattr(watcher, name)
-    raise AttributeError(f"module 'pipeline.measure' has no attribute {name!r}")
-
-
+__getattr__ = lazy_attributes(__name__, {"Watch": ".watching.run", "WatchReport": ".watching.run", "watch": ".watching.run"})
 __all__ = ["Watch", "WatchReport", "watch"]

@@ -12,18 +12,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .shards import ShardCache
 
-
-def __getattr__(name: str) -> Any:
-    if name == "ShardCache":
-        from .shards import ShardCache
-
-        return ShardCache
-    raise AttributeError(f"module 'pipeline.io.cache' has no attribute {name!r}")
-
-
+__getattr__ = lazy_attributes(__name__, {"ShardCache": ".shards"})
 __all__ = ["ShardCache"]

@@ -9,20 +9,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .diagnosis import advise, apply_advice, plan_advice
 
-_NAMES = ("advise", "apply_advice", "plan_advice")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        from . import diagnosis
-
-        return getattr(diagnosis, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
+__getattr__ = lazy_attributes(__name__, {"advise": ".diagnosis", "apply_advice": ".diagnosis", "plan_advice": ".diagnosis"})
 __all__ = ["advise", "apply_advice", "plan_advice"]

@@ -9,20 +9,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .bench import DiskBenchResult, benchmark_disk
 
-_NAMES = ("benchmark_disk", "DiskBenchResult")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        from . import bench
-
-        return getattr(bench, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
+__getattr__ = lazy_attributes(__name__, {"benchmark_disk": ".bench", "DiskBenchResult": ".bench"})
 __all__ = ["DiskBenchResult", "benchmark_disk"]

@@ -12,20 +12,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .estimate import MemoryEstimate, estimate_memory
 
-_NAMES = ("estimate_memory", "MemoryEstimate")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        from . import estimate
-
-        return getattr(estimate, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
+__getattr__ = lazy_attributes(__name__, {"estimate_memory": ".estimate", "MemoryEstimate": ".estimate"})
 __all__ = ["MemoryEstimate", "estimate_memory"]
