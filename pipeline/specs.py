@@ -396,6 +396,10 @@ class LoaderSpec(Spec):
         hyp: recipe="yolo"'s hyperparameters, by ultralytics' names, as
             (name, value) pairs (`YOLO_HYP` holds each one's default and
             largest value); the ones not given keep ultralytics' defaults.
+        color_jitter: (brightness, contrast, saturation, hue) of
+            torchvision's ColorJitter, drawn per image in train mode and
+            applied to each batch on the device (`pipeline.augment.color`);
+            all 0: off.
     """
 
     batch_size: int
@@ -430,6 +434,7 @@ class LoaderSpec(Spec):
     epochs: int | None = None
     close_mosaic: int = 0
     hyp: tuple[tuple[str, float], ...] = ()
+    color_jitter: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, 1 << 16)
@@ -499,6 +504,7 @@ class LoaderSpec(Spec):
         if self.close_mosaic and self.epochs is None:
             raise ConfigError("close_mosaic=N turns the mosaic off for the last N epochs: give epochs= as well")
         self._check_hyp()
+        self._check_color_jitter()
 
     def _check_hyp(self) -> None:
         if not isinstance(self.hyp, tuple) or not all(isinstance(pair, (tuple, list)) and len(pair) == 2
@@ -513,6 +519,13 @@ class LoaderSpec(Spec):
             check_number(f"hyp[{name!r}]", value, 0.0, YOLO_HYP[name][1])
             if name == "mosaic_n" and value not in (4, 9):
                 raise ConfigError(f"hyp['mosaic_n'] is the images of a mosaic, 4 or 9, not {value!r}")
+
+    def _check_color_jitter(self) -> None:
+        names = ("brightness", "contrast", "saturation", "hue")
+        if not isinstance(self.color_jitter, tuple) or len(self.color_jitter) != 4:
+            raise ConfigError(f"color_jitter must be ({', '.join(names)}), got {self.color_jitter!r}")
+        for name, value in zip(names, self.color_jitter):
+            check_number(f"color_jitter's {name}", value, 0.0, 0.5 if name == "hue" else 1e6)
 
     def _check_cache(self) -> None:
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):

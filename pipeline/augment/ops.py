@@ -16,6 +16,9 @@ polygons that go with them:
                                      boxes through the same matrix, filtered as its `box_candidates`
     Flip(horizontal, vertical)       mirrors, each with its probability: boxes, masks and polygons mirrored
     HSV(hue, saturation, value)      ultralytics' colour gains (OpenCV's 8-bit HSV arithmetic)
+    ColorJitter(brightness, contrast, saturation, hue)
+                                     torchvision's colour jitter, factors and order drawn per image;
+                                     with either kind of recipe, after its own colours (boxes unchanged)
     MixUp(p)                         blend with another output of the batch (r ~ Beta(32, 32)), boxes joined
     CutMix(p)                        another output's patch pasted where the image has no box, its boxes there
 
@@ -24,8 +27,9 @@ once (`pipeline.augment.render`); the photometric and mixing ops run per
 batch. Not every list is a recipe the loader runs: one placement
 (RandomResizedCrop, Letterbox, ScaleJitter, IoUCrop) with a horizontal
 Flip(0.5), or ultralytics' family (Mosaic, RandomAffine, Flip, HSV,
-MixUp, CutMix, in that order; a missing op is off). Anything else is
-refused with the reason, never run another way.
+MixUp, CutMix, in that order; a missing op is off), either with at most
+one ColorJitter. Anything else is refused with the reason, never run
+another way.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .affine import RandomAffine
+from .color import ColorJitter
 from .hsv import HSV
 from .mosaic import Mosaic
 
@@ -94,26 +99,33 @@ YOLO_FAMILY = (Mosaic, RandomAffine, Flip, HSV, MixUp, CutMix)  # ultralytics' o
 
 def loader_settings(ops: Sequence[Any]) -> dict[str, Any]:
     """The `make_loader` settings an op list comes to: `recipe` and its parameters (`scale`, `ratio`, `flip`,
-    `jitter`, or recipe="yolo"'s `hyp`).
+    `jitter`, or recipe="yolo"'s `hyp`), and `color_jitter` where a ColorJitter is in it.
 
     Raises:
         ConfigError: an op the loader does not know, or a list that is no recipe it runs (the reason).
     """
     ops = list(ops)
     for op in ops:
-        if not isinstance(op, PLACEMENTS + YOLO_FAMILY):
-            known = ", ".join(kind.__name__ for kind in PLACEMENTS + YOLO_FAMILY)
+        if not isinstance(op, PLACEMENTS + YOLO_FAMILY + (ColorJitter,)):
+            known = ", ".join(kind.__name__ for kind in PLACEMENTS + YOLO_FAMILY + (ColorJitter,))
             raise ConfigError(f"augment: {op!r} is not an op of pipeline.augment (they are {known})")
+    jitters = [op for op in ops if isinstance(op, ColorJitter)]
+    if len(jitters) > 1:
+        raise ConfigError(f"augment: {_names(ops)}: at most one ColorJitter")
+    ops = [op for op in ops if not isinstance(op, ColorJitter)]
     if not ops:
-        raise ConfigError("augment: give at least one op (a placement such as Letterbox(), or Mosaic() ...)")
+        raise ConfigError("augment: give at least one op besides ColorJitter (a placement such as Letterbox(), "
+                          "or Mosaic() ...)")  # fmt: skip
     placements = [op for op in ops if isinstance(op, PLACEMENTS)]
-    if placements:
-        return _placement_settings(ops, placements)
-    return _yolo_settings(ops)
+    settings = _placement_settings(ops, placements) if placements else _yolo_settings(ops)
+    if jitters:
+        jitter = jitters[0]
+        settings["color_jitter"] = (jitter.brightness, jitter.contrast, jitter.saturation, jitter.hue)
+    return settings
 
 
 def _placement_settings(ops: list[Any], placements: list[Any]) -> dict[str, Any]:
-    others = [op for op in ops if not isinstance(op, PLACEMENTS + (Flip,))]
+    others = [op for op in ops if not isinstance(op, PLACEMENTS + (Flip,))]  # ColorJitter is taken out already
     flips = [op for op in ops if isinstance(op, Flip)]
     if len(placements) > 1 or others or len(flips) > 1:
         raise ConfigError(

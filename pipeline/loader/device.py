@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..augment.color import ColorJitter, jitter_batch
 from ..augment.hsv import apply_hsv
 from ..augment.mixup import cutmix_batch, mixup_batch
 from ..specs import LoaderSpec
@@ -41,6 +42,7 @@ from .tasks import Batch, TaskPlan, make_batch, tensors_in
 from .workers import DecodePool, HostBatch
 
 MIXUP_STREAM = 0x6D69787570  # the MixUp draws' own stream of each batch's seed
+COLOR_STREAM = 0x636F6C6F72  # the ColorJitter draws' own stream of each batch's seed
 
 BatchOnDevice = tuple[torch.Tensor, torch.Tensor, Any]  # images, labels, and the side stream's event (None off CUDA)
 
@@ -132,6 +134,8 @@ class DeviceFinish:
         self._dtype = getattr(torch, spec.dtype)
         self._affine_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host_affine_cache: Affine | None = None
+        jitter = ColorJitter(*spec.color_jitter)
+        self._jitter = jitter if jitter.active and spec.train else None
 
     # -- on the CPU, in the decode threads ----------------------------------
 
@@ -139,7 +143,7 @@ class DeviceFinish:
         """On a CPU device with thread workers: the batch's output tensor and the per-image finisher."""
         if not (self.device.type == "cpu" and self.spec.worker_type == "thread" and not self._gpu_decode):
             return None, None
-        if self.flips_in_workers:  # the sample_transform edits uint8 pixels in the ring
+        if self.flips_in_workers or self._jitter is not None:  # uint8 pixels in the ring: a hook, ColorJitter
             return None, None
         out = self._output_buffer(count)
         flips = self._flip_mask(epoch, index, count)
@@ -291,7 +295,7 @@ class DeviceFinish:
                 failures = sorted(failures + [f for f in failed_samples(batch) if f[0] not in known])
             if failures:
                 pool.replace(batch, failures, report, upcoming.later(), self._gpu_redecode(pixels))
-            images = self._finish_on_device(pixels, self._flips(epoch, batch))
+            images = self._finish_on_device(pixels, self._flips(epoch, batch), batch)
             labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
@@ -315,7 +319,17 @@ class DeviceFinish:
             pixels[chosen] = pixels[chosen].flip(3)
         if host is not None and self.plan is not None and self.spec.recipe == "yolo":
             pixels = self._yolo_hsv(pixels, host)
+        if host is not None and self._jitter is not None:
+            pixels = self._color_jitter(pixels, host)
         return self._scale_shift(pixels)
+
+    def _color_jitter(self, pixels: torch.Tensor, host: HostBatch) -> torch.Tensor:
+        """ColorJitter on the batch's uint8 pixels, each image its own draw (`pipeline.augment.color`)."""
+        assert self._jitter is not None
+        if pixels.is_floating_point():  # GPU-decoded: whole pixel values first, as uint8 outputs get them
+            pixels = pixels.round().clamp_(0, 255).to(torch.uint8)
+        rng = np.random.default_rng([self.spec.seed, host.epoch, self.rank, host.index, COLOR_STREAM])
+        return jitter_batch(pixels, [self._jitter.draw(rng) for _ in range(pixels.shape[0])])
 
     def _yolo_hsv(self, pixels: torch.Tensor, host: HostBatch) -> torch.Tensor:
         """recipe="yolo" with the HSV gains left to the device: each output that drew gains gets them (uint8)."""

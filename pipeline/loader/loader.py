@@ -149,6 +149,7 @@ def make_loader(
     epochs: int | None = None,
     close_mosaic: int = 0,
     hyp: Mapping[str, float] | None = None,
+    color_jitter: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
     augment: Sequence[Any] | None = None,
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     batch_transform: Callable[[Any], Any] | None = None,
@@ -282,6 +283,12 @@ def make_loader(
             ({"degrees": 10, "mosaic": 0.5, "hsv_v": 0.3, ...}: mosaic,
             degrees, translate, scale, shear, perspective, flipud, fliplr,
             hsv_h, hsv_s, hsv_v); the others keep ultralytics' defaults.
+        color_jitter: (brightness, contrast, saturation, hue) as torchvision's
+            ColorJitter: factors drawn per image in train mode (brightness,
+            contrast, saturation in [max(0, 1 - x), 1 + x], hue in [-h, h],
+            h <= 0.5; a random order), applied to each uint8 batch on the
+            device; all 0 (the default): off. On a CPU device it runs in the
+            training loop's thread, and turns off the fused normalisation.
         sample_transform: a callable on each decoded sample, in the decode
             workers: it gets {"image": uint8 (H, W, 3) array, "key", and the
             sample's targets: "boxes", "box_labels", "mask", "labels",
@@ -315,10 +322,12 @@ def make_loader(
     if unknown:
         raise ConfigError(unknown_options_message(list(unknown)))
     if augment is not None:
-        settings = _augment_settings(augment, recipe=recipe, hyp=hyp, scale=scale, ratio=ratio, flip=flip, jitter=jitter)
+        settings = _augment_settings(augment, recipe=recipe, hyp=hyp, scale=scale, ratio=ratio, flip=flip, jitter=jitter,
+                                     color_jitter=color_jitter)  # fmt: skip
         recipe, hyp = settings.get("recipe"), settings.get("hyp")
         scale, ratio = settings.get("scale", scale), settings.get("ratio", ratio)
         flip, jitter = settings.get("flip", flip), settings.get("jitter", jitter)
+        color_jitter = settings.get("color_jitter", color_jitter)
     spec = LoaderSpec(
         batch_size=batch_size,
         train=train,
@@ -352,6 +361,7 @@ def make_loader(
         epochs=epochs,
         close_mosaic=close_mosaic,
         hyp=_hyp_pairs(hyp),
+        color_jitter=_as_tuple(color_jitter),
     )
     resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":
