@@ -9,6 +9,7 @@ with a GET, by mode:
 - ``region-new``: 301 naming a region it never named before;
 - ``token-repeat``: a ListObjectsV2 page of one key, truncated, always with the same continuation token;
 - ``token-cycle``: the same, with tokens that go round two by two (A, B, A, B ...);
+- ``empty-pages``: ListObjectsV2 pages with no key, truncated, each with a token never given before;
 - ``slow-head``: the status line and headers one byte every `drip_s`;
 - ``slow-body``: a 200 of `declared` bytes, the body one byte every `drip_s`;
 - ``lying-length``: a 200 declaring `declared` bytes (the range asked for, where that is less), `sends`
@@ -143,6 +144,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _token_cycle(self, number: int) -> None:
         self._page([f"k{number}.jpg"], ("token-a", "token-b")[number % 2])
+
+    def _empty_pages(self, number: int) -> None:
+        self._page([], f"token-{number}")
 
     def _slow_head(self, number: int) -> None:
         self._drip(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nabcd")

@@ -33,6 +33,7 @@ from .config import S3Settings
 from .getloop import GetLoop
 
 LIST_PAGE_KEYS = 1000  # keys per ListObjectsV2 answer: the most S3 gives
+EMPTY_PAGES_MAX = 100  # truncated pages in a row with nothing on them before a listing is judged endless (S3 gives a few)
 
 
 class S3Transport(Transport):
@@ -94,8 +95,9 @@ class S3Transport(Transport):
             when the store answered anything but a listing (the caller lists through s3fs).
 
         Raises:
-            StorageError: the store gives a continuation token it gave before (its
-                listing would never end), or a page fails as `BlockingClient.get` says.
+            StorageError: the store gives a continuation token it gave before, or
+                EMPTY_PAGES_MAX pages in a row with nothing on them (its listing would
+                never end), or a page fails as `BlockingClient.get` says.
         """
         bucket, _, prefix = path.partition("/")
         if not bucket:
@@ -104,6 +106,7 @@ class S3Transport(Transport):
         prefixes: list[str] = []
         token: str | None = None
         tokens: set[str] = set()  # every page's token so far: one seen again is a listing going round in a loop
+        empty = 0  # truncated pages in a row with no key and no prefix: a store paging through nothing for ever
         while True:
             params = {"list-type": "2", "encoding-type": "url", "max-keys": str(LIST_PAGE_KEYS), "prefix": prefix}
             if delimiter:
@@ -124,6 +127,12 @@ class S3Transport(Transport):
             prefixes += [f"{bucket}/{name}" for name in page_prefixes]
             if token is None:
                 return keys, prefixes
+            empty = 0 if page_keys or page_prefixes else empty + 1
+            if empty >= EMPTY_PAGES_MAX:
+                raise StorageError(
+                    f"cannot list s3://{path}: the store gave {empty} pages in a row with nothing on them, each "
+                    "asking for another; it would never end"
+                )
             if token in tokens:
                 raise StorageError(
                     f"cannot list s3://{path}: the store gave a continuation token again after {len(tokens) + 1} "

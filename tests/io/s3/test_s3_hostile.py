@@ -111,6 +111,15 @@ def test_a_listing_whose_continuation_token_comes_again_is_a_storage_error(mode:
         assert store.requests == (2 if mode == "token-repeat" else 3)
 
 
+def test_a_listing_of_empty_pages_without_end_is_a_storage_error() -> None:
+    from pipeline.io.s3.transport import EMPTY_PAGES_MAX
+
+    with hostile("empty-pages") as store, client(store) as transport:
+        raised = ends(lambda: transport.list("bucket/raw/"), 10.0)
+        assert isinstance(raised, StorageError) and "pages in a row with nothing" in str(raised), raised
+        assert store.requests == EMPTY_PAGES_MAX
+
+
 # -- a byte at a time ----------------------------------------------------------------------
 
 
