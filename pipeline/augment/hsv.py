@@ -40,13 +40,14 @@ class HSV:
         return (rng.uniform(-1, 1) * self.hue, rng.uniform(-1, 1) * self.saturation, rng.uniform(-1, 1) * self.value)
 
 
-def hsv_in_place(image: np.ndarray, gains: tuple[float, float, float], *, simd: bool = True) -> None:
+def hsv_in_place(image: np.ndarray, gains: tuple[float, float, float], *, simd: int = 2) -> None:
     """One planar uint8 RGB image [3, H, W] (a loader's slot) with its gains applied, in place, in native code.
 
     The arithmetic of `apply_hsv` (OpenCV's 8-bit HSV and ultralytics' tables; the way back divides by
     multiplying with reciprocals, a level from OpenCV's on a few colours), for the CPU: a pass over the
-    pixels instead of a few dozen tensor passes (eight at once with AVX2; `simd=False` forces the scalar
-    loop, whose output is the same). Without the native library, `apply_hsv` does it.
+    pixels instead of a few dozen tensor passes: sixteen at once with AVX-512, eight with AVX2. `simd`
+    picks the widest loop allowed (2: AVX-512 where the CPU has it, 1: AVX2, 0 or False: the scalar
+    one); every loop gives the same output. Without the native library, `apply_hsv` does it.
     """
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[0] != 3 or not image.flags.c_contiguous:
         raise ValueError(f"hsv_in_place takes a C-contiguous uint8 [3, H, W] image, not {image.dtype} {image.shape}")

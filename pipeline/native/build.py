@@ -6,8 +6,10 @@
 builds it on first use into the user cache (`build_cached`). Both run the
 same `compile_command`, so the installed library and the fallback are the
 same machine code: `-O3` and nothing else of Python's own CFLAGS (`-fwrapv`,
-a distribution's hardening flags), and no `-m` flags, because resample.c
-picks its AVX2 kernels at run time.
+a distribution's hardening flags), and no `-m` flags, because resample.c and
+colour.c pick their AVX2 (and AVX-512) kernels at run time. `-ffp-contract=off`:
+no multiply and add fused where a kernel's target allows FMA (AVX-512 does),
+so every kernel rounds as the scalar loop it must equal.
 
 This module imports nothing but the standard library (setuptools only inside
 the two functions setup.py calls), so setup.py loads it by path, without
@@ -31,7 +33,7 @@ SOURCES = tuple(HERE / name for name in ("jpegregion.c", "resample.c", "ycc.c", 
 HEADERS = (HERE / "gpufeed.h", HERE / "jpegcommon.h")
 MODULE_SOURCE = HERE / "_libgpufeed.c"  # the extension module's shell (PyInit_, the source digest)
 EXTENSION = "pipeline.native._libgpufeed"
-CFLAGS = ("-O3", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 LIBRARIES = ("-ljpeg", "-lm")
 BUILD_TIMEOUT_S = 120
 
@@ -41,8 +43,9 @@ class BuildError(RuntimeError):
 
 
 def source_digest() -> str:
-    """The digest of the C sources and headers: names the cached build, and is baked into the installed one."""
-    return hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:16]
+    """The digest of the C sources, headers and flags: names the cached build, and is baked into the installed one."""
+    flags = " ".join(CFLAGS).encode()
+    return hashlib.sha256(flags + b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:16]
 
 
 def compiler() -> list[str]:

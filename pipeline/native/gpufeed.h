@@ -71,7 +71,8 @@ const char *gf_source_digest(void);
 int gf_has_avx2(void);
 
 /* colour.c: photometric augmentation. gains: the multipliers the saturation and value tables were built with
- * (1 + gain, doubles), or NULL (the scalar loop then). */
+ * (1 + gain, doubles), or NULL (the scalar loop then); allow_simd 0 the scalar loop, 1 AVX2, 2 AVX-512 where
+ * the CPU has it. */
 void gf_hsv(unsigned char *pixels, long plane, long count, const unsigned char *lut_h, const unsigned char *lut_s,
             const unsigned char *lut_v, const double *gains, int allow_simd);
 
