@@ -99,8 +99,8 @@ def _grid_of_nine(size: int, originals: list[tuple[int, int]]) -> list[Tile]:
             (size + w0 - w, size + h0), (size + w0 - wp - w, size + h0), (size - w, size + h0 - h),
             (size - w, size + h0 - hp - h),  # bottom left, left, top left
         )[i]  # fmt: skip
-        window = (min(max(x, 0) - cut, side), min(max(y, 0) - cut, side), min(x + w - cut, side), min(y + h - cut, side))
-        window = (max(window[0], 0), max(window[1], 0), max(window[2], 0), max(window[3], 0))
+        x0, y0, x1, y1 = (min(max(edge - cut, 0), side) for edge in (max(x, 0), max(y, 0), x + w, y + h))
+        window = (x0, y0, x1, y1)
         matrix = np.array([[w / width, 0.0, x - cut], [0.0, h / height, y - cut], [0.0, 0.0, 1.0]])
         out.append(Tile(matrix, window))
         hp, wp = h, w

@@ -40,14 +40,26 @@ static inline unsigned char gf_clamp8(int x) { return (unsigned char)(x < 0 ? 0 
 static const unsigned char gf_pick_r[6] = {0, 2, 1, 1, 3, 0}, gf_pick_g[6] = {3, 0, 0, 2, 1, 1},
                            gf_pick_b[6] = {1, 1, 3, 0, 0, 2};
 
+/* OpenCV's reciprocal tables, sdiv[v] = round((255 << 12) / v) and hdiv[d] = round((180 << 12) / (6 d)), 0 at 0,
+ * built once; `quotients`: whether the float quotients rounded give every entry (what the vector loops compute). */
+static int gf_sdiv[256], gf_hdiv[256], gf_quotients, gf_reciprocals_built;
+
+static void gf_reciprocals(void) {
+    if (__atomic_load_n(&gf_reciprocals_built, __ATOMIC_ACQUIRE)) return;
+    int quotients = 1;
+    for (int i = 1; i < 256; i++) { /* the same values whichever thread writes them first */
+        gf_sdiv[i] = (int)nearbyint((double)(255 << 12) / i);
+        gf_hdiv[i] = (int)nearbyint((double)(180 << 12) / (6.0 * i));
+        quotients &= (int)nearbyintf(GF_SDIV_TOP / (float)i) == gf_sdiv[i] &&
+                     (int)nearbyintf(GF_HDIV_TOP / (float)i) == gf_hdiv[i];
+    }
+    gf_quotients = quotients;
+    __atomic_store_n(&gf_reciprocals_built, 1, __ATOMIC_RELEASE);
+}
+
 static void gf_hsv_scalar(const unsigned char *lut_h, const unsigned char *lut_s, const unsigned char *lut_v,
                           unsigned char *r, unsigned char *g, unsigned char *b, long start, long count) {
-    int sdiv[256], hdiv[256];
-    sdiv[0] = hdiv[0] = 0;
-    for (int i = 1; i < 256; i++) {
-        sdiv[i] = (int)nearbyint((double)(255 << 12) / i);
-        hdiv[i] = (int)nearbyint((double)(180 << 12) / (6.0 * i));
-    }
+    const int *sdiv = gf_sdiv, *hdiv = gf_hdiv;
     for (long i = start; i < count; i++) {
         int red = r[i], green = g[i], blue = b[i];
         int v = red > green ? red : green;
@@ -101,11 +113,7 @@ static int gf_hsv_formulas(struct gf_hsv_formulas *f, const unsigned char *lut_h
     }
     f->sat_fixed = gf_hsv_fixed(lut_s, f->sat_gain);
     f->val_fixed = gf_hsv_fixed(lut_v, f->val_gain);
-    for (int i = 1; i < 256; i++) /* OpenCV's reciprocal tables are the float quotients rounded (checked once) */
-        if ((int)nearbyintf(GF_SDIV_TOP / (float)i) != (int)nearbyint((double)(255 << 12) / i) ||
-            (int)nearbyintf(GF_HDIV_TOP / (float)i) != (int)nearbyint((double)(180 << 12) / (6.0 * i)))
-            return 0;
-    return 1;
+    return gf_quotients;
 }
 
 __attribute__((target("avx2"))) static inline __m256i gf_load8(const unsigned char *p) {
@@ -262,6 +270,7 @@ void gf_hsv(unsigned char *pixels, long plane, long count, const unsigned char *
             const unsigned char *lut_v, const double *gains, int allow_simd) {
     unsigned char *r = pixels, *g = pixels + plane, *b = pixels + 2 * plane;
     long done = 0;
+    gf_reciprocals();
 #ifdef GF_HSV_X86
     struct gf_hsv_formulas formulas;
     if (allow_simd && gf_has_avx2() && gf_hsv_formulas(&formulas, lut_h, lut_s, lut_v, gains)) {

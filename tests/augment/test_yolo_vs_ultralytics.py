@@ -34,7 +34,7 @@ from PIL import Image
 from pipeline.augment.affine import RandomAffine
 from pipeline.augment.mosaic import Mosaic
 from pipeline.augment.render import render
-from pipeline.augment.yolo import YoloRecipe, plan
+from pipeline.augment.yolo import Plan, YoloRecipe, plan
 
 ULTRALYTICS = VISION
 SIZE = 160
@@ -145,16 +145,16 @@ RECIPES = {
 }
 
 
-def away_from_seams(made: object, margin: float = 2.0) -> np.ndarray:
+def away_from_seams(made: Plan, margin: float = 2.0) -> np.ndarray:
     """The output pixels whose centres fall over 2 canvas px from every tile's edges: where two tiles (or a tile
     and the fill) meet, ultralytics' warp, which samples OpenCV's pixel centres (half a pixel from the boxes'
     frame where it scales), may take a row from the neighbour this plan takes it from."""
-    size = made.size  # type: ignore[attr-defined]
+    size = made.size
     v, u = np.mgrid[0:size, 0:size]
-    points = np.linalg.inv(made.warp) @ np.stack([u.ravel() + 0.5, v.ravel() + 0.5, np.ones(u.size)])  # type: ignore[attr-defined]
+    points = np.linalg.inv(made.warp) @ np.stack([u.ravel() + 0.5, v.ravel() + 0.5, np.ones(u.size)])
     cx, cy = points[0] / points[2], points[1] / points[2]
     away = np.ones(u.size, bool)
-    for tile in made.tiles:  # type: ignore[attr-defined]
+    for tile in made.tiles:
         x0, y0, x1, y1 = tile.window
         near_x = (cx > x0 - margin) & (cx < x1 + margin)
         near_y = (cy > y0 - margin) & (cy < y1 + margin)
