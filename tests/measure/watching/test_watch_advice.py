@@ -25,7 +25,7 @@ loader = make_loader({dataset!r}, batch_size=4, device="cpu", crop=32, num_worke
 open("ready", "w").close()
 while not os.path.exists("go"):  # the CPU burners start once the imports are done
     time.sleep(0.01)
-for epoch in range(4):
+for epoch in range(16):  # a loop that outlasts a sampling interval or two
     for images, labels in loader:
         time.sleep(0.002)
 """
@@ -59,6 +59,7 @@ def _watch(tmp_path: Path, script: Path) -> subprocess.Popen[str]:
 @pytest.mark.timeout(90)
 def test_gpufeed_loader_on_a_busy_machine_is_cpu_bound(tmp_path: Path) -> None:
     dataset = prepare_labelled(tmp_path, "ds", 48, shard_samples=12)
+    os.sync()  # the shards just written reach the disk now, not as writeback while the watched loop runs
     script = tmp_path / "train.py"
     script.write_text(LOADER_ON_A_BUSY_MACHINE.format(dataset=str(dataset)))
     watched = _watch(tmp_path, script)
