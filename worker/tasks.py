@@ -147,6 +147,7 @@ def _worker_checked_spec(spec_dict: dict[str, Any]) -> PrepareSpec:
 @app.task(bind=True, name="gpufeed.plan_prepare")
 def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
     """List the source, plan the shards, fan out one task per shard with finalize as the chord's callback."""
+    from pipeline.io.fs import confined_opens
     from pipeline.prepare.job import plan_prepare
 
     with job_errors(job_id, "planning"), UnitRun(store(), job_id, "plan", self.request.id) as run:
@@ -160,7 +161,7 @@ def plan_prepare_task(self: Any, job_id: str) -> dict[str, Any]:
         payload = security.validate_job(record.kind, record.payload, settings)
         store().transition(job_id, "running", ACTIVE)
         spec, force, overwrite = _planned_spec(record, payload)
-        with _job_storage(record, spec):
+        with _job_storage(record, spec), confined_opens(settings.allowed_roots):
             check_source = security.listed_source_check(spec.source, settings.allowed_roots)
             run.check()
             mark_copies(spec, job_id)
@@ -208,6 +209,7 @@ def _planned_spec(record: JobRecord, payload: dict[str, Any]) -> tuple[PrepareSp
 @app.task(bind=True, name="gpufeed.write_prepare_shard")
 def write_prepare_shard_task(self: Any, job_id: str, spec_dict: dict[str, Any], shard: int) -> dict[str, Any]:
     """Write one shard (skipped when already complete) and count it in the job."""
+    from pipeline.io.fs import confined_opens
     from pipeline.prepare.job import write_prepare_shard
 
     unit = f"shard:{shard}"
@@ -221,8 +223,9 @@ def write_prepare_shard_task(self: Any, job_id: str, spec_dict: dict[str, Any], 
             return {"job": job_id, "shard": shard, "skipped": "done"}
         _check_attempts(job_id, unit)
         mark_copies(spec, job_id)  # the listing this machine downloads goes once the job is over
-        check_source = security.opened_source_check(get_settings().allowed_roots)  # the listing in OUT is not trusted
-        with _job_storage(store().require(job_id), spec):
+        roots = get_settings().allowed_roots
+        check_source = security.opened_source_check(roots)  # the listing in OUT is not trusted
+        with _job_storage(store().require(job_id), spec), confined_opens(roots):  # nor a link swapped in after the check
             written = write_prepare_shard(spec, shard, progress=run.progress, check_source=check_source)
         run.check()
         processed = 0 if written.skipped else written.samples + written.rejected

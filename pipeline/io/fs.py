@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import stat
@@ -304,15 +305,53 @@ def open_regular(path: str) -> Any:
     return open_regular_stat(path)[0]
 
 
+_CONFINED_TO: tuple[str, ...] | None = None  # real folders every file `open_regular` opens must lie under; None: anywhere
+
+
+@contextlib.contextmanager
+def confined_opens(roots: Iterable[str]) -> Iterator[None]:
+    """While inside, every file `open_regular` opens in this process must lie under one of the local `roots`.
+
+    A check of a path before it is opened can be outrun: a link put in place of a folder or file between
+    the check and the open leads the open elsewhere. This one looks at what was opened: the descriptor's
+    own path (links resolved by the kernel, `/proc/self/fd`), so whatever was swapped in, a file outside
+    the roots is closed unread. The service's tasks run inside it with GPUFEED_ALLOWED_ROOTS; the pool
+    processes a prepare forks meanwhile inherit it. URL roots name no local file: with only those, no
+    local file opens.
+    """
+    global _CONFINED_TO
+    before = _CONFINED_TO
+    _CONFINED_TO = tuple(os.path.realpath(root) for root in roots if local_path(root) is not None and "://" not in root)
+    try:
+        yield
+    finally:
+        _CONFINED_TO = before
+
+
+def _require_confined(fd: int, path: str) -> None:
+    roots = _CONFINED_TO
+    if roots is None:
+        return
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc: the path's links resolved now, after the open
+        opened = os.path.realpath(path)
+    if not any(opened == root or opened.startswith(root.rstrip("/") + "/") for root in roots):
+        raise OSError(errno.EACCES, f"it opens {opened!r}, outside the allowed roots ({', '.join(roots) or 'none local'}); not read", path)
+
+
 def open_regular_stat(path: str) -> tuple[Any, os.stat_result]:
     """`open_regular`, with the open file's stat (its size: `st_size`), taken once on the descriptor.
 
+    Inside `confined_opens`, a file whose descriptor lies outside the roots is closed unread.
+
     Raises:
-        OSError: as `open_regular`.
+        OSError: as `open_regular`, or the opened file is outside `confined_opens`' roots.
     """
     _require_regular(os.stat(path).st_mode, path)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
+        _require_confined(fd, path)
         status = os.fstat(fd)
         _require_regular(status.st_mode, path)
         os.set_blocking(fd, True)

@@ -300,6 +300,8 @@ def copy_from_store(
             if count and exc.errno == errno.EINVAL:  # 416: the object ended where the last piece did
                 break
             raise SourceError(f"cannot read {redact_url(url)}: {exc}") from exc
+        except GpufeedError as exc:  # the S3 client's own error names the object and the cause already
+            raise SourceError(str(exc)) from exc
         except Exception as exc:
             raise SourceError(f"cannot read {redact_url(url)}: {exc}") from exc
         if not chunk:

@@ -20,9 +20,11 @@ closed once idle for `http1.KEEP_IDLE_S`; a forked child makes its own).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ..transport import Body
 from . import http1
@@ -98,7 +100,7 @@ class BlockingClient:
         conn = self._kept(request)
         if conn is None:
             try:
-                address = http1.resolve(request.host, request.port)
+                address = _resolve_within(request.host, request.port, request.left())
                 conn = Connection.open(address, request.host, request.port, request.tls, max(1e-3, min(http1.TIMEOUT_S, request.left())))
             except TimeoutError:
                 return self._timed_out(request)
@@ -148,3 +150,30 @@ class BlockingClient:
                 self._idle.append(conn)
                 return
         conn.close()
+
+
+_RESOLVERS: ThreadPoolExecutor | None = None
+_RESOLVERS_LOCK = threading.Lock()
+RESOLVER_THREADS = 4
+
+
+def _resolve_within(host: str, port: int, seconds: float) -> object:
+    """`host`'s address, waited for `seconds` at most: a resolver that never answers ends the request by its
+    deadline (the lookup runs on a small pool of threads; one still waiting there is left to finish alone).
+
+    Raises:
+        TimeoutError: no answer within `seconds`.
+        OSError: the name does not resolve.
+    """
+    global _RESOLVERS
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        return http1.resolve(host, port)  # a literal: no lookup
+    with _RESOLVERS_LOCK:
+        if _RESOLVERS is None:
+            _RESOLVERS = ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="gpufeed-resolve")
+        pool = _RESOLVERS
+    return pool.submit(http1.resolve, host, port).result(timeout=max(1e-3, seconds) if seconds < 1e9 else None)

@@ -270,8 +270,12 @@ class GetLoop:
             waiting = self._resolving.get(where)
             if waiting is not None:
                 waiting.append(request)
+                if request.deadline is not None:
+                    self._soonest = min(self._soonest, request.deadline)
                 return None
             self._resolving[where] = [request]
+        if request.deadline is not None:  # a resolver that never answers still ends the request by its deadline
+            self._soonest = min(self._soonest, request.deadline)
         try:
             self._pool.submit(http1.resolve, *where).add_done_callback(lambda done: self._resolved(where, done))
         except RuntimeError:  # shutting down
@@ -407,6 +411,20 @@ class GetLoop:
         for conn in [conn for conn in self._idle if now - conn.progress_at > http1.KEEP_IDLE_S]:
             self._idle.remove(conn)
             self._drop(conn)
+        overdue: list[GetRequest] = []
+        with self._lock:  # requests parked while their host's name is resolved: the deadline counts there too
+            for waiting in self._resolving.values():
+                kept: list[GetRequest] = []
+                for request in waiting:
+                    deadline = float("inf") if request.deadline is None else request.deadline
+                    if deadline <= now:
+                        overdue.append(request)
+                    else:
+                        kept.append(request)
+                        self._soonest = min(self._soonest, deadline)
+                waiting[:] = kept
+        for request in overdue:
+            request.answer(request.late(self.settings))
 
     def _unwatch(self, conn: Connection) -> None:
         if conn.registered is not None:

@@ -119,7 +119,10 @@ class GetRequest:
         )
 
     def place(self, settings: S3Settings) -> None:
-        """Where the request goes now (the bucket's region may have been learnt since the last try)."""
+        """Where the request goes now (the bucket's region may have been learnt since the last try); the first
+        placing starts its deadline, so the lookup of the host's name counts against it too."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + settings.deadline_s
         url = settings.bucket_url(self.bucket) if self.query is not None else settings.url(self.bucket, self.key)
         if url is None:
             raise ValueError("the bucket's name does not fit the addressing")

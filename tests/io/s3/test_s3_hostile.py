@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -120,6 +121,34 @@ def test_a_listing_of_empty_pages_without_end_is_a_storage_error() -> None:
         assert store.requests == EMPTY_PAGES_MAX
 
 
+# -- a name that never resolves ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_a_host_name_whose_lookup_never_answers_ends_at_the_request_deadline(monkeypatch: pytest.MonkeyPatch, way: str) -> None:
+    """The lookup counts against the deadline: a resolver that hangs ends the request on time, not the caller."""
+    from pipeline.io.s3 import http1
+
+    never = threading.Event()
+
+    def hanging(host: str, port: int) -> Any:
+        never.wait(WAIT_S)
+        raise OSError("no answer")
+
+    monkeypatch.setattr(http1, "resolve", hanging)
+    with hostile("honest", declared=100) as store:
+        named = store.endpoint.replace("127.0.0.1", "store.invalid")  # a name: looked up, not a literal
+        transport = S3Transport(S3Settings(named, "us-east-1", None, deadline_s=DEADLINE_S), FsspecTransport(None))
+        try:
+            raised = ends(lambda: WAYS[way](transport), DEADLINE_S + 1.5)
+        finally:
+            never.set()
+            transport.close()
+        assert store.requests == 0
+    assert isinstance(raised, StorageError), raised
+    assert f"within {DEADLINE_S:g} s" in str(raised), raised
+
+
 # -- a byte at a time ----------------------------------------------------------------------
 
 
@@ -212,6 +241,25 @@ def test_a_redirect_to_another_host_is_never_followed() -> None:
         assert isinstance(raised, StorageError), raised
         assert elsewhere.requests == 0
         assert store.requests == 4
+
+
+def test_a_cache_fill_from_a_store_that_drips_ends_as_one_source_error_saying_it_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from pipeline.errors import SourceError
+    from pipeline.io.cache.fill import copy_from_store
+
+    monkeypatch.setenv(DEADLINE_ENV, str(DEADLINE_S))
+    with hostile("slow-body", drip_s=0.15, declared=64) as store:
+        options = {"endpoint_url": store.endpoint, "anon": True, "skip_instance_cache": True}
+        fd = os.open(tmp_path / "partial", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            raised = ends(lambda: copy_from_store(f"s3://{OBJECT}", fd, 64, storage_options=options), DEADLINE_S + 2.0)
+        finally:
+            os.close(fd)
+    assert isinstance(raised, SourceError), raised
+    message = str(raised)
+    assert message.count("cannot read") == 1 and f"s3://{OBJECT}" in message and f"within {DEADLINE_S:g} s" in message, message
 
 
 # -- the memory of reads ahead, in a child whose address space is capped ----------------------
