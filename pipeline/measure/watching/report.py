@@ -185,6 +185,7 @@ class WatchReport:
     records_dropped: int = 0
     read_chars: int = 0  # bytes the process tree read through read calls, page-cache hits included
     disk_busy: float | None = None  # share of the run `disk_device` had a request in flight (/proc/diskstats)
+    disk_own_share: float | None = None  # share of the bytes `disk_device` moved (read or written) that were the run's reads
     iowait: float | None = None  # share of the machine's CPU time idle waiting for I/O over the run
     cost: dict[str, float] = dataclasses.field(default_factory=dict)  # watch's own: startup_s, cpu_s, hook_cpu_s
 

@@ -327,6 +327,7 @@ class Sampler:
         disks = _disk_counters()
         device = self._device(self._disks_at_start, disks)
         iops, busy = _device_rates(device, self._disks_at_start, disks, looped)  # over the loop's time
+        own = _own_share(device, self._disks_at_start, disks, read_bytes)
         report = WatchReport(
             command=self.command,
             exit_code=exit_code,
@@ -346,6 +347,7 @@ class Sampler:
             disk_iops=iops,
             read_chars=self.tree.read_chars(),
             disk_busy=busy,
+            disk_own_share=own,
             iowait=_iowait_share(self._cpu_at_start, psutil.cpu_times()),
         )
         if self.samples:
@@ -375,6 +377,15 @@ def _device_rates(device: str, before: Mapping[str, Any], after: Mapping[str, An
     if busy_ms is None:
         return iops, None
     return iops, min(1.0, max(0.0, (busy_ms - before[device].busy_time) / 1e3 / max(span, 1e-6)))
+
+
+def _own_share(device: str, before: Mapping[str, Any], after: Mapping[str, Any], read_bytes: int) -> float | None:
+    """The share of the bytes `device` moved over the run (reads and writes, every process's) that were the
+    process tree's own reads: how much of its busy time is the run's (None where it moved nothing or is unknown)."""
+    if not device or device not in before or device not in after:
+        return None
+    moved = sum(getattr(after[device], name) - getattr(before[device], name) for name in ("read_bytes", "write_bytes"))
+    return min(1.0, max(0.0, read_bytes / moved)) if moved > 0 else None
 
 
 def _iowait_share(before: Any, after: Any) -> float | None:

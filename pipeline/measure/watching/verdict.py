@@ -19,6 +19,8 @@ BUSY = 0.7  # a Dataset on a core (or waiting for one) this much of its time is 
 DISK_NEAR = 0.7  # reads at this share of the measured ceiling are the limit
 DISK_BUSY = 0.5  # a device with a request in flight this share of the time the loop waited for data is the limit
 QUIET_READS_MB_S = 1.0  # below it the disk plays no part
+OWN_TRAFFIC = 0.9  # the run's reads under this share of the device's bytes: the evidence says so
+OWN_MAJORITY = 0.5  # the run's reads at least this share of the device's bytes: its busy time is the run's
 MANY_TENSORS = 1000  # tensors per batch from which handing them over costs more than their bytes
 
 
@@ -135,7 +137,10 @@ def _disk_cause(report: WatchReport, evidence: list[str], undetermined: list[str
         )
         return None
     device = report.disk_device or "the device"
+    own = report.disk_own_share
     busy_text = f", {device} busy {busy:.0%} of the time" if busy is not None else ""
+    if busy is not None and own is not None and own < OWN_TRAFFIC:
+        busy_text += f" (the run's reads {own:.0%} of its traffic)"
     iowait = f", CPU in I/O wait {report.iowait:.0%}" if report.iowait is not None else ""
     evidence.append(
         f"storage reads {report.read_mb_s:.1f} MB/s ({cached:.0%} of the bytes read came from the page cache)"
@@ -146,8 +151,11 @@ def _disk_cause(report: WatchReport, evidence: list[str], undetermined: list[str
         where = f" at {report.disk_measured}" if report.disk_measured else ""
         evidence.append(f"reads against {ceiling:.0f} MB/s measured by `gpufeed bench disk`{where}")
     # Busy over the time the loop waited, not the whole loop: a disk at work while the loop waits is what holds it up,
-    # however much of that waiting CPU contention stretches.
-    busy_while_waiting = busy / report.stall_fraction if busy is not None and report.stall_fraction > 0 else None
+    # however much of that waiting CPU contention stretches. Where the run's reads are under half the device's traffic,
+    # only their share of its busy time counts: another process's writes (or reads) keep it busy without the loop.
+    ours = busy * (own if own is not None and own < OWN_MAJORITY else 1.0) if busy is not None else None
+    figures["disk_busy_own"] = ours
+    busy_while_waiting = ours / report.stall_fraction if ours is not None and report.stall_fraction > 0 else None
     figures["disk_busy_while_waiting"] = busy_while_waiting
     if near or (busy_while_waiting is not None and busy_while_waiting >= DISK_BUSY):
         undetermined.append("how much faster fewer bytes per sample would be: it depends on the data's sizes")

@@ -148,6 +148,18 @@ def test_a_busy_disk_is_not_advised_more_workers() -> None:
     assert verdict.predicted_speedup is None
 
 
+def test_a_device_kept_busy_by_another_processs_traffic_is_not_the_loops_disk() -> None:
+    # The same loop and device busy share, but the run's reads are 5 % of the bytes the device moved (another
+    # process writes beside it): the busy time is not the loop's, and the cause is the workers' CPU.
+    loop = dict(CPU_BOUND_WORKERS, wait_s=6.0, step_s=2.0)
+    busy = dict(read_bytes=400 << 20, read_mb_s=40.0, read_chars=400 << 20, disk_busy=0.9, disk_device="sda")
+    assert _report(loop, cores_busy=2.0, **busy, disk_own_share=1.0).cause == "disk"
+    verdict = _report(loop, cores_busy=2.0, **busy, disk_own_share=0.05)
+    assert verdict.cause != "disk", verdict
+    assert abs(verdict.figures["disk_busy_own"] - 0.045) < 1e-9
+    assert any("the run's reads 5% of its traffic" in line for line in verdict.evidence), verdict.evidence
+
+
 def test_the_workers_cores_agree_with_what_they_timed_of_the_dataset() -> None:
     # Per-epoch workers that ended between two samples leave their process counters stale (0.3 CPU s here);
     # their own records timed 7 CPU s of the Dataset over the loop's 8 s: about 0.9 cores, as the line above says.

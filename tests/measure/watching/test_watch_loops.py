@@ -156,6 +156,7 @@ def test_per_epoch_workers_reads_count_once_and_name_the_disk_at_any_interval(tm
     files.mkdir()
     for index in range(12):
         (files / f"{index}.bin").write_bytes(os.urandom(2 << 20))
+    os.sync()  # the files' writeback is not the watched run's traffic
     verdicts = set()
     for interval in ("1", "2", "5"):
         report, measured, stderr = watch(tmp_path, READ_FILES, str(files), interval=interval)
