@@ -10,10 +10,12 @@ polygons that go with them:
     ScaleJitter(low, high)           the letterboxed size times a random scale, then a random window or padding
     IoUCrop()                        SSD's random crop with a minimum IoU with the boxes
     Mosaic(p, n)                     four images in a 2S x 2S canvas around a random centre (probability p),
-                                     or nine in a grid (n=9)
+                                     or nine in a grid (n=9): boxes and polygons placed with their image,
+                                     cut to the canvas
     RandomAffine(degrees, translate, scale, shear, perspective)
                                      ultralytics' random perspective of the (mosaic) canvas into the output;
-                                     boxes through the same matrix, filtered as its `box_candidates`
+                                     boxes and polygons through the same matrix, cut to the output, a box
+                                     with polygons the box around them; filtered as its `box_candidates`
     Flip(horizontal, vertical)       mirrors, each with its probability: boxes, masks and polygons mirrored
     HSV(hue, saturation, value)      ultralytics' colour gains (OpenCV's 8-bit HSV arithmetic)
     ColorJitter(brightness, contrast, saturation, hue)

@@ -7,7 +7,8 @@ draws them from the images it read last), plans its output
 renders it (`render_jpegs`, from the piece's pictures, each decoded whole
 once for all the mosaics that show it) into its slot, applies the HSV
 gains (native code; on CUDA they go with the targets to the device) and
-takes the plan's boxes as its targets. A sample or partner whose file or targets are
+takes the plan's boxes (and, where the dataset has them, each box's
+polygons) as its targets. A sample or partner whose file or targets are
 damaged fails the position, which the damage policy replaces.
 
 The flips are the plan's (`fliplr`), so the device mirrors nothing; the
@@ -32,13 +33,14 @@ from ..augment.render import decode_whole, render, render_jpegs
 from ..augment.yolo import YoloRecipe, plan
 from ..decode import open_image
 from ..errors import DecodeError
+from ..polygons import Polygons
 from ..targets import read_boxes
 from .cpu_decode import image_size
 from .crops import Affine, CropSpec, is_planar
 from .damage import Extras
 from .hooks import run_sample_transform
 from .slot_pixels import region_decoder
-from .tasks import TaskPlan, field_value
+from .tasks import TaskPlan, field_value, read_polygons
 
 DEFAULT_RECIPE = YoloRecipe()
 HSV_GAINS = "hsv_gains"  # a target's key: the gains the device applies to the batch (`hsv_in_workers=False`)
@@ -77,6 +79,7 @@ class PieceMemo:
 
     pictures: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     facts: dict[int, tuple[tuple[int, int], np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    polygons: dict[int, Polygons] = dataclasses.field(default_factory=dict)
 
 
 def mosaic_into(
@@ -137,12 +140,15 @@ def yolo_sample(
         facts = memo.facts.get(index)
         if facts is None:
             found, found_labels, _ = read_boxes(extras[index] or {}, plan_of.classes)
+            if plan_of.polygons:  # each box's polygons, checked against the boxes, read once too
+                memo.polygons[index] = read_polygons(extras[index] or {}, len(found))
             facts = memo.facts[index] = (image_size(items[index][0], items[index][1]), found.astype(np.float64),
                                          found_labels)  # fmt: skip
         sizes.append(facts[0])
         boxes.append(facts[1])
         labels.append(facts[2])
-    made = plan(recipe, rng, sizes, boxes, labels)
+    shapes = [memo.polygons[index] for index in chosen] if plan_of.polygons else None
+    made = plan(recipe, rng, sizes, boxes, labels, polygons=shapes)
     shown = chosen[: len(made.tiles)]
     try:
         if decoder is not None and all(items[index][0] in ("jpg", "jpeg") for index in shown):
@@ -157,6 +163,8 @@ def yolo_sample(
         raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
     total = sum(len(b) for b in boxes[: len(made.tiles)])
     targets: dict[str, Any] = {"boxes": made.boxes, "box_labels": made.labels, "boxes_dropped": total - len(made.boxes)}
+    if made.polygons is not None:
+        targets["polygons"] = made.polygons
     if made.hsv_gains is not None and hsv_in_workers:
         hsv_in_place(out, made.hsv_gains)
     elif made.hsv_gains is not None:

@@ -269,7 +269,7 @@ def sample_targets(
             ids = (np.flatnonzero(keep) + 1).astype(own.dtype)
             out["masks"] = (own[None, :, :] == ids[:, None, None]).astype(np.uint8)
         if plan.polygons:  # each kept box's polygons; a sample without the member has none
-            found_polygons = _read_polygons(members, len(boxes))
+            found_polygons = read_polygons(members, len(boxes))
             kept_polygons = [parts for parts, kept in zip(found_polygons, keep) if kept]
             out["polygons"] = place_polygons(kept_polygons, box, (dx, dy, dw, dh), crop.size, flip)
     elif task == "segmentation":
@@ -290,7 +290,7 @@ def sample_targets(
     return out
 
 
-def _read_polygons(members: dict[str, bytes], boxes: int) -> Polygons:
+def read_polygons(members: dict[str, bytes], boxes: int) -> Polygons:
     """A sample's polygons, one entry per box (each empty without the member).
 
     Raises:

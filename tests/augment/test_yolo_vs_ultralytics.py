@@ -46,6 +46,7 @@ import cv2
 import numpy as np
 from ultralytics.data.augment import Mosaic, RandomFlip, RandomPerspective
 from ultralytics.utils.instance import Instances
+from ultralytics.utils.ops import resample_segments
 
 cases = json.load(sys.stdin)
 answers = []
@@ -55,7 +56,8 @@ for case in cases:
     random.random = lambda: next(units)
     size = case["size"]
     patches = []
-    for path, boxes, classes in zip(case["images"], case["boxes"], case["labels"]):
+    shapes = case.get("segments") or [None] * len(case["images"])
+    for path, boxes, classes, polygons in zip(case["images"], case["boxes"], case["labels"], shapes):
         im = cv2.imread(path)
         h0, w0 = im.shape[:2]
         r = size / max(h0, w0)
@@ -63,9 +65,12 @@ for case in cases:
             w, h = min(int(np.ceil(w0 * r)), size), min(int(np.ceil(h0 * r)), size)
             im = cv2.resize(im, (w, h), interpolation=cv2.INTER_LINEAR)
         b = np.array(boxes, np.float32).reshape(-1, 4) / np.array([w0, h0, w0, h0], np.float32)
+        segments = np.zeros((0, 1000, 2), np.float32)
+        if polygons is not None:  # as its dataset loads YOLO-seg: 1000 points along each outline, normalised
+            segments = np.stack(resample_segments([np.array(p, np.float32) / [w0, h0] for p in polygons]), 0)
         patches.append({"img": im, "resized_shape": im.shape[:2], "ori_shape": (h0, w0), "im_file": path,
                         "cls": np.array(classes, np.float32).reshape(-1, 1),
-                        "instances": Instances(b, np.zeros((0, 1000, 2), np.float32), None, bbox_format="xyxy",
+                        "instances": Instances(b, segments.astype(np.float32), None, bbox_format="xyxy",
                                                normalized=True)})
     labels = patches[0]
     mosaic_on = next(units) <= case["mosaic_p"]
@@ -311,3 +316,56 @@ def test_a_mosaic_of_nine_lays_its_images_around_the_first_without_overlap() -> 
     assert covered.max() == 1 and covered.sum() > 0.5 * 200 * 200
     with pytest.raises(ValueError, match="4 images or of 9"):
         Mosaic(n=6)
+
+
+def polygons_in(boxes: list[list[float]], rng: np.random.Generator) -> list[list[list[float]]]:
+    """A convex outline in each box touching its four sides (a hexagon, its corners cut at random)."""
+    out = []
+    for x0, y0, x1, y1 in boxes:
+        a, b = rng.uniform(0.15, 0.45, 2)
+        w, h = x1 - x0, y1 - y0
+        out.append([[x0 + a * w, y0], [x1, y0], [x1, y1 - b * h], [x1 - a * w, y1], [x0, y1], [x0, y0 + b * h]])
+    return out
+
+
+@pytest.mark.parametrize("name", ["defaults", "rotation, shear, perspective"])
+def test_polygons_give_ultralytics_segment_boxes_for_the_same_draws(tmp_path: Path, name: str) -> None:
+    """YOLO-seg through the mosaic and the warp: each box is the box around its outline's visible part, as
+    ultralytics' `segment2box`, and the boxes that survive its 1 % area filter are the same."""
+    recipe = RECIPES[name]
+    rng = np.random.default_rng(40 + list(RECIPES).index(name))
+    cases = []
+    for number in range(16):
+        case = write_case(tmp_path, number, rng, recipe.sources)
+        case["segments"] = [polygons_in(boxes, rng) for boxes in case["boxes"]]
+        case.update(units=rng.uniform(0, 1, 16).tolist(), size=SIZE, out=str(tmp_path / f"{number}-ultralytics.npy"),
+                    mosaic_p=recipe.mosaic.p if recipe.mosaic is not None else -1.0, fliplr=recipe.fliplr,
+                    mosaic_n=recipe.sources if recipe.mosaic is not None else 4,
+                    flipud=recipe.flipud, affine=dataclass_dict(recipe.affine))  # fmt: skip
+        cases.append(case)
+    answers = run_ultralytics(cases)
+    errors, tighter = [], 0
+    for case, answer in zip(cases, answers):
+        originals = [(p.shape[1], p.shape[0]) for p in case["pictures"]]
+        boxes = [np.array(b, np.float64) for b in case["boxes"]]
+        labels = [np.array(v, np.int64) for v in case["labels"]]
+        polygons = [[[np.array(points, np.float64)] for points in shapes] for shapes in case["segments"]]
+        made = plan(dataclass_replace(recipe, hsv=None), Units(case["units"]), originals, boxes, labels, polygons=polygons)
+        plain = plan(dataclass_replace(recipe, hsv=None), Units(case["units"]), originals, boxes, labels)
+        want = np.array(answer["boxes"], np.float64).reshape(-1, 4)
+        assert len(made.boxes) == len(want), (name, made.boxes, want)
+        assert sorted(made.labels.tolist()) == sorted(int(v) for v in answer["labels"])
+        if len(want):
+            order_want = np.lexsort(np.round(want, 1).T[::-1])
+            order_got = np.lexsort(np.round(made.boxes.astype(np.float64), 1).T[::-1])
+            errors.append(float(np.abs(made.boxes[order_got] - want[order_want]).max()))
+        assert made.polygons is not None and len(made.polygons) == len(made.boxes)
+        for box, parts in zip(made.boxes, made.polygons):  # each box is the bounds of what is left of its outline
+            stacked = np.concatenate(parts)
+            assert np.allclose([*stacked.min(0), *stacked.max(0)], box, atol=1e-3)
+            assert (stacked >= -1e-3).all() and (stacked <= SIZE + 1e-3).all()
+        tighter += int(sum(float(np.prod(b[2:] - b[:2])) for b in made.boxes) < sum(float(np.prod(b[2:] - b[:2])) for b in plain.boxes) - 1)
+    assert errors and max(errors) < 0.5, (name, [round(e, 2) for e in errors])
+    if name != "defaults":
+        assert tighter > 0  # a tilted outline's box is tighter than the tilted box's box
+
