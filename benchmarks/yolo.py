@@ -16,6 +16,7 @@ ultralytics installs:
                splits prepared once beforehand (`split_shards`, untimed: that
                is the point), thread workers, batches as ultralytics' dicts:
                train `recipe="yolo"` (HSV in the workers: a CPU device), val
+               (prepared in aspect-ratio order, as ultralytics sorts it)
                letterboxed, each batch cut to the rectangle its images need.
 
 Each row runs in its own process: one warm-up epoch (workers started, page

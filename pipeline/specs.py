@@ -23,6 +23,7 @@ YOLO_HYP = {  # recipe="yolo"'s hyperparameters by ultralytics' names (and mosai
 }  # fmt: skip
 
 RESIZE_MODES = ("shorter", "longer", "center-crop", "pad", "none")
+ORDERS = ("shuffle", "aspect")  # how prepare orders a dataset's samples across its shards (PrepareSpec.order)
 FORMATS = ("jpeg", "webp", "png", "npy")
 FORMAT_EXTENSIONS = {"jpeg": "jpg", "webp": "webp", "png": "png", "npy": "npy"}
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
@@ -214,6 +215,14 @@ class PrepareSpec(Spec):
     splits are separate datasets, never merged, so a source with several
     needs it (`gpufeed prepare` runs each into OUT/<split>).
 
+    `order` is how the samples are laid out across the shards: "shuffle"
+    (a seeded permutation, `seed`) or "aspect" (by the aspect ratio,
+    height / width, of each picture as stored: upright, resized, padding
+    not counted; ties in listing order), so that shard after shard, and an
+    eval loader's batch after batch, holds pictures of like shape (what
+    rectangular validation batches need). "aspect" reads each image's
+    header once as the job is planned.
+
     The whole spec is recorded as the manifest's `params`; two runs with equal
     specs over the same source produce byte-identical shards.
     """
@@ -231,6 +240,7 @@ class PrepareSpec(Spec):
     min_visible: float = 0.25
     split: str | None = None
     label_frame: str = "upright"
+    order: str = "shuffle"
 
     def __post_init__(self) -> None:
         if self.split is not None and (not isinstance(self.split, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.split)):
@@ -251,6 +261,8 @@ class PrepareSpec(Spec):
         check_number("min_visible", self.min_visible, 0.0, 1.0)
         if self.label_frame not in ("upright", "stored"):
             raise ConfigError(f"label_frame must be upright or stored, got {self.label_frame!r}")
+        if self.order not in ORDERS:
+            raise ConfigError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -290,6 +302,8 @@ class PrepareSpec(Spec):
             data.pop("split")
         if data["label_frame"] == "upright":
             data.pop("label_frame")
+        if data["order"] == "shuffle":  # a dataset prepared before orders existed was shuffled: the same job
+            data.pop("order")
         return data
 
 
@@ -316,6 +330,7 @@ PREPARE_OPTION_NAMES = {
     "min_visible": "--min-visible",
     "split": "--split",
     "label_frame": "--label-frame",
+    "order": "--order",
 }
 """How `gpufeed prepare` spells each PrepareSpec setting (dotted path -> SRC or option), for the CLI's messages.
 

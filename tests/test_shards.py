@@ -119,6 +119,14 @@ def test_plan_shuffles_across_shards_and_depends_on_seed():
 def test_plan_to_dict_round_trips():
     plan = plan_shards(123, 10, seed=9)
     assert ShardPlan(**json.loads(json.dumps(plan.to_dict()))) == plan
+    assert "shuffle" not in plan.to_dict()  # a shuffled plan is recorded as plans were before order="aspect"
+    unshuffled = plan_shards(123, 10, seed=9, shuffle=False)
+    assert ShardPlan(**json.loads(json.dumps(unshuffled.to_dict()))) == unshuffled
+
+
+def test_an_unshuffled_plan_keeps_the_listing_order():
+    plan = plan_shards(10, 4, seed=1, shuffle=False)
+    assert [plan.indices(i).tolist() for i in range(plan.shards)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
 def test_shard_name():

@@ -12,6 +12,7 @@ from pipeline.errors import ConfigError
 from pipeline.specs import (
     DEFAULT_SHARD_BYTES,
     FORMATS,
+    ORDERS,
     RESIZE_MODES,
     AugmentSpec,
     EncodeSpec,
@@ -130,6 +131,7 @@ def test_shard_spec_needs_a_bound():
         ({"background": (0, 0, -1)}, "background"),
         ({"background": (0, 0, 1.0)}, "background"),
         ({"background": (True, 0, 0)}, "background"),
+        ({"order": "size"}, "order"),
     ],
 )
 def test_prepare_spec_bad_value(kwargs, flag):
@@ -210,6 +212,8 @@ def test_output_identity_excludes_out_only():
     assert a.output_identity() == b.output_identity()
     assert "out" not in a.output_identity()
     assert a.output_identity() != PrepareSpec(source="s", out="/x", seed=1).output_identity()
+    assert "order" not in a.output_identity()  # the default: a dataset prepared before orders existed is the same job
+    assert PrepareSpec(source="s", out="/x", order="aspect").output_identity()["order"] == "aspect"
 
 
 def _pair(low: float, high: float):
@@ -253,6 +257,7 @@ prepare_specs = st.builds(
     max_pixels=st.integers(64, 2**40),
     max_file_bytes=st.integers(1, 2**40),
     background=st.tuples(st.integers(0, 255), st.integers(0, 255), st.integers(0, 255)),
+    order=st.sampled_from(ORDERS),
 )
 
 

@@ -22,6 +22,7 @@ import click
 from ..errors import ConfigError, GpufeedError
 from ..specs import (
     MAX_SHARDS,
+    ORDERS,
     PREPARE_FLAG_VALUES,
     PREPARE_OPTION_NAMES,
     AugmentSpec,
@@ -371,6 +372,14 @@ def prepare_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="COCO/VOC boxes whose declared image size cannot tell: in the EXIF-rotated (upright) image, "
             "or in the stored raster. YOLO labels are always upright.",
         ),
+        click.option(
+            "--order",
+            type=click.Choice(list(ORDERS)),
+            default="shuffle",
+            show_default=True,
+            help="shuffle: samples shuffled across the shards (--seed); aspect: sorted by each stored picture's "
+            "aspect ratio (height/width), so an eval loader's batches hold like shapes (rectangular validation).",
+        ),
         click.option("--force", is_flag=True, help="Write even if the free-space check fails."),
         click.option("--overwrite", is_flag=True, help="Replace an OUT prepared with other settings."),
         storage_option(
@@ -491,7 +500,7 @@ def spec_from_options(src: str, out: str, options: dict[str, Any]) -> PrepareSpe
         return PrepareSpec(
             source=src, out=out, resize=resize, augment=augment, encode=encode, shards=shards,
             seed=o["seed"], max_pixels=o["max_pixels"], min_visible=o["min_visible"], split=o["split"],
-            label_frame=o["label_frame"],
+            label_frame=o["label_frame"], order=o["order"],
         )
 
 

@@ -4,9 +4,12 @@
 data.yaml OUT --split NAME`, each image resized so its longer side is
 `imgsz`, as ultralytics' `load_image` does) into gpufeed's cache once, and
 finds it there afterwards; a change to the dataset's files (names, sizes,
-times) or to `imgsz` prepares anew. `YoloLoader` wraps a gpufeed loader
-over those shards so that ultralytics' trainer and validator take it for
-their own: each batch a dict with `img` (uint8 B x 3 x S x S), `cls`
+times) or to `imgsz` prepares anew. A split other than train is prepared
+in aspect-ratio order (`--order aspect`), as ultralytics sorts its
+`rect=True` validation set, so that consecutive images, and so each eval
+batch, are of like shape and `rect_batch` cuts each batch tight.
+`YoloLoader` wraps a gpufeed loader over those shards so that
+ultralytics' trainer and validator take it for their own: each batch a dict with `img` (uint8 B x 3 x S x S), `cls`
 (float32 [N, 1]), `bboxes` (float32 [N, 4], normalised XYWH of the output),
 `batch_idx` (float32 [N], ascending), `im_file`, `ori_shape`,
 `resized_shape` and `ratio_pad` (((gain, gain), (pad_x, pad_y)): the
@@ -58,7 +61,7 @@ def cache_folder(cache: str | os.PathLike[str] | None = None) -> Path:
 
 
 def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root: str | os.PathLike[str],
-                 cache: str | os.PathLike[str] | None = None) -> Path:  # fmt: skip
+                 cache: str | os.PathLike[str] | None = None, *, order: str | None = None) -> Path:  # fmt: skip
     """The prepared shards of split `split` of `data_yaml` at `imgsz`: prepared now when absent or out of date.
 
     Args:
@@ -69,10 +72,16 @@ def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root
             sizes and times say whether the shards are out of date.
         cache: where prepared splits are kept (default $GPUFEED_YOLO_SHARDS,
             else gpufeed's user cache).
+        order: how the samples are laid out (`PrepareSpec.order`); None:
+            "shuffle" for the train split, "aspect" for every other (its
+            eval batches rectangular and tight, as ultralytics' `rect=True`).
 
     Returns:
-        The folder holding the split's manifest.json and shards.
+        The folder holding the split's manifest.json and shards: `<split>`
+        when shuffled, `<split>.<order>` otherwise (a split prepared in
+        another order is never taken for this one).
     """
+    order = order or ("shuffle" if split == "train" else "aspect")
     base = cache_folder(cache)
     digest = hashlib.sha256()
     digest.update(f"{os.path.abspath(data_yaml)}\n{Path(data_yaml).read_bytes().hex()}\n{imgsz}\n".encode())
@@ -84,7 +93,9 @@ def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root
                 continue
             status = os.stat(os.path.join(folder, name))
             digest.update(f"{os.path.relpath(os.path.join(folder, name), root)}\0{status.st_size}\0{status.st_mtime_ns}\n".encode())
-    out = base / f"{Path(data_yaml).stem}-{imgsz}-{digest.hexdigest()[:16]}" / split
+    # the order in the folder's name: a "val" an earlier gpufeed prepared is shuffled, never read as "val.aspect"
+    folder = split if order == "shuffle" else f"{split}.{order}"
+    out = base / f"{Path(data_yaml).stem}-{imgsz}-{digest.hexdigest()[:16]}" / folder
     if (out / "manifest.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +106,7 @@ def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root
         shutil.rmtree(partial)
         result = prepare_dataset(PrepareSpec(
             source=os.fspath(data_yaml), out=os.fspath(partial), split=split,
-            resize=ResizeSpec(size=imgsz, mode="longer", upscale=True),
+            resize=ResizeSpec(size=imgsz, mode="longer", upscale=True), order=order,
         ))  # fmt: skip
         try:
             os.replace(partial, out)
@@ -330,6 +341,12 @@ def rect_batch(made: dict[str, Any], geometries: list[dict[str, Any]], size: int
     Each image is centred in the S x S output (`recipe="letterbox"`); the batch keeps the smallest
     centred rectangle, sides multiples of `stride`, that holds every image's pixels (a batch of 4:3
     photos at 640: 640 x 480), and its boxes, `ratio_pad` and `resized_shape` follow the cut.
+
+    Over a split in aspect order (`split_shards`) that is ultralytics' `set_rectangle` rule with
+    no extra padding: a batch of aspect ratios (h / w) all under 1 is S wide and ceil(max * S /
+    stride) strides high (all over 1: the other way round; mixed: S x S). Ultralytics' validation
+    adds half a stride (`pad=0.5`), so its batches are up to a stride larger on each side (672 for
+    a 640 batch of squares); a cut of the S x S letterbox is never larger than S.
     """
     x0 = min(float(g["output_box"][0]) for g in geometries)
     y0 = min(float(g["output_box"][1]) for g in geometries)

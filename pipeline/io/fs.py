@@ -406,6 +406,25 @@ def read_source_bytes(url: str, max_bytes: int) -> bytes:
     return data
 
 
+def read_source_head(url: str, size: int) -> bytes:
+    """The first `size` bytes of one input file (all of a shorter one): where its header is, without the rest.
+
+    A local file is opened as `read_source_bytes` opens it (a regular file only,
+    under `confined_opens`' roots); a remote one is one ranged GET.
+
+    Raises:
+        OSError: the file cannot be read, or is not a regular file.
+        Exception: what the store's client raises (`store_errors`).
+    """
+    local = local_path(url)
+    if local is not None:
+        handle, _ = open_regular_stat(local)
+        with handle:
+            return handle.read(size)
+    fs, path = open_fs(url)
+    return transport_for(fs).read_range(path, 0, size)
+
+
 def temp_suffix() -> str:
     """`.tmp-HOST-PID`: unique among writers on every machine that shares OUT."""
     import socket

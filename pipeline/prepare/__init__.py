@@ -13,6 +13,7 @@
     task_info.py   what a job's samples hold (task, target members, ignore index), seen as SRC is listed
     listing.py     the listing spilled to OUT/.gpufeed: JSON lines plus a uint64 offset index
     plan.py        which listing index lands in which shard (a seeded permutation, nothing in memory)
+    aspect.py      order="aspect": the listing sorted by each picture's stored aspect ratio, read from its header
     pool.py        the process pool over a shard's samples (warm start, survives a crashing decoder)
     sample/        one source -> one sample: read, decode or the YCbCr path, its targets moved with it, encoded
     sources.py     list the images of a folder, a CSV/JSONL list or an fsspec URL, streaming

@@ -18,7 +18,7 @@ import array
 import functools
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -73,12 +73,38 @@ class Listing:
 
     def get(self, index: int) -> SourceItem:
         """The source at listing position `index` (opens the files on first use)."""
+        return SourceItem.from_json(self._line(index))
+
+    def _line(self, index: int) -> bytes:
         if self._fd is None:
             self._fd = os.open(self.lines_path, os.O_RDONLY)
             self._offsets = np.memmap(self.index_path, dtype=np.uint64, mode="r")
         assert self._offsets is not None
         start, stop = int(self._offsets[index]), int(self._offsets[index + 1])
-        return SourceItem.from_json(os.pread(self._fd, stop - start, start))
+        return os.pread(self._fd, stop - start, start)
+
+    def reorder(self, order: np.ndarray) -> str:
+        """Write the listing again with its lines in `order` (listing indices, each once), replacing the files.
+
+        The lines are copied as they are, so the new listing's items are the
+        old ones, only their positions change.
+
+        Returns:
+            The sha256 of the new listing's lines.
+
+        Raises:
+            StorageError: the work folder cannot be written.
+        """
+        lines_temp, index_temp = f"{self.lines_path}.reordered", f"{self.index_path}.reordered"
+        try:
+            with open(lines_temp, "wb") as lines, open(index_temp, "wb") as index:
+                _, digest = _write_lines((self._line(int(listed)) for listed in order), lines, index)
+            self.close()
+            os.replace(lines_temp, self.lines_path)
+            os.replace(index_temp, self.index_path)
+        except OSError as exc:
+            raise write_failure(self.lines_path, exc) from exc
+        return digest
 
     def close(self) -> None:
         """Close the files; a later `get` opens them again."""
@@ -148,26 +174,36 @@ def _mark_fetched(directory: str, digest: str) -> None:
 
 
 def _spill(items: Iterator[SourceItem], lines: IO[bytes], index: IO[bytes]) -> tuple[int, str, set[str]]:
-    digest = hashlib.sha256()
     labels: set[str] = set()
+
+    def encoded() -> Iterator[bytes]:
+        for item in items:
+            yield item.to_json().encode("utf-8") + b"\n"
+            if item.label is not None:
+                labels.add(item.label)
+            if item.targets is not None and not item.rejected:
+                _add_target_labels(item.targets, labels)
+
+    count, digest = _write_lines(encoded(), lines, index)
+    return count, digest, labels
+
+
+def _write_lines(encoded: Iterable[bytes], lines: IO[bytes], index: IO[bytes]) -> tuple[int, str]:
+    """Write listing lines and their offset index; (count, sha256 of the lines)."""
+    digest = hashlib.sha256()
     offsets = array.array("Q", [0])
     count = position = 0
-    for item in items:
-        line = item.to_json().encode("utf-8") + b"\n"
+    for line in encoded:
         lines.write(line)
         digest.update(line)
         position += len(line)
         offsets.append(position)
         count += 1
-        if item.label is not None:
-            labels.add(item.label)
-        if item.targets is not None and not item.rejected:
-            _add_target_labels(item.targets, labels)
         if len(offsets) >= _INDEX_BLOCK:  # flush the index in blocks: memory stays flat
             offsets.tofile(index)
             offsets = array.array("Q")
     offsets.tofile(index)
-    return count, digest.hexdigest(), labels
+    return count, digest.hexdigest()
 
 
 def _add_target_labels(targets: dict[str, Any], labels: set[str]) -> None:

@@ -25,6 +25,7 @@ from ..manifest import Manifest
 from ..specs import PrepareSpec
 from ..targets import DEFAULT_IGNORE_INDEX
 from ..units import format_bytes, format_count
+from .aspect import sort_listing
 from .listing import Listing, fetch_listing, share_listing
 from .options import RunOptions, SourceCheck
 from .plan import ShardPlan, plan_shards
@@ -167,6 +168,9 @@ def list_source(
 ) -> Listed:
     """List SRC into the work folder; `check_listed` may refuse what was listed.
 
+    With `spec.order` "aspect" the listing is then sorted by each image's stored aspect ratio
+    (`aspect.sort_listing`), and `Listed.digest` is the sorted listing's.
+
     On failure the work folder goes unless `keep_work` (an earlier run's plan is in it).
     """
     work = folder.output.local(WORK_DIR)
@@ -185,6 +189,8 @@ def list_source(
                 f"no images found in {spec.source}"
                 + (f" ({format_count(info.ignored, 'file')} without an image extension ignored)" if info.ignored else "")
             )
+        if spec.order == "aspect":  # the listing the plan takes as it is (`aspect.py`)
+            listed.digest = sort_listing(listing, count, spec)
     except BaseException:
         listing.close()
         if not keep_work:  # this run made the work folder, and nothing of it is on a store yet: it goes
@@ -241,7 +247,7 @@ def plan_job(
         # the upload and the estimate's reads are round trips to stores: side by side, not one after the other
         estimate = functools.partial(_estimate_sample_bytes, listed.listing, listed.count, spec, listed.classes, pool, task.mask_fill)
         _, (per_sample, cache) = at_once(functools.partial(listed.share, folder), estimate)
-        plan = plan_shards(listed.count, _samples_per_shard(spec, per_sample), spec.seed)
+        plan = plan_shards(listed.count, _samples_per_shard(spec, per_sample), spec.seed, shuffle=spec.order == "shuffle")
         warnings = check(plan, per_sample)
         record = {
             "identity": spec.output_identity(),

@@ -3,7 +3,9 @@
 The plan maps output positions to listing indices through a seeded
 pseudo-random permutation (a small Feistel network with cycle walking), so a
 shard's members are computed on demand: shuffling millions of samples across
-shards needs no in-memory list.
+shards needs no in-memory list. A plan without the shuffle (`order="aspect"`,
+whose listing is already in the order the shards keep: `aspect.py`) maps each
+position to the listing index of the same number.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ class ShardPlan:
         items: number of listed sources.
         samples_per_shard: planned positions per shard (rejects leave gaps).
         seed: permutation seed.
+        shuffle: positions go through the permutation; False: position i is listing index i.
     """
 
     items: int
     samples_per_shard: int
     seed: int
+    shuffle: bool = True
 
     @property
     def shards(self) -> int:
@@ -42,10 +46,15 @@ class ShardPlan:
     def indices(self, shard: int) -> np.ndarray:
         """Listing indices of the shard's members, in write order."""
         span = self.positions(shard)
+        if not self.shuffle:
+            return np.arange(span.start, span.stop, dtype=np.int64)
         return permute(np.arange(span.start, span.stop, dtype=np.uint64), self.items, self.seed)
 
     def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if self.shuffle:  # recorded as plans were before the unshuffled one existed
+            del data["shuffle"]
+        return data
 
 
 def _mix(values: np.ndarray, key: np.uint64) -> np.ndarray:
@@ -86,9 +95,9 @@ def permute(positions: np.ndarray, n: int, seed: int) -> np.ndarray:
     return out.astype(np.int64)
 
 
-def plan_shards(items: int, samples_per_shard: int, seed: int) -> ShardPlan:
-    """A ShardPlan of `items` sources with at most `samples_per_shard` per shard."""
-    return ShardPlan(items=items, samples_per_shard=max(1, samples_per_shard), seed=seed)
+def plan_shards(items: int, samples_per_shard: int, seed: int, *, shuffle: bool = True) -> ShardPlan:
+    """A ShardPlan of `items` sources with at most `samples_per_shard` per shard (shuffled unless `shuffle` is False)."""
+    return ShardPlan(items=items, samples_per_shard=max(1, samples_per_shard), seed=seed, shuffle=shuffle)
 
 
 def shard_name(index: int) -> str:

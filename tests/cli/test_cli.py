@@ -360,6 +360,17 @@ def test_prepare_rerun_from_anywhere_resumes_names_differences_and_repairs(small
     assert run("inspect", "shards", "--verify", cwd=work).returncode == 0
 
 
+def test_prepare_in_aspect_order_records_it_and_a_run_in_another_order_is_refused(small_source: Path, tmp_path: Path) -> None:
+    flags = ("--size", "48", "--shard-samples", "2", "--workers", "0", "--quiet")
+    first = run("prepare", str(small_source), str(tmp_path / "shards"), "--order", "aspect", *flags)
+    assert first.returncode == 0, first.stderr
+    assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["params"]["order"] == "aspect"
+    refused = run("prepare", str(small_source), str(tmp_path / "shards"), *flags)
+    assert refused.returncode == 1 and "--order: nothing recorded here, aspect in" in refused.stderr, refused.stderr
+    wrong = run("prepare", str(small_source), str(tmp_path / "other"), "--order", "size", *flags)
+    assert wrong.returncode == 2 and "'size' is not one of 'shuffle', 'aspect'" in wrong.stderr, wrong.stderr
+
+
 def test_prepare_of_a_source_without_usable_images_fails_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "broken.jpg").write_bytes(b"not an image")

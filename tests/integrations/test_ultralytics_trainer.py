@@ -6,8 +6,8 @@ machine has it) and with what an offline cluster sets (YOLO_OFFLINE=1, a
 font in YOLO_CONFIG_DIR, settings sync off): two short epochs at imgsz 96
 on a generated YOLO dataset, the second without the mosaic (close_mosaic=1),
 validation each epoch and the final validation of best.pt. Its train and
-val loaders must be gpufeed's, the splits prepared once into the cache (a
-second run, with rotation and a mosaic half the time, prepares nothing),
+val loaders must be gpufeed's, the splits prepared once into the cache (val
+in aspect-ratio order, train shuffled; a second run, with rotation and a mosaic half the time, prepares nothing),
 the losses finite, results.csv two rows; a hyperparameter the recipe does
 not draw yet (copy_paste) stops the run with a message.
 """
@@ -88,6 +88,8 @@ def test_ultralytics_trains_and_validates_on_gpufeeds_loaders_offline(data: Path
             value = float(next(v for k, v in row.items() if k.strip() == name))
             assert math.isfinite(value) and value > 0, (name, value)
     assert done.stderr.count("gpufeed: preparing split") == 2  # train and val, once each
+    prepared = sorted(path.parent.name for path in shards.rglob("manifest.json"))
+    assert prepared == ["train", "val.aspect"]  # val in aspect-ratio order: tight rect batches; train shuffled
     again = train(data, project, shards, degrees=10.0, mosaic=0.5, mixup=0.3, cutmix=0.3)  # the recipe takes the run's
     assert again.returncode == 0, again.stderr[-4000:]
     assert "gpufeed: preparing split" not in again.stderr  # found in the cache

@@ -6,7 +6,9 @@ land on the label files' boxes; `cls`, `bboxes` and `batch_idx` must have
 the shapes and order ultralytics' loss reads; the dataset's `labels` must be
 the label files' without decoding; a split is prepared once, and again after
 its files change; ultralytics' hyperparameters become the recipe's, and those it
-does not draw yet are refused.
+does not draw yet are refused. A validation split is prepared in aspect-ratio
+order, so its rect batches are ultralytics' batch shapes (but for its extra
+half stride) and hold fewer pixels than a shuffled split's.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline import ConfigError
+from pipeline import ConfigError, PrepareSpec, ResizeSpec, ShardSpec, make_loader, prepare_dataset
 from pipeline.demo import make_yolo_dataset
 from pipeline.integrations.yolo_batches import recipe_hyp, resolved_yaml, split_shards, yolo_loader
+from pipeline.io.output import Output
+from pipeline.io.tar import iter_tar_samples
+from pipeline.manifest import read_manifest
 
 SIZE = 128
 
@@ -44,10 +49,11 @@ def label_boxes(root: Path, source: str) -> np.ndarray:
                      boxes[:, 0] + boxes[:, 2] / 2, boxes[:, 1] + boxes[:, 3] / 2], 1)  # fmt: skip
 
 
-@pytest.mark.parametrize("rect", [False, True], ids=["square", "rect"])
-def test_validation_boxes_go_back_to_the_label_files_through_ratio_pad(dataset: Path, tmp_path: Path, rect: bool) -> None:
-    shards = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)
-    batch_size = 1 if rect else 5  # alone, an image's batch is cut to it unless it is near square
+@pytest.mark.parametrize(("rect", "batch_size"), [(False, 5), (True, 1), (True, 4)], ids=["square", "rect-1", "rect-4"])
+def test_validation_boxes_go_back_to_the_label_files_through_ratio_pad(
+    dataset: Path, tmp_path: Path, rect: bool, batch_size: int
+) -> None:
+    shards = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)  # in aspect order
     loader = yolo_loader(shards, batch_size, False, SIZE, workers=2, rect=rect)
     square = iter(yolo_loader(shards, batch_size, False, SIZE, workers=2))
     seen, cut = 0, 0
@@ -75,8 +81,69 @@ def test_validation_boxes_go_back_to_the_label_files_through_ratio_pad(dataset: 
             errors = np.abs(back[order] - expected[np.lexsort(expected.T[::-1])])
             assert errors.size == 0 or errors.max() < 0.01, errors
             seen += 1
-    assert seen == len(loader.dataset) == 12 and len(loader) == (12 if rect else 3)
-    assert (cut >= 3) if rect else cut == 0
+    assert seen == len(loader.dataset) == 12 and len(loader) == -(-12 // batch_size)
+    assert cut >= (3 if batch_size == 1 else 1) if rect else cut == 0  # at 128 px, a stride is a quarter of a side
+
+
+def ultralytics_batch_shapes(aspects: list[float], batch_size: int, imgsz: int, pad: float, stride: int = 32) -> list[tuple[int, int]]:
+    """(height, width) of each batch by ultralytics' rule (`BaseDataset.set_rectangle`, ultralytics/data/base.py) for
+    images whose aspect ratios (h / w) are `aspects`, sorted; its validation takes `pad` 0.5."""
+    ratios, shapes = np.array(aspects), []
+    for start in range(0, len(ratios), batch_size):
+        low, high = ratios[start : start + batch_size].min(), ratios[start : start + batch_size].max()
+        shape = [high, 1] if high < 1 else [1, 1 / low] if low > 1 else [1, 1]
+        height, width = np.ceil(np.array(shape) * imgsz / stride + pad).astype(int) * stride
+        shapes.append((int(height), int(width)))
+    return shapes
+
+
+def test_rect_validation_batches_are_sorted_by_aspect_and_have_ultralytics_batch_shapes(dataset: Path, tmp_path: Path) -> None:
+    shards = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)
+    loader = yolo_loader(shards, 4, False, SIZE, workers=2, rect=True)
+    labels = loader.dataset.labels  # the stored pictures' (h, w), in the shards' order
+    aspects = [height / width for height, width in (label["shape"] for label in labels)]
+    assert aspects == sorted(aspects) and aspects[0] < 1 < aspects[-1]
+    batches = list(loader)
+    assert [name for batch in batches for name in batch["im_file"]] == [label["im_file"] for label in labels]
+    ours = [tuple(batch["img"].shape[2:]) for batch in batches]
+    # ultralytics' rule without its extra half stride: a cut of the S x S letterbox is never larger than S
+    assert ours == ultralytics_batch_shapes(aspects, 4, SIZE, pad=0.0)
+    theirs = ultralytics_batch_shapes(aspects, 4, SIZE, pad=0.5)
+    assert all(0 <= t - o <= 32 for mine, their in zip(ours, theirs) for o, t in zip(mine, their))
+    unsorted = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path, order="shuffle")
+    before = [batch["img"].shape for batch in yolo_loader(unsorted, 4, False, SIZE, workers=2, rect=True)]
+    after = [batch["img"].shape for batch in batches]
+    assert sum(int(np.prod(shape)) for shape in after) < sum(int(np.prod(shape)) for shape in before)
+
+
+def test_a_split_prepared_in_another_order_is_never_taken_for_this_one(dataset: Path, tmp_path: Path) -> None:
+    shuffled = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path, order="shuffle")
+    assert shuffled.name == "val"  # the folder an earlier gpufeed prepared the split into, shuffled
+    ordered = split_shards(dataset / "data.yaml", "val", SIZE, dataset, cache=tmp_path)
+    assert ordered == shuffled.parent / "val.aspect" and (ordered / "manifest.json").exists()
+    assert split_shards(dataset / "data.yaml", "train", SIZE, dataset, cache=tmp_path) == shuffled.parent / "train"
+    assert read_manifest(Output(str(ordered))).params["order"] == "aspect"
+    assert "order" not in read_manifest(Output(str(shuffled))).params
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_the_eval_loader_delivers_a_sorted_dataset_in_its_order_with_two_workers(
+    dataset: Path, tmp_path: Path, worker_type: str
+) -> None:
+    out = tmp_path / "sorted"
+    prepare_dataset(PrepareSpec(str(dataset / "data.yaml"), str(out), split="val", order="aspect",
+                                resize=ResizeSpec(size=SIZE, mode="longer", upscale=True),
+                                shards=ShardSpec(max_bytes=None, max_samples=3)), workers=0)  # fmt: skip
+    shards = read_manifest(Output(str(out))).shards
+    assert len(shards) == 4
+    expected = [key for shard in shards for key, _ in iter_tar_samples(str(out / shard.path))]
+    loader = make_loader(str(out), 5, crop=SIZE, num_workers=2, worker_type=worker_type, dtype="uint8", train=False,
+                         drop_last=False)  # fmt: skip
+    try:
+        for _ in range(2):  # every epoch
+            assert [key for batch in loader for key in batch.keys] == expected
+    finally:
+        loader.close()
 
 
 def test_training_batches_have_the_mosaics_in_ultralytics_shapes(dataset: Path, tmp_path: Path) -> None:

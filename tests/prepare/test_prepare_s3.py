@@ -516,3 +516,17 @@ def test_small_uploads_go_in_one_round_trip_without_waiting_for_a_go_ahead(s3_se
     other_machine = s3_server.filesystem()
     assert other_machine.cat_file(f"{bucket.name}/ds/small.json") == b"x" * 100
     assert other_machine.cat_file(f"{bucket.name}/ds/large.json") == b"y" * 100
+
+
+def test_prepare_in_aspect_order_from_a_store_to_a_store_equals_the_local_run(s3_server, s3_upload, raw_images, tmp_path):
+    """The headers come from the store (ranged reads), the sorted listing goes through OUT's work folder."""
+    local = tmp_path / "local"
+    prepare_dataset(dataclasses.replace(spec_of(str(raw_images), str(local)), order="aspect"), workers=0)
+    bucket: Bucket = s3_upload(raw_images)
+    out = f"s3://{bucket.name}/sorted"
+    prepare_dataset(dataclasses.replace(spec_of(bucket.url, out), order="aspect"), workers=2,
+                    storage_options=s3_server.storage_options)  # fmt: skip
+    remote, here = remote_shards(s3_server, out), local_shards(local)
+    in_order = {path: list(samples_of({path: data})) for path, data in here.items()}
+    assert {path: list(samples_of({path: data})) for path, data in remote.items()} == in_order
+    assert samples_of(remote) == samples_of(here)
