@@ -413,8 +413,8 @@ class LoaderSpec(Spec):
             largest value); the ones not given keep ultralytics' defaults.
         color_jitter: (brightness, contrast, saturation, hue) of
             torchvision's ColorJitter, drawn per image in train mode and
-            applied to each batch on the device (`pipeline.augment.color`);
-            all 0: off.
+            applied to each batch on the device, by the decode workers on a
+            CPU device (`pipeline.augment.color`); all 0: off.
     """
 
     batch_size: int

@@ -18,7 +18,7 @@ The package map:
     yolo.py      `YoloRecipe` (ultralytics' default hyperparameters) and `plan`: one output's sources, matrices, boxes
     render.py    one planned output's pixels on the CPU: the native resampler where a matrix is axis-aligned
     hsv.py       `HSV`: ultralytics' hue, saturation and value gains, per batch in torch, per image in native code
-    color.py     `ColorJitter`: torchvision's brightness, contrast, saturation and hue, per image, on a uint8 batch
+    color.py     `ColorJitter`: torchvision's brightness, contrast, saturation and hue, per image, on a uint8 batch or image
     mixup.py     ultralytics' MixUp and CutMix on a batch: outputs blended with, or patched from, others of the batch
     ops.py       `make_loader(augment=[...])`: the ops (RandomResizedCrop ... CutMix) and the loader settings they come to
 """

@@ -7,7 +7,10 @@ with their own grey, each in floats and truncated back to uint8; hue moves
 the hue of the float HSV picture and converts back (x 255.999, truncated).
 An adjustment whose range is 0 is not drawn and not run (torchvision's
 None). The draws come from the loader's generator, per image; the pixels
-change on the training device, a batch at a time (`jitter_batch`).
+change on the training device, a batch at a time (`jitter_batch`), or on a
+CPU device in the decode workers, an image at a time (`jitter_image`): the
+same arithmetic, so the same pixels. The contrast's grey mean is summed
+exactly (whole grey levels in float64), whatever the order of the sum.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 
 GREY = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, as torchvision's rgb_to_grayscale
 ADJUSTMENTS = ("brightness", "contrast", "saturation", "hue")
+
+Draw = tuple[tuple[int, ...], tuple[float | None, ...]]  # one image's order and factors (`ColorJitter.draw`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +48,7 @@ class ColorJitter:
     def active(self) -> bool:
         return any(getattr(self, name) for name in ADJUSTMENTS)
 
-    def draw(self, rng: np.random.Generator) -> tuple[tuple[int, ...], tuple[float | None, ...]]:
+    def draw(self, rng: np.random.Generator) -> Draw:
         """One image's order (a permutation of the four adjustments) and factors (None: not run)."""
         order = tuple(int(i) for i in rng.permutation(4))
         factors: list[float | None] = []
@@ -58,7 +63,7 @@ class ColorJitter:
         return order, tuple(factors)
 
 
-def jitter_batch(images: torch.Tensor, draws: list[tuple[tuple[int, ...], tuple[float | None, ...]]]) -> torch.Tensor:
+def jitter_batch(images: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
     """uint8 images [B, 3, H, W], each with its draw (`ColorJitter.draw`) applied: a new uint8 tensor."""
     if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3 or len(draws) != images.shape[0]:
         raise ValueError(f"jitter_batch takes uint8 [B, 3, H, W] images and B draws, not {images.dtype} "
@@ -75,6 +80,20 @@ def jitter_batch(images: torch.Tensor, draws: list[tuple[tuple[int, ...], tuple[
     return out
 
 
+def jitter_image(image: torch.Tensor, draw: Draw) -> torch.Tensor:
+    """One uint8 image [3, H, W] with its draw applied: what `jitter_batch` makes of it, a new uint8 tensor
+    (the image itself where the draw runs nothing)."""
+    if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
+        raise ValueError(f"jitter_image takes a uint8 [3, H, W] image, not {image.dtype} {tuple(image.shape)}")
+    order, factors = draw
+    out = image.unsqueeze(0)
+    for adjustment in order:
+        factor = factors[adjustment]
+        if factor is not None:
+            out = _ADJUST[adjustment](out, torch.tensor(factor, dtype=torch.float32).view(1, 1, 1, 1))
+    return out[0]
+
+
 def _blend(image: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     return image.mul(ratio).add_(other * (1.0 - ratio)).clamp_(0, 255).to(torch.uint8)
 
@@ -89,7 +108,9 @@ def _brightness(image: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 
 def _contrast(image: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    return _blend(image, _grey(image).mean(dim=(-3, -2, -1), keepdim=True), factor)
+    grey = _grey(image)  # whole levels: their float64 sum is exact, so the mean is one rounding of the true one
+    total = grey.sum(dim=(-3, -2, -1), keepdim=True, dtype=torch.float64)
+    return _blend(image, total.div_(grey[0].numel()).to(torch.float32), factor)
 
 
 def _saturation(image: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ polygons that go with them:
 
 The geometric ops of one output are one matrix per source image, rendered
 once (`pipeline.augment.render`); the photometric and mixing ops run per
-batch. Not every list is a recipe the loader runs: one placement
+batch (on a CPU device the photometric ones per image, in the decode
+workers). Not every list is a recipe the loader runs: one placement
 (RandomResizedCrop, Letterbox, ScaleJitter, IoUCrop) with a horizontal
 Flip(0.5), or ultralytics' family (Mosaic, RandomAffine, Flip, HSV,
 MixUp, CutMix, in that order; a missing op is off), either with at most

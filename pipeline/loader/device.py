@@ -9,8 +9,11 @@ stream waits for its own batch's event only. On the CPU the same code
 runs with the stream context replaced by a no-op, so outputs are
 identical; with thread workers the decode threads even write each image
 already mirrored and normalised into the batch's output tensor
-(`cpu_finish`), and the batch is only handed out here. With
-decoder="nvjpeg" the JPEGs are decoded on the GPU here (`gpu_decode.py`).
+(`cpu_finish`), and the batch is only handed out here. ColorJitter runs
+here, per batch, on CUDA; on a CPU device the decode workers run it on each
+image as they write it (`worker_jitter`), with the same draws
+(`color_draws`). With decoder="nvjpeg" the JPEGs are decoded on the GPU
+here (`gpu_decode.py`).
 The "yolo" recipe's batch ops run here too: its HSV gains where the workers
 left them to the device (on CUDA), its MixUp and CutMix.
 """
@@ -26,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..augment.color import ColorJitter, jitter_batch
+from ..augment.color import ColorJitter, Draw, jitter_batch
 from ..augment.hsv import apply_hsv
 from ..augment.mixup import cutmix_batch, mixup_batch
 from ..specs import LoaderSpec
@@ -36,7 +39,7 @@ from .executors import failed_samples
 from .hooks import run_batch_transform
 from .mosaic_piece import HSV_GAINS
 from .pacing import RunSlots
-from .pieces import CpuFinish
+from .pieces import CpuFinish, Jitter
 from .runs import Run, Upcoming
 from .tasks import Batch, TaskPlan, make_batch, tensors_in
 from .workers import DecodePool, HostBatch
@@ -45,6 +48,12 @@ MIXUP_STREAM = 0x6D69787570  # the MixUp draws' own stream of each batch's seed
 COLOR_STREAM = 0x636F6C6F72  # the ColorJitter draws' own stream of each batch's seed
 
 BatchOnDevice = tuple[torch.Tensor, torch.Tensor, Any]  # images, labels, and the side stream's event (None off CUDA)
+
+
+def color_draws(jitter: ColorJitter, seed: int, epoch: int, rank: int, index: int, count: int) -> list[Draw]:
+    """Batch `index`'s ColorJitter draws, by position: the one source of them, on the device or in the workers."""
+    rng = np.random.default_rng([seed, epoch, rank, index, COLOR_STREAM])
+    return [jitter.draw(rng) for _ in range(count)]
 
 
 class OutputBuffers:
@@ -136,6 +145,8 @@ class DeviceFinish:
         self._host_affine_cache: Affine | None = None
         jitter = ColorJitter(*spec.color_jitter)
         self._jitter = jitter if jitter.active and spec.train else None
+        # No device to overlap with on the CPU: the decode workers jitter each image and the CPU finish stays on.
+        self.jitter_in_workers = self._jitter is not None and device.type == "cpu" and not self._gpu_decode
 
     # -- on the CPU, in the decode threads ----------------------------------
 
@@ -143,13 +154,20 @@ class DeviceFinish:
         """On a CPU device with thread workers: the batch's output tensor and the per-image finisher."""
         if not (self.device.type == "cpu" and self.spec.worker_type == "thread" and not self._gpu_decode):
             return None, None
-        if self.flips_in_workers or self._jitter is not None:  # uint8 pixels in the ring: a hook, ColorJitter
+        if self.flips_in_workers:  # uint8 pixels in the ring for the user's sample_transform
             return None, None
         out = self._output_buffer(count)
         flips = self._flip_mask(epoch, index, count)
         view = out.numpy() if not self.spec.channels_last else out.permute(0, 2, 3, 1).numpy().transpose(0, 3, 1, 2)
         affine = None if out.dtype == torch.uint8 else self._host_affine()
         return out, CpuFinish(view, flips, affine)
+
+    def worker_jitter(self, epoch: int, index: int, count: int) -> Jitter | None:
+        """On a CPU device with ColorJitter: the batch's draws, which the decode workers run; else None."""
+        if not self.jitter_in_workers:
+            return None
+        assert self._jitter is not None
+        return tuple(color_draws(self._jitter, self.spec.seed, epoch, self.rank, index, count))
 
     def _output_buffer(self, count: int) -> torch.Tensor:
         memory_format = torch.channels_last if self.spec.channels_last else torch.contiguous_format
@@ -319,7 +337,7 @@ class DeviceFinish:
             pixels[chosen] = pixels[chosen].flip(3)
         if host is not None and self.plan is not None and self.spec.recipe == "yolo":
             pixels = self._yolo_hsv(pixels, host)
-        if host is not None and self._jitter is not None:
+        if host is not None and self._jitter is not None and not self.jitter_in_workers:
             pixels = self._color_jitter(pixels, host)
         return self._scale_shift(pixels)
 
@@ -328,8 +346,8 @@ class DeviceFinish:
         assert self._jitter is not None
         if pixels.is_floating_point():  # GPU-decoded: whole pixel values first, as uint8 outputs get them
             pixels = pixels.round().clamp_(0, 255).to(torch.uint8)
-        rng = np.random.default_rng([self.spec.seed, host.epoch, self.rank, host.index, COLOR_STREAM])
-        return jitter_batch(pixels, [self._jitter.draw(rng) for _ in range(pixels.shape[0])])
+        draws = color_draws(self._jitter, self.spec.seed, host.epoch, self.rank, host.index, pixels.shape[0])
+        return jitter_batch(pixels, draws)
 
     def _yolo_hsv(self, pixels: torch.Tensor, host: HostBatch) -> torch.Tensor:
         """recipe="yolo" with the HSV gains left to the device: each output that drew gains gets them (uint8)."""

@@ -4,8 +4,11 @@ Thread workers (the default: the decoders release the GIL) are a
 `ThreadPoolExecutor`; process workers are a fork pool writing into the
 shared ring (`pieces.share_ring`), so no pixels go through pipes. They
 ignore Ctrl-C: it is the training loop's to handle, and the loader stops
-them when it stops. With num_workers=0 each piece is decoded at once, in
-the thread that hands it out.
+them when it stops. Each runs torch (ColorJitter on a CPU device, the
+user's sample_transform) on one thread: the parent's OpenMP pool does not
+survive the fork (a parallel op would wait for it forever), and the
+workers share the cores already. With num_workers=0 each piece is
+decoded at once, in the thread that hands it out.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
+import torch
 
 from .crops import CropSpec
 from .pieces import PieceResult, share_ring
@@ -35,9 +39,10 @@ class InlineExecutor:
         pass
 
 
-def _ignore_interrupts() -> None:
-    """In each process worker: Ctrl-C is for the training loop, which stops the pool."""
+def _start_worker() -> None:
+    """In each process worker: Ctrl-C is for the training loop, which stops the pool; torch on one thread."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
 
 
 class ProcessExecutor:
@@ -56,7 +61,7 @@ class ProcessExecutor:
         share_ring(ring)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            self._pool = multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_interrupts)
+            self._pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 

@@ -307,7 +307,7 @@ class Loader:
         pin = self.device.type == "cuda" and self.spec.worker_type == "thread"
         self._pool = DecodePool(
             self.spec, self._workers, self._ring_slots, self._crop, self._workers_placement[0], pin,
-            self._finish.cpu_finish, self.plan,
+            self._finish.cpu_finish, self.plan, self._finish.worker_jitter,
         )
         self._close_pools_mosaic()
         self._closed = False

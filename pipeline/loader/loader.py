@@ -287,8 +287,8 @@ def make_loader(
             ColorJitter: factors drawn per image in train mode (brightness,
             contrast, saturation in [max(0, 1 - x), 1 + x], hue in [-h, h],
             h <= 0.5; a random order), applied to each uint8 batch on the
-            device; all 0 (the default): off. On a CPU device it runs in the
-            training loop's thread, and turns off the fused normalisation.
+            device; all 0 (the default): off. On a CPU device the decode
+            workers apply it to each image as they write it (the same pixels).
         sample_transform: a callable on each decoded sample, in the decode
             workers: it gets {"image": uint8 (H, W, 3) array, "key", and the
             sample's targets: "boxes", "box_labels", "mask", "labels",

@@ -4,7 +4,10 @@ The decode pool (`workers.py`) hands each batch to its workers in pieces, one
 per worker; a piece is `decode_chunk` (the pixels), or `decode_task_chunk`
 (the pixels, then each sample's targets) for a task. Process workers find
 the ring in `_SHARED_RING`, set before the fork (`share_ring`), so no pixels
-go through pipes.
+go through pipes. On a CPU device a piece also runs each image's
+ColorJitter (`jitter`: the batch's draws by position, `device.py`) as soon
+as its uint8 pixels are in place: after its flip and the user's
+sample_transform, before the CPU finish normalises it into the output.
 """
 
 from __future__ import annotations
@@ -13,18 +16,22 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import torch
 
+from ..augment.color import Draw, jitter_image
 from ..errors import DecodeError
 from ..targets import TargetError
 from .cpu_decode import decode_many
 from .crops import Affine, CropSpec
 from .damage import Extras, Item
 from .hooks import run_sample_transform
-from .mosaic_piece import PieceMemo, mosaic_decoder, mosaic_into, yolo_recipe
+from .mosaic_piece import PieceMemo, mosaic_decoder, mosaic_into, write_slot, yolo_recipe
 from .placement import Placement
 from .tasks import TaskPlan, placement_of, sample_targets
 
 _SHARED_RING: np.ndarray | None = None  # set before forking process workers
+
+Jitter = tuple[Draw, ...]  # a batch's ColorJitter draws by position, run by the workers on a CPU device
 
 
 def share_ring(ring: np.ndarray) -> None:
@@ -50,6 +57,15 @@ class CpuFinish:
         return self.flips is not None and bool(self.flips[position])
 
 
+def jitter_pixels(pixels: np.ndarray, position: int, jitter: Jitter, finish: CpuFinish | None = None) -> None:
+    """Position `position`'s ColorJitter on its uint8 [3, S, S] pixels, in place; with `finish`, then stored
+    into the CPU device's output (normalised there)."""
+    image = torch.from_numpy(pixels)
+    image.copy_(jitter_image(image, jitter[position]))
+    if finish is not None:
+        write_slot(pixels, finish.out[position], finish.affine)
+
+
 def decode_chunk(
     ring: np.ndarray | None,
     slot: int,
@@ -58,18 +74,50 @@ def decode_chunk(
     crop: CropSpec,
     finish: CpuFinish | None = None,
     placements: list[Placement | None] | None = None,
+    jitter: Jitter | None = None,
 ) -> list[tuple[int, str]]:
-    """Decode items into ring[slot, start:...] (or the finished output); returns (position, reason) of failures."""
+    """Decode items into ring[slot, start:...] (or the finished output); returns (position, reason) of failures.
+
+    With `jitter`, each image that decoded is jittered (`jitter_pixels`): in its ring slot, or first
+    decoded as uint8 (mirrored where its flip says), jittered, then stored into the finished output.
+    """
     target = ring if ring is not None else _SHARED_RING
     assert target is not None
     positions = range(start, start + len(items))
-    if finish is None:
+    if jitter is not None:
+        failures = decode_jittered(target[slot], positions, items, crop, finish, placements, jitter)
+    elif finish is None:
         failures = decode_many([target[slot, p] for p in positions], items, crop, placements=placements)
     else:
         slots = [finish.out[p] for p in positions]
         flips = [finish.flip(p) for p in positions]
         failures = decode_many(slots, items, crop, flips=flips, affine=finish.affine, placements=placements)
     return [(start + index, reason) for index, reason in failures]
+
+
+def decode_jittered(
+    batch: np.ndarray,
+    positions: range,
+    items: list[tuple[str, bytes, int]],
+    crop: CropSpec,
+    finish: CpuFinish | None,
+    placements: list[Placement | None] | None,
+    jitter: Jitter,
+) -> list[tuple[int, str]]:
+    """`decode_chunk` with ColorJitter: each image's uint8 pixels (in its ring slot of `batch`, or in a
+    scratch slot, mirrored where its flip says), jittered, and stored into the finished output if any."""
+    if finish is None:
+        slots = [batch[position] for position in positions]
+        failures = decode_many(slots, items, crop, placements=placements)
+    else:
+        slots = list(np.empty((len(items), 3, crop.size, crop.size), np.uint8))
+        flips = [finish.flip(position) for position in positions]
+        failures = decode_many(slots, items, crop, flips=flips, placements=placements)
+    failed = {index for index, _ in failures}
+    for index, position in enumerate(positions):
+        if index not in failed:
+            jitter_pixels(slots[index], position, jitter, finish)
+    return failures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,14 +173,16 @@ def decode_task_chunk(
     items: list[tuple[str, bytes, int]],
     crop: CropSpec,
     finish: CpuFinish | None = None,
+    jitter: Jitter | None = None,
 ) -> PieceResult:
     """`decode_chunk`, then each decoded sample's targets (`sample_task`): a sample whose targets are damaged fails.
 
     With a detection recipe each sample's placement is worked out once, for its pixels and its targets;
-    the YOLO recipe's mosaics go their own way (`mosaic_piece.py`).
+    the YOLO recipe's mosaics go their own way (`mosaic_piece.py`). With `jitter`, pixels in the ring are
+    jittered after their sample's sample_transform, as the device would.
     """
     if crop.mosaics:
-        return _yolo_chunk(work, ring, slot, start, items, crop, finish)
+        return _yolo_chunk(work, ring, slot, start, items, crop, finish, jitter)
     placements: list[Placement | None] | None = None
     unplaced: list[tuple[int, str]] = []
     if crop.recipe != "crop":
@@ -143,7 +193,8 @@ def decode_task_chunk(
             except (TargetError, DecodeError) as exc:
                 placements.append(None)
                 unplaced.append((start + offset, str(exc)))
-    failures = decode_chunk(ring, slot, start, items, crop, finish, placements) if work.pixels else []
+    finished_jitter = jitter if finish is not None else None  # else in the ring, after each sample's targets
+    failures = decode_chunk(ring, slot, start, items, crop, finish, placements, finished_jitter) if work.pixels else []
     failed = {position for position, _ in failures}
     failures += [failure for failure in unplaced if failure[0] not in failed]
     bad = {position for position, _ in failures}
@@ -160,6 +211,9 @@ def decode_task_chunk(
             done[position] = sample_task(work.plan, pixels, item, extras, key, flip, crop, placement)
         except (TargetError, DecodeError) as exc:
             failures.append((position, str(exc)))
+            continue
+        if jitter is not None and pixels is not None:
+            jitter_pixels(pixels, position, jitter)
     return PieceResult(sorted(failures), done)
 
 
@@ -171,8 +225,10 @@ def _yolo_chunk(
     items: list[tuple[str, bytes, int]],
     crop: CropSpec,
     finish: CpuFinish | None,
+    jitter: Jitter | None = None,
 ) -> PieceResult:
-    """The YOLO recipe's piece: each position's mosaic of the piece's samples, rendered into its slot."""
+    """The YOLO recipe's piece: each position's mosaic of the piece's samples, rendered into its slot
+    (with `jitter`: rendered as uint8, jittered, then stored)."""
     target = ring if ring is not None else _SHARED_RING
     recipe, decoder = yolo_recipe(crop), mosaic_decoder(crop)
     failures: list[tuple[int, str]] = []
@@ -186,9 +242,14 @@ def _yolo_chunk(
         else:
             assert target is not None
             into, affine = target[slot, position], None
+        if jitter is not None and finish is not None:
+            into, affine = np.empty((3, crop.size, crop.size), np.uint8), None
         try:
             done[position] = mosaic_into(work.plan, crop, recipe, items, extras, offset, work.keys[offset], into, affine,
                                          decoder, memo)  # fmt: skip
         except (TargetError, DecodeError) as exc:
             failures.append((position, str(exc)))
+            continue
+        if jitter is not None:
+            jitter_pixels(into, position, jitter, finish)
     return PieceResult(sorted(failures), done)

@@ -6,7 +6,8 @@ of decode workers (`executors.py`). A run's producer (`runs.py`) takes a
 free ring slot for each batch and hands the batch to the workers here in
 pieces, one per worker (`pieces.py`). A sample that did not decode is
 replaced in its slot when the batch is collected (`damage.py`), so every
-batch leaves here full.
+batch leaves here full; on a CPU device its stand-in gets its position's
+ColorJitter here, as the workers gave the others.
 """
 
 from __future__ import annotations
@@ -32,7 +33,16 @@ from .epoch import Record
 from .executors import InlineExecutor, ProcessExecutor, failed_samples
 from .mosaic_piece import mosaic_decoder, mosaic_into, yolo_recipe
 from .pacing import Backlog, RunSlots
-from .pieces import CpuFinish, TaskWork, decode_chunk, decode_task_chunk, sample_task
+from .pieces import (
+    CpuFinish,
+    Jitter,
+    TaskWork,
+    decode_chunk,
+    decode_jittered,
+    decode_task_chunk,
+    jitter_pixels,
+    sample_task,
+)
 from .placement import Placement
 from .tasks import TaskPlan, placement_of
 
@@ -60,6 +70,7 @@ class HostBatch:
     targets: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # a task's targets by position
     flips: list[bool] | None = None  # a task's flip per position (what its targets follow)
     shards: list[str] | None = None  # the shard each position's sample was read from
+    jitter: Jitter | None = None  # the ColorJitter draws the workers run (a CPU device), by position
 
     def donors(self, failures: list[tuple[int, str]]) -> Iterator[Donor]:
         """The batch's samples that decoded, as stand-ins for a batch behind it with none of its own."""
@@ -85,6 +96,8 @@ class DecodePool:
             the device finishes the batch.
         plan: a task's targets (`tasks.py`): each piece works them out
             beside the pixels; None for plain classification.
+        worker_jitter: (epoch, batch index, count) -> the batch's ColorJitter
+            draws for the workers to run, or None (none, or on the device).
     """
 
     def __init__(
@@ -97,6 +110,7 @@ class DecodePool:
         pin: bool,
         cpu_finish: Callable[[int, int, int], tuple[torch.Tensor | None, CpuFinish | None]],
         plan: TaskPlan | None = None,
+        worker_jitter: Callable[[int, int, int], Jitter | None] | None = None,
     ) -> None:
         self.workers = workers
         self.plan = plan
@@ -111,6 +125,7 @@ class DecodePool:
         self._threads = spec.worker_type == "thread"
         self._gpu_decode = spec.decoder == "nvjpeg"
         self._cpu_finish = cpu_finish
+        self._worker_jitter = worker_jitter
         shape = (slots, spec.batch_size, 3, spec.crop, spec.crop)
         ring = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
         self._executor: Any
@@ -150,6 +165,7 @@ class DecodePool:
         keys = [r.key for r in chunk]
         extras = [r.extras for r in chunk] if self.plan is not None else None
         flips = self._task_flips(epoch, index, len(items)) if self.plan is not None else None
+        jitter = self._worker_jitter(epoch, index, len(items)) if self._worker_jitter is not None else None
         pending = []
         pixels = not self._gpu_decode
         crop = self.crop_for(epoch)
@@ -160,6 +176,8 @@ class DecodePool:
                 assert extras is not None and flips is not None
                 work = TaskWork(self.plan, extras[start:stop], keys[start:stop], flips[start:stop], pixels)
                 decode = functools.partial(decode_task_chunk, work)
+            if jitter is not None:
+                decode = functools.partial(decode, jitter=jitter)
             if backlog is not None:
                 backlog.add(1)
                 decode = functools.partial(_run_piece, backlog, decode)
@@ -167,6 +185,7 @@ class DecodePool:
         labels = np.array([r.label for r in chunk], dtype=np.int64)
         batch = HostBatch(epoch, index, slot, len(chunk), labels, pending, keys, items, finished, finish)
         batch.extras, batch.flips, batch.shards = extras, flips, [r.shard for r in chunk]
+        batch.jitter = jitter
         return batch
 
     def _task_flips(self, epoch: int, index: int, count: int) -> list[bool]:
@@ -210,7 +229,7 @@ class DecodePool:
             where = f" of {shard}" if shard else ""
             raise Damage(f"sample {key}{where}: {reason}", lost=1, sample=key, reason=reason, source=shard).error()
         rng = np.random.default_rng([self._seed, batch.epoch, self._rank, batch.index, 0xD0])
-        decode_at = self._with_targets(batch, decode_at)
+        decode_at = self._jittered(batch, self._with_targets(batch, decode_at))
         replaced = replace_failures(failures, batch.items, batch.labels, batch.keys, decode_at, rng, later, batch.extras)
         for damage in replaced:
             report(damage)
@@ -237,6 +256,26 @@ class DecodePool:
 
         return with_targets
 
+    def _jittered(
+        self, batch: HostBatch, decode_at: Callable[[int, Item, Extras], bool]
+    ) -> Callable[[int, Item, Extras], bool]:
+        """A stand-in in the ring gets its position's ColorJitter once it decoded (and its targets did).
+
+        Into the finished output, `decode_at` jitters before it normalises (`_redecode`, `_mosaic_stand_in`).
+        """
+        jitter = batch.jitter
+        if jitter is None or batch.finish is not None:
+            return decode_at
+        ring = self.ring.numpy()
+
+        def jittered(position: int, item: Item, extras: Extras) -> bool:
+            if not decode_at(position, item, extras):
+                return False
+            jitter_pixels(ring[batch.slot, position], position, jitter)
+            return True
+
+        return jittered
+
     def _redecode(self, batch: HostBatch) -> Callable[[int, Item, Extras], bool]:
         """Decode one item into a position of the batch, where the workers would have: True when it decoded."""
         finish = batch.finish
@@ -253,6 +292,9 @@ class DecodePool:
                     return False
             if finish is None:
                 return not decode_many([ring[batch.slot, position]], [item], self._crop, placements=placements)
+            if batch.jitter is not None:
+                at = range(position, position + 1)
+                return not decode_jittered(ring[batch.slot], at, [item], self._crop, finish, placements, batch.jitter)
             slot, flip = finish.out[position], finish.flip(position)
             return not decode_many([slot], [item], self._crop, flips=[flip], affine=finish.affine, placements=placements)
 
@@ -266,11 +308,17 @@ class DecodePool:
 
         def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
             into = finish.out[position] if finish is not None else ring[batch.slot, position]
+            affine = finish.affine if finish is not None else None
+            jitter = batch.jitter if finish is not None else None  # in the ring: `_jittered`
+            if jitter is not None:
+                into, affine = np.empty((3, crop.size, crop.size), np.uint8), None
             try:
                 batch.targets[position] = mosaic_into(plan, crop, recipe, [item], [extras or {}], 0, batch.keys[position],
-                                                      into, finish.affine if finish is not None else None, decoder)  # fmt: skip
+                                                      into, affine, decoder)  # fmt: skip
             except (TargetError, DecodeError):
                 return False
+            if jitter is not None:
+                jitter_pixels(into, position, jitter, finish)
             return True
 
         return decode_at

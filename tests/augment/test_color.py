@@ -7,6 +7,11 @@ sums in another order), equal almost everywhere. The loader with
 `color_jitter=` (or `augment=[..., ColorJitter(...)]`) changes the pixels
 of training batches, the same for the same seed, and never the labels or
 an evaluation batch; its float CPU batches are its uint8 ones normalised.
+On a CPU device the decode workers jitter each image (inline, threads,
+processes; a stand-in for a damaged sample, a mosaic, a sample after the
+user's sample_transform): the batches are exactly what the device's
+per-batch ColorJitter makes of the unjittered ones with each batch's draws
+(`color_draws`), and the fused normalisation in the threads stays on.
 """
 
 from __future__ import annotations
@@ -15,16 +20,19 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from extra_venvs import VISION, venv_python
-from loader_data import prepare_labelled
+from loader_data import prepare_labelled, rewrite_shard
+from task_data import write_task_dataset
 
 from pipeline import make_loader
-from pipeline.augment.color import ColorJitter, jitter_batch
+from pipeline.augment.color import ColorJitter, jitter_batch, jitter_image
 from pipeline.augment.ops import Flip, RandomResizedCrop, loader_settings
+from pipeline.loader.device import color_draws
 
 TORCHVISION_SCRIPT = r"""
 import json, sys
@@ -68,6 +76,19 @@ def test_the_adjustments_are_torchvisions(tmp_path: Path) -> None:
     assert (ours != images).any(axis=(1, 2, 3)).all()  # every image changed
 
 
+def test_an_image_alone_is_jittered_as_in_its_batch() -> None:
+    rng = np.random.default_rng(4)
+    images = torch.from_numpy(rng.integers(0, 256, (6, 3, 37, 53), dtype=np.uint8))
+    jitter = ColorJitter(brightness=0.5, contrast=0.7, saturation=0.6, hue=0.4)
+    draws = [jitter.draw(rng) for _ in range(len(images))]
+    batch = jitter_batch(images, draws)
+    for image, draw, jittered in zip(images, draws, batch):
+        assert torch.equal(jitter_image(image, draw), jittered)
+        assert torch.equal(jitter_image(image.flip(2), draw).flip(2), jittered)  # mirrored first: the same pixels
+    with pytest.raises(ValueError, match="jitter_image"):
+        jitter_image(images, draws[0])
+
+
 def test_a_draw_skips_the_adjustments_whose_range_is_zero() -> None:
     rng = np.random.default_rng(0)
     order, factors = ColorJitter(brightness=0.2).draw(rng)
@@ -102,7 +123,7 @@ def test_the_loader_jitters_training_batches_only(dataset: Path) -> None:
     assert all(torch.equal(a[0], b[0]) for a, b in zip(jittered, as_ops))
     evaluation = [_batches(dataset, dtype="uint8", train=False, color_jitter=jitter) for jitter in ((0, 0, 0, 0), (0.5, 0.5, 0.5, 0.1))]
     assert all(torch.equal(a[0], b[0]) for a, b in zip(*evaluation))
-    # float batches on the CPU: the uint8 pixels, jittered, then normalised (the fused normalisation stands aside)
+    # float batches on the CPU: the uint8 pixels, jittered, then normalised (by the decode threads, as they write them)
     floats = _batches(dataset, color_jitter=(0.5, 0.5, 0.5, 0.1), mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
     assert all(torch.allclose(f[0] * 255, j[0].float(), atol=1e-3) for f, j in zip(floats, jittered))
 
@@ -128,3 +149,93 @@ def test_cuda_batches_are_jittered_as_the_cpus(dataset: Path) -> None:
     for (a, _), (b, _) in zip(on_cpu, on_cuda):
         difference = (a.int() - b.cpu().int()).abs()
         assert difference.max() <= 1 and (difference == 0).float().mean() > 0.99
+
+
+JITTER = (0.5, 0.5, 0.5, 0.1)
+MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+WORKERS = {"inline": {"num_workers": 0}, "threads": {"num_workers": 2},
+           "processes": {"num_workers": 2, "worker_type": "process"}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The labelled images with one image's bytes broken: its position gets a stand-in, jittered as its own."""
+    root = prepare_labelled(tmp_path_factory.mktemp("color-damaged"), "jitter", 24)
+    rewrite_shard(root, "shard-000000.tar", lambda index, members: {**members, "jpg": b"no jpeg"} if index == 3 else members)
+    return root
+
+
+Batches = list[tuple[torch.Tensor, Any]]  # (images, labels or boxes) of each batch
+
+
+def _epoch(dataset: Path, epoch: int, **options: object) -> tuple[Batches, dict[str, int]]:
+    """The batches of `epoch`, and what the loader says of it: samples replaced, CPU output buffers kept."""
+    loader = make_loader(str(dataset), 8, device="cpu", crop=48, seed=5, **options)  # type: ignore[arg-type]
+    loader.set_epoch(epoch)
+    try:
+        got = []
+        for batch in loader:
+            images, rest = (batch[0], batch[1]) if isinstance(batch, tuple) else (batch.images, batch.boxes)
+            got.append((images.clone(), rest))
+        return got, {"replaced": loader.stats.replaced, "buffers": len(loader._finish.outputs)}
+    finally:
+        loader.close()
+
+
+def _on_the_device(batches: Batches, epoch: int) -> list[torch.Tensor]:
+    """What the device's per-batch ColorJitter (`DeviceFinish._color_jitter`) makes of unjittered uint8 batches."""
+    jitter = ColorJitter(*JITTER)
+    return [jitter_batch(images, color_draws(jitter, 5, epoch, 0, index, len(images))) for index, (images, _) in enumerate(batches)]
+
+
+def _normalised(images: torch.Tensor) -> torch.Tensor:
+    """The device's float finish (`DeviceFinish._scale_shift`) of uint8 batches."""
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1) * 255.0, torch.tensor(STD).view(1, 3, 1, 1) * 255.0
+    return images.float().mul_(1.0 / std).add_(-mean / std)
+
+
+@pytest.mark.parametrize("workers", WORKERS.values(), ids=WORKERS.keys())
+def test_on_a_cpu_device_the_workers_jitter_as_the_device_does(damaged: Path, workers: dict[str, object]) -> None:
+    threads = workers.get("worker_type", "thread") == "thread"
+    for epoch in (0, 1):
+        plain, _ = _epoch(damaged, epoch, dtype="uint8", **workers)
+        jittered, said = _epoch(damaged, epoch, dtype="uint8", color_jitter=JITTER, **workers)
+        expected = _on_the_device(plain, epoch)
+        assert said["replaced"] == 1 and len(jittered) == len(expected) == 3
+        assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, jittered))
+        assert all(torch.equal(images, want) for (images, _), want in zip(jittered, expected))
+        assert all(not torch.equal(a[0], b[0]) for a, b in zip(plain, jittered))
+    floats, said = _epoch(damaged, 1, color_jitter=JITTER, mean=MEAN, std=STD, **workers)
+    assert all(torch.equal(images, _normalised(want)) for (images, _), want in zip(floats, expected))
+    assert bool(said["buffers"]) == threads  # the threads normalise into the output as they jitter: the fused finish
+    evaluation = [_epoch(damaged, 0, dtype="uint8", train=False, **workers, **jitter)[0] for jitter in ({}, {"color_jitter": JITTER})]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(*evaluation))
+
+
+@pytest.fixture(scope="module")
+def detection(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Boxes on pictures, one of them broken (a mosaic showing it gets a stand-in)."""
+    root = write_task_dataset(tmp_path_factory.mktemp("color-boxes") / "ds", "detection", 16, fmt="JPEG", size=(96, 72))
+    rewrite_shard(root, "shard-000000.tar", lambda index, members: {**members, "jpg": b"no jpeg"} if index == 2 else members)
+    return root
+
+
+def swap_red_and_blue(sample: dict) -> dict:  # top level: process workers get it by pickle
+    return {**sample, "image": np.ascontiguousarray(sample["image"][:, :, ::-1])}
+
+
+TASKS = {"yolo-threads": {"recipe": "yolo"}, "yolo-processes": {"recipe": "yolo", "worker_type": "process"},
+         "sample_transform": {"recipe": "letterbox", "sample_transform": swap_red_and_blue}}  # fmt: skip
+
+
+@pytest.mark.parametrize("options", TASKS.values(), ids=TASKS.keys())
+def test_a_tasks_samples_are_jittered_in_the_workers_after_all_else(detection: Path, options: dict[str, object]) -> None:
+    """A mosaic after its HSV gains, a sample after the user's sample_transform: then its ColorJitter."""
+    plain, _ = _epoch(detection, 0, dtype="uint8", num_workers=2, **options)
+    jittered, said = _epoch(detection, 0, dtype="uint8", num_workers=2, color_jitter=JITTER, **options)
+    assert said["replaced"] >= 1
+    floats, _ = _epoch(detection, 0, num_workers=2, color_jitter=JITTER, mean=MEAN, std=STD, **options)
+    expected = _on_the_device(plain, 0)
+    for (images, boxes), (floated, _), (_, plain_boxes), want in zip(jittered, floats, plain, expected):
+        assert torch.equal(images, want) and torch.equal(floated, _normalised(want))
+        assert all(torch.equal(a, b) for a, b in zip(boxes, plain_boxes))
