@@ -16,17 +16,43 @@ random centre; one that covers none of the image's own boxes is drawn
 (none: no cut), the other image's pixels there are pasted in, and the
 other's boxes that have at least 10 % of their area in it join, clipped
 to it.
+
+Instance polygons, where the batch has them (per image, per box, its
+polygons), go with their boxes: MixUp joins both images' lists; CutMix
+takes the pasted boxes' polygons cut to the rectangle, and with polygons a
+box joins with 1 % of its area there (ultralytics' rule with segments).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
+from ..polygons import clip_polygon
+
+Shapes = list[list[list[torch.Tensor]]]
+"""A batch's polygons: per image, per box, its polygons as (K, 2) tensors."""
+
+
+class Mixed(NamedTuple):
+    """A batch after MixUp or CutMix: its images, boxes, labels and polygons (None where it has none)."""
+
+    images: torch.Tensor
+    boxes: list[torch.Tensor]
+    labels: list[torch.Tensor]
+    polygons: Shapes | None = None
+
 
 def mixup_batch(
-    images: torch.Tensor, boxes: list[torch.Tensor], labels: list[torch.Tensor], p: float, rng: np.random.Generator
-) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    images: torch.Tensor,
+    boxes: list[torch.Tensor],
+    labels: list[torch.Tensor],
+    p: float,
+    rng: np.random.Generator,
+    polygons: Shapes | None = None,
+) -> Mixed:
     """The batch with each image, with probability `p`, blended with a drawn other one of it.
 
     Args:
@@ -35,25 +61,29 @@ def mixup_batch(
         labels: per image, [N_i] class indices.
         p: ultralytics' `mixup` hyperparameter.
         rng: the draws (which images, their partners, their ratios).
+        polygons: per image, per box, its polygons (joined as the boxes are), or None.
 
     Returns:
-        (images, boxes, labels): new tensors where an image was mixed, the given ones elsewhere.
+        New tensors where an image was mixed, the given ones elsewhere.
     """
     count = images.shape[0]
     if count < 2 or p <= 0:
-        return images, boxes, labels
+        return Mixed(images, boxes, labels, polygons)
     chosen = [i for i in range(count) if rng.uniform() < p]
     if not chosen:
-        return images, boxes, labels
+        return Mixed(images, boxes, labels, polygons)
     partners = [_partner(rng, i, count) for i in chosen]
     ratios = rng.beta(32.0, 32.0, len(chosen))
     mixed, mixed_boxes, mixed_labels = images.clone(), list(boxes), list(labels)
+    mixed_polygons = list(polygons) if polygons is not None else None
     for i, j, r in zip(chosen, partners, ratios):  # each reads the batch as it came: no blend of a blend
         blend = images[i].float() * float(r) + images[j].float() * float(1 - r)
         mixed[i] = blend.to(images.dtype) if images.dtype == torch.uint8 else blend  # uint8: truncated, as theirs
         mixed_boxes[i] = torch.cat([boxes[i], boxes[j]])
         mixed_labels[i] = torch.cat([labels[i], labels[j]])
-    return mixed, mixed_boxes, mixed_labels
+        if mixed_polygons is not None and polygons is not None:
+            mixed_polygons[i] = [*polygons[i], *polygons[j]]
+    return Mixed(mixed, mixed_boxes, mixed_labels, mixed_polygons)
 
 
 def _partner(rng: np.random.Generator, i: int, count: int) -> int:
@@ -94,23 +124,27 @@ def cutmix_batch(
     labels: list[torch.Tensor],
     p: float,
     rng: np.random.Generator,
-    sources: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    sources: Mixed | None = None,
+    polygons: Shapes | None = None,
+) -> Mixed:
     """The batch with each image, with probability `p`, given a patch of a drawn other one and its boxes there.
 
     Args:
-        images, boxes, labels, p, rng: as `mixup_batch` (p is ultralytics' `cutmix`).
+        images, boxes, labels, p, rng, polygons: as `mixup_batch` (p is ultralytics' `cutmix`).
         sources: where the patches come from (default the batch itself): the batch as it was before
             MixUp, so that a patch is another output as the recipe made it (ultralytics cuts from a fresh one).
 
     Returns:
-        (images, boxes, labels): new tensors where an image was cut into, the given ones elsewhere.
+        New tensors where an image was cut into, the given ones elsewhere.
     """
     count, height, width = images.shape[0], images.shape[2], images.shape[3]
     if count < 2 or p <= 0:
-        return images, boxes, labels
-    source_images, source_boxes, source_labels = sources if sources is not None else (images, boxes, labels)
+        return Mixed(images, boxes, labels, polygons)
+    made = sources if sources is not None else Mixed(images, boxes, labels, polygons)
+    source_images, source_boxes, source_labels, source_polygons = made
     out, out_boxes, out_labels = None, list(boxes), list(labels)
+    out_polygons = list(polygons) if polygons is not None else None
+    least = 0.01 if polygons is not None else 0.1  # a pasted box's share of its area in the cut (ultralytics')
     host: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # (boxes, source boxes), copied once when needed
     for i in range(count):
         if rng.uniform() >= p:
@@ -124,7 +158,7 @@ def cutmix_batch(
         if not len(free):
             continue
         x0, y0, x1, y1 = (int(v) for v in areas[int(rng.choice(free))])
-        keep = np.nonzero(_ioa(np.array([[x0, y0, x1, y1]], np.float32), theirs)[0] >= 0.1)[0]
+        keep = np.nonzero(_ioa(np.array([[x0, y0, x1, y1]], np.float32), theirs)[0] >= least)[0]
         if out is None:
             out = images.clone()
         out[i, :, y0:y1, x0:x1] = source_images[j, :, y0:y1, x0:x1]
@@ -134,4 +168,18 @@ def cutmix_batch(
         upper = torch.tensor([x1, y1, x1, y1], dtype=kept.dtype, device=kept.device)
         out_boxes[i] = torch.cat([boxes[i], torch.minimum(torch.maximum(kept, limits), upper)])
         out_labels[i] = torch.cat([labels[i], source_labels[j][index.to(source_labels[j].device)]])
-    return (out if out is not None else images), out_boxes, out_labels
+        if out_polygons is not None and polygons is not None:
+            pasted = source_polygons[j] if source_polygons is not None else [[] for _ in source_boxes[j]]
+            window = (float(x0), float(y0), float(x1), float(y1))
+            out_polygons[i] = [*polygons[i], *(_cut_to(pasted[int(k)], window) for k in keep)]
+    return Mixed(out if out is not None else images, out_boxes, out_labels, out_polygons)
+
+
+def _cut_to(parts: list[torch.Tensor], window: tuple[float, float, float, float]) -> list[torch.Tensor]:
+    """A box's polygons cut to the pasted rectangle (those left with no area are gone)."""
+    out = []
+    for points in parts:
+        clipped = clip_polygon(points.detach().cpu().double().numpy(), window)
+        if clipped is not None:
+            out.append(torch.as_tensor(clipped, dtype=points.dtype, device=points.device))
+    return out

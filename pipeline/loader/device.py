@@ -31,7 +31,7 @@ import torch
 
 from ..augment.color import ColorJitter, Draw, jitter_batch
 from ..augment.hsv import apply_hsv
-from ..augment.mixup import cutmix_batch, mixup_batch
+from ..augment.mixup import Mixed, cutmix_batch, mixup_batch
 from ..specs import LoaderSpec
 from .crops import Affine, CropSpec, flip_mask
 from .damage import Extras, Item, Report
@@ -368,9 +368,11 @@ class DeviceFinish:
         if not (self.spec.train and (mixup > 0 or cutmix > 0) and batch.boxes is not None and batch.box_labels is not None):
             return batch
         rng = np.random.default_rng([self.spec.seed, host.epoch, self.rank, host.index, MIXUP_STREAM])
-        made = (batch.images, batch.boxes, batch.box_labels)
-        mixed = mixup_batch(*made, mixup, rng)
-        batch.images, batch.boxes, batch.box_labels = cutmix_batch(*mixed, cutmix, rng, sources=made)
+        made = Mixed(batch.images, batch.boxes, batch.box_labels, batch.polygons)
+        mixed = mixup_batch(*made[:3], mixup, rng, polygons=made.polygons)
+        batch.images, batch.boxes, batch.box_labels, batch.polygons = cutmix_batch(
+            *mixed[:3], cutmix, rng, sources=made, polygons=mixed.polygons
+        )
         return batch
 
     def _scale_shift(self, nchw: torch.Tensor) -> torch.Tensor:

@@ -417,12 +417,6 @@ def _task_plan(
     )  # fmt: skip
     if spec.recipe == "yolo" and spec.train and plan is not None:  # its mosaics carry boxes, labels and polygons, not masks
         plan = dataclasses.replace(plan, masks=False, instances=False)
-        mixing = [name for name, value in spec.hyp if name in ("mixup", "cutmix") and value > 0]
-        if plan.polygons and mixing:
-            raise ConfigError(
-                f"recipe='yolo' with {' and '.join(mixing)} does not carry the dataset's polygons through the mix yet: "
-                "set them to 0 for a dataset with polygons"
-            )
     return plan
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from pipeline import ConfigError, PrepareSpec, ResizeSpec, make_loader, prepare_dataset
+from pipeline import PrepareSpec, ResizeSpec, make_loader, prepare_dataset
 
 CROP = 160
 NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
@@ -95,6 +95,17 @@ def test_threads_and_processes_deliver_the_same_polygons(prepared: Path) -> None
             [[[p.tolist() for p in parts] for parts in image] for image in theirs]  # fmt: skip
 
 
-def test_mixing_with_polygons_is_refused_with_the_reason(prepared: Path) -> None:
-    with pytest.raises(ConfigError, match="mixup does not carry the dataset's polygons"):
-        make_loader(str(prepared), 4, device="cpu", crop=CROP, num_workers=0, recipe="yolo", hyp={"mixup": 0.5})
+def test_mixup_and_cutmix_carry_each_boxs_polygons(prepared: Path) -> None:
+    loader = make_loader(str(prepared), 4, device="cpu", crop=CROP, num_workers=2, dtype="uint8", recipe="yolo", seed=5,
+                         hyp={**NO_HSV, "mixup": 1.0, "cutmix": 1.0})  # fmt: skip
+    plain = sum(len(b) for _, boxes, _ in delivered(prepared, "thread") for b in boxes) / 2
+    mixed = 0
+    for batch in loader:
+        assert batch.polygons is not None
+        for boxes, polygons in zip(batch.boxes, batch.polygons):
+            assert len(polygons) == len(boxes)
+            mixed += len(boxes)
+            for box, parts in zip(boxes, polygons):
+                for points in parts:  # a polygon never leaves its box (a pasted box and its polygons cut alike)
+                    assert (points.min(0).values >= box[:2] - 1e-3).all() and (points.max(0).values <= box[2:] + 1e-3).all()
+    assert mixed > plain  # every output holds another's boxes too
