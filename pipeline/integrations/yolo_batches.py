@@ -225,6 +225,11 @@ class _Sampler:
         self._loader.loader.set_epoch(epoch)
 
 
+MaskMaker = Callable[[tuple[int, int], list[list[np.ndarray]]], tuple[np.ndarray, np.ndarray]]
+"""(image (height, width), each instance's polygons in its pixels) -> (its masks as ultralytics' segmentation
+batches hold them, the order of the instances they follow): what a segmentation trainer draws masks with."""
+
+
 class YoloLoader:
     """A gpufeed loader that ultralytics' trainer and validator take for their own (see the module's docstring).
 
@@ -233,11 +238,14 @@ class YoloLoader:
         epoch_of: the trainer's current epoch, read as each epoch starts (a resumed training's too).
         single_class: every box of class 0 (ultralytics' `single_cls`).
         rect: eval batches cut to the rectangle their images need, sides multiples of `stride` (`rect_batch`).
+        masks: for a segmentation trainer, how each image's masks are drawn from its instances' polygons
+            (`batch.polygons`): each batch then has "masks", its instances in the order they give.
     """
 
     def __init__(self, loader: Loader, epoch_of: Callable[[], int] | None = None, single_class: bool = False,
-                 rect: bool = False, stride: int = 32) -> None:  # fmt: skip
+                 rect: bool = False, stride: int = 32, masks: MaskMaker | None = None) -> None:  # fmt: skip
         self.single_class = single_class
+        self.masks = masks
         self.rect, self.stride = rect and not loader.spec.train, stride
         self.loader = loader
         self.dataset = ShardLabels(loader, single_class)
@@ -260,6 +268,8 @@ class YoloLoader:
             geometries = batch.fields.get(GEOMETRY_FIELD)
             if self.rect and geometries is not None and all(isinstance(g, dict) for g in geometries):
                 made = rect_batch(made, geometries, size, self.stride)
+            if self.masks is not None:
+                made = with_masks(made, batch.polygons, size, self.masks)
             if self.single_class:
                 made["cls"] = torch.zeros_like(made["cls"])
             yield made
@@ -274,7 +284,8 @@ class YoloLoader:
 def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, imgsz: int, *, device: Any = "cpu",
                 workers: int | str = "auto", seed: int = 0, epochs: int | None = None, close_mosaic: int = 0,
                 hyp: Mapping[str, float] | None = None, epoch_of: Callable[[], int] | None = None,
-                single_class: bool = False, rect: bool = False, stride: int = 32) -> YoloLoader:  # fmt: skip
+                single_class: bool = False, rect: bool = False, stride: int = 32,
+                masks: MaskMaker | None = None) -> YoloLoader:  # fmt: skip
     """A `YoloLoader` over prepared shards: ultralytics' training recipe (`recipe="yolo"`) or letterboxed validation.
 
     Args:
@@ -292,6 +303,7 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
         single_class: every box of class 0 (ultralytics' `single_cls`).
         rect: validation batches cut to the rectangle their images need (ultralytics' `rect=True`).
         stride: the model's largest stride: a rect batch's sides are its multiples.
+        masks: a segmentation trainer's masks from the instance polygons (`YoloLoader`).
     """
     if imgsz % 32:
         raise ConfigError(f"imgsz must be a multiple of 32 (the model's stride), got {imgsz}")
@@ -302,7 +314,7 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
     else:
         loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
                              recipe="letterbox", train=False, drop_last=False, fields=(GEOMETRY_FIELD, "json"))  # fmt: skip
-    return YoloLoader(loader, epoch_of, single_class, rect, stride)
+    return YoloLoader(loader, epoch_of, single_class, rect, stride, masks)
 
 
 def to_ultralytics(batch: Batch, size: int) -> dict[str, Any]:
@@ -366,6 +378,31 @@ def rect_batch(made: dict[str, Any], geometries: list[dict[str, Any]], size: int
     pads = tuple((gain, (pad_x - left, pad_y - top)) for gain, (pad_x, pad_y) in made["ratio_pad"])
     return {**made, "img": made["img"][:, :, top : top + height, left : left + width], "bboxes": boxes,
             "ratio_pad": pads, "resized_shape": tuple((height, width) for _ in pads)}  # fmt: skip
+
+
+def with_masks(made: dict[str, Any], polygons: list[list[list[torch.Tensor]]] | None, size: int,
+               draw: MaskMaker) -> dict[str, Any]:  # fmt: skip
+    """An ultralytics batch with "masks" drawn (`draw`) from each image's instance polygons, its instances (cls,
+    bboxes) put in the order the masks follow. A batch cut to a rectangle (`rect_batch`) has its polygons
+    moved with the cut; a box without polygons gets an empty mask.
+
+    Raises:
+        ConfigError: the dataset has no polygons (a segmentation trainer needs YOLO-seg or COCO polygons).
+    """
+    if polygons is None:
+        raise ConfigError("a segmentation trainer needs instance polygons: prepare a YOLO-seg or COCO polygon dataset")
+    height, width = made["img"].shape[2:]
+    shift = np.array([(size - width) // 2, (size - height) // 2], np.float32)  # rect_batch's centred cut
+    counts = np.bincount(made["batch_idx"].long().numpy(), minlength=len(polygons))
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    order, masks = [], []
+    for image, parts in enumerate(polygons):
+        shapes = [[points.numpy() - shift for points in box] for box in parts]
+        drawn, sorted_index = draw((int(height), int(width)), shapes)
+        masks.append(torch.from_numpy(np.ascontiguousarray(drawn)))
+        order.append(starts[image] + np.asarray(sorted_index, np.int64))
+    index = torch.from_numpy(np.concatenate(order)) if order else torch.zeros(0, dtype=torch.long)
+    return {**made, "cls": made["cls"][index], "bboxes": made["bboxes"][index], "masks": torch.cat(masks, 0)}
 
 
 def _original(geometry: dict[str, Any] | None, info: dict[str, Any], size: int) -> tuple[tuple[int, int], Any, str | None]:
