@@ -66,6 +66,18 @@ def train(data: Path, project: Path, shards: Path, **extra: object) -> subproces
     return subprocess.run(command, capture_output=True, text=True, env=env, cwd=project, timeout=600, check=False)
 
 
+def assert_trained(result: dict, metric: str, losses: tuple[str, ...]) -> None:
+    """Two epochs ran: `metric` among the final metrics, best.pt saved, each epoch's `losses` finite and positive."""
+    assert metric in result["metrics"] and Path(result["best"]).exists()
+    with open(Path(result["save_dir"]) / "results.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 2
+    for row in rows:
+        for name in losses:
+            value = float(next(v for k, v in row.items() if k.strip() == name))
+            assert math.isfinite(value) and value > 0, (name, value)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = Path(make_yolo_dataset(tmp_path_factory.mktemp("yolo") / "data", 32, min_side=80, max_side=200))
@@ -81,14 +93,7 @@ def test_ultralytics_trains_and_validates_on_gpufeeds_loaders_offline(data: Path
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["train_loader"] == "pipeline.integrations.yolo_batches.YoloLoader"
     assert result["final_val_loader"] == "YoloLoader"  # best.pt's validation read gpufeed's batches too
-    assert "metrics/mAP50-95(B)" in result["metrics"] and Path(result["best"]).exists()
-    with open(Path(result["save_dir"]) / "results.csv") as handle:
-        rows = list(csv.DictReader(handle))
-    assert len(rows) == 2
-    for row in rows:
-        for name in ("train/box_loss", "train/cls_loss", "val/box_loss"):
-            value = float(next(v for k, v in row.items() if k.strip() == name))
-            assert math.isfinite(value) and value > 0, (name, value)
+    assert_trained(result, "metrics/mAP50-95(B)", ("train/box_loss", "train/cls_loss", "val/box_loss"))
     assert done.stderr.count("gpufeed: preparing split") == 2  # train and val, once each
     prepared = sorted(path.parent.name for path in shards.rglob("manifest.json"))
     assert prepared == ["train", "val.aspect"]  # val in aspect-ratio order: tight rect batches; train shuffled
@@ -133,14 +138,7 @@ def test_ultralytics_trains_a_segmentation_model_on_gpufeeds_loaders_offline(seg
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["train_loader"] == "pipeline.integrations.yolo_batches.YoloLoader"
     assert result["final_val_loader"] == "YoloLoader"
-    assert "metrics/mAP50-95(M)" in result["metrics"] and Path(result["best"]).exists()
-    with open(Path(result["save_dir"]) / "results.csv") as handle:
-        rows = list(csv.DictReader(handle))
-    assert len(rows) == 2
-    for row in rows:
-        for name in ("train/seg_loss", "train/box_loss", "val/seg_loss"):
-            value = float(next(v for k, v in row.items() if k.strip() == name))
-            assert math.isfinite(value) and value > 0, (name, value)
+    assert_trained(result, "metrics/mAP50-95(M)", ("train/seg_loss", "train/box_loss", "val/seg_loss"))
 
 
 MASKS_SCRIPT = r"""
