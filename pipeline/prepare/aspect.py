@@ -116,16 +116,15 @@ def _read_heads(listing: Listing, indices: range, spec: PrepareSpec) -> list[tup
 
 def read_head(item: SourceItem, spec: PrepareSpec) -> bytes:
     """The first `HEAD_BYTES` of the source's file (of its byte range in a tar); b"" where it cannot be read."""
+    unreadable: tuple[type[BaseException], ...] = (TargetError, SourceError, ValueError, *store_errors())
     try:
         tar = item.targets.get("tar") if isinstance(item.targets, dict) else None
         if tar is not None:  # an image inside a WebDataset shard given as SRC: its byte range's start
             offset, size = tar_range(tar, spec.max_file_bytes)
             return read_tar_member(item.url, offset, min(size, HEAD_BYTES))
         return read_source_head(item.url, HEAD_BYTES)
-    except Exception as exc:  # what reading it would reject it for; its shard says why
-        if isinstance(exc, (TargetError, SourceError, ValueError, *store_errors())):
-            return b""
-        raise
+    except unreadable:  # what reading it would reject it for; its shard says why
+        return b""
 
 
 def _upright_size(data: bytes, spec: PrepareSpec) -> tuple[int, int] | None:

@@ -20,7 +20,6 @@ closed once idle for `http1.KEEP_IDLE_S`; a forked child makes its own).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import threading
 import time
@@ -166,12 +165,9 @@ def _resolve_within(host: str, port: int, seconds: float) -> object:
         OSError: the name does not resolve.
     """
     global _RESOLVERS
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    else:
-        return http1.resolve(host, port)  # a literal: no lookup
+    literal = http1.literal_address(host, port)
+    if literal is not None:
+        return literal
     with _RESOLVERS_LOCK:
         if _RESOLVERS is None:
             _RESOLVERS = ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="gpufeed-resolve")

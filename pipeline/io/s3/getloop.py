@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import collections
 import heapq
-import ipaddress
 import selectors
 import socket
 import threading
@@ -258,24 +257,18 @@ class GetLoop:
         known = self._addresses.get(where)
         if known is not None and time.monotonic() - known[1] < DNS_TTL_S:
             return known[0]
-        try:
-            ipaddress.ip_address(request.host)
-        except ValueError:
-            pass
-        else:
-            address = socket.getaddrinfo(request.host, request.port, type=socket.SOCK_STREAM)[0]  # a literal: no DNS
+        address = http1.literal_address(request.host, request.port)
+        if address is not None:
             self._addresses[where] = (address, time.monotonic())
             return address
+        if request.deadline is not None:  # parked: a resolver that never answers still ends it by its deadline
+            self._soonest = min(self._soonest, request.deadline)
         with self._lock:
             waiting = self._resolving.get(where)
             if waiting is not None:
                 waiting.append(request)
-                if request.deadline is not None:
-                    self._soonest = min(self._soonest, request.deadline)
                 return None
             self._resolving[where] = [request]
-        if request.deadline is not None:  # a resolver that never answers still ends the request by its deadline
-            self._soonest = min(self._soonest, request.deadline)
         try:
             self._pool.submit(http1.resolve, *where).add_done_callback(lambda done: self._resolved(where, done))
         except RuntimeError:  # shutting down

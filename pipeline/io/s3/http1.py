@@ -25,6 +25,7 @@ in the budget beside the bodies in flight.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 import ssl
 import time
@@ -47,6 +48,15 @@ CONNECTING, HANDSHAKE, SENDING, READING = range(4)
 
 def resolve(host: str, port: int) -> Any:
     """The first address of `host` (off the loop thread: its resolver pool, or a blocking caller; tests replace it)."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+
+
+def literal_address(host: str, port: int) -> Any:
+    """The address of `host` where it is an IP literal (no lookup, so no wait); None for a name."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
     return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
 
 

@@ -132,8 +132,6 @@ class GetRequest:
 
     def signed(self, settings: S3Settings) -> bytes | None:
         """The request's bytes, signed with the credentials `settings` resolve (afresh after a 403); None: there are none."""
-        if self.deadline is None:
-            self.deadline = time.monotonic() + settings.deadline_s
         credentials = None
         if not settings.anonymous:
             assert settings.credentials is not None
