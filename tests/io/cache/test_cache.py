@@ -114,7 +114,10 @@ def test_a_shard_that_does_not_match_the_manifest_is_not_cached(
         assert cache.stats().rejected == 2
     assert files_under(tmp_path / "cache" / "shards") == []
     assert files_under(tmp_path / "cache" / "partial") == []
-    assert downloads(s3_server, s3_bucket, rel, size) == 2  # nothing cached: each open went to the store
+    # nothing cached: each open went to the store. The second open's reader follows its fill; a fill this small
+    # can be downloaded and rejected before the reader reads a byte of it, and the reader then reads the shard
+    # from the store itself (follow.py): a third download, by design.
+    assert downloads(s3_server, s3_bucket, rel, size) in (2.0, 3.0)
     assert cache_warnings(caplog, "does not match its manifest entry")
 
 
