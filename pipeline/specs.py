@@ -19,7 +19,7 @@ RECIPES = ("crop", "letterbox", "scale_jitter", "iou_crop", "yolo")  # how the l
 YOLO_HYP = {  # recipe="yolo"'s hyperparameters by ultralytics' names (and mosaic_n, 4 or 9): (default, largest)
     "mosaic": (1.0, 1.0), "mosaic_n": (4, 9), "degrees": (0.0, 180.0), "translate": (0.1, 0.9), "scale": (0.5, 0.95), "shear": (0.0, 90.0),
     "perspective": (0.0, 0.001), "flipud": (0.0, 1.0), "fliplr": (0.5, 1.0), "hsv_h": (0.015, 1.0),
-    "hsv_s": (0.7, 1.0), "hsv_v": (0.4, 1.0), "mixup": (0.0, 1.0), "cutmix": (0.0, 1.0),
+    "hsv_s": (0.7, 1.0), "hsv_v": (0.4, 1.0), "mixup": (0.0, 1.0), "cutmix": (0.0, 1.0), "copy_paste": (0.0, 1.0),
 }  # fmt: skip
 
 RESIZE_MODES = ("shorter", "longer", "center-crop", "pad", "none")
@@ -392,6 +392,10 @@ class LoaderSpec(Spec):
             "caption", "json", "key", any member a sample holds).
         min_visible: a box keeps at least this fraction of its area after the
             crop, or it is dropped (detection).
+        masks: detection: deliver the masks the dataset has (`mask.png` as
+            `batch.masks`, `instances.png` as each box's own masks), placed
+            with the pixels; False reads neither (a trainer that draws its
+            masks from the polygons, or wants boxes only).
         recipe: how each image becomes the output: "crop" (random-resized
             crop in train, centre crop in eval) or a detection recipe:
             "letterbox" (the whole image, ratio kept, padded), "scale_jitter"
@@ -450,10 +454,11 @@ class LoaderSpec(Spec):
     close_mosaic: int = 0
     hyp: tuple[tuple[str, float], ...] = ()
     color_jitter: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    masks: bool = True
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, 1 << 16)
-        for name in ("train", "channels_last", "flip", "verify"):
+        for name in ("train", "channels_last", "flip", "verify", "masks"):
             check_bool(name, getattr(self, name))
         if self.drop_last is not None:
             check_bool("drop_last", self.drop_last)

@@ -15,8 +15,10 @@ The package map:
     warp.py      3x3 matrices, boxes through them, ultralytics' box filter (`box_candidates`)
     mosaic.py    `Mosaic`: four images around a random centre of a 2S x 2S canvas
     affine.py    `RandomAffine`: ultralytics' RandomPerspective matrix (degrees, translate, scale, shear, perspective)
+    copy_paste.py  ultralytics' `CopyPaste` (mode "flip"): which instances are mirrored, and the outlines' pixels
     yolo.py      `YoloRecipe` (ultralytics' default hyperparameters) and `plan`: one output's sources, matrices, boxes
     render.py    one planned output's pixels on the CPU: the native resampler where a matrix is axis-aligned
+    masks.py     one planned output's masks (classes, each box's own): each source's sampled nearest through its matrix
     hsv.py       `HSV`: ultralytics' hue, saturation and value gains, per batch in torch, per image in native code
     color.py     `ColorJitter`: torchvision's brightness, contrast, saturation and hue, per image, on a uint8 batch or image
     mixup.py     ultralytics' MixUp and CutMix on a batch: outputs blended with, or patched from, others of the batch

@@ -21,6 +21,14 @@ Instance polygons, where the batch has them (per image, per box, its
 polygons), go with their boxes: MixUp joins both images' lists; CutMix
 takes the pasted boxes' polygons cut to the rectangle, and with polygons a
 box joins with 1 % of its area there (ultralytics' rule with segments).
+
+Masks, where the batch has them, go with their pixels: each box's own mask
+(`instance_masks`) joins with its box, as the polygons do, and CutMix cuts
+the pasted ones to its rectangle and clears the rectangle from the image's
+own; a class mask (`masks`, one per image) takes the pasted rectangle's
+classes under CutMix. Two class masks cannot be blended: under MixUp a
+pixel keeps its class where both images' masks agree and gets the ignore
+index where they differ (no loss where the blend is both).
 """
 
 from __future__ import annotations
@@ -37,12 +45,15 @@ Shapes = list[list[list[torch.Tensor]]]
 
 
 class Mixed(NamedTuple):
-    """A batch after MixUp or CutMix: its images, boxes, labels and polygons (None where it has none)."""
+    """A batch after MixUp or CutMix: its images, boxes, labels, polygons, class masks and each box's own
+    mask (None where it has none)."""
 
     images: torch.Tensor
     boxes: list[torch.Tensor]
     labels: list[torch.Tensor]
     polygons: Shapes | None = None
+    masks: torch.Tensor | None = None
+    instance_masks: list[torch.Tensor] | None = None
 
 
 def mixup_batch(
@@ -52,6 +63,9 @@ def mixup_batch(
     p: float,
     rng: np.random.Generator,
     polygons: Shapes | None = None,
+    instance_masks: list[torch.Tensor] | None = None,
+    masks: torch.Tensor | None = None,
+    ignore_index: int = 255,
 ) -> Mixed:
     """The batch with each image, with probability `p`, blended with a drawn other one of it.
 
@@ -62,20 +76,25 @@ def mixup_batch(
         p: ultralytics' `mixup` hyperparameter.
         rng: the draws (which images, their partners, their ratios).
         polygons: per image, per box, its polygons (joined as the boxes are), or None.
+        instance_masks: per image, [N_i, H, W], each box's own mask (joined as the boxes are), or None.
+        masks: [B, H, W] class masks, or None: a mixed image's keeps the classes both agree on, and
+            `ignore_index` elsewhere.
 
     Returns:
         New tensors where an image was mixed, the given ones elsewhere.
     """
     count = images.shape[0]
     if count < 2 or p <= 0:
-        return Mixed(images, boxes, labels, polygons)
+        return Mixed(images, boxes, labels, polygons, masks, instance_masks)
     chosen = [i for i in range(count) if rng.uniform() < p]
     if not chosen:
-        return Mixed(images, boxes, labels, polygons)
+        return Mixed(images, boxes, labels, polygons, masks, instance_masks)
     partners = [_partner(rng, i, count) for i in chosen]
     ratios = rng.beta(32.0, 32.0, len(chosen))
     mixed, mixed_boxes, mixed_labels = images.clone(), list(boxes), list(labels)
     mixed_polygons = list(polygons) if polygons is not None else None
+    mixed_instances = list(instance_masks) if instance_masks is not None else None
+    mixed_masks = masks.clone() if masks is not None else None
     for i, j, r in zip(chosen, partners, ratios):  # each reads the batch as it came: no blend of a blend
         blend = images[i].float() * float(r) + images[j].float() * float(1 - r)
         mixed[i] = blend.to(images.dtype) if images.dtype == torch.uint8 else blend  # uint8: truncated, as theirs
@@ -83,7 +102,11 @@ def mixup_batch(
         mixed_labels[i] = torch.cat([labels[i], labels[j]])
         if mixed_polygons is not None and polygons is not None:
             mixed_polygons[i] = [*polygons[i], *polygons[j]]
-    return Mixed(mixed, mixed_boxes, mixed_labels, mixed_polygons)
+        if mixed_instances is not None and instance_masks is not None:
+            mixed_instances[i] = torch.cat([instance_masks[i], instance_masks[j]])
+        if mixed_masks is not None and masks is not None:
+            mixed_masks[i][masks[i] != masks[j]] = ignore_index
+    return Mixed(mixed, mixed_boxes, mixed_labels, mixed_polygons, mixed_masks, mixed_instances)
 
 
 def _partner(rng: np.random.Generator, i: int, count: int) -> int:
@@ -126,11 +149,14 @@ def cutmix_batch(
     rng: np.random.Generator,
     sources: Mixed | None = None,
     polygons: Shapes | None = None,
+    instance_masks: list[torch.Tensor] | None = None,
+    masks: torch.Tensor | None = None,
 ) -> Mixed:
     """The batch with each image, with probability `p`, given a patch of a drawn other one and its boxes there.
 
     Args:
-        images, boxes, labels, p, rng, polygons: as `mixup_batch` (p is ultralytics' `cutmix`).
+        images, boxes, labels, p, rng, polygons, instance_masks: as `mixup_batch` (p is ultralytics' `cutmix`).
+        masks: [B, H, W] class masks, or None: the pasted rectangle's classes are pasted too.
         sources: where the patches come from (default the batch itself): the batch as it was before
             MixUp, so that a patch is another output as the recipe made it (ultralytics cuts from a fresh one).
 
@@ -139,11 +165,13 @@ def cutmix_batch(
     """
     count, height, width = images.shape[0], images.shape[2], images.shape[3]
     if count < 2 or p <= 0:
-        return Mixed(images, boxes, labels, polygons)
-    made = sources if sources is not None else Mixed(images, boxes, labels, polygons)
-    source_images, source_boxes, source_labels, source_polygons = made
+        return Mixed(images, boxes, labels, polygons, masks, instance_masks)
+    made = sources if sources is not None else Mixed(images, boxes, labels, polygons, masks, instance_masks)
+    source_images, source_boxes, source_labels, source_polygons, source_masks, source_instances = made
     out, out_boxes, out_labels = None, list(boxes), list(labels)
     out_polygons = list(polygons) if polygons is not None else None
+    out_masks = masks.clone() if masks is not None else None
+    out_instances = list(instance_masks) if instance_masks is not None else None
     least = 0.01 if polygons is not None else 0.1  # a pasted box's share of its area in the cut (ultralytics')
     host: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # (boxes, source boxes), copied once when needed
     for i in range(count):
@@ -172,7 +200,25 @@ def cutmix_batch(
             pasted = source_polygons[j] if source_polygons is not None else [[] for _ in source_boxes[j]]
             window = (float(x0), float(y0), float(x1), float(y1))
             out_polygons[i] = [*polygons[i], *(_cut_to(pasted[int(k)], window) for k in keep)]
-    return Mixed(out if out is not None else images, out_boxes, out_labels, out_polygons)
+        if out_masks is not None and source_masks is not None:
+            out_masks[i, y0:y1, x0:x1] = source_masks[j, y0:y1, x0:x1]
+        if out_instances is not None and instance_masks is not None:
+            out_instances[i] = _cut_instances(instance_masks[i], (source_instances or instance_masks)[j], keep,
+                                              (x0, y0, x1, y1))  # fmt: skip
+    return Mixed(out if out is not None else images, out_boxes, out_labels, out_polygons, out_masks, out_instances)
+
+
+def _cut_instances(
+    own: torch.Tensor, theirs: torch.Tensor, keep: np.ndarray, window: tuple[int, int, int, int]
+) -> torch.Tensor:
+    """An image's own box masks with the pasted rectangle cleared, then the pasted boxes' masks inside it only."""
+    x0, y0, x1, y1 = window
+    own = own.clone()
+    own[:, y0:y1, x0:x1] = 0
+    index = torch.as_tensor(keep, dtype=torch.long, device=theirs.device)
+    pasted = torch.zeros((len(keep), *theirs.shape[1:]), dtype=theirs.dtype, device=theirs.device)
+    pasted[:, y0:y1, x0:x1] = theirs[index][:, y0:y1, x0:x1]
+    return torch.cat([own, pasted.to(own.device)])
 
 
 def _cut_to(parts: list[torch.Tensor], window: tuple[float, float, float, float]) -> list[torch.Tensor]:

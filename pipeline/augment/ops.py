@@ -10,19 +10,22 @@ polygons that go with them:
     ScaleJitter(low, high)           the letterboxed size times a random scale, then a random window or padding
     IoUCrop()                        SSD's random crop with a minimum IoU with the boxes
     Mosaic(p, n)                     four images in a 2S x 2S canvas around a random centre (probability p),
-                                     or nine in a grid (n=9): boxes and polygons placed with their image,
-                                     cut to the canvas
+                                     or nine in a grid (n=9): boxes, masks and polygons placed with their
+                                     image, cut to the canvas
     RandomAffine(degrees, translate, scale, shear, perspective)
                                      ultralytics' random perspective of the (mosaic) canvas into the output;
-                                     boxes and polygons through the same matrix, cut to the output, a box
-                                     with polygons the box around them; filtered as its `box_candidates`
+                                     boxes, polygons and masks (nearest) through the same matrix, cut to the
+                                     output, a box with polygons the box around them; filtered as its
+                                     `box_candidates`
     Flip(horizontal, vertical)       mirrors, each with its probability: boxes, masks and polygons mirrored
     HSV(hue, saturation, value)      ultralytics' colour gains (OpenCV's 8-bit HSV arithmetic)
     ColorJitter(brightness, contrast, saturation, hue)
                                      torchvision's colour jitter, factors and order drawn per image;
                                      with either kind of recipe, after its own colours (boxes unchanged)
-    MixUp(p)                         blend with another output of the batch (r ~ Beta(32, 32)), boxes joined
-    CutMix(p)                        another output's patch pasted where the image has no box, its boxes there
+    MixUp(p)                         blend with another output of the batch (r ~ Beta(32, 32)), boxes, box
+                                     masks and polygons joined; a class mask keeps what both agree on
+    CutMix(p)                        another output's patch pasted where the image has no box, its boxes,
+                                     masks and polygons there
 
 The geometric ops of one output are one matrix per source image, rendered
 once (`pipeline.augment.render`); the photometric and mixing ops run per

@@ -7,17 +7,26 @@ native resampler writes straight into that part of the output (flipped as
 drawn). Any other matrix (a rotation, shear, perspective, vertical flip)
 is sampled bilinearly through its inverse from the original reduced to
 its mosaic size first (as ultralytics resizes before it warps).
+
+Where the plan pasted mirrored instances (copy-paste: `Plan.pasted`), the
+bounding rectangle of the pasted outlines is rendered a second time, the
+same tiles through `warp @ mirror` (the canvas' mirror image), and
+composited in under the outlines (`copy_paste.fill_polygons`). A plan
+that pastes nothing costs nothing more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from .. import native
-from .warp import is_axis_aligned, scaling
+from .copy_paste import fill_polygons, polygons_rect
+from .warp import is_axis_aligned, scaling, translation
 from .yolo import Plan
 
 TINY = 4  # a window this narrow or narrower is filled nearest (a planar view of 3 columns reads as HWC)
@@ -37,6 +46,8 @@ def render(
         out = np.empty((3, size, size), np.uint8)
     out[...] = plan.fill
     lib = native.library()
+    if plan.pasted and lib is not None:  # both passes read the pictures: packed for the resampler once
+        images = [_rgbx(image) for image in images]
     for index, tile in enumerate(plan.tiles):
         sx, sy = scales[index] if scales is not None else (1.0, 1.0)
         to_canvas = tile.matrix @ scaling(1 / sx, 1 / sy)  # the picture's pixels -> the canvas
@@ -46,17 +57,54 @@ def render(
             if _resize_into(lib, plan, index, matrix, image, out):
                 continue
         _warp_into(plan, index, to_canvas, image, out)
+    if plan.pasted:
+        _paste(plan, out, lambda part, shown, into: render(part, [images[i] for i in shown], into,
+                                                           [scales[i] for i in shown] if scales is not None else None))
     return out
 
 
-def _output_rect(plan: Plan, index: int) -> tuple[int, int, int, int] | None:
-    """The output pixels (u0, v0, u1, v1), end exclusive, whose centres lie in the tile's window (axis-aligned)."""
+def _paste(plan: Plan, out: np.ndarray, draw: Callable[[Plan, list[int], np.ndarray], object]) -> None:
+    """The copy-paste's composite: under the pasted outlines, the output of the canvas' mirror image.
+
+    Only the outlines' bounding rectangle is rendered again: `draw(part, shown, into)` renders `part` (the
+    plan through `translation @ warp @ mirror`, its tiles those of `shown` that reach the rectangle) into
+    `into`, the rectangle's [3, h, w].
+    """
+    assert plan.pasted is not None and plan.mirror is not None
+    height, width = out.shape[1:]
+    rect = polygons_rect(plan.pasted, width, height)
+    if rect is None:
+        return
+    u0, v0, u1, v1 = rect
+    mask = fill_polygons(plan.pasted, u1 - u0, v1 - v0, (u0, v0))
+    if not mask.any():
+        return
+    warp = translation(-u0, -v0) @ plan.warp @ plan.mirror
+    shown = [index for index, tile in enumerate(plan.tiles) if _reaches(warp, tile.window, (u1 - u0, v1 - v0))]
+    part = dataclasses.replace(plan, warp=warp, tiles=[plan.tiles[index] for index in shown], pasted=None, mirror=None)
+    mirrored = np.empty((3, v1 - v0, u1 - u0), np.uint8)
+    draw(part, shown, mirrored)
+    np.copyto(out[:, v0:v1, u0:u1], mirrored, where=mask)
+
+
+def _reaches(warp: np.ndarray, window: tuple[int, int, int, int], bounds: tuple[int, int]) -> bool:
+    """Whether a window of the canvas, through `warp`, can show in an output `bounds` (width, height)."""
+    x0, y0, x1, y1 = window
+    corners = warp @ np.array([[x0, x1, x0, x1], [y0, y0, y1, y1], [1.0, 1.0, 1.0, 1.0]])
+    us, vs = corners[0] / corners[2], corners[1] / corners[2]
+    return bool(x1 > x0 and y1 > y0 and us.max() > 0 and us.min() < bounds[0] and vs.max() > 0 and vs.min() < bounds[1])
+
+
+def _output_rect(plan: Plan, index: int, out: np.ndarray | None = None) -> tuple[int, int, int, int] | None:
+    """The pixels (u0, v0, u1, v1) of `out` [3, H, W] (default the plan's S x S), end exclusive, whose centres lie
+    in the tile's window (axis-aligned)."""
+    height, width = out.shape[1:] if out is not None else (plan.size, plan.size)
     x0, y0, x1, y1 = plan.tiles[index].window
     (a, b, c), (d, e, f), _ = plan.warp.tolist()
     xs = sorted((a * x0 + b * y0 + c, a * x1 + b * y1 + c))
     ys = sorted((d * x0 + e * y0 + f, d * x1 + e * y1 + f))
-    u0, u1 = max(0, math.ceil(xs[0] - 0.5)), min(plan.size, math.ceil(xs[1] - 0.5))
-    v0, v1 = max(0, math.ceil(ys[0] - 0.5)), min(plan.size, math.ceil(ys[1] - 0.5))
+    u0, u1 = max(0, math.ceil(xs[0] - 0.5)), min(width, math.ceil(xs[1] - 0.5))
+    v0, v1 = max(0, math.ceil(ys[0] - 0.5)), min(height, math.ceil(ys[1] - 0.5))
     return (u0, v0, u1, v1) if u1 > u0 and v1 > v0 else None
 
 
@@ -86,7 +134,7 @@ def _nearest_into(rect: tuple[int, int, int, int], matrix: np.ndarray, picture: 
 
 def _resize_into(lib: object, plan: Plan, index: int, matrix: np.ndarray, image: np.ndarray, out: np.ndarray) -> bool:
     """The tile's output pixels as one native resize of a box of its original."""
-    rect = _output_rect(plan, index)
+    rect = _output_rect(plan, index, out)
     if rect is None:
         return True
     height, width = image.shape[:2]
@@ -118,8 +166,6 @@ def _warp_into(plan: Plan, index: int, to_canvas: np.ndarray, image: np.ndarray,
     tile = plan.tiles[index]
     height, width = image.shape[:2]
     sx, sy = to_canvas[0, 0], to_canvas[1, 1]
-    small = (max(1, round(width * sx)), max(1, round(height * sy)))
-    source = np.asarray(Image.fromarray(np.ascontiguousarray(image[:, :, :3])).resize(small, Image.Resampling.BILINEAR))
     # the reduced image -> canvas: the tile's shift; then the canvas -> output
     shift = np.array([[1.0, 0, to_canvas[0, 2]], [0, 1.0, to_canvas[1, 2]], [0, 0, 1.0]])
     inverse = np.linalg.inv(plan.warp @ shift)
@@ -128,8 +174,8 @@ def _warp_into(plan: Plan, index: int, to_canvas: np.ndarray, image: np.ndarray,
     # only the output pixels within the window's bounding box in the output can have their centres in it
     corners = plan.warp @ np.array([[x0, x1, x0, x1], [y0, y0, y1, y1], [1.0, 1.0, 1.0, 1.0]])
     us, vs = corners[0] / corners[2], corners[1] / corners[2]
-    u_lo, u_hi = max(0, math.floor(us.min()) - 1), min(plan.size, math.ceil(us.max()) + 1)
-    v_lo, v_hi = max(0, math.floor(vs.min()) - 1), min(plan.size, math.ceil(vs.max()) + 1)
+    u_lo, u_hi = max(0, math.floor(us.min()) - 1), min(out.shape[2], math.ceil(us.max()) + 1)
+    v_lo, v_hi = max(0, math.floor(vs.min()) - 1), min(out.shape[1], math.ceil(vs.max()) + 1)
     if u_hi <= u_lo or v_hi <= v_lo:
         return
     v, u = np.mgrid[v_lo:v_hi, u_lo:u_hi]
@@ -139,6 +185,8 @@ def _warp_into(plan: Plan, index: int, to_canvas: np.ndarray, image: np.ndarray,
     inside = (cx >= x0) & (cx < x1) & (cy >= y0) & (cy < y1)
     if not inside.any():
         return
+    small = (max(1, round(width * sx)), max(1, round(height * sy)))
+    source = np.asarray(Image.fromarray(np.ascontiguousarray(image[:, :, :3])).resize(small, Image.Resampling.BILINEAR))
     points = inverse @ centres[:, inside]
     px, py = points[0] / points[2] - 0.5, points[1] / points[2] - 0.5  # pixel-centre coordinates of the source
     sh, sw = source.shape[:2]
@@ -201,6 +249,9 @@ def render_jpegs(
         rows, first, decoded_width, decoded_height = _decode(decoder, data, (width, height), eighths, None)
         picture = rows.reshape(decoded_height, decoded_width, 4)
         _warp_into(plan, index, plan.tiles[index].matrix @ scaling(8 / eighths, 8 / eighths), picture, out)
+    if plan.pasted:
+        _paste(plan, out, lambda part, shown, into: render_jpegs(part, [jpegs[i] for i in shown], into, decoder,
+                                                                 [decoded[i] for i in shown] if decoded else None))
     return out
 
 
@@ -244,7 +295,7 @@ def _region_into(
 ) -> bool:
     """The tile's pixels from a region decode: the rows and iMCU columns its output part reads (from `whole`,
     the picture decoded already, where given)."""
-    rect = _output_rect(plan, index)
+    rect = _output_rect(plan, index, out)
     if rect is None:
         return True
     width, height = size

@@ -16,6 +16,16 @@ matrices point by point and are cut to the canvas and then to the output
 around what is left of them (ultralytics' `segment2box`: the rotated or
 sheared outline, not its rotated box), and the area filter keeps 1 % of a
 box's area instead of 10 %, as ultralytics does when an image has segments.
+
+With `copy_paste` (ultralytics' `CopyPaste`, mode "flip", between the mosaic
+and the affine: `copy_paste.py`), instances with polygons are mirrored about
+the canvas' vertical centre line where they land on no other box; each copy
+joins the boxes and polygons (its original's label, tile and index;
+`Plan.copied`) and goes through the affine, the filter and the flips as
+they do. Its pixels are the canvas' mirror image under its outline:
+`Plan.pasted` holds the outlines in output pixels, `Plan.mirror` the
+canvas' mirror, and `render` composites the output through `warp @ mirror`
+there.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import numpy as np
 
 from ..polygons import Polygons, clip_polygon
 from .affine import RandomAffine
+from .copy_paste import choose, mirrored_boxes
 from .hsv import HSV
 from .mosaic import Mosaic, Tile, load_size
 from .warp import Uniform, box_candidates, boxes_through, clip_boxes, hflip, points_through, scaling
@@ -37,8 +48,9 @@ SEGMENTS_AREA_THR = 0.01
 @dataclasses.dataclass(frozen=True)
 class YoloRecipe:
     """Ultralytics' default detection hyperparameters (mosaic 1.0, translate 0.1, scale 0.5, fliplr 0.5,
-    HSV 0.015/0.7/0.4, degrees/shear/perspective 0, flipud 0) at output size `size`; `mosaic=None` is
-    mosaic off (ultralytics' `close_mosaic` epochs)."""
+    HSV 0.015/0.7/0.4, degrees/shear/perspective 0, flipud 0, copy_paste 0) at output size `size`; `mosaic=None`
+    is mosaic off (ultralytics' `close_mosaic` epochs). `copy_paste` is the share of the polygons ultralytics'
+    `CopyPaste` (mode "flip") mirrors onto the canvas where they fit (nothing without polygons)."""
 
     size: int = 640
     mosaic: Mosaic | None = Mosaic()
@@ -48,6 +60,11 @@ class YoloRecipe:
     hsv: HSV | None = HSV()
     fill: int = 114
     area_thr: float = 0.1
+    copy_paste: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.copy_paste, (int, float)) and 0.0 <= self.copy_paste <= 1.0):
+            raise ValueError(f"YoloRecipe(copy_paste={self.copy_paste!r}): a probability is 0 to 1")
 
     @property
     def sources(self) -> int:
@@ -67,9 +84,15 @@ class Plan:
         boxes: (K, 4) float32 XYXY in output pixels.
         labels: (K,) int64 class indices.
         source_of: (K,) which tile each box came from.
+        box_index: (K,) each box's index among its tile's own boxes (what its instance map calls it, less 1).
         hsv_gains: the (hue, saturation, value) gains drawn, or None.
         fill: the value of output pixels no source covers.
         polygons: per box, its polygons as float32 (P, 2) output pixels (None where none were given).
+        copied: (K,) which boxes are copy-paste's mirrored copies (their `source_of`, `box_index` and label
+            are their original's).
+        pasted: the outlines the copy-paste pasted, as float32 (P, 2) output pixels (every copy's, kept
+            box or not: its pixels were pasted on the canvas), or None where nothing was pasted.
+        mirror: 3x3, canvas -> canvas: the canvas' mirror image, which shows under `pasted` (None likewise).
     """
 
     size: int
@@ -82,6 +105,10 @@ class Plan:
     hsv_gains: tuple[float, float, float] | None = None
     fill: int = 114
     polygons: list[list[np.ndarray]] | None = None
+    box_index: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    copied: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+    pasted: list[np.ndarray] | None = None
+    mirror: np.ndarray | None = None
 
     def matrix(self, tile: int) -> np.ndarray:
         """Source `tile`'s whole map: its original pixels -> the output."""
@@ -118,31 +145,63 @@ def plan(
         tiles = [Tile(scaling(w / originals[0][0], h / originals[0][1]), (0, 0, w, h))]
         canvas = (w, h)
     on_canvas, kept_labels, source_of = _placed(tiles, boxes, labels, canvas)
+    box_index = _own_index(source_of)
     shapes = _shapes_on_canvas(tiles, polygons, canvas) if polygons is not None else None
     nonzero = (on_canvas[:, 2] > on_canvas[:, 0]) & (on_canvas[:, 3] > on_canvas[:, 1])  # ultralytics' zero-area removal
-    on_canvas, kept_labels, source_of = on_canvas[nonzero], kept_labels[nonzero], source_of[nonzero]
+    on_canvas, kept_labels, source_of, box_index = on_canvas[nonzero], kept_labels[nonzero], source_of[nonzero], box_index[nonzero]
+    if shapes is not None:
+        shapes = [shapes[k] for k in np.flatnonzero(nonzero)]
+    picked = _copies(recipe.copy_paste, on_canvas, shapes, canvas[0])
+    copied = np.arange(len(on_canvas) + len(picked)) >= len(on_canvas)
+    mirror = hflip(canvas[0]) if len(picked) else None
+    pasted: list[np.ndarray] | None = None
+    if mirror is not None and shapes is not None:  # the copies join the boxes, mirrored
+        copies = [(True, [points_through(points, mirror) for points in shapes[k][1]]) for k in picked]
+        shapes, pasted = shapes + copies, [points for _, parts in copies for points in parts]
+        on_canvas = np.concatenate([on_canvas, mirrored_boxes(on_canvas[picked], canvas[0])])
+        kept_labels, source_of, box_index = (np.r_[a, a[picked]] for a in (kept_labels, source_of, box_index))
     warp, scale = recipe.affine.matrix(rng, canvas, (size, size))
     out = clip_boxes(boxes_through(on_canvas, warp), size, size)
     area_thr = recipe.area_thr
-    if shapes is not None:
-        shapes = [shapes[k] for k in np.flatnonzero(nonzero)]
-        if any(had for had, _ in shapes):
-            shapes, out = _shapes_through(shapes, warp, size, out)
-            area_thr = SEGMENTS_AREA_THR
+    if shapes is not None and any(had for had, _ in shapes):
+        shapes, out = _shapes_through(shapes, warp, size, out)
+        area_thr = SEGMENTS_AREA_THR
     keep = box_candidates(on_canvas * scale, out, area_thr=area_thr)
-    out, kept_labels, source_of = out[keep], kept_labels[keep], source_of[keep]
+    out, kept_labels, source_of, box_index, copied = out[keep], kept_labels[keep], source_of[keep], box_index[keep], copied[keep]
+    if pasted is not None:
+        pasted = _outlines_through(pasted, warp, size)
     kept_shapes = [shapes[k][1] for k in np.flatnonzero(keep)] if shapes is not None else None
     if rng.random() < recipe.flipud:
         warp = np.array([[1.0, 0, 0], [0, -1.0, size], [0, 0, 1.0]]) @ warp
         out[:, [1, 3]] = size - out[:, [3, 1]]
         kept_shapes = _mirrored(kept_shapes, 1, size)
+        pasted = _mirrored_outlines(pasted, 1, size)
     if rng.random() < recipe.fliplr:
         warp = hflip(size) @ warp
         out[:, [0, 2]] = size - out[:, [2, 0]]
         kept_shapes = _mirrored(kept_shapes, 0, size)
+        pasted = _mirrored_outlines(pasted, 0, size)
     gains = recipe.hsv.draw(hsv_rng or rng) if recipe.hsv is not None else None
     placed = [[points.astype(np.float32) for points in parts] for parts in kept_shapes] if kept_shapes is not None else None
-    return Plan(size, canvas, tiles, warp, out.astype(np.float32), kept_labels, source_of, gains, recipe.fill, placed)
+    return Plan(size, canvas, tiles, warp, out.astype(np.float32), kept_labels, source_of, gains, recipe.fill, placed,
+                box_index, copied, [points.astype(np.float32) for points in pasted] if pasted is not None else None,
+                mirror)  # fmt: skip
+
+
+def _copies(p: float, on_canvas: np.ndarray, shapes: list[Shape] | None, width: int) -> np.ndarray:
+    """The boxes ultralytics' copy-paste mirrors (`copy_paste.choose`), in its order: none where `p` is 0 or no
+    box has polygons."""
+    if p <= 0 or shapes is None:
+        return np.zeros(0, np.int64)
+    return choose(p, on_canvas, [k for k, (had, _) in enumerate(shapes) if had], width)
+
+
+def _own_index(source_of: np.ndarray) -> np.ndarray:
+    """Each box's index among its own tile's boxes (`source_of` runs tile by tile, as `_placed` lays them)."""
+    if not len(source_of):
+        return np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, source_of[1:] != source_of[:-1]])
+    return np.arange(len(source_of), dtype=np.int64) - np.repeat(starts, np.diff(np.r_[starts, len(source_of)]))
 
 
 Shape = tuple[bool, list[np.ndarray]]
@@ -181,15 +240,24 @@ def _shapes_through(shapes: list[Shape], warp: np.ndarray, size: int, boxes: np.
 def _mirrored(shapes: list[list[np.ndarray]] | None, axis: int, size: int) -> list[list[np.ndarray]] | None:
     if shapes is None:
         return None
+    return [_mirrored_outlines(parts, axis, size) or [] for parts in shapes]
+
+
+def _mirrored_outlines(outlines: list[np.ndarray] | None, axis: int, size: int) -> list[np.ndarray] | None:
+    if outlines is None:
+        return None
     out = []
-    for parts in shapes:
-        flipped = []
-        for points in parts:
-            points = points.copy()
-            points[:, axis] = size - points[:, axis]
-            flipped.append(points)
-        out.append(flipped)
+    for points in outlines:
+        points = points.copy()
+        points[:, axis] = size - points[:, axis]
+        out.append(points)
     return out
+
+
+def _outlines_through(outlines: list[np.ndarray], warp: np.ndarray, size: int) -> list[np.ndarray]:
+    """Pasted outlines from the canvas to the output, cut to it."""
+    window = (0.0, 0.0, float(size), float(size))
+    return [clipped for points in outlines if (clipped := clip_polygon(points_through(points, warp), window)) is not None]
 
 
 def _placed(

@@ -27,9 +27,12 @@ the instances put in that order).
 
 The recipe draws with the run's hyperparameters (mosaic, degrees,
 translate, scale, shear, perspective, flipud, fliplr, hsv_h/s/v, mixup,
-cutmix); the ones it does not draw yet (copy_paste, bgr) are refused
-with a message when on, never ignored; `batch=-1` (ultralytics' auto
-batch, which builds its own dataset) likewise.
+cutmix, copy_paste in its default mode "flip": each image's own instances
+mirrored onto it where they fit, which needs polygons, so it does nothing
+for detection, as ultralytics'); the ones it does not draw yet (bgr,
+copy_paste_mode="mixup") are refused with a message when on, never
+ignored; `batch=-1` (ultralytics' auto batch, which builds its own
+dataset) likewise.
 """
 
 from __future__ import annotations

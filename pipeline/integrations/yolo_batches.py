@@ -120,7 +120,7 @@ def split_shards(data_yaml: str | os.PathLike[str], split: str, imgsz: int, root
     return out
 
 
-NOT_DRAWN = {"copy_paste": 0.0, "bgr": 0.0}
+NOT_DRAWN = {"bgr": 0.0}
 """Ultralytics' hyperparameters that `recipe="yolo"` does not draw yet, with the value it takes (theirs: off)."""
 
 
@@ -128,10 +128,14 @@ def recipe_hyp(hyperparameters: Mapping[str, Any]) -> dict[str, float]:
     """The hyperparameters of ultralytics' (its `args`) that `recipe="yolo"` draws with (`LoaderSpec.hyp`).
 
     Raises:
-        ConfigError: one it does not draw yet is on (named), or one is out of its range.
+        ConfigError: one it does not draw yet is on (named; copy_paste's mode "mixup" too), or one is out of its
+            range.
     """
     on = [f"{name}={hyperparameters[name]}" for name, off in NOT_DRAWN.items()
           if float(hyperparameters.get(name) or 0.0) != off]  # fmt: skip
+    mode = hyperparameters.get("copy_paste_mode") or "flip"
+    if float(hyperparameters.get("copy_paste") or 0.0) and mode != "flip":
+        on.append(f"copy_paste_mode={mode!r} (copy_paste's mode 'flip' only: pasting another image's objects)")
     if hyperparameters.get("fraction") not in (None, 1, 1.0):
         on.append(f"fraction={hyperparameters['fraction']} (prepare the part to train on as its own split)")
     if hyperparameters.get("classes") is not None:
@@ -310,10 +314,10 @@ def yolo_loader(shards: str | os.PathLike[str], batch_size: int, train: bool, im
     if train:
         loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
                              recipe="yolo", seed=seed, epochs=epochs, close_mosaic=close_mosaic if epochs else 0,
-                             hyp=hyp, drop_last=False)  # as ultralytics' loader: a set smaller than a batch trains  # fmt: skip
+                             hyp=hyp, drop_last=False, masks=False)  # as ultralytics' loader: a set smaller than a batch trains  # fmt: skip
     else:
         loader = make_loader(shards, batch_size, device=device, crop=imgsz, num_workers=workers, dtype="uint8",
-                             recipe="letterbox", train=False, drop_last=False, fields=(GEOMETRY_FIELD, "json"))  # fmt: skip
+                             recipe="letterbox", train=False, drop_last=False, fields=(GEOMETRY_FIELD, "json"), masks=False)  # fmt: skip
     return YoloLoader(loader, epoch_of, single_class, rect, stride, masks)
 
 

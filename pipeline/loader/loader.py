@@ -150,6 +150,7 @@ def make_loader(
     close_mosaic: int = 0,
     hyp: Mapping[str, float] | None = None,
     color_jitter: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
+    masks: bool = True,
     augment: Sequence[Any] | None = None,
     sample_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     batch_transform: Callable[[Any], Any] | None = None,
@@ -282,13 +283,19 @@ def make_loader(
         hyp: recipe="yolo"'s hyperparameters by ultralytics' names
             ({"degrees": 10, "mosaic": 0.5, "hsv_v": 0.3, ...}: mosaic,
             degrees, translate, scale, shear, perspective, flipud, fliplr,
-            hsv_h, hsv_s, hsv_v); the others keep ultralytics' defaults.
+            hsv_h, hsv_s, hsv_v, mixup, cutmix, copy_paste); the others keep
+            ultralytics' defaults.
         color_jitter: (brightness, contrast, saturation, hue) as torchvision's
             ColorJitter: factors drawn per image in train mode (brightness,
             contrast, saturation in [max(0, 1 - x), 1 + x], hue in [-h, h],
             h <= 0.5; a random order), applied to each uint8 batch on the
             device; all 0 (the default): off. On a CPU device the decode
             workers apply it to each image as they write it (the same pixels).
+        masks: detection: deliver the dataset's masks where it has them
+            (`mask.png` as `batch.masks`, `instances.png` as each box's own
+            masks in `batch.instance_masks`), sampled nearest through the
+            same crop, flip or recipe="yolo" mosaic and warp as the pixels;
+            False reads neither (boxes only, or masks drawn from polygons).
         sample_transform: a callable on each decoded sample, in the decode
             workers: it gets {"image": uint8 (H, W, 3) array, "key", and the
             sample's targets: "boxes", "box_labels", "mask", "labels",
@@ -362,6 +369,7 @@ def make_loader(
         close_mosaic=close_mosaic,
         hyp=_hyp_pairs(hyp),
         color_jitter=_as_tuple(color_jitter),
+        masks=masks,
     )
     resolved = resolve_device(device)
     if spec.decoder == "nvjpeg":
@@ -415,7 +423,7 @@ def _task_plan(
         spec.task, spec.fields, dataset.task, classes, dataset.ignore_index, spec.min_visible, sample_transform,
         spec.worker_type, dataset.fields,
     )  # fmt: skip
-    if spec.recipe == "yolo" and spec.train and plan is not None:  # its mosaics carry boxes, labels and polygons, not masks
+    if not spec.masks and plan is not None:
         plan = dataclasses.replace(plan, masks=False, instances=False)
     return plan
 

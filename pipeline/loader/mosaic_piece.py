@@ -8,8 +8,11 @@ renders it (`render_jpegs`, from the piece's pictures, each decoded whole
 once for all the mosaics that show it) into its slot, applies the HSV
 gains (native code; on CUDA they go with the targets to the device) and
 takes the plan's boxes (and, where the dataset has them, each box's
-polygons) as its targets. A sample or partner whose file or targets are
-damaged fails the position, which the damage policy replaces.
+polygons) as its targets. A dataset's masks (`mask.png`, `instances.png`)
+are sampled nearest through the same matrices (`pipeline.augment.masks`):
+"mask" the output's classes, "masks" each kept box's own. A sample or
+partner whose file or targets are damaged fails the position, which the
+damage policy replaces.
 
 The flips are the plan's (`fliplr`), so the device mirrors nothing; the
 partners are the piece's, so a batch's mosaics depend on how many workers
@@ -28,19 +31,20 @@ import numpy as np
 from .. import native
 from ..augment.affine import RandomAffine
 from ..augment.hsv import HSV, hsv_in_place
+from ..augment.masks import class_mask, instance_masks
 from ..augment.mosaic import Mosaic
 from ..augment.render import decode_whole, render, render_jpegs
-from ..augment.yolo import YoloRecipe, plan
+from ..augment.yolo import Plan, YoloRecipe, plan
 from ..decode import open_image
 from ..errors import DecodeError
 from ..polygons import Polygons
-from ..targets import read_boxes
+from ..targets import INSTANCES_MEMBER, MASK_MEMBER, read_boxes
 from .cpu_decode import image_size
 from .crops import Affine, CropSpec, is_planar
 from .damage import Extras
 from .hooks import run_sample_transform
 from .slot_pixels import region_decoder
-from .tasks import TaskPlan, field_value, read_polygons
+from .tasks import TaskPlan, decode_mask, field_value, read_polygons
 
 DEFAULT_RECIPE = YoloRecipe()
 HSV_GAINS = "hsv_gains"  # a target's key: the gains the device applies to the batch (`hsv_in_workers=False`)
@@ -48,7 +52,8 @@ HSV_GAINS = "hsv_gains"  # a target's key: the gains the device applies to the b
 
 def yolo_recipe(crop: CropSpec) -> YoloRecipe:
     """Ultralytics' recipe with the loader's hyperparameters (`crop.hyp`, else its defaults) at the loader's
-    output size and fill; no horizontal flips without `crop.flip`, no mosaic where `crop.mosaic` is off."""
+    output size and fill; no horizontal flips without `crop.flip`, no mosaic where `crop.mosaic` is off, and no
+    copy-paste then either (ultralytics' `close_mosaic` turns both off)."""
     hyp = {name: float(value) for name, value in crop.hyp}
     defaults = DEFAULT_RECIPE
     mosaic = hyp.get("mosaic", 1.0)
@@ -63,7 +68,7 @@ def yolo_recipe(crop: CropSpec) -> YoloRecipe:
     return YoloRecipe(
         size=crop.size, fill=crop.fill, mosaic=Mosaic(p=mosaic, n=int(hyp.get("mosaic_n", 4))) if crop.mosaic and mosaic > 0 else None, affine=affine,
         fliplr=hyp.get("fliplr", defaults.fliplr) if crop.flip else 0.0, flipud=hyp.get("flipud", defaults.flipud),
-        hsv=HSV(*gains) if any(gains) else None,
+        hsv=HSV(*gains) if any(gains) else None, copy_paste=hyp.get("copy_paste", defaults.copy_paste) if crop.mosaic else 0.0,
     )  # fmt: skip
 
 
@@ -80,6 +85,8 @@ class PieceMemo:
     pictures: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     facts: dict[int, tuple[tuple[int, int], np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
     polygons: dict[int, Polygons] = dataclasses.field(default_factory=dict)
+    masks: dict[int, np.ndarray | None] = dataclasses.field(default_factory=dict)
+    instances: dict[int, np.ndarray | None] = dataclasses.field(default_factory=dict)
 
 
 def mosaic_into(
@@ -150,6 +157,7 @@ def yolo_sample(
     shapes = [memo.polygons[index] for index in chosen] if plan_of.polygons else None
     made = plan(recipe, rng, sizes, boxes, labels, polygons=shapes)
     shown = chosen[: len(made.tiles)]
+    masks = _masks(plan_of, made, items, extras, shown, [len(b) for b in boxes], memo)  # read before a pixel is written
     try:
         if decoder is not None and all(items[index][0] in ("jpg", "jpeg") for index in shown):
             for index in shown:
@@ -165,6 +173,7 @@ def yolo_sample(
     targets: dict[str, Any] = {"boxes": made.boxes, "box_labels": made.labels, "boxes_dropped": total - len(made.boxes)}
     if made.polygons is not None:
         targets["polygons"] = made.polygons
+    targets.update(masks)
     if made.hsv_gains is not None and hsv_in_workers:
         hsv_in_place(out, made.hsv_gains)
     elif made.hsv_gains is not None:
@@ -175,6 +184,53 @@ def yolo_sample(
     if plan_of.sample_transform is not None:
         run_sample_transform(plan_of, out, key, targets)
     return targets
+
+
+def _masks(
+    plan_of: TaskPlan,
+    made: Plan,
+    items: Sequence[tuple[str, bytes, int]],
+    extras: Sequence[Extras],
+    shown: list[int],
+    counts: list[int],
+    memo: PieceMemo,
+) -> dict[str, np.ndarray]:
+    """The output's "mask" (class indices, `TaskPlan.masks`) and "masks" (one per kept box, `TaskPlan.instances`),
+    each source's sampled through the plan (`pipeline.augment.masks`); a source without its member gives the
+    ignore index (class) or empty masks (its boxes'), as the letterbox path does."""
+    found: dict[str, np.ndarray] = {}
+    if plan_of.masks:
+        bound = plan_of.classes + 1 if plan_of.classes is not None else None  # box class c is c + 1, 0 background
+        maps = [
+            _member_map(memo.masks, index, items, extras, MASK_MEMBER, bound, plan_of.ignore_index) for index in shown
+        ]
+        found["mask"] = class_mask(made, maps, plan_of.ignore_index)
+    if plan_of.instances:
+        maps = [_member_map(memo.instances, index, items, extras, INSTANCES_MEMBER, counts[tile] + 1, None)
+                for tile, index in enumerate(shown)]  # fmt: skip
+        found["masks"] = instance_masks(made, maps, counts[: len(shown)])
+    return found
+
+
+def _member_map(
+    kept: dict[int, np.ndarray | None],
+    index: int,
+    items: Sequence[tuple[str, bytes, int]],
+    extras: Sequence[Extras],
+    member: str,
+    bound: int | None,
+    ignore: int | None,
+) -> np.ndarray | None:
+    """Sample `index`'s mask member decoded and checked once per piece (None: the sample has none)."""
+    if index not in kept:
+        members = extras[index] or {}
+        extension, data, _ = items[index]
+        kept[index] = (
+            decode_mask(members[member], image_size(extension, data), member, bound, ignore)
+            if member in members
+            else None
+        )
+    return kept[index]
 
 
 def _rgb(extension: str, data: bytes) -> Any:

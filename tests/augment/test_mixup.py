@@ -18,7 +18,7 @@ def batch(count: int = 6) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.
 
 def test_every_image_mixed_is_a_blend_of_two_of_the_batch_and_holds_both_their_boxes() -> None:
     images, boxes, labels = batch()
-    mixed, mixed_boxes, mixed_labels, _ = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3))
+    mixed, mixed_boxes, mixed_labels, *_ = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3))
     for i in range(len(images)):
         partner = int(mixed_labels[i][-1])  # the labels tell which image joined
         assert partner != i and torch.equal(mixed_labels[i], torch.cat([labels[i], labels[partner]]))
@@ -38,8 +38,8 @@ def test_nothing_is_mixed_at_probability_zero_or_alone_and_floats_blend_linearly
     alone = images[:1]
     assert mixup_batch(alone, boxes[:1], labels[:1], 1.0, np.random.default_rng(0))[0] is alone
     floats = images.float() / 255 - 0.5
-    mixed, _, mixed_labels, _ = mixup_batch(floats, boxes, labels, 1.0, np.random.default_rng(3))
-    uint8, _, _, _ = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3))
+    mixed, _, mixed_labels, *_ = mixup_batch(floats, boxes, labels, 1.0, np.random.default_rng(3))
+    uint8, *_ = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3))
     assert ((mixed + 0.5) * 255 - uint8.float()).abs().max() < 1.0  # the same draws, without the truncation
 
 
@@ -50,7 +50,7 @@ def test_cutmix_pastes_a_rectangle_clear_of_the_images_boxes_with_the_others_box
     images = torch.randint(0, 256, (8, 3, 64, 64), dtype=torch.uint8, generator=generator)
     boxes = [torch.tensor([[4.0 * i, 4.0, 4.0 * i + 12, 20.0], [30.0, 36.0, 60.0, 62.0]]) for i in range(8)]
     labels = [torch.tensor([i, 10 + i]) for i in range(8)]
-    cut, cut_boxes, cut_labels, _ = cutmix_batch(images, boxes, labels, 1.0, np.random.default_rng(4))
+    cut, cut_boxes, cut_labels, *_ = cutmix_batch(images, boxes, labels, 1.0, np.random.default_rng(4))
     changed = 0
     for i in range(8):
         differs = (cut[i] != images[i]).any(0)

@@ -12,7 +12,11 @@ them (gpufeed resamples each source once; ultralytics resizes, then warps
 the canvas, and samples pixel centres half a pixel apart where the warp
 scales, so a seam's row may come from the neighbouring tile). The draws cover ultralytics' defaults
 (translate and scale), mosaic off, the mosaic of nine, and rotation, shear
-and perspective.
+and perspective; and with YOLO-seg polygons, ultralytics' `CopyPaste`
+(mode "flip", which draws nothing) between the mosaic and the warp: the
+same copies join the boxes, and their mirrored pixels the output, to the
+same PSNR away from the pasted outlines' edges too (OpenCV fills them at
+whole canvas pixels).
 The venv's build is counted once per machine; without it the test skips,
 saying why. It runs without a network (`unshare -n` where the machine has
 it).
@@ -32,6 +36,7 @@ from extra_venvs import VISION, venv_python
 from PIL import Image
 
 from pipeline.augment.affine import RandomAffine
+from pipeline.augment.copy_paste import fill_polygons
 from pipeline.augment.mosaic import Mosaic
 from pipeline.augment.render import render
 from pipeline.augment.yolo import Plan, YoloRecipe, plan
@@ -44,7 +49,7 @@ ULTRALYTICS_SCRIPT = r"""
 import json, random, sys
 import cv2
 import numpy as np
-from ultralytics.data.augment import Mosaic, RandomFlip, RandomPerspective
+from ultralytics.data.augment import CopyPaste, Mosaic, RandomFlip, RandomPerspective
 from ultralytics.utils.instance import Instances
 from ultralytics.utils.ops import resample_segments
 
@@ -85,6 +90,8 @@ for case in cases:
     else:
         labels["instances"].convert_bbox(format="xyxy")
         labels["instances"].denormalize(labels["img"].shape[1], labels["img"].shape[0])
+    if case.get("copy_paste"):  # v8_transforms' place for mode "flip": after the mosaic, before the warp
+        labels = CopyPaste(p=case["copy_paste"], mode="flip")(labels)
     a = case["affine"]
     labels = RandomPerspective(degrees=a["degrees"], translate=a["translate"], scale=a["scale"], shear=a["shear"],
                                perspective=a["perspective"], size=(size, size))(labels)
@@ -153,11 +160,15 @@ RECIPES = {
 def away_from_seams(made: Plan, margin: float = 2.0) -> np.ndarray:
     """The output pixels whose centres fall over 2 canvas px from every tile's edges: where two tiles (or a tile
     and the fill) meet, ultralytics' warp, which samples OpenCV's pixel centres (half a pixel from the boxes'
-    frame where it scales), may take a row from the neighbour this plan takes it from."""
+    frame where it scales), may take a row from the neighbour this plan takes it from. Under a pasted outline the
+    output shows the mirrored canvas: its tiles' edges are mirrored there."""
     size = made.size
     v, u = np.mgrid[0:size, 0:size]
     points = np.linalg.inv(made.warp) @ np.stack([u.ravel() + 0.5, v.ravel() + 0.5, np.ones(u.size)])
     cx, cy = points[0] / points[2], points[1] / points[2]
+    if made.pasted:
+        pasted = fill_polygons(made.pasted, size, size).ravel()
+        cx = np.where(pasted, made.canvas[0] - cx, cx)
     away = np.ones(u.size, bool)
     for tile in made.tiles:
         x0, y0, x1, y1 = tile.window
@@ -369,3 +380,95 @@ def test_polygons_give_ultralytics_segment_boxes_for_the_same_draws(tmp_path: Pa
     if name != "defaults":
         assert tighter > 0  # a tilted outline's box is tighter than the tilted box's box
 
+
+def away_from_outlines(made: Plan, margin: float = 2.0) -> np.ndarray:
+    """The output pixels over `margin` px from every pasted outline's edge (all of them where none was pasted):
+    OpenCV fills an outline at its vertices cut to whole canvas pixels, edge pixels included."""
+    size = made.size
+    if not made.pasted:
+        return np.ones((size, size), bool)
+    fills = [fill_polygons([points + (dx, dy) for points in made.pasted], size, size)
+             for dx in (-margin, 0.0, margin) for dy in (-margin, 0.0, margin)]  # fmt: skip
+    return np.all([fill == fills[0] for fill in fills], axis=0)
+
+
+COPY_PASTE = [("defaults", 0.5), ("defaults", 1.0), ("mosaic off", 1.0), ("rotation, shear, perspective", 1.0)]
+
+
+@pytest.mark.parametrize(("name", "share"), COPY_PASTE)
+def test_copy_paste_gives_ultralytics_boxes_and_pixels(tmp_path: Path, name: str, share: float) -> None:
+    """Ultralytics' Mosaic, CopyPaste (mode "flip"), RandomPerspective and RandomFlip on YOLO-seg pictures against
+    the plan with `copy_paste`: the same boxes (the copies' too) and the mirrored objects' pixels."""
+    recipe = dataclass_replace(RECIPES[name], copy_paste=share, hsv=None)
+    rng = np.random.default_rng(70 + COPY_PASTE.index((name, share)))
+    cases = []
+    for number in range(16):
+        case = write_case(tmp_path, number, rng, recipe.sources)
+        case["segments"] = [polygons_in(boxes, rng) for boxes in case["boxes"]]
+        case.update(units=rng.uniform(0, 1, 16).tolist(), size=SIZE, out=str(tmp_path / f"{number}-ultralytics.npy"),
+                    mosaic_p=recipe.mosaic.p if recipe.mosaic is not None else -1.0, fliplr=recipe.fliplr,
+                    mosaic_n=recipe.sources if recipe.mosaic is not None else 4, copy_paste=share,
+                    flipud=recipe.flipud, affine=dataclass_dict(recipe.affine))  # fmt: skip
+        cases.append(case)
+    answers = run_ultralytics(cases)
+    errors: list[float] = []
+    figures: list[float] = []
+    whole: list[float] = []
+    copies = pasted = loose = 0
+    for case, answer in zip(cases, answers):
+        units = Units(case["units"])
+        if recipe.mosaic is None:
+            units.random()  # ultralytics' Mosaic(p=0) still draws whether to mosaic
+        originals = [(p.shape[1], p.shape[0]) for p in case["pictures"]]
+        boxes = [np.array(b, np.float64) for b in case["boxes"]]
+        labels = [np.array(v, np.int64) for v in case["labels"]]
+        polygons = [[[np.array(points, np.float64)] for points in shapes] for shapes in case["segments"]]
+        made = plan(recipe, units, originals, boxes, labels, polygons=polygons)
+        want = np.array(answer["boxes"], np.float64).reshape(-1, 4)
+        assert len(made.boxes) == len(want), (name, share, made.boxes, made.copied, want)
+        assert sorted(made.labels.tolist()) == sorted(int(v) for v in answer["labels"])
+        cut = cut_by_the_canvas(made, polygons)
+        errors += matched_errors(made.boxes.astype(np.float64), want, cut)
+        loose += int(cut.sum())
+        assert made.polygons is not None and len(made.polygons) == len(made.boxes) == len(made.copied)
+        copies += int(made.copied.sum())
+        pasted += int(made.pasted is not None and fill_polygons(made.pasted, SIZE, SIZE).sum() > 20)
+        ours = render(made, case["pictures"]).transpose(1, 2, 0)
+        theirs = np.load(case["out"])
+        away = away_from_seams(made) & away_from_outlines(made)
+        figures.append(psnr(ours[away], theirs[away]))
+        whole.append(psnr(ours, theirs))
+    assert errors and max(errors) < 0.5, (name, share, [round(e, 2) for e in errors])
+    assert copies >= 8 and pasted >= 4, (copies, pasted)  # the copies were made, and shown
+    assert min(figures) >= MIN_PSNR_DB, (name, share, [round(f, 1) for f in figures])
+    assert min(whole) >= MIN_WHOLE_PSNR_DB, (name, share, [round(f, 1) for f in whole])
+    print(f"{name}, copy_paste={share}: {copies} copies, {len(errors)} boxes within {max(errors):.3f} px "
+          f"({loose} cut by the canvas: loose); PSNR away from seams and outlines min {min(figures):.1f} dB "
+          f"(median {np.median(figures):.1f}), whole min {min(whole):.1f} dB")  # fmt: skip
+
+
+def cut_by_the_canvas(made: Plan, polygons: list) -> np.ndarray:
+    """(K,) which kept boxes' outlines (a copy's: its original's) reach past the canvas. Ultralytics clamps such an
+    outline's points to the canvas where the plan cuts it (`clip_polygon`): where most of it is cut, the two boxes
+    around what is left differ by a few pixels (a thin strip's width against the clamped outline's)."""
+    cut = np.zeros(len(made.boxes), bool)
+    for k, (tile, index) in enumerate(zip(made.source_of.tolist(), made.box_index.tolist())):
+        matrix = made.tiles[tile].matrix
+        points = np.concatenate(polygons[tile][index]) @ matrix[:2, :2].T + matrix[:2, 2]
+        cut[k] = bool((points < 0).any() or (points > made.canvas).any())
+    return cut
+
+
+def matched_errors(got: np.ndarray, want: np.ndarray, loose: np.ndarray) -> list[float]:
+    """Each box of `got` paired with the nearest unpaired one of `want`, the strict ones first: their L-inf distances
+    (< 0.5 px), the loose ones' within 8 px and left out."""
+    free = list(range(len(want)))
+    errors = []
+    for k in np.argsort(loose, kind="stable"):
+        distances = np.abs(want[free] - got[k]).max(1)
+        nearest = int(np.argmin(distances))
+        assert distances[nearest] < (8.0 if loose[k] else 0.5), (got[k], want[free], bool(loose[k]))
+        if not loose[k]:
+            errors.append(float(distances[nearest]))
+        free.pop(nearest)
+    return errors

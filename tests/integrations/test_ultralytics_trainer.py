@@ -9,7 +9,7 @@ validation each epoch and the final validation of best.pt. Its train and
 val loaders must be gpufeed's, the splits prepared once into the cache (val
 in aspect-ratio order, train shuffled; a second run, with rotation and a mosaic half the time, prepares nothing),
 the losses finite, results.csv two rows; a hyperparameter the recipe does
-not draw yet (copy_paste) stops the run with a message.
+not draw yet (bgr) stops the run with a message.
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ def test_ultralytics_trains_and_validates_on_gpufeeds_loaders_offline(data: Path
 def test_a_hyperparameter_the_recipe_does_not_draw_stops_the_run(data: Path, tmp_path: Path) -> None:
     project = tmp_path / "runs"
     project.mkdir()
-    done = train(data, project, tmp_path / "shards", copy_paste=0.2)
+    done = train(data, project, tmp_path / "shards", bgr=0.2)
     assert done.returncode != 0
-    assert "does not draw copy_paste=0.2" in done.stderr, done.stderr[-3000:]
+    assert "does not draw bgr=0.2" in done.stderr, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

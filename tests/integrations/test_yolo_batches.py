@@ -190,9 +190,12 @@ def test_a_split_is_prepared_once_and_again_when_its_files_change(dataset: Path,
 def test_ultralytics_hyperparameters_become_the_recipes_and_what_it_does_not_draw_is_refused() -> None:
     args = {"mosaic": 0.5, "fliplr": 0.0, "degrees": 10.0, "hsv_h": 0.015, "mixup": 0.1, "lr0": 0.01, "cutmix": None}
     assert recipe_hyp(args) == {"mosaic": 0.5, "fliplr": 0.0, "degrees": 10.0, "hsv_h": 0.015, "mixup": 0.1}
-    for on in ({"copy_paste": 0.5}, {"bgr": 0.1}, {"fraction": 0.5}, {"classes": [0]}, {"rect": True}):
-        with pytest.raises(ConfigError, match=next(iter(on))):
+    for on in ({"bgr": 0.1}, {"fraction": 0.5}, {"classes": [0]}, {"rect": True},
+               {"copy_paste": 0.5, "copy_paste_mode": "mixup"}):  # fmt: skip
+        with pytest.raises(ConfigError, match=list(on)[-1]):
             recipe_hyp(on)
+    assert recipe_hyp({"copy_paste": 0.5, "copy_paste_mode": "flip"}) == {"copy_paste": 0.5}  # drawn: its mode "flip"
+    assert recipe_hyp({"copy_paste": 0.0, "copy_paste_mode": "mixup"}) == {"copy_paste": 0.0}  # off: no mode to refuse
     assert recipe_hyp({"fraction": 1.0, "classes": None, "rect": False}) == {}
 
 

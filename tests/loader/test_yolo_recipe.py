@@ -134,7 +134,7 @@ def test_hyperparameters_by_ultralytics_names_change_the_recipe(prepared: Path) 
             assert abs((x0 + x1) / 2 - CROP / 2) < 2 and abs((y0 + y1) / 2 - CROP / 2) < 2
     rotated = batches(prepared, hyp={"degrees": 30.0})
     assert any(not np.array_equal(a[0], b[0]) for a, b in zip(rotated, batches(prepared)))
-    for bad, message in (({"copy_paste": 0.1}, "not a hyperparameter"), ({"degrees": -1.0}, "degrees"),
+    for bad, message in (({"bgr": 0.1}, "not a hyperparameter"), ({"degrees": -1.0}, "degrees"),
                          ({"hsv_h": 2.0}, "hsv_h"), ({"mosaic_n": 6}, "4 or 9")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             make_loader(str(prepared), 8, device="cpu", crop=CROP, recipe="yolo", hyp=bad)

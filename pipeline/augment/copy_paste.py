@@ -1,0 +1,122 @@
+"""Ultralytics' CopyPaste in its "flip" mode: instances mirrored across the canvas, where they land on nothing.
+
+On the mosaic canvas (after `Mosaic`, before `RandomPerspective`, as
+ultralytics' `v8_transforms` composes them), every instance with a polygon
+is mirrored about the canvas' vertical centre line (x -> W - x); those
+whose mirrored box covers under 30 % of every existing box (`IOA_THR`,
+intersection over the existing box's area; its own included) are ordered
+by their largest such cover, and the first round(p * n) of them are
+pasted: each joins the labels (its class, its mirrored box and polygon),
+and under its mirrored polygon the canvas shows its own mirror image.
+Ultralytics 8.4 draws nothing for it (`copy_paste` is the share pasted,
+not a probability), does nothing where the image has no polygons (a
+detection dataset) or p is 0, and turns it off with the mosaic in its
+`close_mosaic` epochs.
+
+`choose` makes that choice; `fill_polygons` is the numpy scanline fill
+that finds the output pixels a pasted outline covers (OpenCV's
+`drawContours(..., FILLED)` on the canvas, here on the output: the same
+pixels to within the outline's edge), where `render` composites the
+mirrored canvas in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+IOA_THR = 0.30
+"""A mirrored copy joins only where it covers less than this share of every existing box (ultralytics' rule)."""
+
+
+def ioa(boxes: np.ndarray, others: np.ndarray, eps: float = 1e-7) -> np.ndarray:
+    """(N, M): the intersection of each of `boxes` with each of `others` over the latter's area (`bbox_ioa`)."""
+    width = (
+        np.minimum(boxes[:, None, 2], others[None, :, 2]) - np.maximum(boxes[:, None, 0], others[None, :, 0])
+    ).clip(0)
+    height = (
+        np.minimum(boxes[:, None, 3], others[None, :, 3]) - np.maximum(boxes[:, None, 1], others[None, :, 1])
+    ).clip(0)
+    area = (others[:, 2] - others[:, 0]) * (others[:, 3] - others[:, 1])
+    return width * height / (area + eps)
+
+
+def mirrored_boxes(boxes: np.ndarray, width: float) -> np.ndarray:
+    """XYXY boxes mirrored in a canvas `width` wide (x -> width - x; the corners swap)."""
+    out = np.array(boxes, np.float64).reshape(-1, 4)
+    out[:, [0, 2]] = width - out[:, [2, 0]]
+    return out
+
+
+def choose(p: float, boxes: np.ndarray, candidates: Sequence[int], width: float) -> np.ndarray:
+    """Which of `boxes` (XYXY, on a canvas `width` wide) are copied, in the order they are pasted.
+
+    `candidates`: the boxes that have polygons (only those can be pasted). Each candidate's mirrored box
+    must cover under `IOA_THR` of every box, itself included; those that pass, ordered by their largest
+    cover (NumPy's `argsort`, as ultralytics), give their first round(p * n).
+    """
+    among = np.asarray(candidates, np.int64)
+    if not len(among) or p <= 0:
+        return np.zeros(0, np.int64)
+    boxes = np.asarray(boxes, np.float64).reshape(-1, 4)
+    cover = ioa(mirrored_boxes(boxes[among], width), boxes)
+    passing = np.nonzero((cover < IOA_THR).all(1))[0]
+    passing = passing[np.argsort(cover.max(1)[passing])]
+    return among[passing[: round(p * len(passing))]]
+
+
+def polygons_rect(polygons: Sequence[np.ndarray], width: int, height: int) -> tuple[int, int, int, int] | None:
+    """The pixels (u0, v0, u1, v1), end exclusive, of a `width` x `height` picture whose centres the polygons'
+    bounds can hold (None: none)."""
+    stacked = [points for points in polygons if len(points) >= 3]
+    if not stacked:
+        return None
+    every = np.concatenate(stacked)
+    (x0, y0), (x1, y1) = every.min(0), every.max(0)
+    u0, v0 = max(0, math.floor(x0)), max(0, math.floor(y0))
+    u1, v1 = min(width, math.ceil(x1)), min(height, math.ceil(y1))
+    return (u0, v0, u1, v1) if u1 > u0 and v1 > v0 else None
+
+
+def fill_polygons(
+    polygons: Sequence[np.ndarray], width: int, height: int, origin: tuple[int, int] = (0, 0)
+) -> np.ndarray:
+    """(height, width) bool: the pixels whose centres lie inside any of `polygons` ((P, 2) x, y each, in the
+    picture's continuous pixels: pixel k spans [k, k + 1]).
+
+    Pixel (u, v) of the result is the picture's (origin[0] + u, origin[1] + v). Each polygon is filled by the
+    even-odd rule, one scanline per pixel row (a crossing counts where an edge's half-open y span holds the
+    row's centre, so a vertex on the line counts once), and the polygons are joined.
+    """
+    mask = np.zeros((height, width), bool)
+    for points in polygons:
+        if len(points) >= 3:
+            _fill(mask, np.asarray(points, np.float64) - np.asarray(origin, np.float64))
+    return mask
+
+
+def _fill(mask: np.ndarray, points: np.ndarray) -> None:
+    height, width = mask.shape
+    top, bottom = max(0, math.ceil(points[:, 1].min() - 0.5)), min(height, math.ceil(points[:, 1].max() - 0.5))
+    left, right = max(0, math.floor(points[:, 0].min())), min(width, math.ceil(points[:, 0].max()) + 1)
+    if bottom <= top or right <= left:
+        return
+    a, b = points, np.roll(points, -1, axis=0)
+    low, high = np.minimum(a[:, 1], b[:, 1]), np.maximum(a[:, 1], b[:, 1])
+    # each row's crossings: the edges whose half-open y span holds the row's centre (an even count per row)
+    rows, edges = np.nonzero(
+        (low <= np.arange(top, bottom)[:, None] + 0.5) & (np.arange(top, bottom)[:, None] + 0.5 < high)
+    )
+    y = rows + top + 0.5
+    xs = a[edges, 0] + (y - a[edges, 1]) * (b[edges, 0] - a[edges, 0]) / (b[edges, 1] - a[edges, 1])
+    order = np.lexsort((xs, rows))
+    rows, xs = rows[order][0::2], xs[order]
+    # the pixels u with u + 1/2 in [start, end): u from ceil(start - 1/2) to ceil(end - 1/2), exclusive
+    first = np.clip(np.ceil(xs[0::2] - 0.5), left, right).astype(np.int64) - left
+    last = np.clip(np.ceil(xs[1::2] - 0.5), left, right).astype(np.int64) - left
+    span = right - left + 1
+    length = (bottom - top) * span
+    steps = np.bincount(rows * span + first, minlength=length) - np.bincount(rows * span + last, minlength=length)
+    mask[top:bottom, left:right] |= np.cumsum(steps.reshape(bottom - top, span)[:, :-1], axis=1) > 0
