@@ -11,7 +11,7 @@ polygons that go with them:
     IoUCrop()                        SSD's random crop with a minimum IoU with the boxes
     Mosaic(p, n)                     four images in a 2S x 2S canvas around a random centre (probability p),
                                      or nine in a grid (n=9): boxes, masks and polygons placed with their
-                                     image, cut to the canvas
+                                     image, boxes cut and polygons' points clamped to the canvas
     RandomAffine(degrees, translate, scale, shear, perspective)
                                      ultralytics' random perspective of the (mosaic) canvas into the output;
                                      boxes, polygons and masks (nearest) through the same matrix, cut to the

@@ -11,8 +11,10 @@ ultralytics filters them (`warp.box_candidates`). HSV gains are drawn too;
 they are applied per batch (`hsv.py`).
 
 Instance polygons (YOLO-seg's, COCO's), where given, go through the same
-matrices point by point and are cut to the canvas and then to the output
-(`pipeline.polygons.clip_polygon`); a box with polygons then becomes the box
+matrices point by point: clamped to the canvas as ultralytics' `Instances.clip`
+clamps its outlines' points (a part past the canvas lies along its edge),
+then through the warp and cut to the output (`pipeline.polygons.clip_polygon`,
+exact, as its `segment2box` is); a box with polygons then becomes the box
 around what is left of them (ultralytics' `segment2box`: the rotated or
 sheared outline, not its rotated box), and the area filter keeps 1 % of a
 box's area instead of 10 %, as ultralytics does when an image has segments.
@@ -209,14 +211,35 @@ Shape = tuple[bool, list[np.ndarray]]
 
 
 def _shapes_on_canvas(tiles: list[Tile], polygons: list[Polygons], canvas: tuple[int, int]) -> list[Shape]:
-    """Each box's polygons (in `_placed`'s order: tile by tile) through its tile's matrix, cut to the canvas."""
-    window = (0.0, 0.0, float(canvas[0]), float(canvas[1]))
+    """Each box's polygons (in `_placed`'s order: tile by tile) through its tile's matrix, their points clamped to
+    the canvas as ultralytics' `Instances.clip` clamps them (a part outside lies along the edge it crossed)."""
     shapes: list[Shape] = []
     for index, tile in enumerate(tiles):
         for parts in polygons[index]:
-            moved = [clip_polygon(points_through(points, tile.matrix), window) for points in parts]
-            shapes.append((bool(parts), [points for points in moved if points is not None]))
+            shapes.append((bool(parts), [_clamped(points_through(points, tile.matrix), canvas) for points in parts]))
     return shapes
+
+
+def _clamped(points: np.ndarray, canvas: tuple[int, int]) -> np.ndarray:
+    """A closed outline's every point clamped to the canvas: its vertices, and where an edge crosses one of the
+    canvas' lines a vertex there, so that the clamped outline is the clamped path of every point of it (ultralytics
+    clamps its outlines resampled to 1000 points)."""
+    following = np.roll(points, -1, axis=0)
+    step = following - points
+    edges, ts = [np.arange(len(points))], [np.zeros(len(points))]
+    for axis, bound in ((0, 0.0), (0, float(canvas[0])), (1, 0.0), (1, float(canvas[1]))):
+        moving = step[:, axis] != 0
+        t = np.full(len(points), -1.0)
+        t[moving] = (bound - points[moving, axis]) / step[moving, axis]
+        crossing = np.flatnonzero((t > 0) & (t < 1))
+        edges.append(crossing)
+        ts.append(t[crossing])
+    edge, t = np.concatenate(edges), np.concatenate(ts)
+    if len(edge) == len(points):
+        return np.clip(points, 0.0, canvas)
+    order = np.lexsort((t, edge))
+    edge, t = edge[order], t[order]
+    return np.clip(points[edge] + t[:, None] * step[edge], 0.0, canvas)
 
 
 def _shapes_through(shapes: list[Shape], warp: np.ndarray, size: int, boxes: np.ndarray) -> tuple[list[Shape], np.ndarray]:

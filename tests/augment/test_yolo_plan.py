@@ -138,3 +138,25 @@ def test_rendering_from_the_jpegs_decodes_only_what_each_tile_shows_and_gives_th
         shared = render_jpegs(made, [b"not read" for _ in jpegs], decoder=decoder, decoded=list(wholes))
         assert psnr(shared, render(made, decoded)) > 45  # the same full-size pictures, the same resampler
     assert min(figures) > 35, [round(f, 1) for f in figures]
+
+
+def test_an_outline_past_the_canvas_is_clamped_as_every_point_of_it_would_be() -> None:
+    """Ultralytics clamps its outlines (resampled to 1000 points) to the canvas: the plan's clamp of the vertices and
+    of each edge's crossings of the canvas' lines holds every point of the densely clamped outline on its path."""
+    from pipeline.augment.yolo import _clamped
+
+    rng = np.random.default_rng(4)
+    canvas = (100, 80)
+    for _ in range(50):
+        points = rng.uniform(-60, 160, (int(rng.integers(3, 9)), 2))
+        clamped = _clamped(points, canvas)
+        assert (clamped >= 0).all() and (clamped <= canvas).all()
+        t = np.linspace(0, 1, 400, endpoint=False)[:, None, None]
+        dense = (points[None] + t * (np.roll(points, -1, 0) - points)[None]).transpose(1, 0, 2).reshape(-1, 2)
+        dense = np.clip(dense, 0, canvas)
+        a, b = clamped, np.roll(clamped, -1, 0)
+        ab = b - a
+        along = np.clip(((dense[:, None] - a[None]) * ab[None]).sum(-1) / np.maximum((ab**2).sum(-1), 1e-12), 0, 1)
+        distance = np.linalg.norm(a[None] + along[..., None] * ab[None] - dense[:, None], axis=-1).min(1)
+        assert distance.max() < 1e-6
+        assert np.allclose([*clamped.min(0), *clamped.max(0)], [*dense.min(0), *dense.max(0)], atol=0.6)
