@@ -130,10 +130,11 @@ def seg_data(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_ultralytics_trains_a_segmentation_model_on_gpufeeds_loaders_offline(seg_data: Path, tmp_path: Path) -> None:
-    """YOLO-seg: the polygons go through the recipe, the masks are drawn from them; training and validation run."""
+    """YOLO-seg: the polygons go through the recipe (copy-paste's mirrored copies too), the masks are drawn from
+    them; training and validation run."""
     project, shards = tmp_path / "runs", tmp_path / "shards"
     project.mkdir()
-    done = train(seg_data, project, shards, trainer="SegmentationTrainer", model="yolov8n-seg.yaml")
+    done = train(seg_data, project, shards, trainer="SegmentationTrainer", model="yolov8n-seg.yaml", copy_paste=0.5)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["train_loader"] == "pipeline.integrations.yolo_batches.YoloLoader"
@@ -159,7 +160,8 @@ for _ in range(20):  # single-part polygons: ultralytics' own overlap masks and 
 errors = []
 for split, train in (("train", True), ("val", False)):
     loader = yolo_loader(split_shards(data, split, 96, root, cache=shards), 8, train, 96, workers=2, rect=True,
-                         masks=lambda size, shapes: instance_masks(size, shapes, 4, True))
+                         masks=lambda size, shapes: instance_masks(size, shapes, 4, True),
+                         hyp={"copy_paste": 0.5} if train else None)
     for batch in loader:
         height, width = batch["img"].shape[2:]
         assert batch["masks"].shape == (len(batch["img"]), height // 4, width // 4), batch["masks"].shape
@@ -179,8 +181,8 @@ print(json.dumps({"same": same, "errors": errors}))
 
 
 def test_segmentation_masks_are_ultralytics_own_and_follow_their_instances(seg_data: Path, tmp_path: Path) -> None:
-    """instance_masks equals ultralytics' polygons2masks_overlap; in every batch (train, rect val), mask value k + 1
-    lies on the image's k-th box: the instances are in the masks' order."""
+    """instance_masks equals ultralytics' polygons2masks_overlap; in every batch (train with copy-paste, rect val),
+    mask value k + 1 lies on the image's k-th box: the instances are in the masks' order."""
     python = venv_python("vision", VISION)
     env = {**os.environ, "YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": str(tmp_path / "config"), "PYTHONPATH": str(ROOT)}
     done = subprocess.run([str(python), "-c", MASKS_SCRIPT, str(seg_data), str(seg_data.parent), str(tmp_path / "shards")],
