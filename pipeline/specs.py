@@ -513,6 +513,9 @@ class LoaderSpec(Spec):
         check_number("min_visible", self.min_visible, 0.0, 1.0)
         if self.recipe is not None and self.recipe not in RECIPES:
             raise ConfigError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        if self.recipe == "yolo" and not self.train and self.decoder == "nvjpeg":
+            raise ConfigError("recipe='yolo' letterboxes in eval mode, on the CPU: decoder='nvjpeg' renders its "
+                              "training mosaics only; use a CPU decoder for validation")  # fmt: skip
         if not _is_number_pair(self.jitter) or not 0 < self.jitter[0] <= self.jitter[1] <= 16:
             raise ConfigError(f"jitter must be (low, high) scales with 0 < low <= high <= 16, got {self.jitter!r}")
         check_int("fill", self.fill, 0, 255)

@@ -18,6 +18,7 @@ The package map:
     copy_paste.py  ultralytics' `CopyPaste` (mode "flip"): which instances are mirrored, and the outlines' pixels
     yolo.py      `YoloRecipe` (ultralytics' default hyperparameters) and `plan`: one output's sources, matrices, boxes
     render.py    one planned output's pixels on the CPU: the native resampler where a matrix is axis-aligned
+    device_render.py  a batch of planned outputs in torch on any device: ultralytics' resize, paste and one warp (`render_batch`)
     masks.py     one planned output's masks (classes, each box's own): each source's sampled nearest through its matrix
     hsv.py       `HSV`: ultralytics' hue, saturation and value gains, per batch in torch, per image in native code
     color.py     `ColorJitter`: torchvision's brightness, contrast, saturation and hue, per image, on a uint8 batch or image

@@ -25,6 +25,7 @@
     region_decode.py  the region decoder (libjpeg-turbo in pipeline.native) over a piece's JPEGs, one C call
     slot_pixels.py    decoded pixels into a slot: crop box resized (Pillow or C), flipped, normalised; Pillow's decode
     gpu_decode.py     JPEG decode on the GPU (nvjpeg through torchvision)
+    gpu_mosaic.py     recipe="yolo" with nvjpeg: the workers plan, the device decodes each picture once and renders
 
 Importing this package is cheap; torch is imported with `loader.py`.
 """

@@ -32,12 +32,14 @@ import torch
 from ..augment.color import ColorJitter, Draw, jitter_batch
 from ..augment.hsv import apply_hsv
 from ..augment.mixup import Mixed, cutmix_batch, mixup_batch
+from ..errors import DecodeError
 from ..specs import LoaderSpec
+from ..targets import TargetError
 from .crops import Affine, CropSpec, flip_mask
 from .damage import Extras, Item, Report
 from .executors import failed_samples
 from .hooks import run_batch_transform
-from .mosaic_piece import HSV_GAINS
+from .mosaic_piece import HSV_GAINS, mosaic_decoder, mosaic_into, yolo_recipe
 from .pacing import RunSlots
 from .pieces import CpuFinish, Jitter
 from .runs import Run, Upcoming
@@ -306,6 +308,8 @@ class DeviceFinish:
         """nvjpeg: decode the batch's JPEGs on the GPU, crop and resize there too."""
         from .gpu_decode import decode_batch_on_gpu
 
+        if self._crop.mosaics and self.plan is not None:
+            return self._gpu_mosaics(batch, free, side, pool, report, upcoming)
         with torch.cuda.stream(side):
             pixels, failures = decode_batch_on_gpu(batch.items, self._crop, self.device)
             if self.plan is not None:  # the targets, worked out by the decode workers meanwhile
@@ -319,6 +323,44 @@ class DeviceFinish:
             done.record(side)
         free.put(batch.slot)
         return images, labels, done
+
+    def _gpu_mosaics(
+        self, batch: HostBatch, free: RunSlots, side: Any, pool: DecodePool, report: Report, upcoming: Upcoming
+    ) -> BatchOnDevice:
+        """recipe="yolo" with nvjpeg: the workers' plans rendered here, from the batch's pictures decoded on the
+        device once each (`gpu_mosaic.py`)."""
+        from .gpu_mosaic import render_mosaics
+
+        with torch.cuda.stream(side):
+            failures = failed_samples(batch)  # waits for the workers' plans
+            free.put(batch.slot)  # the workers wrote no pixel into it
+            pixels = torch.zeros((batch.count, 3, self.spec.crop, self.spec.crop), dtype=torch.uint8, device=self.device)
+            failures = sorted(failures + render_mosaics(batch.items, batch.targets, pixels))
+            if failures:
+                pool.replace(batch, failures, report, upcoming.later(), self._mosaic_upload(batch, pixels, pool))
+            images = self._finish_on_device(pixels, None, batch)
+            labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        return images, labels, done
+
+    def _mosaic_upload(self, batch: HostBatch, pixels: torch.Tensor, pool: DecodePool) -> Callable[[int, Item, Extras], bool]:
+        """A stand-in's mosaic (of the stand-in alone), rendered on the CPU and uploaded into its position."""
+        assert self.plan is not None
+        plan, crop = self.plan, pool.crop_for(batch.epoch)
+        recipe, decoder = yolo_recipe(crop), mosaic_decoder(crop)
+
+        def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
+            into = np.empty((3, crop.size, crop.size), np.uint8)
+            try:
+                batch.targets[position] = mosaic_into(plan, crop, recipe, [item], [extras or {}], 0, batch.keys[position],
+                                                      into, None, decoder)  # fmt: skip
+            except (TargetError, DecodeError):
+                return False
+            pixels[position] = torch.from_numpy(into).to(pixels.device)
+            return True
+
+        return decode_at
 
     # -- flip, float, normalise ---------------------------------------------
 

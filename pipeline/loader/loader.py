@@ -199,7 +199,10 @@ def make_loader(
         eval_fraction: centre-crop fraction in eval mode (0.875: 224 from 256).
         decoder: "auto" (the fastest present), "region" (libjpeg-turbo
             decoding only the crop's region), "simplejpeg", "pil", or
-            "nvjpeg" (on the GPU; needs a CUDA device and torchvision with CUDA).
+            "nvjpeg" (on the GPU; needs a CUDA device and torchvision with CUDA;
+            with recipe="yolo" in train mode the workers only plan each
+            mosaic, and the device decodes each picture once and renders
+            the batch: `gpu_mosaic.py`).
         on_error: what damage does: "skip" (warn once per shard or sample,
             count it in `stats.skipped`, and re-draw replacements, counted in
             `stats.replaced`, from this rank's own samples of the epoch, so
@@ -405,7 +408,7 @@ def _task_plan(
     """The loader's task plan (None: the classification tuple path), its transforms checked."""
     if batch_transform is not None and not callable(batch_transform):
         raise ConfigError("batch_transform must be a callable taking a batch and returning the batch to deliver")
-    if spec.recipe != "crop" and spec.decoder == "nvjpeg":
+    if spec.recipe not in ("crop", "yolo") and spec.decoder == "nvjpeg":
         raise ConfigError(f"recipe={spec.recipe!r} places images on the CPU: decoder='nvjpeg' only crops; use a CPU decoder")
     if spec.recipe == "iou_crop" and (spec.task or dataset.task) != "detection":
         raise ConfigError("recipe='iou_crop' crops around each sample's boxes: it needs a detection dataset (task='detection')")

@@ -48,6 +48,7 @@ from .tasks import TaskPlan, decode_mask, field_value, read_polygons
 
 DEFAULT_RECIPE = YoloRecipe()
 HSV_GAINS = "hsv_gains"  # a target's key: the gains the device applies to the batch (`hsv_in_workers=False`)
+MOSAIC_PLAN = "mosaic_plan"  # a target's key: (Plan, piece positions of its tiles' pictures) the device renders
 
 
 def yolo_recipe(crop: CropSpec) -> YoloRecipe:
@@ -124,7 +125,7 @@ def yolo_sample(
     extras: Sequence[Extras],
     position: int,
     key: str,
-    out: np.ndarray,
+    out: np.ndarray | None,
     decoder: Any = None,
     memo: PieceMemo | None = None,
     hsv_in_workers: bool = True,
@@ -133,7 +134,9 @@ def yolo_sample(
 
     `memo` keeps what the piece's outputs share (`PieceMemo`): a picture is decoded once however many
     mosaics of the piece show it. Every picture is decoded before `out` is written. `hsv_in_workers=False`
-    leaves the HSV gains to the device: they go with the targets (`HSV_GAINS`).
+    leaves the HSV gains to the device: they go with the targets (`HSV_GAINS`). `out=None` decodes and
+    renders nothing: the plan and the piece positions of its tiles' pictures go with the targets
+    (`MOSAIC_PLAN`), for the device to decode and render (decoder="nvjpeg"), and so do the HSV gains.
 
     Raises:
         TargetError, DecodeError: its sample or a partner is damaged.
@@ -158,6 +161,35 @@ def yolo_sample(
     made = plan(recipe, rng, sizes, boxes, labels, polygons=shapes)
     shown = chosen[: len(made.tiles)]
     masks = _masks(plan_of, made, items, extras, shown, [len(b) for b in boxes], memo)  # read before a pixel is written
+    if out is not None:
+        _render_into(made, items, shown, out, decoder, memo)
+    total = sum(len(b) for b in boxes[: len(made.tiles)])
+    targets: dict[str, Any] = {"boxes": made.boxes, "box_labels": made.labels, "boxes_dropped": total - len(made.boxes)}
+    if made.polygons is not None:
+        targets["polygons"] = made.polygons
+    targets.update(masks)
+    if out is None:
+        targets[MOSAIC_PLAN] = (made, shown)
+    if made.hsv_gains is not None and hsv_in_workers and out is not None:
+        hsv_in_place(out, made.hsv_gains)
+    elif made.hsv_gains is not None:
+        targets[HSV_GAINS] = made.hsv_gains  # the device applies them to the batch
+    for name in plan_of.fields:
+        if name != "key":
+            targets.setdefault("fields", {})[name] = field_value(name, (extras[position] or {}).get(name))
+    if plan_of.sample_transform is not None and out is not None:
+        run_sample_transform(plan_of, out, key, targets)
+    return targets
+
+
+def _render_into(made: Plan, items: Sequence[tuple[str, bytes, int]], shown: list[int], out: np.ndarray, decoder: Any,
+                 memo: PieceMemo) -> None:  # fmt: skip
+    """The plan's pixels into `out`: its JPEGs decoded whole once per piece (`memo`) by the region decoder, other
+    pictures by PIL.
+
+    Raises:
+        DecodeError: a picture does not decode.
+    """
     try:
         if decoder is not None and all(items[index][0] in ("jpg", "jpeg") for index in shown):
             for index in shown:
@@ -169,21 +201,6 @@ def yolo_sample(
             render(made, [np.asarray(_rgb(items[index][0], items[index][1])) for index in shown], out=out)
     except native.RegionError as exc:
         raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
-    total = sum(len(b) for b in boxes[: len(made.tiles)])
-    targets: dict[str, Any] = {"boxes": made.boxes, "box_labels": made.labels, "boxes_dropped": total - len(made.boxes)}
-    if made.polygons is not None:
-        targets["polygons"] = made.polygons
-    targets.update(masks)
-    if made.hsv_gains is not None and hsv_in_workers:
-        hsv_in_place(out, made.hsv_gains)
-    elif made.hsv_gains is not None:
-        targets[HSV_GAINS] = made.hsv_gains  # the device applies them to the batch
-    for name in plan_of.fields:
-        if name != "key":
-            targets.setdefault("fields", {})[name] = field_value(name, (extras[position] or {}).get(name))
-    if plan_of.sample_transform is not None:
-        run_sample_transform(plan_of, out, key, targets)
-    return targets
 
 
 def _masks(

@@ -25,7 +25,7 @@ from .cpu_decode import decode_many
 from .crops import Affine, CropSpec
 from .damage import Extras, Item
 from .hooks import run_sample_transform
-from .mosaic_piece import PieceMemo, mosaic_decoder, mosaic_into, write_slot, yolo_recipe
+from .mosaic_piece import MOSAIC_PLAN, PieceMemo, mosaic_decoder, mosaic_into, write_slot, yolo_recipe, yolo_sample
 from .placement import Placement
 from .tasks import TaskPlan, placement_of, sample_targets
 
@@ -235,6 +235,17 @@ def _yolo_chunk(
     done: dict[int, dict[str, Any]] = {}
     extras = [extra or {} for extra in work.extras]
     memo = PieceMemo()  # the piece's pictures and boxes, each read once for all the mosaics showing them
+    if not work.pixels:  # decoder="nvjpeg": plans only; the device decodes and renders (`gpu_mosaic.py`)
+        for offset in range(len(items)):
+            try:
+                found = yolo_sample(work.plan, recipe, items, extras, offset, work.keys[offset], None, None, memo)
+            except (TargetError, DecodeError) as exc:
+                failures.append((start + offset, str(exc)))
+                continue
+            made, shown = found[MOSAIC_PLAN]
+            found[MOSAIC_PLAN] = (made, [start + index for index in shown])  # the batch's positions
+            done[start + offset] = found
+        return PieceResult(sorted(failures), done)
     for offset in range(len(items)):
         position = start + offset
         if finish is not None:

@@ -456,3 +456,58 @@ def matched_errors(got: np.ndarray, want: np.ndarray) -> list[float]:
         errors.append(float(distances[nearest]))
         free.pop(nearest)
     return errors
+
+
+DEVICE_RENDER = [(name, 0.0) for name in RECIPES] + [("defaults", 1.0), ("rotation, shear, perspective", 1.0)]
+
+
+@pytest.mark.parametrize(("name", "share"), DEVICE_RENDER)
+def test_render_batch_gives_ultralytics_pixels(tmp_path: Path, name: str, share: float) -> None:
+    """`device_render.render_batch` (torch: ultralytics' resize, paste and warp) against ultralytics' own pixels for
+    the same draws, to the thresholds `render` meets, the whole batch of cases in one call."""
+    import torch
+
+    from pipeline.augment.device_render import render_batch
+
+    recipe = dataclass_replace(RECIPES[name], copy_paste=share, hsv=None)
+    rng = np.random.default_rng(90 + DEVICE_RENDER.index((name, share)))
+    cases = []
+    for number in range(12):
+        case = write_case(tmp_path, number, rng, recipe.sources)
+        if share:
+            case["segments"] = [polygons_in(boxes, rng) for boxes in case["boxes"]]
+        case.update(units=rng.uniform(0, 1, 16).tolist(), size=SIZE, out=str(tmp_path / f"{number}-ultralytics.npy"),
+                    mosaic_p=recipe.mosaic.p if recipe.mosaic is not None else -1.0, fliplr=recipe.fliplr,
+                    mosaic_n=recipe.sources if recipe.mosaic is not None else 4, copy_paste=share,
+                    flipud=recipe.flipud, affine=dataclass_dict(recipe.affine))  # fmt: skip
+        cases.append(case)
+    run_ultralytics(cases)
+    plans = []
+    for case in cases:
+        units = Units(case["units"])
+        if recipe.mosaic is None:
+            units.random()  # ultralytics' Mosaic(p=0) still draws whether to mosaic
+        originals = [(p.shape[1], p.shape[0]) for p in case["pictures"]]
+        boxes = [np.array(b, np.float64) for b in case["boxes"]]
+        labels = [np.array(v, np.int64) for v in case["labels"]]
+        polygons = None
+        if share:
+            polygons = [[[np.array(points, np.float64)] for points in shapes] for shapes in case["segments"]]
+        plans.append(plan(recipe, units, originals, boxes, labels, polygons=polygons))
+    pictures = [
+        [torch.from_numpy(np.ascontiguousarray(p.transpose(2, 0, 1))) for p in case["pictures"]] for case in cases
+    ]
+    batch = render_batch(plans, pictures).numpy().transpose(0, 2, 3, 1)
+    figures: list[float] = []
+    whole: list[float] = []
+    for made, case, ours in zip(plans, cases, batch):
+        theirs = np.load(case["out"])
+        away = away_from_seams(made) & away_from_outlines(made)
+        figures.append(psnr(ours[away], theirs[away]))
+        whole.append(psnr(ours, theirs))
+    if share:
+        assert sum(bool(made.pasted) for made in plans) >= 4  # copies were pasted, and shown
+    assert min(figures) >= MIN_PSNR_DB, (name, share, [round(f, 1) for f in figures])
+    assert min(whole) >= MIN_WHOLE_PSNR_DB, (name, share, [round(f, 1) for f in whole])
+    print(f"render_batch, {name}, copy_paste={share}: PSNR against ultralytics away from seams min {min(figures):.1f} dB"
+          f" (median {np.median(figures):.1f}), whole min {min(whole):.1f} dB (median {np.median(whole):.1f})")  # fmt: skip
