@@ -339,21 +339,43 @@ def polygons_in(boxes: list[list[float]], rng: np.random.Generator) -> list[list
     return out
 
 
+def segment_cases(tmp_path: Path, recipe: YoloRecipe, rng: np.random.Generator, count: int, share: float = 0.0,
+                  segments: bool = True) -> list[dict]:  # fmt: skip
+    """`count` cases of `recipe` (copy-paste `share`), each picture's objects outlined where `segments`."""
+    cases = []
+    for number in range(count):
+        case = write_case(tmp_path, number, rng, recipe.sources)
+        if segments:
+            case["segments"] = [polygons_in(boxes, rng) for boxes in case["boxes"]]
+        case.update(units=rng.uniform(0, 1, 16).tolist(), size=SIZE, out=str(tmp_path / f"{number}-ultralytics.npy"),
+                    mosaic_p=recipe.mosaic.p if recipe.mosaic is not None else -1.0, fliplr=recipe.fliplr,
+                    mosaic_n=recipe.sources if recipe.mosaic is not None else 4, copy_paste=share,
+                    flipud=recipe.flipud, affine=dataclass_dict(recipe.affine))  # fmt: skip
+        cases.append(case)
+    return cases
+
+
+def case_plan(recipe: YoloRecipe, case: dict) -> Plan:
+    """The plan of `case` from its own draws (and its outlines, where it has them)."""
+    units = Units(case["units"])
+    if recipe.mosaic is None:
+        units.random()  # ultralytics' Mosaic(p=0) still draws whether to mosaic
+    originals = [(p.shape[1], p.shape[0]) for p in case["pictures"]]
+    boxes = [np.array(b, np.float64) for b in case["boxes"]]
+    labels = [np.array(v, np.int64) for v in case["labels"]]
+    polygons = None
+    if "segments" in case:
+        polygons = [[[np.array(points, np.float64)] for points in shapes] for shapes in case["segments"]]
+    return plan(recipe, units, originals, boxes, labels, polygons=polygons)
+
+
 @pytest.mark.parametrize("name", ["defaults", "rotation, shear, perspective"])
 def test_polygons_give_ultralytics_segment_boxes_for_the_same_draws(tmp_path: Path, name: str) -> None:
     """YOLO-seg through the mosaic and the warp: each box is the box around its outline's visible part, as
     ultralytics' `segment2box`, and the boxes that survive its 1 % area filter are the same."""
     recipe = RECIPES[name]
     rng = np.random.default_rng(40 + list(RECIPES).index(name))
-    cases = []
-    for number in range(16):
-        case = write_case(tmp_path, number, rng, recipe.sources)
-        case["segments"] = [polygons_in(boxes, rng) for boxes in case["boxes"]]
-        case.update(units=rng.uniform(0, 1, 16).tolist(), size=SIZE, out=str(tmp_path / f"{number}-ultralytics.npy"),
-                    mosaic_p=recipe.mosaic.p if recipe.mosaic is not None else -1.0, fliplr=recipe.fliplr,
-                    mosaic_n=recipe.sources if recipe.mosaic is not None else 4,
-                    flipud=recipe.flipud, affine=dataclass_dict(recipe.affine))  # fmt: skip
-        cases.append(case)
+    cases = segment_cases(tmp_path, recipe, rng, 16)
     answers = run_ultralytics(cases)
     errors, tighter = [], 0
     for case, answer in zip(cases, answers):
@@ -401,29 +423,14 @@ def test_copy_paste_gives_ultralytics_boxes_and_pixels(tmp_path: Path, name: str
     the plan with `copy_paste`: the same boxes (the copies' too) and the mirrored objects' pixels."""
     recipe = dataclass_replace(RECIPES[name], copy_paste=share, hsv=None)
     rng = np.random.default_rng(70 + COPY_PASTE.index((name, share)))
-    cases = []
-    for number in range(16):
-        case = write_case(tmp_path, number, rng, recipe.sources)
-        case["segments"] = [polygons_in(boxes, rng) for boxes in case["boxes"]]
-        case.update(units=rng.uniform(0, 1, 16).tolist(), size=SIZE, out=str(tmp_path / f"{number}-ultralytics.npy"),
-                    mosaic_p=recipe.mosaic.p if recipe.mosaic is not None else -1.0, fliplr=recipe.fliplr,
-                    mosaic_n=recipe.sources if recipe.mosaic is not None else 4, copy_paste=share,
-                    flipud=recipe.flipud, affine=dataclass_dict(recipe.affine))  # fmt: skip
-        cases.append(case)
+    cases = segment_cases(tmp_path, recipe, rng, 16, share)
     answers = run_ultralytics(cases)
     errors: list[float] = []
     figures: list[float] = []
     whole: list[float] = []
     copies = pasted = 0
     for case, answer in zip(cases, answers):
-        units = Units(case["units"])
-        if recipe.mosaic is None:
-            units.random()  # ultralytics' Mosaic(p=0) still draws whether to mosaic
-        originals = [(p.shape[1], p.shape[0]) for p in case["pictures"]]
-        boxes = [np.array(b, np.float64) for b in case["boxes"]]
-        labels = [np.array(v, np.int64) for v in case["labels"]]
-        polygons = [[[np.array(points, np.float64)] for points in shapes] for shapes in case["segments"]]
-        made = plan(recipe, units, originals, boxes, labels, polygons=polygons)
+        made = case_plan(recipe, case)
         want = np.array(answer["boxes"], np.float64).reshape(-1, 4)
         assert len(made.boxes) == len(want), (name, share, made.boxes, made.copied, want)
         assert sorted(made.labels.tolist()) == sorted(int(v) for v in answer["labels"])
@@ -471,29 +478,11 @@ def test_render_batch_gives_ultralytics_pixels(tmp_path: Path, name: str, share:
 
     recipe = dataclass_replace(RECIPES[name], copy_paste=share, hsv=None)
     rng = np.random.default_rng(90 + DEVICE_RENDER.index((name, share)))
-    cases = []
-    for number in range(12):
-        case = write_case(tmp_path, number, rng, recipe.sources)
-        if share:
-            case["segments"] = [polygons_in(boxes, rng) for boxes in case["boxes"]]
-        case.update(units=rng.uniform(0, 1, 16).tolist(), size=SIZE, out=str(tmp_path / f"{number}-ultralytics.npy"),
-                    mosaic_p=recipe.mosaic.p if recipe.mosaic is not None else -1.0, fliplr=recipe.fliplr,
-                    mosaic_n=recipe.sources if recipe.mosaic is not None else 4, copy_paste=share,
-                    flipud=recipe.flipud, affine=dataclass_dict(recipe.affine))  # fmt: skip
-        cases.append(case)
+    cases = segment_cases(tmp_path, recipe, rng, 12, share, segments=bool(share))
     run_ultralytics(cases)
     plans = []
     for case in cases:
-        units = Units(case["units"])
-        if recipe.mosaic is None:
-            units.random()  # ultralytics' Mosaic(p=0) still draws whether to mosaic
-        originals = [(p.shape[1], p.shape[0]) for p in case["pictures"]]
-        boxes = [np.array(b, np.float64) for b in case["boxes"]]
-        labels = [np.array(v, np.int64) for v in case["labels"]]
-        polygons = None
-        if share:
-            polygons = [[[np.array(points, np.float64)] for points in shapes] for shapes in case["segments"]]
-        plans.append(plan(recipe, units, originals, boxes, labels, polygons=polygons))
+        plans.append(case_plan(recipe, case))
     pictures = [
         [torch.from_numpy(np.ascontiguousarray(p.transpose(2, 0, 1))) for p in case["pictures"]] for case in cases
     ]

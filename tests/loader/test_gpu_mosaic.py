@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import red_shapes
 import torch
-from PIL import Image, ImageDraw
+from red_shapes import graded, write_source
 
-from pipeline import PrepareSpec, ResizeSpec, make_loader, prepare_dataset
+from pipeline import make_loader
 from pipeline.loader.crops import CropSpec
 from pipeline.loader.gpu_mosaic import cpu_decode, render_mosaics
 from pipeline.loader.mosaic_piece import HSV_GAINS, MOSAIC_PLAN
@@ -29,29 +30,21 @@ from pipeline.loader.tasks import task_plan
 SIZE = 160
 
 
+def triangles(rng: np.random.Generator, width: int, height: int) -> list[np.ndarray]:
+    """A triangle in each half of the picture."""
+    found = []
+    for label in range(2):
+        x0, y0 = (0.1 + 0.45 * label) * width, rng.uniform(0.1, 0.4) * height
+        found.append(np.array([(x0, y0), (x0 + 0.3 * width, y0 + 0.1 * height), (x0 + 0.1 * width, y0 + 0.45 * height)]))
+    return found
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("gpu-mosaic") / "source"
-    (root / "images").mkdir(parents=True)
-    (root / "labels").mkdir()
-    rng = np.random.default_rng(5)
-    for number in range(12):
-        width, height = int(rng.integers(120, 260)), int(rng.integers(120, 260))
-        y, x = np.mgrid[0:height, 0:width]
-        base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 100 / (width + height) + 60], axis=2)
-        picture = Image.fromarray(base.clip(0, 255).astype(np.uint8))
-        lines = []
-        for label in range(2):
-            x0, y0 = (0.1 + 0.45 * label) * width, rng.uniform(0.1, 0.4) * height
-            points = [(x0, y0), (x0 + 0.3 * width, y0 + 0.1 * height), (x0 + 0.1 * width, y0 + 0.45 * height)]
-            ImageDraw.Draw(picture).polygon(points, fill=(230, 20, 20))
-            lines.append(f"{label} " + " ".join(f"{px / width:.6f} {py / height:.6f}" for px, py in points))
-        picture.save(root / "images" / f"{number:03d}.jpg", quality=92)
-        (root / "labels" / f"{number:03d}.txt").write_text("\n".join(lines) + "\n")
-    (root / "data.yaml").write_text("names: [left, right]\n")
-    out = root.parent / "out"
-    prepare_dataset(PrepareSpec(str(root), str(out), resize=ResizeSpec(size=200, mode="longer")), workers=0)
-    return out
+    base = tmp_path_factory.mktemp("gpu-mosaic")
+    source = write_source(base / "source", triangles, count=12, seed=5, names=("left", "right"), sides=(120, 260),
+                          ground=graded, suffix="jpg")  # fmt: skip
+    return red_shapes.prepared(source, base / "out", 200)
 
 
 def samples(prepared: Path) -> tuple[list[tuple[str, bytes, int]], list[dict[str, bytes]], list[str]]:

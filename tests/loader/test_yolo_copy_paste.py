@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw
+import red_shapes
+from red_shapes import write_source
 from test_yolo_polygons import CROP, NO_HSV, inside, shapes
 
-from pipeline import PrepareSpec, ResizeSpec, make_loader, prepare_dataset
+from pipeline import make_loader
 
 
 @pytest.fixture(scope="module")
@@ -28,28 +29,9 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("copy-paste")
     outs = []
     for kind in ("seg", "boxes"):
-        root = base / kind
-        (root / "images").mkdir(parents=True)
-        (root / "labels").mkdir()
-        rng = np.random.default_rng(11)
-        for number in range(16):
-            width, height = int(rng.integers(160, 320)), int(rng.integers(160, 320))
-            picture = Image.new("RGB", (width, height), (128, 128, 128))
-            lines = []
-            for label, points in enumerate(shapes(rng, width, height)):
-                ImageDraw.Draw(picture).polygon([tuple(p) for p in points], fill=(230, 20, 20))
-                if kind == "seg":
-                    lines.append(f"{label} " + " ".join(f"{x / width:.6f} {y / height:.6f}" for x, y in points))
-                else:
-                    (x0, y0), (x1, y1) = points.min(0), points.max(0)
-                    cx, cy, w, h = (x0 + x1) / 2 / width, (y0 + y1) / 2 / height, (x1 - x0) / width, (y1 - y0) / height
-                    lines.append(f"{label} {cx:.6f} {cy:.6f} {w:.6f} {h:.6f}")
-            picture.save(root / "images" / f"{number:03d}.png")
-            (root / "labels" / f"{number:03d}.txt").write_text("\n".join(lines) + "\n")
-        (root / "data.yaml").write_text("names: [hexagon, triangle]\n")
-        out = base / f"{kind}-out"
-        prepare_dataset(PrepareSpec(str(root), str(out), resize=ResizeSpec(size=256, mode="longer")), workers=0)
-        outs.append(out)
+        source = write_source(base / kind, shapes, count=16, seed=11, names=("hexagon", "triangle"),
+                              boxes_only=kind == "boxes")  # fmt: skip
+        outs.append(red_shapes.prepared(source, base / f"{kind}-out", 256))
     return outs[0], outs[1]
 
 

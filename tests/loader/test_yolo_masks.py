@@ -16,39 +16,33 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import red_shapes
 import torch
-from PIL import Image, ImageDraw
+from red_shapes import write_source
 
-from pipeline import PrepareSpec, ResizeSpec, make_loader, prepare_dataset
+from pipeline import make_loader
 
 CROP = 160
 NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
 IGNORE = 255
 
 
+def diamonds(rng: np.random.Generator, width: int, height: int) -> list[np.ndarray]:
+    """A diamond in each half of the picture."""
+    found = []
+    for label in range(2):
+        x0 = (0.05 + 0.5 * label + rng.uniform(0, 0.1)) * width
+        y0 = rng.uniform(0.1, 0.4) * height
+        w, h = rng.uniform(0.2, 0.3) * width, rng.uniform(0.3, 0.5) * height
+        found.append(np.array([(x0 + w / 2, y0), (x0 + w, y0 + h / 2), (x0 + w / 2, y0 + h), (x0, y0 + h / 2)]))
+    return found
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("masks") / "source"
-    (root / "images").mkdir(parents=True)
-    (root / "labels").mkdir()
-    rng = np.random.default_rng(11)
-    for number in range(12):
-        width, height = int(rng.integers(160, 320)), int(rng.integers(160, 320))
-        picture = Image.new("RGB", (width, height), (128, 128, 128))
-        lines = []
-        for label in range(2):  # one shape in each half
-            x0 = (0.05 + 0.5 * label + rng.uniform(0, 0.1)) * width
-            y0 = rng.uniform(0.1, 0.4) * height
-            w, h = rng.uniform(0.2, 0.3) * width, rng.uniform(0.3, 0.5) * height
-            points = [(x0 + w / 2, y0), (x0 + w, y0 + h / 2), (x0 + w / 2, y0 + h), (x0, y0 + h / 2)]
-            ImageDraw.Draw(picture).polygon(points, fill=(230, 20, 20))
-            lines.append(f"{label} " + " ".join(f"{x / width:.6f} {y / height:.6f}" for x, y in points))
-        picture.save(root / "images" / f"{number:03d}.png")
-        (root / "labels" / f"{number:03d}.txt").write_text("\n".join(lines) + "\n")
-    (root / "data.yaml").write_text("names: [left, right]\n")
-    out = root.parent / "out"
-    prepare_dataset(PrepareSpec(str(root), str(out), resize=ResizeSpec(size=256, mode="longer")), workers=0)
-    return out
+    base = tmp_path_factory.mktemp("masks")
+    source = write_source(base / "source", diamonds, count=12, seed=11, names=("left", "right"))
+    return red_shapes.prepared(source, base / "out", 256)
 
 
 def batches(prepared: Path, hyp: dict[str, float], worker_type: str = "thread", **settings: object) -> list:

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import red_shapes
 from PIL import Image, ImageDraw
+from red_shapes import write_source
 
-from pipeline import PrepareSpec, ResizeSpec, make_loader, prepare_dataset
+from pipeline import make_loader
 
 CROP = 160
 NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
@@ -35,23 +37,9 @@ def shapes(rng: np.random.Generator, width: int, height: int) -> list[np.ndarray
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("seg") / "source"
-    (root / "images").mkdir(parents=True)
-    (root / "labels").mkdir()
-    rng = np.random.default_rng(7)
-    for number in range(16):
-        width, height = int(rng.integers(160, 320)), int(rng.integers(160, 320))
-        picture = Image.new("RGB", (width, height), (128, 128, 128))
-        lines = []
-        for label, points in enumerate(shapes(rng, width, height)):
-            ImageDraw.Draw(picture).polygon([tuple(p) for p in points], fill=(230, 20, 20))
-            lines.append(f"{label} " + " ".join(f"{x / width:.6f} {y / height:.6f}" for x, y in points))
-        picture.save(root / "images" / f"{number:03d}.png")
-        (root / "labels" / f"{number:03d}.txt").write_text("\n".join(lines) + "\n")
-    (root / "data.yaml").write_text("names: [hexagon, triangle]\n")
-    out = root.parent / "out"
-    prepare_dataset(PrepareSpec(str(root), str(out), resize=ResizeSpec(size=256, mode="longer")), workers=0)
-    return out
+    base = tmp_path_factory.mktemp("seg")
+    source = write_source(base / "source", shapes, count=16, seed=7, names=("hexagon", "triangle"))
+    return red_shapes.prepared(source, base / "out", 256)
 
 
 def inside(points: np.ndarray, size: int) -> np.ndarray:
