@@ -340,8 +340,10 @@ class DeviceFinish:
                 pool.replace(batch, failures, report, upcoming.later(), self._mosaic_upload(batch, pixels, pool))
             images = self._finish_on_device(pixels, None, batch)
             labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
+            done = None
+            if side is not None:  # always on CUDA; None where the glue runs on the CPU (its tests)
+                done = torch.cuda.Event()
+                done.record(side)
         return images, labels, done
 
     def _mosaic_upload(self, batch: HostBatch, pixels: torch.Tensor, pool: DecodePool) -> Callable[[int, Item, Extras], bool]:

@@ -93,18 +93,18 @@ def render_mosaics(
     items: Sequence[tuple[str, bytes, int]],
     targets: dict[int, dict[str, Any]],
     out: torch.Tensor,
-    decode: Decode = nvjpeg_decode,
+    decode: Decode | None = None,
 ) -> list[tuple[int, str]]:
     """Each planned position's mosaic rendered into `out` [B, 3, S, S] uint8 on the device; the failures.
 
     `targets` are the workers' (position -> targets, each with its `MOSAIC_PLAN`, taken off here); a position
     without one failed in the workers and is left as it is. A position fails where a picture it shows decodes
-    nowhere.
+    nowhere. `decode` decodes the JPEGs (default `nvjpeg_decode`).
     """
     planned = sorted(position for position, found in targets.items() if MOSAIC_PLAN in found)
     plans = {position: targets[position].pop(MOSAIC_PLAN) for position in planned}
     needed = sorted({shown for position in planned for shown in plans[position][1]})
-    pictures, bad = decode_pictures(items, needed, out.device, decode)
+    pictures, bad = decode_pictures(items, needed, out.device, decode or nvjpeg_decode)
     failures: list[tuple[int, str]] = []
     good: list[int] = []
     for position in planned:

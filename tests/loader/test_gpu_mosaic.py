@@ -5,8 +5,11 @@ plan-only pass must give the targets its rendering pass gives (the same
 boxes, polygons and HSV gains) plus each output's plan and the batch
 positions of its pictures; `render_mosaics` must render those plans to
 the CPU path's pixels (30 dB or better), decode each picture once, and
-fail exactly the outputs that show a picture that decodes nowhere. On a
-CUDA machine the same loader runs end to end with nvjpeg (`cuda` mark).
+fail exactly the outputs that show a picture that decodes nowhere; and the
+loader itself, with decoder="nvjpeg" on the CPU and PIL in nvjpeg's place,
+must deliver the CPU path's boxes and pixels (HSV applied on the batch),
+a refused picture's outputs stood in for. On a CUDA machine the same loader
+runs end to end with nvjpeg (`cuda` mark).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from red_shapes import graded, write_source
 
 from pipeline import make_loader
+from pipeline.errors import DecodeError
 from pipeline.loader.crops import CropSpec
 from pipeline.loader.gpu_mosaic import cpu_decode, render_mosaics
 from pipeline.loader.mosaic_piece import HSV_GAINS, MOSAIC_PLAN
@@ -136,6 +140,45 @@ def test_nvjpeg_is_refused_for_yolo_validation(prepared: Path) -> None:
 
     with pytest.raises(ConfigError, match="eval mode"):
         make_loader(str(prepared), 4, device="cpu", crop=SIZE, recipe="yolo", train=False, decoder="nvjpeg")
+
+
+def test_the_loaders_nvjpeg_path_runs_end_to_end_with_pil_in_nvjpegs_place(
+    prepared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader's own glue (`DeviceFinish._gpu_mosaics`: the workers' plans, one decode call per batch, the
+    render, the HSV gains, a damaged sample's stand-in) on the CPU, PIL standing in for nvjpeg."""
+    from pipeline.loader import gpu_decode, gpu_mosaic
+
+    calls: list[int] = []
+    monkeypatch.setattr(gpu_decode, "check_gpu_decode", lambda device: None)
+    monkeypatch.setattr(gpu_mosaic, "nvjpeg_decode", pil_decode(calls))
+    for hyp in ({"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}, {}):
+        planned = make_loader(str(prepared), 4, device="cpu", crop=SIZE, num_workers=2, dtype="uint8",
+                              recipe="yolo", seed=3, hyp=hyp, decoder="nvjpeg")  # fmt: skip
+        rendered = make_loader(str(prepared), 4, device="cpu", crop=SIZE, num_workers=2, dtype="uint8",
+                               recipe="yolo", seed=3, hyp=hyp)  # fmt: skip
+        count = 0
+        for ours, theirs in zip(planned, rendered):
+            assert all(torch.equal(a, b) for a, b in zip(ours.boxes, theirs.boxes))
+            figures = [psnr(a.numpy(), b.numpy()) for a, b in zip(ours.images, theirs.images)]
+            assert min(figures) >= (30.0 if not hyp else 28.0), figures  # HSV: torch's on the batch, native's per image
+            count += 1
+        assert count == 3 and len(calls) >= count
+    calls.clear()
+    broken = []
+
+    def decode(datas: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
+        calls.append(len(datas))
+        broken.append(datas[0])
+        return [None if data is broken[0] else cpu_decode(data, device) for data in datas]
+
+    monkeypatch.setattr(gpu_mosaic, "nvjpeg_decode", decode)
+    monkeypatch.setattr(gpu_mosaic, "cpu_decode", lambda data, device: (_ for _ in ()).throw(DecodeError("refused")))
+    damaged = make_loader(str(prepared), 4, device="cpu", crop=SIZE, num_workers=2, dtype="uint8", recipe="yolo",
+                          seed=3, decoder="nvjpeg")  # fmt: skip
+    batches = list(damaged)
+    assert len(batches) == 3 and all(len(batch.images) == 4 for batch in batches)
+    assert damaged.stats.replaced >= 1  # the outputs showing a refused picture were stood in for, on the CPU
 
 
 @pytest.mark.cuda
