@@ -27,20 +27,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .warp import ioa
+
 IOA_THR = 0.30
 """A mirrored copy joins only where it covers less than this share of every existing box (ultralytics' rule)."""
-
-
-def ioa(boxes: np.ndarray, others: np.ndarray, eps: float = 1e-7) -> np.ndarray:
-    """(N, M): the intersection of each of `boxes` with each of `others` over the latter's area (`bbox_ioa`)."""
-    width = (
-        np.minimum(boxes[:, None, 2], others[None, :, 2]) - np.maximum(boxes[:, None, 0], others[None, :, 0])
-    ).clip(0)
-    height = (
-        np.minimum(boxes[:, None, 3], others[None, :, 3]) - np.maximum(boxes[:, None, 1], others[None, :, 1])
-    ).clip(0)
-    area = (others[:, 2] - others[:, 0]) * (others[:, 3] - others[:, 1])
-    return width * height / (area + eps)
 
 
 def mirrored_boxes(boxes: np.ndarray, width: float) -> np.ndarray:

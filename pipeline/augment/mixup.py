@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..polygons import clip_polygon
+from .warp import ioa
 
 Shapes = list[list[list[torch.Tensor]]]
 """A batch's polygons: per image, per box, its polygons as (K, 2) tensors."""
@@ -120,19 +121,6 @@ def _on_host(boxes: list[torch.Tensor]) -> list[np.ndarray]:
     return np.split(flat, np.cumsum([len(b) for b in boxes])[:-1])
 
 
-def _ioa(areas: np.ndarray, boxes: np.ndarray) -> np.ndarray:
-    """Intersection of each area (A, 4) with each box (B, 4) over the box's own area: (A, B)."""
-    if not len(boxes):
-        return np.zeros((len(areas), 0))
-    x0 = np.maximum(areas[:, None, 0], boxes[None, :, 0])
-    y0 = np.maximum(areas[:, None, 1], boxes[None, :, 1])
-    x1 = np.minimum(areas[:, None, 2], boxes[None, :, 2])
-    y1 = np.minimum(areas[:, None, 3], boxes[None, :, 3])
-    inter = (x1 - x0).clip(0) * (y1 - y0).clip(0)
-    own = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
-    return inter / (own[None, :] + 1e-7)
-
-
 def _cut_area(rng: np.random.Generator, width: int, height: int) -> tuple[int, int, int, int]:
     cut = np.sqrt(1.0 - rng.beta(1.0, 1.0))
     cut_w, cut_h = int(width * cut), int(height * cut)
@@ -182,11 +170,11 @@ def cutmix_batch(
             host = (_on_host(boxes), _on_host(source_boxes) if source_boxes is not boxes else [])
         ours, theirs = host[0][i], (host[1] or host[0])[j]
         areas = np.array([_cut_area(rng, width, height) for _ in range(3)], np.float32)
-        free = np.nonzero(_ioa(areas, ours).sum(axis=1) <= 0)[0]
+        free = np.nonzero(ioa(areas, ours).sum(axis=1) <= 0)[0]
         if not len(free):
             continue
         x0, y0, x1, y1 = (int(v) for v in areas[int(rng.choice(free))])
-        keep = np.nonzero(_ioa(np.array([[x0, y0, x1, y1]], np.float32), theirs)[0] >= least)[0]
+        keep = np.nonzero(ioa(np.array([[x0, y0, x1, y1]], np.float32), theirs)[0] >= least)[0]
         if out is None:
             out = images.clone()
         out[i, :, y0:y1, x0:x1] = source_images[j, :, y0:y1, x0:x1]

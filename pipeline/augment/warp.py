@@ -77,3 +77,16 @@ def box_candidates(
     w2, h2 = after[:, 2] - after[:, 0], after[:, 3] - after[:, 1]
     ratio = np.maximum(w2 / (h2 + eps), h2 / (w2 + eps))
     return (w2 > wh_thr) & (h2 > wh_thr) & (w2 * h2 / (w1 * h1 + eps) > area_thr) & (ratio < ar_thr)
+
+
+def ioa(boxes: np.ndarray, others: np.ndarray, eps: float = 1e-7) -> np.ndarray:
+    """(N, M): the intersection of each of `boxes` with each of `others` over the latter's area (ultralytics'
+    `bbox_ioa`; CutMix's and copy-paste's cover)."""
+    width = (
+        np.minimum(boxes[:, None, 2], others[None, :, 2]) - np.maximum(boxes[:, None, 0], others[None, :, 0])
+    ).clip(0)
+    height = (
+        np.minimum(boxes[:, None, 3], others[None, :, 3]) - np.maximum(boxes[:, None, 1], others[None, :, 1])
+    ).clip(0)
+    area = (others[:, 2] - others[:, 0]) * (others[:, 3] - others[:, 1])
+    return width * height / (area + eps)

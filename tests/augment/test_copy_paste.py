@@ -20,8 +20,9 @@ import pytest
 from PIL import Image
 
 from pipeline.augment.affine import RandomAffine
-from pipeline.augment.copy_paste import IOA_THR, choose, fill_polygons, ioa, mirrored_boxes
+from pipeline.augment.copy_paste import IOA_THR, choose, fill_polygons, mirrored_boxes
 from pipeline.augment.render import render, render_jpegs
+from pipeline.augment.warp import ioa
 from pipeline.augment.yolo import YoloRecipe, plan
 
 
