@@ -57,39 +57,27 @@ class Mixed(NamedTuple):
     instance_masks: list[torch.Tensor] | None = None
 
 
-def mixup_batch(
-    images: torch.Tensor,
-    boxes: list[torch.Tensor],
-    labels: list[torch.Tensor],
-    p: float,
-    rng: np.random.Generator,
-    polygons: Shapes | None = None,
-    instance_masks: list[torch.Tensor] | None = None,
-    masks: torch.Tensor | None = None,
-    ignore_index: int = 255,
-) -> Mixed:
+def mixup_batch(batch: Mixed, p: float, rng: np.random.Generator, ignore_index: int = 255) -> Mixed:
     """The batch with each image, with probability `p`, blended with a drawn other one of it.
 
     Args:
-        images: [B, 3, H, W] uint8 or float, on any device.
-        boxes: per image, [N_i, 4] XYXY in its pixels.
-        labels: per image, [N_i] class indices.
+        batch: images [B, 3, H, W] uint8 or float, on any device; per image its boxes [N_i, 4] XYXY in its
+            pixels and labels [N_i]; where given, per image per box its polygons and its own mask [N_i, H, W]
+            (both joined as the boxes are), and the class masks [B, H, W] (a mixed image's keeps the classes
+            both agree on, and `ignore_index` elsewhere).
         p: ultralytics' `mixup` hyperparameter.
         rng: the draws (which images, their partners, their ratios).
-        polygons: per image, per box, its polygons (joined as the boxes are), or None.
-        instance_masks: per image, [N_i, H, W], each box's own mask (joined as the boxes are), or None.
-        masks: [B, H, W] class masks, or None: a mixed image's keeps the classes both agree on, and
-            `ignore_index` elsewhere.
 
     Returns:
         New tensors where an image was mixed, the given ones elsewhere.
     """
+    images, boxes, labels, polygons, masks, instance_masks = batch
     count = images.shape[0]
     if count < 2 or p <= 0:
-        return Mixed(images, boxes, labels, polygons, masks, instance_masks)
+        return batch
     chosen = [i for i in range(count) if rng.uniform() < p]
     if not chosen:
-        return Mixed(images, boxes, labels, polygons, masks, instance_masks)
+        return batch
     partners = [_partner(rng, i, count) for i in chosen]
     ratios = rng.beta(32.0, 32.0, len(chosen))
     mixed, mixed_boxes, mixed_labels = images.clone(), list(boxes), list(labels)
@@ -129,33 +117,23 @@ def _cut_area(rng: np.random.Generator, width: int, height: int) -> tuple[int, i
             int(np.clip(cx + cut_w // 2, 0, width)), int(np.clip(cy + cut_h // 2, 0, height)))  # fmt: skip
 
 
-def cutmix_batch(
-    images: torch.Tensor,
-    boxes: list[torch.Tensor],
-    labels: list[torch.Tensor],
-    p: float,
-    rng: np.random.Generator,
-    sources: Mixed | None = None,
-    polygons: Shapes | None = None,
-    instance_masks: list[torch.Tensor] | None = None,
-    masks: torch.Tensor | None = None,
-) -> Mixed:
+def cutmix_batch(batch: Mixed, p: float, rng: np.random.Generator, sources: Mixed | None = None) -> Mixed:
     """The batch with each image, with probability `p`, given a patch of a drawn other one and its boxes there.
 
     Args:
-        images, boxes, labels, p, rng, polygons, instance_masks: as `mixup_batch` (p is ultralytics' `cutmix`).
-        masks: [B, H, W] class masks, or None: the pasted rectangle's classes are pasted too.
+        batch, rng: as `mixup_batch`; the class masks take the pasted rectangle's classes.
+        p: ultralytics' `cutmix` hyperparameter.
         sources: where the patches come from (default the batch itself): the batch as it was before
             MixUp, so that a patch is another output as the recipe made it (ultralytics cuts from a fresh one).
 
     Returns:
         New tensors where an image was cut into, the given ones elsewhere.
     """
+    images, boxes, labels, polygons, masks, instance_masks = batch
     count, height, width = images.shape[0], images.shape[2], images.shape[3]
     if count < 2 or p <= 0:
-        return Mixed(images, boxes, labels, polygons, masks, instance_masks)
-    made = sources if sources is not None else Mixed(images, boxes, labels, polygons, masks, instance_masks)
-    source_images, source_boxes, source_labels, source_polygons, source_masks, source_instances = made
+        return batch
+    source_images, source_boxes, source_labels, source_polygons, source_masks, source_instances = sources or batch
     out, out_boxes, out_labels = None, list(boxes), list(labels)
     out_polygons = list(polygons) if polygons is not None else None
     out_masks = masks.clone() if masks is not None else None

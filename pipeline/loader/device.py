@@ -414,10 +414,7 @@ class DeviceFinish:
         rng = np.random.default_rng([self.spec.seed, host.epoch, self.rank, host.index, MIXUP_STREAM])
         made = Mixed(batch.images, batch.boxes, batch.box_labels, batch.polygons, batch.masks, batch.instance_masks)
         ignore = self.plan.ignore_index if self.plan is not None else 255
-        mixed = mixup_batch(*made[:3], mixup, rng, polygons=made.polygons, instance_masks=made.instance_masks,
-                            masks=made.masks, ignore_index=ignore)  # fmt: skip
-        cut = cutmix_batch(*mixed[:3], cutmix, rng, sources=made, polygons=mixed.polygons,
-                           instance_masks=mixed.instance_masks, masks=mixed.masks)  # fmt: skip
+        cut = cutmix_batch(mixup_batch(made, mixup, rng, ignore), cutmix, rng, sources=made)
         batch.images, batch.boxes, batch.box_labels, batch.polygons, batch.masks, batch.instance_masks = cut
         return batch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.augment.mixup import mixup_batch
+from pipeline.augment.mixup import Mixed, mixup_batch
 
 
 def batch(count: int = 6) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -18,7 +18,7 @@ def batch(count: int = 6) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.
 
 def test_every_image_mixed_is_a_blend_of_two_of_the_batch_and_holds_both_their_boxes() -> None:
     images, boxes, labels = batch()
-    mixed, mixed_boxes, mixed_labels, *_ = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3))
+    mixed, mixed_boxes, mixed_labels, *_ = mixup_batch(Mixed(images, boxes, labels), 1.0, np.random.default_rng(3))
     for i in range(len(images)):
         partner = int(mixed_labels[i][-1])  # the labels tell which image joined
         assert partner != i and torch.equal(mixed_labels[i], torch.cat([labels[i], labels[partner]]))
@@ -34,12 +34,12 @@ def test_every_image_mixed_is_a_blend_of_two_of_the_batch_and_holds_both_their_b
 
 def test_nothing_is_mixed_at_probability_zero_or_alone_and_floats_blend_linearly() -> None:
     images, boxes, labels = batch()
-    assert mixup_batch(images, boxes, labels, 0.0, np.random.default_rng(0))[0] is images
+    assert mixup_batch(Mixed(images, boxes, labels), 0.0, np.random.default_rng(0))[0] is images
     alone = images[:1]
-    assert mixup_batch(alone, boxes[:1], labels[:1], 1.0, np.random.default_rng(0))[0] is alone
+    assert mixup_batch(Mixed(alone, boxes[:1], labels[:1]), 1.0, np.random.default_rng(0))[0] is alone
     floats = images.float() / 255 - 0.5
-    mixed, _, mixed_labels, *_ = mixup_batch(floats, boxes, labels, 1.0, np.random.default_rng(3))
-    uint8, *_ = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3))
+    mixed, _, mixed_labels, *_ = mixup_batch(Mixed(floats, boxes, labels), 1.0, np.random.default_rng(3))
+    uint8, *_ = mixup_batch(Mixed(images, boxes, labels), 1.0, np.random.default_rng(3))
     assert ((mixed + 0.5) * 255 - uint8.float()).abs().max() < 1.0  # the same draws, without the truncation
 
 
@@ -50,7 +50,7 @@ def test_cutmix_pastes_a_rectangle_clear_of_the_images_boxes_with_the_others_box
     images = torch.randint(0, 256, (8, 3, 64, 64), dtype=torch.uint8, generator=generator)
     boxes = [torch.tensor([[4.0 * i, 4.0, 4.0 * i + 12, 20.0], [30.0, 36.0, 60.0, 62.0]]) for i in range(8)]
     labels = [torch.tensor([i, 10 + i]) for i in range(8)]
-    cut, cut_boxes, cut_labels, *_ = cutmix_batch(images, boxes, labels, 1.0, np.random.default_rng(4))
+    cut, cut_boxes, cut_labels, *_ = cutmix_batch(Mixed(images, boxes, labels), 1.0, np.random.default_rng(4))
     changed = 0
     for i in range(8):
         differs = (cut[i] != images[i]).any(0)
@@ -68,7 +68,7 @@ def test_cutmix_pastes_a_rectangle_clear_of_the_images_boxes_with_the_others_box
         assert set(cut_labels[i][2:].tolist()) <= set(labels[j].tolist())  # the other's, clipped to the cut
         assert ((joined[:, 0] >= x0 - 1) & (joined[:, 2] <= x1 + 1) & (joined[:, 1] >= y0 - 1) & (joined[:, 3] <= y1 + 1)).all()
     assert changed >= 2
-    assert torch.equal(cutmix_batch(images, boxes, labels, 0.0, np.random.default_rng(4))[0], images)
+    assert torch.equal(cutmix_batch(Mixed(images, boxes, labels), 0.0, np.random.default_rng(4))[0], images)
 
 
 def test_polygons_join_with_their_boxes_and_are_cut_to_the_pasted_rectangle() -> None:
@@ -80,12 +80,12 @@ def test_polygons_join_with_their_boxes_and_are_cut_to_the_pasted_rectangle() ->
     labels = [torch.tensor([i, 10 + i]) for i in range(8)]
     diamonds = [[[torch.tensor([[(b[0] + b[2]) / 2, b[1]], [b[2], (b[1] + b[3]) / 2], [(b[0] + b[2]) / 2, b[3]],
                                [b[0], (b[1] + b[3]) / 2]])] for b in own.tolist()] for own in boxes]  # fmt: skip
-    mixed = mixup_batch(images, boxes, labels, 1.0, np.random.default_rng(3), polygons=diamonds)
+    mixed = mixup_batch(Mixed(images, boxes, labels, diamonds), 1.0, np.random.default_rng(3))
     assert mixed.polygons is not None
     for i in range(8):
         partner = int(mixed.labels[i][-1]) - 10
         assert [p[0].tolist() for p in mixed.polygons[i]] == [p[0].tolist() for p in diamonds[i] + diamonds[partner]]
-    cut = cutmix_batch(images, boxes, labels, 1.0, np.random.default_rng(4), polygons=diamonds)
+    cut = cutmix_batch(Mixed(images, boxes, labels, diamonds), 1.0, np.random.default_rng(4))
     assert cut.polygons is not None
     pasted = 0
     for i in range(8):
