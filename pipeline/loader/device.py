@@ -32,14 +32,12 @@ import torch
 from ..augment.color import ColorJitter, Draw, jitter_batch
 from ..augment.hsv import apply_hsv
 from ..augment.mixup import Mixed, cutmix_batch, mixup_batch
-from ..errors import DecodeError
 from ..specs import LoaderSpec
-from ..targets import TargetError
 from .crops import Affine, CropSpec, flip_mask
 from .damage import Extras, Item, Report
 from .executors import failed_samples
 from .hooks import run_batch_transform
-from .mosaic_piece import HSV_GAINS, mosaic_decoder, mosaic_into, yolo_recipe
+from .mosaic_piece import HSV_GAINS, stand_in_mosaic
 from .pacing import RunSlots
 from .pieces import CpuFinish, Jitter
 from .runs import Run, Upcoming
@@ -350,15 +348,13 @@ class DeviceFinish:
         """A stand-in's mosaic (of the stand-in alone), rendered on the CPU and uploaded into its position."""
         assert self.plan is not None
         plan, crop = self.plan, pool.crop_for(batch.epoch)
-        recipe, decoder = yolo_recipe(crop), mosaic_decoder(crop)
 
         def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
             into = np.empty((3, crop.size, crop.size), np.uint8)
-            try:
-                batch.targets[position] = mosaic_into(plan, crop, recipe, [item], [extras or {}], 0, batch.keys[position],
-                                                      into, None, decoder)  # fmt: skip
-            except (TargetError, DecodeError):
+            targets = stand_in_mosaic(plan, crop, item, extras, batch.keys[position], into)
+            if targets is None:
                 return False
+            batch.targets[position] = targets
             pixels[position] = torch.from_numpy(into).to(pixels.device)
             return True
 

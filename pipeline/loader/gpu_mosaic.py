@@ -25,9 +25,8 @@ import numpy as np
 import torch
 
 from ..augment.device_render import render_batch
-from ..decode import open_image
 from ..errors import DecodeError
-from .mosaic_piece import MOSAIC_PLAN
+from .mosaic_piece import MOSAIC_PLAN, rgb_picture
 
 Decode = Callable[[list[bytes], torch.device], list[torch.Tensor | None]]
 """JPEGs' bytes -> each one's uint8 [3, H, W] RGB on the device, None where it did not decode."""
@@ -52,18 +51,13 @@ def nvjpeg_decode(datas: list[bytes], device: torch.device) -> list[torch.Tensor
         return out
 
 
-def cpu_decode(data: bytes, device: torch.device) -> torch.Tensor:
-    """A picture decoded by PIL (upright RGB), uploaded: uint8 [3, H, W].
+def cpu_decode(data: bytes, device: torch.device, extension: str = "jpg") -> torch.Tensor:
+    """A picture decoded by PIL (`rgb_picture`: upright RGB), uploaded: uint8 [3, H, W].
 
     Raises:
         DecodeError: it does not decode.
     """
-    try:
-        picture = np.asarray(open_image(data).convert("RGB"))
-    except DecodeError:
-        raise
-    except Exception as exc:  # PIL raises many types for broken data
-        raise DecodeError(f"cannot decode picture: {str(exc)[:160] or type(exc).__name__}") from None
+    picture = np.asarray(rgb_picture(extension, data))
     return torch.from_numpy(np.ascontiguousarray(picture.transpose(2, 0, 1))).to(device)
 
 
@@ -83,7 +77,7 @@ def decode_pictures(
     for position in positions:
         if position not in found:
             try:
-                found[position] = cpu_decode(items[position][1], device)
+                found[position] = cpu_decode(items[position][1], device, items[position][0])
             except DecodeError as exc:
                 failed[position] = str(exc)
     return found, failed

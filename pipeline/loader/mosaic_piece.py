@@ -38,7 +38,7 @@ from ..augment.yolo import Plan, YoloRecipe, plan
 from ..decode import open_image
 from ..errors import DecodeError
 from ..polygons import Polygons
-from ..targets import INSTANCES_MEMBER, MASK_MEMBER, read_boxes
+from ..targets import INSTANCES_MEMBER, MASK_MEMBER, TargetError, read_boxes
 from .cpu_decode import image_size
 from .crops import Affine, CropSpec, is_planar
 from .damage import Extras
@@ -198,7 +198,7 @@ def _render_into(made: Plan, items: Sequence[tuple[str, bytes, int]], shown: lis
             render_jpegs(made, [items[index][1] for index in shown], out=out, decoder=decoder,
                          decoded=[memo.pictures[index] for index in shown])  # fmt: skip
         else:
-            render(made, [np.asarray(_rgb(items[index][0], items[index][1])) for index in shown], out=out)
+            render(made, [np.asarray(rgb_picture(items[index][0], items[index][1])) for index in shown], out=out)
     except native.RegionError as exc:
         raise DecodeError(f"cannot decode .jpg sample: {exc}") from None
 
@@ -250,7 +250,25 @@ def _member_map(
     return kept[index]
 
 
-def _rgb(extension: str, data: bytes) -> Any:
+def stand_in_mosaic(
+    plan_of: TaskPlan, crop: CropSpec, item: tuple[str, bytes, int], extras: Extras, key: str, into: np.ndarray,
+    affine: Affine | None = None,
+) -> dict[str, Any] | None:  # fmt: skip
+    """The error policy's stand-in for a failed output: a mosaic of the stand-in alone (its own partners), written
+    into `into` (`mosaic_into`); its targets, or None where it is damaged too."""
+    try:
+        return mosaic_into(plan_of, crop, yolo_recipe(crop), [item], [extras or {}], 0, key, into, affine,
+                           mosaic_decoder(crop))  # fmt: skip
+    except (TargetError, DecodeError):
+        return None
+
+
+def rgb_picture(extension: str, data: bytes) -> Any:
+    """A picture decoded by PIL, upright RGB (a PIL image).
+
+    Raises:
+        DecodeError: it does not decode.
+    """
     try:
         image = open_image(data)
         return image.convert("RGB")

@@ -31,7 +31,7 @@ from .crops import CropSpec, flip_mask
 from .damage import Damage, Donor, Extras, Item, Report, replace_failures
 from .epoch import Record
 from .executors import InlineExecutor, ProcessExecutor, failed_samples
-from .mosaic_piece import mosaic_decoder, mosaic_into, yolo_recipe
+from .mosaic_piece import stand_in_mosaic
 from .pacing import Backlog, RunSlots
 from .pieces import (
     CpuFinish,
@@ -304,7 +304,6 @@ class DecodePool:
         """The YOLO recipe's stand-in: a mosaic of the stand-in alone (its own partners), pixels and targets."""
         assert self.plan is not None
         plan, crop, finish, ring = self.plan, self.crop_for(batch.epoch), batch.finish, self.ring.numpy()
-        recipe, decoder = yolo_recipe(crop), mosaic_decoder(crop)
 
         def decode_at(position: int, item: Item, extras: Extras = None) -> bool:
             into = finish.out[position] if finish is not None else ring[batch.slot, position]
@@ -312,11 +311,10 @@ class DecodePool:
             jitter = batch.jitter if finish is not None else None  # in the ring: `_jittered`
             if jitter is not None:
                 into, affine = np.empty((3, crop.size, crop.size), np.uint8), None
-            try:
-                batch.targets[position] = mosaic_into(plan, crop, recipe, [item], [extras or {}], 0, batch.keys[position],
-                                                      into, affine, decoder)  # fmt: skip
-            except (TargetError, DecodeError):
+            targets = stand_in_mosaic(plan, crop, item, extras, batch.keys[position], into, affine)
+            if targets is None:
                 return False
+            batch.targets[position] = targets
             if jitter is not None:
                 jitter_pixels(into, position, jitter, finish)
             return True

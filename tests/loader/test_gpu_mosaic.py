@@ -173,7 +173,7 @@ def test_the_loaders_nvjpeg_path_runs_end_to_end_with_pil_in_nvjpegs_place(
         return [None if data is broken[0] else cpu_decode(data, device) for data in datas]
 
     monkeypatch.setattr(gpu_mosaic, "nvjpeg_decode", decode)
-    monkeypatch.setattr(gpu_mosaic, "cpu_decode", lambda data, device: (_ for _ in ()).throw(DecodeError("refused")))
+    monkeypatch.setattr(gpu_mosaic, "cpu_decode", lambda *_: (_ for _ in ()).throw(DecodeError("refused")))
     damaged = make_loader(str(prepared), 4, device="cpu", crop=SIZE, num_workers=2, dtype="uint8", recipe="yolo",
                           seed=3, decoder="nvjpeg")  # fmt: skip
     batches = list(damaged)
