@@ -13,7 +13,9 @@ each edge of the window cuts the polygon (Sutherland-Hodgman), so a convex
 polygon stays exact and a concave one keeps its area inside the window (a
 part cut in two stays one outline, joined along the window's edge). A
 polygon left with under three points or no area is gone; the box keeps an
-empty list.
+empty list. `fill_polygons` gives the pixels whose centres polygons cover
+(even-odd, scanlines through the pixel centres): COCO's shapes painted at
+prepare, copy-paste's pasted outlines in the recipe's outputs.
 
 Everything here is geometry on NumPy arrays and the member's codec; a
 member that is not what the format says is a `ValueError` with the reason
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -162,6 +165,66 @@ def _cut(points: np.ndarray, axis: int, bound: float, keep_above: bool) -> np.nd
 def _area(points: np.ndarray) -> float:
     x, y = points[:, 0], points[:, 1]
     return abs(float(np.dot(x, np.roll(y, -1)) - np.dot(y, np.roll(x, -1)))) / 2
+
+
+def fill_polygons(
+    polygons: Sequence[np.ndarray], size: tuple[int, int], origin: tuple[float, float] = (0, 0)
+) -> np.ndarray:
+    """The (h, w) bool mask of pixels whose centre lies inside any of the polygons (each by the even-odd rule).
+
+    A COCO annotation's polygons are its parts: they add up, as pycocotools merges them; so do the outlines
+    copy-paste pastes (`pipeline.augment.copy_paste`).
+
+    Args:
+        polygons: (n, 2) arrays of (x, y) points, in pixels (pixel k spans [k, k + 1]).
+        size: (width, height).
+        origin: the picture's pixel that is the mask's (0, 0) (a part of a larger picture).
+    """
+    width, height = size
+    inside = np.zeros((height, width), np.bool_)
+    for points in polygons:
+        placed = fill_region(np.asarray(points, np.float64) - np.asarray(origin, np.float64), width, height)
+        if placed is not None:
+            top, left, region = placed
+            inside[top : top + region.shape[0], left : left + region.shape[1]] |= region
+    return inside
+
+
+def fill_region(points: np.ndarray, width: int, height: int) -> tuple[int, int, np.ndarray] | None:
+    """One polygon's pixels within its bounds, by scanlines through the pixel centres, all edges at once.
+
+    Returns:
+        (top, left, bool region) or None where it covers no pixel.
+    """
+    xa, ya = points[:, 0], points[:, 1]
+    xb, yb = np.roll(xa, -1), np.roll(ya, -1)
+    low, high = np.minimum(ya, yb), np.maximum(ya, yb)
+    # Rows j whose centre y = j + 0.5 an edge crosses, half-open [low, high): each vertex counted once.
+    first = np.clip(np.ceil(low - 0.5), 0, height).astype(np.int64)
+    last = np.clip(np.ceil(high - 0.5), 0, height).astype(np.int64)
+    spans = last - first
+    total = int(spans.sum())
+    if not total:
+        return None
+    edge = np.repeat(np.arange(len(points)), spans)
+    rows = np.arange(total) - np.repeat(np.cumsum(spans) - spans, spans) + first[edge]
+    centre = rows + 0.5
+    xs = xa[edge] + (centre - ya[edge]) * (xb[edge] - xa[edge]) / (yb[edge] - ya[edge])
+    order = np.lexsort((xs, rows))
+    rows, xs = rows[order], xs[order]
+    # Even-odd: crossings pair up within each row (each row has an even number of them).
+    starts = np.clip(np.ceil(xs[0::2] - 0.5), 0, width).astype(np.int64)
+    stops = np.clip(np.ceil(xs[1::2] - 0.5), 0, width).astype(np.int64)
+    top, bottom = int(rows[0]), int(rows[-1]) + 1
+    left, right = int(starts.min()), int(stops.max())
+    if right <= left:
+        return None
+    span = right - left + 1
+    at = (rows[0::2] - top) * span
+    cells = (bottom - top) * span
+    steps = np.bincount(at + starts - left, minlength=cells) - np.bincount(at + stops - left, minlength=cells)
+    region = np.cumsum(steps.reshape(bottom - top, span), axis=1)[:, : span - 1] > 0
+    return top, left, region
 
 
 def place_polygons(

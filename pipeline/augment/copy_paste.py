@@ -13,8 +13,9 @@ not a probability), does nothing where the image has no polygons (a
 detection dataset) or p is 0, and turns it off with the mosaic in its
 `close_mosaic` epochs.
 
-`choose` makes that choice; `fill_polygons` is the numpy scanline fill
-that finds the output pixels a pasted outline covers (OpenCV's
+`choose` makes that choice; `pipeline.polygons.fill_polygons` (the
+scanline fill COCO's shapes are painted with) finds the output pixels a
+pasted outline covers (OpenCV's
 `drawContours(..., FILLED)` on the canvas, here on the output: the same
 pixels to within the outline's edge), where `render` composites the
 mirrored canvas in.
@@ -68,45 +69,3 @@ def polygons_rect(polygons: Sequence[np.ndarray], width: int, height: int) -> tu
     u0, v0 = max(0, math.floor(x0)), max(0, math.floor(y0))
     u1, v1 = min(width, math.ceil(x1)), min(height, math.ceil(y1))
     return (u0, v0, u1, v1) if u1 > u0 and v1 > v0 else None
-
-
-def fill_polygons(
-    polygons: Sequence[np.ndarray], width: int, height: int, origin: tuple[int, int] = (0, 0)
-) -> np.ndarray:
-    """(height, width) bool: the pixels whose centres lie inside any of `polygons` ((P, 2) x, y each, in the
-    picture's continuous pixels: pixel k spans [k, k + 1]).
-
-    Pixel (u, v) of the result is the picture's (origin[0] + u, origin[1] + v). Each polygon is filled by the
-    even-odd rule, one scanline per pixel row (a crossing counts where an edge's half-open y span holds the
-    row's centre, so a vertex on the line counts once), and the polygons are joined.
-    """
-    mask = np.zeros((height, width), bool)
-    for points in polygons:
-        if len(points) >= 3:
-            _fill(mask, np.asarray(points, np.float64) - np.asarray(origin, np.float64))
-    return mask
-
-
-def _fill(mask: np.ndarray, points: np.ndarray) -> None:
-    height, width = mask.shape
-    top, bottom = max(0, math.ceil(points[:, 1].min() - 0.5)), min(height, math.ceil(points[:, 1].max() - 0.5))
-    left, right = max(0, math.floor(points[:, 0].min())), min(width, math.ceil(points[:, 0].max()) + 1)
-    if bottom <= top or right <= left:
-        return
-    a, b = points, np.roll(points, -1, axis=0)
-    low, high = np.minimum(a[:, 1], b[:, 1]), np.maximum(a[:, 1], b[:, 1])
-    # each row's crossings: the edges whose half-open y span holds the row's centre (an even count per row)
-    rows, edges = np.nonzero(
-        (low <= np.arange(top, bottom)[:, None] + 0.5) & (np.arange(top, bottom)[:, None] + 0.5 < high)
-    )
-    y = rows + top + 0.5
-    xs = a[edges, 0] + (y - a[edges, 1]) * (b[edges, 0] - a[edges, 0]) / (b[edges, 1] - a[edges, 1])
-    order = np.lexsort((xs, rows))
-    rows, xs = rows[order][0::2], xs[order]
-    # the pixels u with u + 1/2 in [start, end): u from ceil(start - 1/2) to ceil(end - 1/2), exclusive
-    first = np.clip(np.ceil(xs[0::2] - 0.5), left, right).astype(np.int64) - left
-    last = np.clip(np.ceil(xs[1::2] - 0.5), left, right).astype(np.int64) - left
-    span = right - left + 1
-    length = (bottom - top) * span
-    steps = np.bincount(rows * span + first, minlength=length) - np.bincount(rows * span + last, minlength=length)
-    mask[top:bottom, left:right] |= np.cumsum(steps.reshape(bottom - top, span)[:, :-1], axis=1) > 0

@@ -17,7 +17,7 @@ zeros padding is then the fill).
 
 Copy-paste (`Plan.pasted`): the same canvases sampled a second time
 through `inverse(warp @ mirror)` (the canvas' mirror image), shown under
-the pasted outlines (`copy_paste.fill_polygons`, on the CPU).
+the pasted outlines (`pipeline.polygons.fill_polygons`, on the CPU).
 
 Memory: a float canvas per output (2S x 2S x 3 x 4 bytes: 20 MB at S = 640),
 so outputs are made `chunk` at a time.
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .copy_paste import fill_polygons
+from ..polygons import fill_polygons
 from .mosaic import Rect, Tile
 from .warp import translation
 from .yolo import Plan
@@ -130,7 +130,7 @@ def _render_chunk(
     sampled = _sample(canvas, inverses, centres, size)
     for index, (plan, region) in enumerate(zip(plans, regions)):
         if plan.pasted and plan.mirror is not None:  # one at a time: a view of its canvas, not a copy of several
-            mask = fill_polygons(plan.pasted, size, size)
+            mask = fill_polygons(plan.pasted, (size, size))
             if mask.any():
                 mirror = normalise @ translation(-region[0], -region[1]) @ np.linalg.inv(plan.warp @ plan.mirror)
                 mirrored = _sample(canvas[index : index + 1], [mirror], centres, size)[0]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .copy_paste import fill_polygons
+from ..polygons import fill_polygons
 from .warp import is_axis_aligned
 from .yolo import Plan
 
@@ -126,7 +126,7 @@ def instance_masks(plan: Plan, maps: list[np.ndarray | None], counts: list[int])
     ids = offsets[plan.source_of] + plan.box_index + 1 if len(plan.boxes) else np.zeros(0, np.int64)
     own = render_mask(plan, numbered, 0)
     if plan.pasted and plan.mirror is not None:
-        region = fill_polygons(plan.pasted, plan.size, plan.size)
+        region = fill_polygons(plan.pasted, (plan.size, plan.size))
         mirrored = render_mask(plan, numbered, 0, plan.warp @ plan.mirror)
         masks = np.empty((len(ids), plan.size, plan.size), np.uint8)
         for k, (number, copy) in enumerate(zip(ids, plan.copied)):
@@ -139,7 +139,7 @@ def class_mask(plan: Plan, maps: list[np.ndarray | None], fill: int) -> np.ndarr
     """The output's class mask from its tiles' (`render_mask`), the copy-paste's mirrored region composited in."""
     out = render_mask(plan, maps, fill)
     if plan.pasted and plan.mirror is not None:
-        region = fill_polygons(plan.pasted, plan.size, plan.size)
+        region = fill_polygons(plan.pasted, (plan.size, plan.size))
         mirrored = render_mask(plan, maps, fill, plan.warp @ plan.mirror)
         out[region] = mirrored[region]
     return out

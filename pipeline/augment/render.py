@@ -11,7 +11,7 @@ its mosaic size first (as ultralytics resizes before it warps).
 Where the plan pasted mirrored instances (copy-paste: `Plan.pasted`), the
 bounding rectangle of the pasted outlines is rendered a second time, the
 same tiles through `warp @ mirror` (the canvas' mirror image), and
-composited in under the outlines (`copy_paste.fill_polygons`). A plan
+composited in under the outlines (`pipeline.polygons.fill_polygons`). A plan
 that pastes nothing costs nothing more.
 """
 
@@ -25,7 +25,8 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import native
-from .copy_paste import fill_polygons, polygons_rect
+from ..polygons import fill_polygons
+from .copy_paste import polygons_rect
 from .warp import is_axis_aligned, scaling, translation
 from .yolo import Plan
 
@@ -76,7 +77,7 @@ def _paste(plan: Plan, out: np.ndarray, draw: Callable[[Plan, list[int], np.ndar
     if rect is None:
         return
     u0, v0, u1, v1 = rect
-    mask = fill_polygons(plan.pasted, u1 - u0, v1 - v0, (u0, v0))
+    mask = fill_polygons(plan.pasted, (u1 - u0, v1 - v0), (u0, v0))
     if not mask.any():
         return
     warp = translation(-u0, -v0) @ plan.warp @ plan.mirror

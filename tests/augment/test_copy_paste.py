@@ -20,10 +20,11 @@ import pytest
 from PIL import Image
 
 from pipeline.augment.affine import RandomAffine
-from pipeline.augment.copy_paste import IOA_THR, choose, fill_polygons, mirrored_boxes
+from pipeline.augment.copy_paste import IOA_THR, choose, mirrored_boxes
 from pipeline.augment.render import render, render_jpegs
 from pipeline.augment.warp import ioa
 from pipeline.augment.yolo import YoloRecipe, plan
+from pipeline.polygons import fill_polygons
 
 
 def inside_even_odd(points: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -60,14 +61,14 @@ def test_the_fill_takes_the_pixels_whose_centres_lie_inside(kind: str) -> None:
         points = polygon(rng, kind)
         origin = (int(rng.integers(-5, 20)), int(rng.integers(-5, 20)))
         width, height = int(rng.integers(20, 70)), int(rng.integers(20, 70))
-        got = fill_polygons([points], width, height, origin)
+        got = fill_polygons([points], (width, height), origin)
         v, u = np.mgrid[0:height, 0:width]
         want = inside_even_odd(points, u + origin[0] + 0.5, v + origin[1] + 0.5)
         assert got.shape == (height, width) and np.array_equal(got, want), (kind, int((got != want).sum()))
     square = np.array([[2.0, 3.0], [7.0, 3.0], [7.0, 5.0], [2.0, 5.0]])  # whole pixels: 5 x 2 of them
-    filled = fill_polygons([square, square + 20], 30, 30)
+    filled = fill_polygons([square, square + 20], (30, 30))
     assert filled.sum() == 20 and filled[3:5, 2:7].all() and filled[23:25, 22:27].all()
-    assert not fill_polygons([], 8, 8).any() and not fill_polygons([square[:2]], 8, 8).any()
+    assert not fill_polygons([], (8, 8)).any() and not fill_polygons([square[:2]], (8, 8)).any()
 
 
 def test_the_copies_are_ultralytics_choice_the_least_covering_first() -> None:
@@ -137,7 +138,7 @@ def test_a_copy_goes_through_the_warp_and_the_flips_with_its_pixels() -> None:
     out = render(made, [picture])
     # each output pixel 2 px or more inside the pasted outline shows the canvas' mirror image there
     shifts = ((2, 2), (-2, -2), (2, -2), (-2, 2))
-    v, u = np.nonzero(np.all([fill_polygons([p + d for p in made.pasted], SIZE, SIZE) for d in shifts], axis=0))
+    v, u = np.nonzero(np.all([fill_polygons([p + d for p in made.pasted], (SIZE, SIZE)) for d in shifts], axis=0))
     points = np.linalg.inv(made.warp @ made.mirror) @ np.stack([u + 0.5, v + 0.5, np.ones(len(u))])
     x, y = (points[0] / points[2]).astype(int), (points[1] / points[2]).astype(int)
     close = np.abs(out[:, v, u].T.astype(int) - picture[y, x].astype(int)).max(1) <= 40
@@ -163,7 +164,7 @@ def test_copy_paste_off_or_without_polygons_changes_nothing() -> None:
         assert np.array_equal(pasted.boxes[~pasted.copied], plain.boxes)
         shown, base = render(pasted, pictures), render(plain, pictures)
         if pasted.pasted:
-            outside = ~fill_polygons(pasted.pasted, SIZE, SIZE)
+            outside = ~fill_polygons(pasted.pasted, (SIZE, SIZE))
             assert np.array_equal(shown[:, outside], base[:, outside])
         else:
             assert np.array_equal(shown, base)

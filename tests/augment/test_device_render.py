@@ -29,11 +29,11 @@ from test_yolo_vs_ultralytics import (
 )
 
 from pipeline.augment.affine import RandomAffine
-from pipeline.augment.copy_paste import fill_polygons
 from pipeline.augment.device_render import render_batch
 from pipeline.augment.render import render
 from pipeline.augment.warp import hflip
 from pipeline.augment.yolo import Plan, YoloRecipe, plan
+from pipeline.polygons import fill_polygons
 
 CASES = {
     **{name: dataclasses.replace(recipe, hsv=None) for name, recipe in RECIPES.items()},
@@ -81,7 +81,7 @@ def test_render_batch_agrees_with_render_away_from_seams(tmp_path: Path, name: s
         figures.append(psnr(ours.transpose(1, 2, 0)[away], theirs.transpose(1, 2, 0)[away]))
         whole.append(psnr(ours, theirs))
     if recipe.copy_paste:
-        assert sum(made.pasted is not None and fill_polygons(made.pasted, SIZE, SIZE).sum() > 20 for made in plans) >= 4
+        assert sum(made.pasted is not None and fill_polygons(made.pasted, (SIZE, SIZE)).sum() > 20 for made in plans) >= 4
     assert min(figures) >= MIN_PSNR_DB, (name, [round(f, 1) for f in figures])
     print(f"render_batch vs render, {name}: PSNR away from seams min {min(figures):.1f} dB "
           f"(median {np.median(figures):.1f}), whole min {min(whole):.1f} dB (median {np.median(whole):.1f})")  # fmt: skip
@@ -91,13 +91,13 @@ def test_the_pasted_outlines_show_the_mirrored_canvas(tmp_path: Path) -> None:
     """Under the outlines: the output of the plan through `warp @ mirror`, the mirror being x -> W - x of the
     canvas (what `canvas.flip(-1)` shows); elsewhere the plan's own output."""
     plans, pictures = planned(tmp_path, CASES["copy-paste"], 12, 4)
-    made = next(p for p in plans if p.pasted and fill_polygons(p.pasted, SIZE, SIZE).sum() > 20)
+    made = next(p for p in plans if p.pasted and fill_polygons(p.pasted, (SIZE, SIZE)).sum() > 20)
     group = pictures[plans.index(made)]
     assert made.mirror is not None and np.array_equal(made.mirror, hflip(made.canvas[0]))
     both = render_batch([made, dataclasses.replace(made, pasted=None, mirror=None),
                          dataclasses.replace(made, warp=made.warp @ made.mirror, pasted=None, mirror=None)],
                         as_tensors([group] * 3))  # fmt: skip
-    under = torch.from_numpy(fill_polygons(made.pasted or [], SIZE, SIZE))
+    under = torch.from_numpy(fill_polygons(made.pasted or [], (SIZE, SIZE)))
     assert torch.equal(both[0][:, under], both[2][:, under]) and torch.equal(both[0][:, ~under], both[1][:, ~under])
 
 

@@ -36,10 +36,10 @@ from extra_venvs import VISION, venv_python
 from PIL import Image
 
 from pipeline.augment.affine import RandomAffine
-from pipeline.augment.copy_paste import fill_polygons
 from pipeline.augment.mosaic import Mosaic
 from pipeline.augment.render import render
 from pipeline.augment.yolo import Plan, YoloRecipe, plan
+from pipeline.polygons import fill_polygons
 
 ULTRALYTICS = VISION
 SIZE = 160
@@ -167,7 +167,7 @@ def away_from_seams(made: Plan, margin: float = 2.0) -> np.ndarray:
     points = np.linalg.inv(made.warp) @ np.stack([u.ravel() + 0.5, v.ravel() + 0.5, np.ones(u.size)])
     cx, cy = points[0] / points[2], points[1] / points[2]
     if made.pasted:
-        pasted = fill_polygons(made.pasted, size, size).ravel()
+        pasted = fill_polygons(made.pasted, (size, size)).ravel()
         cx = np.where(pasted, made.canvas[0] - cx, cx)
     away = np.ones(u.size, bool)
     for tile in made.tiles:
@@ -409,7 +409,7 @@ def away_from_outlines(made: Plan, margin: float = 2.0) -> np.ndarray:
     size = made.size
     if not made.pasted:
         return np.ones((size, size), bool)
-    fills = [fill_polygons([points + (dx, dy) for points in made.pasted], size, size)
+    fills = [fill_polygons([points + (dx, dy) for points in made.pasted], (size, size))
              for dx in (-margin, 0.0, margin) for dy in (-margin, 0.0, margin)]  # fmt: skip
     return np.all([fill == fills[0] for fill in fills], axis=0)
 
@@ -437,7 +437,7 @@ def test_copy_paste_gives_ultralytics_boxes_and_pixels(tmp_path: Path, name: str
         errors += matched_errors(made.boxes.astype(np.float64), want)
         assert made.polygons is not None and len(made.polygons) == len(made.boxes) == len(made.copied)
         copies += int(made.copied.sum())
-        pasted += int(made.pasted is not None and fill_polygons(made.pasted, SIZE, SIZE).sum() > 20)
+        pasted += int(made.pasted is not None and fill_polygons(made.pasted, (SIZE, SIZE)).sum() > 20)
         ours = render(made, case["pictures"]).transpose(1, 2, 0)
         theirs = np.load(case["out"])
         away = away_from_seams(made) & away_from_outlines(made)

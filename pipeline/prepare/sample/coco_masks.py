@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from ...polygons import fill_region
 from ...targets import TargetError
 from ..formats.common import finite_number
 
@@ -183,65 +184,6 @@ def decode_rle(counts: list[int] | str, size: tuple[int, int]) -> np.ndarray:
     return np.ascontiguousarray(flat.reshape(width, height).T)
 
 
-# -- polygons --------------------------------------------------------------------
-
-
-def fill_polygons(polygons: list[np.ndarray], size: tuple[int, int]) -> np.ndarray:
-    """The (h, w) bool mask of pixels whose centre lies inside any of the polygons (each by the even-odd rule).
-
-    An annotation's polygons are its parts: they add up, as pycocotools merges them.
-
-    Args:
-        polygons: float64 (n, 2) arrays of (x, y) points, in pixels.
-        size: (width, height).
-    """
-    width, height = size
-    inside = np.zeros((height, width), np.bool_)
-    for points in polygons:
-        placed = _fill_one(points, width, height)
-        if placed is not None:
-            top, left, region = placed
-            inside[top : top + region.shape[0], left : left + region.shape[1]] |= region
-    return inside
-
-
-def _fill_one(points: np.ndarray, width: int, height: int) -> tuple[int, int, np.ndarray] | None:
-    """One polygon's pixels within its bounds, by scanlines through the pixel centres, all edges at once.
-
-    Returns:
-        (top, left, bool region) or None where it covers no pixel.
-    """
-    xa, ya = points[:, 0], points[:, 1]
-    xb, yb = np.roll(xa, -1), np.roll(ya, -1)
-    low, high = np.minimum(ya, yb), np.maximum(ya, yb)
-    # Rows j whose centre y = j + 0.5 an edge crosses, half-open [low, high): each vertex counted once.
-    first = np.clip(np.ceil(low - 0.5), 0, height).astype(np.int64)
-    last = np.clip(np.ceil(high - 0.5), 0, height).astype(np.int64)
-    spans = last - first
-    total = int(spans.sum())
-    if not total:
-        return None
-    edge = np.repeat(np.arange(len(points)), spans)
-    rows = np.arange(total) - np.repeat(np.cumsum(spans) - spans, spans) + first[edge]
-    centre = rows + 0.5
-    xs = xa[edge] + (centre - ya[edge]) * (xb[edge] - xa[edge]) / (yb[edge] - ya[edge])
-    order = np.lexsort((xs, rows))
-    rows, xs = rows[order], xs[order]
-    # Even-odd: crossings pair up within each row (each row has an even number of them).
-    starts = np.clip(np.ceil(xs[0::2] - 0.5), 0, width).astype(np.int64)
-    stops = np.clip(np.ceil(xs[1::2] - 0.5), 0, width).astype(np.int64)
-    top, bottom = int(rows[0]), int(rows[-1]) + 1
-    left, right = int(starts.min()), int(stops.max())
-    if right <= left:
-        return None
-    span = right - left + 1
-    at = (rows[0::2] - top) * span
-    cells = (bottom - top) * span
-    steps = np.bincount(at + starts - left, minlength=cells) - np.bincount(at + stops - left, minlength=cells)
-    region = np.cumsum(steps.reshape(bottom - top, span), axis=1)[:, : span - 1] > 0
-    return top, left, region
-
-
 # -- one image -------------------------------------------------------------------
 
 
@@ -302,7 +244,7 @@ def _paint(mask: np.ndarray, shapes: list[Any], value_of: Callable[[int], int]) 
             mask[region] = value_of(number)
             continue
         for points in shape:  # an annotation's polygons add up: each painted in turn, within its bounds
-            placed = _fill_one(points, width, height)
+            placed = fill_region(points, width, height)
             if placed is not None:
                 top, left, part = placed
                 mask[top : top + part.shape[0], left : left + part.shape[1]][part] = value_of(number)

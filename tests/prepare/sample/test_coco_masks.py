@@ -23,10 +23,10 @@ from PIL import Image
 
 from pipeline import PrepareSpec, ResizeSpec, demo, prepare_dataset
 from pipeline.manifest import read_manifest
+from pipeline.polygons import fill_polygons
 from pipeline.prepare.sample.coco_masks import (
     check_segmentation,
     decode_rle,
-    fill_polygons,
     rasterise,
     rle_string_counts,
 )
