@@ -484,6 +484,19 @@ def test_random_damage_is_accepted_exactly_when_pillow_reads_it(
     assert all(rejected.values())
 
 
+NO_CHROMA_SCAN = [("insert", 0.013468177236857448, 66), ("truncate", 0.2259153961874819, 36), ("remove", 0.537556824225385, 101)]
+"""Damage found by the property above: a progressive file whose chroma never gets a scan, so no quantisation
+table (the DCT-scaled chroma IDCT read it through a null pointer and the process died)."""
+
+
+def test_a_progressive_file_whose_chroma_has_no_scan_is_refused_as_pillow_refuses_it() -> None:
+    data = damaged(BASES["progressive"], NO_CHROMA_SCAN)
+    spec = PrepareSpec(source="src", out="out", resize=ResizeSpec(size=40), max_pixels=MAX_PIXELS)
+    assert not pillow_reads(data)
+    with pytest.raises(transcode.TranscodeRefused, match="Corrupt JPEG data"):
+        transcode.transcode_jpeg(data, spec)
+
+
 # ---------------------------------------------------------------------------
 # strict: the first reject stops the job and nothing is published
 

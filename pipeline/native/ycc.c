@@ -154,8 +154,11 @@ static void gf_idct_any(const int32_t (*basis)[8], const UINT16 *quant, JCOEFPTR
 
 static void gf_idct_compact(j_decompress_ptr cinfo, jpeg_component_info *compptr, JCOEFPTR coef,
                             JSAMPARRAY output_buf, JDIMENSION output_col) {
+    static const UINT16 no_table[DCTSIZE2]; /* all zero */
     const struct gf_ycc_state *state = (const struct gf_ycc_state *)cinfo->client_data;
-    const UINT16 *quant = compptr->quant_table->quantval;
+    /* A damaged progressive file may leave a component without a scan, so without a quantisation table:
+     * libjpeg's own IDCT then multiplies by zeros (its dct_table stays zeroed), and so does this one. */
+    const UINT16 *quant = compptr->quant_table != NULL ? compptr->quant_table->quantval : no_table;
     JDIMENSION col = output_col / 2;
     if (state->m == 3) {
         gf_idct_m(gf_basis3, quant, coef, output_buf, col, 3);
